@@ -1,0 +1,35 @@
+# One-command set-up: every target below creates .venv first if needed.
+#   make compare   — the main job: AdamW vs Muon vs MuonClip on the built-in Shakespeare corpus
+#   make test      — the test suite (what CI runs)
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup compare test lint bench docs clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 first (the CPU wheel on local disk; an unpinned torch would pull a CUDA build),
+# then the package with every optional extra the tests exercise.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[dev,hf,lightning,tensorboard,docs]"
+	touch $(STAMP)
+
+compare: $(STAMP)
+	$(BIN)/muonclip compare
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -n 2 --durations=15
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_step.py
+
+clean:
+	rm -rf $(VENV) out build dist site

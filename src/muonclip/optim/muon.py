@@ -1,0 +1,355 @@
+"""`Muon`: the Muon optimizer for hidden matrices, with an AdamW branch, in one object.
+
+Three layers (Keller Jordan's muon.py, without its copied loops): the orthogonaliser
+(`muonclip.ortho`), the per-matrix update rules (`matrices`, `scale`, `adamw`), and this thin
+`torch.optim.Optimizer` shell that validates, keeps state and batches same-shape matrices.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..ortho import METHODS, check_method, orthogonalize
+from .adamw import adamw_update
+from .matrices import check_matrix_options, matrix_blocks
+from .nonfinite import ON_NONFINITE, NonFiniteGradError, nonfinite_indices
+from .scale import SCALES, TORCH_ADJUST_LR_FN, update_scale
+
+ALGORITHMS = ("muon", "adamw")
+_UNSET: Any = object()
+# State that stays float32 whatever the parameter dtype (torch would cast it on load).
+_FP32_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq")
+
+
+class Muon(torch.optim.Optimizer):
+    r"""Muon (MomentUm Orthogonalized by Newton–Schulz) with an AdamW branch.
+
+    For every parameter in a group with ``algorithm="muon"`` (hidden matrices), one step is::
+
+        G = grad
+        M = momentum * M + G                    # state "momentum_buffer", float32
+        V = G + momentum * M   if nesterov  else  M
+        O = orth(V)                             # per matrix; see muonclip.orthogonalize
+        W = W * (1 - lr * weight_decay)         # decoupled weight decay, base lr
+        W = W - lr * scale(A, B) * O
+
+    Groups with ``algorithm="adamw"`` (embeddings, LM head, norms, biases: see
+    `muonclip.param_groups`) get torch.optim.AdamW's update with ``betas`` and ``eps``
+    (state "exp_avg", "exp_avg_sq", "step"), all in one ``step()``.
+
+    Matrices of the same shape and orthogonalisation settings, across parameters and groups,
+    are orthogonalised as one batch. A 2-D weight is one matrix; a 3-D weight ``(E, A, B)``
+    (stacked MoE experts) is E matrices; ``flatten=True`` (set for convolutions by
+    `param_groups`, implied for ndim >= 4) views ``(out, ...)`` as ``(out, prod(rest))``;
+    ``split_sizes`` cuts the rows into blocks orthogonalised separately (fused QKV).
+
+    Before anything is updated, every gradient of the step is checked for NaN/inf (one host
+    sync). ``on_nonfinite="raise"`` (default) raises `NonFiniteGradError` naming the parameter
+    and the step; ``"skip"`` skips the whole step for every parameter and counts it in
+    ``steps_skipped``. Either way no weight and no buffer sees a non-finite value.
+
+    Args:
+        params: parameters or param groups. A group may set any option below, plus
+            ``algorithm`` ("muon" default, or "adamw") and ``param_names`` (used in errors).
+        lr: learning rate (default 1e-3). With ``update_scale="rms"`` AdamW's lr carries over.
+        momentum: Muon momentum coefficient mu in [0, 1) (default 0.95).
+        nesterov: use the Nesterov form ``G + mu M`` (default True).
+        weight_decay: decoupled weight decay, multiplied by the base lr (default 0.1).
+        update_scale: ``"rms"`` = 0.2 sqrt(max(A, B)) (default), ``"shape"`` =
+            sqrt(max(1, A/B)), ``"none"`` = 1. See `muonclip.optim.scale`.
+        method: orthogonalisation method, ``"ns5"`` (default), ``"polar_express"``, ``"svd"``
+            or any name in ``muonclip.ortho.METHODS``.
+        steps: iterations of the method (default None: the method's default, 5).
+        orth_dtype: compute dtype of the orthogonalisation (default torch.bfloat16; float32
+            for accuracy, float64 for svd).
+        split_sizes: row blocks orthogonalised separately, e.g. ``[d, d_kv, d_kv]`` for a fused
+            QKV weight (default None). Usually set per group.
+        flatten: view ``(out, ...)`` weights as ``(out, prod(rest))`` (default False; 4-D and
+            higher are always flattened).
+        betas: AdamW branch moment coefficients (default (0.9, 0.95)).
+        adamw_eps: AdamW branch epsilon (default 1e-8); inside an ``adamw`` group the key
+            ``eps`` means this.
+        on_nonfinite: ``"raise"`` (default) or ``"skip"``; see above.
+        eps: torch.optim.Muon's name: added to the Frobenius norm before Newton–Schulz
+            (default 1e-7).
+        ns_coefficients: torch.optim.Muon's name: the quintic's (a, b, c) for ``method="ns5"``
+            (default None: (3.4445, -4.7750, 2.0315)).
+        ns_steps: torch.optim.Muon's name for ``steps``.
+        adjust_lr_fn: torch.optim.Muon's name for the scale: None or ``"original"`` means
+            ``update_scale="shape"``, ``"match_rms_adamw"`` means ``"rms"``. Give either this
+            or ``update_scale``, not both.
+
+    Everything after ``lr`` is keyword-only, because torch.optim.Muon's positional order
+    differs: a positional call could silently mean other settings.
+
+    References:
+        K. Jordan et al., "Muon: An optimizer for hidden layers in neural networks" (2024).
+        J. Liu et al., "Muon is Scalable for LLM Training" (Moonlight), arXiv 2502.16982.
+        Kimi Team, "Kimi K2: Open Agentic Intelligence", arXiv 2507.20534.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        *,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.1,
+        update_scale: str | None = None,
+        method: str = "ns5",
+        steps: int | None = None,
+        orth_dtype: torch.dtype = torch.bfloat16,
+        split_sizes: Sequence[int] | None = None,
+        flatten: bool = False,
+        betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        on_nonfinite: str = "raise",
+        eps: float = 1e-7,
+        ns_coefficients: tuple[float, float, float] | None = None,
+        ns_steps: int | None = None,
+        adjust_lr_fn: str | None = _UNSET,
+    ) -> None:
+        if adjust_lr_fn is not _UNSET:
+            if update_scale is not None:
+                raise ValueError("give update_scale or torch's adjust_lr_fn, not both")
+            if adjust_lr_fn not in TORCH_ADJUST_LR_FN:
+                raise ValueError(
+                    f"adjust_lr_fn must be one of {list(TORCH_ADJUST_LR_FN)}, got {adjust_lr_fn!r}"
+                )
+            update_scale = TORCH_ADJUST_LR_FN[adjust_lr_fn]
+        if ns_steps is not None:
+            if steps is not None and steps != ns_steps:
+                raise ValueError(f"steps={steps} and ns_steps={ns_steps} disagree; give one of them")
+            steps = ns_steps
+        if on_nonfinite not in ON_NONFINITE:
+            raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
+        if adamw_eps <= 0:
+            raise ValueError(f"adamw_eps must be > 0, got {adamw_eps}")
+        defaults = dict(
+            algorithm="muon",
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            update_scale="rms" if update_scale is None else update_scale,
+            method=method,
+            steps=steps,
+            orth_dtype=orth_dtype,
+            split_sizes=None if split_sizes is None else list(split_sizes),
+            flatten=flatten,
+            betas=tuple(betas),
+            eps=eps,
+            ns_coefficients=None if ns_coefficients is None else tuple(ns_coefficients),
+        )
+        self.adamw_eps = adamw_eps
+        self.on_nonfinite = on_nonfinite
+        self.steps_taken = 0
+        self.steps_skipped = 0
+        super().__init__(params, defaults)
+
+    # ----------------------------------------------------------------------------------------
+    # validation
+    # ----------------------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group after validating it; see the class docstring for its keys."""
+        algorithm = param_group.get("algorithm", self.defaults["algorithm"])
+        if algorithm == "adamw" and "eps" not in param_group:
+            param_group["eps"] = self.adamw_eps
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            _validate_group(group)
+        except (ValueError, TypeError):
+            self.param_groups.pop()
+            raise
+
+    # ----------------------------------------------------------------------------------------
+    # the step
+    # ----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Perform one optimisation step (all groups); ``closure`` re-evaluates the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        live = [
+            (g, i, p) for g in self.param_groups for i, p in enumerate(g["params"]) if p.grad is not None
+        ]
+        for g, i, p in live:
+            if p.grad.is_sparse:
+                raise ValueError(
+                    f"{_name(self, g, i)} has a sparse gradient; Muon and its AdamW branch need dense "
+                    "gradients (build the embedding with sparse=False)"
+                )
+        bad = nonfinite_indices([p.grad for _, _, p in live])
+        if bad:
+            names = ", ".join(_name(self, live[k][0], live[k][1]) for k in bad[:5])
+            if self.on_nonfinite == "skip":
+                self.steps_skipped += 1
+                return loss
+            raise NonFiniteGradError(
+                f"non-finite gradient (NaN or inf) in {names} at step {self.steps_taken + 1}; "
+                "no parameter was updated. Check the loss and the learning rate, clip gradients, "
+                "or pass on_nonfinite='skip' to skip such steps."
+            )
+        self.steps_taken += 1
+        muon = [(g, p) for g, _, p in live if g["algorithm"] == "muon"]
+        if muon:
+            self._muon_step(muon)
+        for group in self.param_groups:
+            if group["algorithm"] == "adamw":
+                self._adamw_group(group)
+        return loss
+
+    def _muon_step(self, items: list[tuple[dict[str, Any], Tensor]]) -> None:
+        """Momentum, batched orthogonalisation and update for every Muon parameter with a grad.
+
+        Phases: (1) update momentum and form V per parameter; (2) cut every V into matrix
+        blocks and bucket blocks of the same shape and orthogonalisation settings; (3) one
+        ``orthogonalize`` call per bucket; (4) scale each block into the parameter's update
+        buffer and apply decoupled weight decay and the update.
+        """
+        buckets: dict[tuple, list[tuple[Tensor, Tensor, float]]] = defaultdict(list)
+        applies: list[tuple[dict[str, Any], Tensor, Tensor]] = []
+        for group, p in items:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            buf = state["momentum_buffer"]
+            mu = group["momentum"]
+            buf.mul_(mu).add_(p.grad)
+            V = buf.mul(mu).add_(p.grad) if group["nesterov"] else buf
+            U = torch.empty_like(buf)  # (p.shape) float32, filled block by block below
+            applies.append((group, p, U))
+            opts = dict(flatten=group["flatten"], split_sizes=group["split_sizes"])
+            for v_block, u_block in zip(matrix_blocks(V, **opts), matrix_blocks(U, **opts)):
+                E, A, B = v_block.shape
+                key = (A, B, v_block.device, group["method"], group["steps"], group["orth_dtype"],
+                       group["eps"], group["ns_coefficients"])
+                buckets[key].append((v_block, u_block, update_scale(group["update_scale"], A, B)))
+        for key, blocks in buckets.items():
+            _, _, _, method, steps, dtype, eps, coeffs = key
+            V = torch.cat([v for v, _, _ in blocks]) if len(blocks) > 1 else blocks[0][0]
+            O = orthogonalize(V, method, steps, dtype, eps=eps, coefficients=coeffs)
+            for (v, u, s), o in zip(blocks, O.split([v.shape[0] for v, _, _ in blocks])):
+                torch.mul(o, s, out=u)
+        for group, p, U in applies:
+            lr, wd = group["lr"], group["weight_decay"]
+            if wd != 0.0:
+                p.mul_(1.0 - lr * wd)
+            p.add_(U, alpha=-lr)
+
+    def _adamw_group(self, group: dict[str, Any]) -> None:
+        params, grads, avgs, sqs = [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "step" not in state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            state["step"] += 1
+            params.append(p)
+            grads.append(p.grad)
+            avgs.append(state["exp_avg"])
+            sqs.append(state["exp_avg_sq"])
+        # Parameters of one group can have different step counts (a param without a grad at
+        # some step), so update each step count as its own sub-batch.
+        by_step: dict[int, list[int]] = defaultdict(list)
+        for k, p in enumerate(params):
+            by_step[self.state[p]["step"]].append(k)
+        for step, idx in by_step.items():
+            adamw_update(
+                [params[k] for k in idx], [grads[k] for k in idx], [avgs[k] for k in idx],
+                [sqs[k] for k in idx], step, lr=group["lr"], betas=group["betas"],
+                eps=group["eps"], weight_decay=group["weight_decay"],
+            )
+
+    # ----------------------------------------------------------------------------------------
+    # state
+    # ----------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state dict plus ``"muonclip"``: step and skipped-step counters."""
+        sd = super().state_dict()
+        sd["muonclip"] = {"steps_taken": self.steps_taken, "steps_skipped": self.steps_skipped}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict; float32 buffers stay float32 even for bf16 parameters.
+
+        (torch's loader casts floating state to the parameter dtype, which would turn the
+        float32 momentum into bf16 after a resume.)
+        """
+        super().load_state_dict(state_dict)
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(ids, params):
+            saved = state_dict["state"].get(pid, {})
+            for k in _FP32_STATE:
+                if k in saved:
+                    self.state[p][k] = saved[k].detach().to(device=p.device, dtype=torch.float32).clone()
+        extra = state_dict.get("muonclip", {})
+        self.steps_taken = int(extra.get("steps_taken", 0))
+        self.steps_skipped = int(extra.get("steps_skipped", 0))
+
+
+def _name(opt: Muon, group: dict[str, Any], i: int) -> str:
+    names = group.get("param_names")
+    if names:
+        return f"parameter '{names[i]}'"
+    gi = next(k for k, g in enumerate(opt.param_groups) if g is group)
+    return f"parameter {i} of param group {gi} (shape {tuple(group['params'][i].shape)})"
+
+
+def _validate_group(group: dict[str, Any]) -> None:
+    """Raise a ValueError/TypeError naming the option or parameter that is wrong, and the fix."""
+    algorithm = group["algorithm"]
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    for key in ("lr", "weight_decay"):
+        v = group[key]
+        if isinstance(v, Tensor):
+            v = float(v)
+        if not v >= 0.0:
+            raise ValueError(f"{key} must be >= 0, got {group[key]}")
+    if not 0.0 <= group["momentum"] < 1.0:
+        raise ValueError(f"momentum must be in [0, 1), got {group['momentum']}")
+    if not group["eps"] > 0.0:
+        raise ValueError(f"eps must be > 0, got {group['eps']}")
+    b1, b2 = group["betas"]
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+        raise ValueError(f"betas must be in [0, 1), got {group['betas']}")
+    if group["update_scale"] not in SCALES:
+        raise ValueError(f"unknown update_scale {group['update_scale']!r}; choose one of {sorted(SCALES)}")
+    check_method(group["method"], group["steps"], group["orth_dtype"])
+    if group["ns_coefficients"] is not None and (
+        group["method"] != "ns5" or len(group["ns_coefficients"]) != 3
+    ):
+        raise ValueError("ns_coefficients is a triple (a, b, c) and applies to method='ns5' only")
+    names = group.get("param_names") or [None] * len(group["params"])
+    for i, (p, name) in enumerate(zip(group["params"], names)):
+        label = f"parameter '{name}'" if name else f"parameter {i} (shape {tuple(p.shape)})"
+        if p.is_complex():
+            raise TypeError(f"{label} is complex; muonclip.Muon supports real parameters only")
+        if algorithm == "muon":
+            if p.ndim < 2:
+                raise ValueError(
+                    f"{label} has shape {tuple(p.shape)}: Muon orthogonalises matrices, so 0-D/1-D "
+                    "tensors (biases, norm gains, scalars) must go in an algorithm='adamw' group; "
+                    "muonclip.param_groups(model) routes them for you"
+                )
+            check_matrix_options(p.shape, group["flatten"], group["split_sizes"])
+
+
+__all__ = ["Muon", "NonFiniteGradError", "METHODS"]

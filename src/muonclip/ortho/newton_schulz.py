@@ -1,0 +1,101 @@
+"""Newton–Schulz iterations that map a matrix to (approximately) its polar factor U V^T.
+
+Two coefficient schedules share one iteration (design.md 1.2):
+
+* ``ns5`` — Keller Jordan's quintic, one fixed (a, b, c) = (3.4445, -4.7750, 2.0315) for every
+  step. Fast, deliberately inexact: singular values land in about [0.68, 1.13].
+* ``polar_express`` — Amsel et al., "The Polar Express" (arXiv 2505.16932): a minimax-optimal
+  (a, b, c) per step; 5–6 steps bring every singular value within 0.01 of 1.
+
+Every function takes a batch ``X`` of shape ``(..., A, B)`` and returns the same shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+NS5_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+
+# Polar Express coefficients for degree-5 polynomials, as published (before the bf16 safety
+# division that `polar_express_coefficients` applies to every step but the last).
+_POLAR_EXPRESS_RAW: tuple[tuple[float, float, float], ...] = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+POLAR_EXPRESS_SAFETY = 1.01
+
+
+def polar_express_coefficients(steps: int) -> list[tuple[float, float, float]]:
+    """The (a, b, c) of each of ``steps`` Polar Express iterations.
+
+    Each published triple but the last is divided by (1.01, 1.01**3, 1.01**5), which keeps
+    bf16 round-off from pushing singular values past the polynomial's fixed point; the last
+    triple (1.875, -1.25, 0.375) is used undivided and repeated for steps beyond the table.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    s = POLAR_EXPRESS_SAFETY
+    table = [(a / s, b / s**3, c / s**5) for a, b, c in _POLAR_EXPRESS_RAW[:-1]]
+    table.append(_POLAR_EXPRESS_RAW[-1])
+    return [table[min(i, len(table) - 1)] for i in range(steps)]
+
+
+def quintic_iteration(
+    X: Tensor,  # (batch, m, n), m <= n, already normalised so that ||X||_2 <= 1
+    coefficients: Sequence[tuple[float, float, float]],
+) -> Tensor:
+    """Run ``X <- a X + (b S + c S S) X`` with ``S = X X^T`` once per (a, b, c).
+
+    Costs 4 m^2 n + 2 m^3 flops a step. ``X`` is consumed (may be overwritten).
+    """
+    for a, b, c in coefficients:
+        S = torch.bmm(X, X.mT)  # (batch, m, m)
+        P = torch.baddbmm(S, S, S, beta=b, alpha=c)  # b S + c S S
+        X = torch.baddbmm(X, P, X, beta=a)  # a X + P X
+    return X
+
+
+def newton_schulz(
+    V: Tensor,  # (..., A, B)
+    coefficients: Sequence[tuple[float, float, float]],
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    eps: float = 1e-7,
+    norm_scale: float = 1.0,
+) -> Tensor:
+    """Approximate the polar factor of each matrix in ``V`` by a quintic Newton–Schulz run.
+
+    Algorithm (per matrix): cast to ``dtype``; transpose if A > B so that the Gram matrix is
+    the small one; divide by ``||X||_F * norm_scale + eps`` (a zero matrix stays zero, never
+    NaN); run one quintic step per triple in ``coefficients``; transpose back.
+
+    Args:
+        V: matrices of shape ``(..., A, B)``; leading dimensions are a batch.
+        coefficients: one (a, b, c) per step.
+        dtype: compute dtype (default bf16).
+        eps: added to the Frobenius norm before the division (default 1e-7).
+        norm_scale: the Frobenius norm is multiplied by this first (Polar Express uses 1.01).
+
+    Returns:
+        A tensor of ``V``'s shape, in ``dtype``.
+    """
+    *batch, A, B = V.shape
+    X = V.reshape(-1, A, B).to(dtype)
+    transposed = A > B
+    if transposed:
+        X = X.mT
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
+    X = X / (norm * norm_scale + eps)
+    X = quintic_iteration(X, coefficients)
+    if transposed:
+        X = X.mT
+    return X.reshape(*batch, A, B)
