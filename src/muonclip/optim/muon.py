@@ -22,7 +22,8 @@ from .scale import SCALES, TORCH_ADJUST_LR_FN, update_scale
 
 ALGORITHMS = ("muon", "adamw")
 _UNSET: Any = object()
-# State that stays float32 whatever the parameter dtype (torch would cast it on load).
+# State kept in float32 (float64 for float64 parameters) whatever the parameter dtype; torch's
+# loader would cast it to the parameter dtype.
 _FP32_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq")
 
 
@@ -223,12 +224,12 @@ class Muon(torch.optim.Optimizer):
         for group, p in items:
             state = self.state[p]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+                state["momentum_buffer"] = _zeros_fp32(p)
             buf = state["momentum_buffer"]
             mu = group["momentum"]
             buf.mul_(mu).add_(p.grad)
             V = buf.mul(mu).add_(p.grad) if group["nesterov"] else buf
-            U = torch.empty_like(buf)  # (p.shape) float32, filled block by block below
+            U = torch.empty_like(buf)  # (p.shape) like the buffer, filled block by block below
             applies.append((group, p, U))
             opts = dict(flatten=group["flatten"], split_sizes=group["split_sizes"])
             for v_block, u_block in zip(matrix_blocks(V, **opts), matrix_blocks(U, **opts)):
@@ -240,7 +241,7 @@ class Muon(torch.optim.Optimizer):
             _, _, _, method, steps, dtype, eps, coeffs = key
             V = torch.cat([v for v, _, _ in blocks]) if len(blocks) > 1 else blocks[0][0]
             O = orthogonalize(V, method, steps, dtype, eps=eps, coefficients=coeffs)
-            for (v, u, s), o in zip(blocks, O.split([v.shape[0] for v, _, _ in blocks])):
+            for (_, u, s), o in zip(blocks, O.split([v.shape[0] for v, _, _ in blocks])):
                 torch.mul(o, s, out=u)
         for group, p, U in applies:
             lr, wd = group["lr"], group["weight_decay"]
@@ -256,8 +257,8 @@ class Muon(torch.optim.Optimizer):
             state = self.state[p]
             if "step" not in state:
                 state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+                state["exp_avg"] = _zeros_fp32(p)
+                state["exp_avg_sq"] = _zeros_fp32(p)
             state["step"] += 1
             params.append(p)
             grads.append(p.grad)
@@ -279,6 +280,11 @@ class Muon(torch.optim.Optimizer):
     # state
     # ----------------------------------------------------------------------------------------
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch keeps only defaults/state/param_groups; keep our settings and counters too
+        # (copy.deepcopy and pickle go through here).
+        return dict(self.__dict__)
+
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state dict plus ``"muonclip"``: step and skipped-step counters."""
         sd = super().state_dict()
@@ -298,10 +304,19 @@ class Muon(torch.optim.Optimizer):
             saved = state_dict["state"].get(pid, {})
             for k in _FP32_STATE:
                 if k in saved:
-                    self.state[p][k] = saved[k].detach().to(device=p.device, dtype=torch.float32).clone()
+                    self.state[p][k] = saved[k].detach().to(device=p.device, dtype=_state_dtype(p)).clone()
         extra = state_dict.get("muonclip", {})
         self.steps_taken = int(extra.get("steps_taken", 0))
         self.steps_skipped = int(extra.get("steps_skipped", 0))
+
+
+def _state_dtype(p: Tensor) -> torch.dtype:
+    """Buffers are float32, or the parameter's dtype when that is wider (float64)."""
+    return torch.promote_types(p.dtype, torch.float32)
+
+
+def _zeros_fp32(p: Tensor) -> Tensor:
+    return torch.zeros_like(p, dtype=_state_dtype(p), memory_format=torch.contiguous_format)
 
 
 def _name(opt: Muon, group: dict[str, Any], i: int) -> str:

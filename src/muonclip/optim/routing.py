@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torch import Tensor, nn
+from torch import nn
 
 HEAD_NAMES = ("lm_head", "head", "output", "unembed", "classifier", "score")
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)

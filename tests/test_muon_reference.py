@@ -1,0 +1,135 @@
+"""muonclip.Muon against torch.optim.Muon and against the slow reference in reference_muon.py."""
+
+import math
+
+import pytest
+import torch
+from reference_muon import ReferenceMuon
+
+import muonclip
+
+
+def make_params(shapes, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(*s, generator=g, dtype=dtype)) for s in shapes]
+
+
+def set_grads(params_list, seed):
+    g = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(p.shape, generator=g, dtype=torch.float64) for p in params_list[0]]
+    for params in params_list:
+        for p, gr in zip(params, grads):
+            p.grad = gr.to(p.dtype).clone()
+
+
+@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_matches_torch_optim_muon(adjust_lr_fn, nesterov):
+    shapes = [(32, 64), (96, 32), (48, 48)]
+    ours, theirs = make_params(shapes), make_params(shapes)
+    w0 = [p.detach().clone() for p in theirs]
+    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    a = muonclip.Muon(ours, **kw)
+    b = torch.optim.Muon(theirs, **kw)
+    for step in range(6):
+        set_grads([ours, theirs], step)
+        a.step()
+        b.step()
+    for p, q, w in zip(ours, theirs, w0):
+        # both compute Newton–Schulz in bf16: compare the difference to how far the weights moved
+        rel = ((p - q).norm() / (q - w).norm()).item()
+        assert rel < 0.02, rel
+
+
+def test_torch_defaults_mean_torch_scale():
+    """adjust_lr_fn=None is torch's 'original' (shape) scale, not our default 'rms'."""
+    p = make_params([(64, 16)])
+    opt = muonclip.Muon(p, lr=0.1, adjust_lr_fn=None)
+    assert opt.param_groups[0]["update_scale"] == "shape"
+    assert muonclip.Muon(make_params([(4, 4)])).param_groups[0]["update_scale"] == "rms"
+    with pytest.raises(ValueError, match="not both"):
+        muonclip.Muon(p, update_scale="rms", adjust_lr_fn="original")
+    with pytest.raises(ValueError, match="disagree"):
+        muonclip.Muon(p, steps=3, ns_steps=5)
+
+
+def test_ns_coefficients_and_steps_are_used():
+    """torch's ns_coefficients/ns_steps change the update exactly as orthogonalize would."""
+    (p,) = make_params([(16, 24)])
+    w = p.detach().clone()
+    p.grad = torch.randn_like(p)
+    coeffs = (2.0, -1.5, 0.5)
+    opt = muonclip.Muon([p], lr=0.1, weight_decay=0.0, momentum=0.0, nesterov=False, update_scale="none",
+                        ns_coefficients=coeffs, ns_steps=3, orth_dtype=torch.float32)
+    opt.step()
+    expected = w - 0.1 * muonclip.orthogonalize(p.grad, "ns5", 3, torch.float32, coefficients=coeffs)
+    torch.testing.assert_close(p.detach(), expected, atol=1e-6, rtol=0)
+
+
+CASES = [
+    dict(shapes=[(24, 40), (40, 24), (24, 40)], opts={}),
+    dict(shapes=[(24, 40)], opts=dict(nesterov=False, update_scale="shape")),
+    dict(shapes=[(16, 8, 3, 3)], opts=dict(update_scale="shape")),  # conv, flattened to (16, 72)
+    dict(shapes=[(8, 4, 5)], opts=dict(flatten=True, update_scale="shape")),  # conv1d
+    dict(shapes=[(4, 12, 20), (3, 12, 20)], opts=dict(update_scale="rms")),  # stacked experts
+    dict(shapes=[(48, 16)], opts=dict(split_sizes=[16, 8, 24], update_scale="shape")),  # fused qkv
+    dict(shapes=[(24, 40)], opts=dict(method="polar_express", steps=6)),
+    dict(shapes=[(24, 40), (12, 12)], opts=dict(method="svd", update_scale="none")),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: str(c["opts"]) + str(c["shapes"][0]))
+def test_matches_slow_reference_in_float64(case):
+    shapes, opts = case["shapes"], case["opts"]
+    ours, ref_params = make_params(shapes, torch.float64), make_params(shapes, torch.float64)
+    steps = opts.pop("steps", 5) if "steps" in opts else 5
+    a = muonclip.Muon(ours, lr=0.05, weight_decay=0.1, orth_dtype=torch.float64, steps=None if opts.get("method") == "svd" else steps, **opts)
+    ref = ReferenceMuon(ref_params, lr=0.05, weight_decay=0.1, orth_dtype=torch.float64, steps=steps, **opts)
+    opts["steps"] = steps
+    for step in range(4):
+        set_grads([ours, ref_params], step)
+        a.step()
+        ref.step()
+    for p, q in zip(ours, ref_params):
+        torch.testing.assert_close(p, q, atol=1e-10, rtol=0)
+
+
+def test_fp32_compute_matches_reference():
+    ours = make_params([(32, 48)])
+    ref_params = [torch.nn.Parameter(p.detach().double()) for p in ours]
+    a = muonclip.Muon(ours, lr=0.05, orth_dtype=torch.float32)
+    ref = ReferenceMuon(ref_params, lr=0.05)
+    for step in range(3):
+        set_grads([ours, ref_params], step)
+        a.step()
+        ref.step()
+    torch.testing.assert_close(ours[0].double(), ref_params[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("shape", [(32, 128), (128, 32), (64, 64)])
+def test_rms_scale_gives_update_rms_point_two(shape):
+    """scale 'rms' = 0.2 sqrt(max(A, B)) makes a full-rank orthogonal update's RMS exactly 0.2."""
+    (p,) = make_params([shape], torch.float64)
+    w = p.detach().clone()
+    p.grad = torch.randn_like(p)
+    muonclip.Muon([p], lr=1.0, weight_decay=0.0, method="svd", orth_dtype=torch.float64).step()
+    rms = (p - w).pow(2).mean().sqrt().item()
+    assert math.isclose(rms, 0.2, rel_tol=1e-9)
+
+
+def test_same_shape_matrices_orthogonalised_in_one_batch(monkeypatch):
+    import muonclip.optim.muon as muon_mod
+
+    calls = []
+    real = muon_mod.orthogonalize
+
+    def spy(V, *args, **kwargs):
+        calls.append(tuple(V.shape))
+        return real(V, *args, **kwargs)
+
+    monkeypatch.setattr(muon_mod, "orthogonalize", spy)
+    params = make_params([(16, 32)] * 5 + [(4, 16, 32)] + [(32, 16)])
+    for p in params:
+        p.grad = torch.randn_like(p)
+    muonclip.Muon(params).step()
+    assert sorted(calls) == sorted([(9, 16, 32), (1, 32, 16)])

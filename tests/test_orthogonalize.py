@@ -1,0 +1,133 @@
+"""orthogonalize: each method against the float64 SVD polar factor, and its known bands."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from muonclip import orthogonalize
+from muonclip.ortho import svd_polar
+
+SHAPES = [(16, 16), (32, 96), (96, 32), (3, 24, 40), (2, 2, 40, 24)]
+
+
+def well_conditioned(shape, lo=0.1, hi=1.0, seed=0):
+    """Random matrices U diag(s) V^T with singular values s uniform in [lo, hi]."""
+    g = torch.Generator().manual_seed(seed)
+    *batch, A, B = shape
+    k = min(A, B)
+    U, _ = torch.linalg.qr(torch.randn(*batch, A, k, generator=g, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(*batch, B, k, generator=g, dtype=torch.float64))
+    s = lo + (hi - lo) * torch.rand(*batch, k, generator=g, dtype=torch.float64)
+    return (U * s.unsqueeze(-2)) @ V.mT
+
+
+def sigma(X):
+    return torch.linalg.svdvals(X.double())
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_svd_equals_u_vt_of_float64_svd(shape):
+    V = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    U, _, Vh = torch.linalg.svd(V, full_matrices=False)
+    torch.testing.assert_close(orthogonalize(V, "svd"), U @ Vh, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_polar_express_six_steps_within_one_percent(shape):
+    V = well_conditioned(shape).float()
+    O = orthogonalize(V, "polar_express", steps=6, dtype=torch.float32)
+    assert (sigma(O) - 1).abs().max() < 0.01
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_ns5_singular_values_in_known_band(shape):
+    V = well_conditioned(shape, lo=0.02).float()
+    s = sigma(orthogonalize(V, "ns5", dtype=torch.float32))
+    # the quintic's designed plateau: about [0.68, 1.13], never converging to 1
+    assert s.min() > 0.6 and s.max() < 1.2
+    assert (s - 1).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("method", ["ns5", "polar_express"])
+def test_default_bf16_close_to_fp32(method):
+    V = well_conditioned((64, 128)).float()
+    lo = orthogonalize(V, method)  # bf16 compute
+    hi = orthogonalize(V, method, dtype=torch.float32)
+    assert lo.dtype == V.dtype
+    assert (lo - hi).norm() / hi.norm() < 0.03
+
+
+@pytest.mark.parametrize("method", ["ns5", "polar_express", "svd"])
+def test_batched_equals_looped(method):
+    V = torch.randn(5, 24, 40, generator=torch.Generator().manual_seed(2))
+    dtype = torch.float64 if method == "svd" else torch.float32
+    batched = orthogonalize(V, method, dtype=dtype)
+    looped = torch.stack([orthogonalize(v, method, dtype=dtype) for v in V])
+    torch.testing.assert_close(batched, looped, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["ns5", "polar_express", "svd"])
+def test_tall_is_transpose_of_wide(method):
+    V = torch.randn(24, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    dtype = torch.float64
+    torch.testing.assert_close(orthogonalize(V.T, method, dtype=dtype), orthogonalize(V, method, dtype=dtype).T)
+
+
+@pytest.mark.parametrize("method", ["ns5", "polar_express", "svd"])
+def test_zero_matrix_gives_zeros(method):
+    Z = torch.zeros(3, 8, 5)
+    out = orthogonalize(Z, method)
+    assert torch.equal(out, torch.zeros_like(Z))
+
+
+def test_rank_deficient_svd_zero_on_null_space():
+    u = torch.randn(6, 1, dtype=torch.float64)
+    v = torch.randn(1, 4, dtype=torch.float64)
+    O = orthogonalize(u @ v, "svd")
+    torch.testing.assert_close(O, (u / u.norm()) @ (v / v.norm()))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    A=st.integers(1, 12),
+    B=st.integers(1, 12),
+    log_scale=st.floats(-30, 30),
+    method=st.sampled_from(["ns5", "polar_express", "svd"]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_finite_input_never_gives_nan(A, B, log_scale, method, dtype):
+    V = (torch.randn(A, B) * 10.0**log_scale).to(dtype)
+    out = orthogonalize(V, method)
+    assert out.shape == V.shape and out.dtype == V.dtype
+    assert torch.isfinite(out).all()
+    # orthogonalisation is scale-free: the spectral norm is about 1 (or 0 for a vanishing input)
+    assert sigma(out).max() < 1.25
+
+
+def test_svd_polar_is_unitary_on_full_rank():
+    V = torch.randn(10, 7, dtype=torch.float64)
+    O = svd_polar(V)
+    torch.testing.assert_close(O.T @ O, torch.eye(7, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        (dict(method="newton"), ValueError),
+        (dict(method="svd", dtype=torch.bfloat16), ValueError),
+        (dict(steps=0), ValueError),
+        (dict(steps=2.5), ValueError),
+        (dict(method="polar_express", coefficients=(1.0, 2.0, 3.0)), ValueError),
+    ],
+)
+def test_bad_arguments(kwargs, error):
+    with pytest.raises(error):
+        orthogonalize(torch.randn(4, 4), **kwargs)
+
+
+def test_vector_and_complex_rejected():
+    with pytest.raises(ValueError, match="matrix"):
+        orthogonalize(torch.randn(4))
+    with pytest.raises(TypeError, match="complex"):
+        orthogonalize(torch.randn(4, 4, dtype=torch.complex64))

@@ -1,0 +1,108 @@
+"""param_groups: routing exactly as design.md 1.1 says, every parameter exactly once."""
+
+import pytest
+import torch
+from torch import nn
+from toy_models import Mixed, TinyLM
+
+import muonclip
+
+
+def routed(groups):
+    return {name: (g["algorithm"], g) for g in groups for name in g["param_names"]}
+
+
+def check_exactly_once(model, groups):
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert len(ids) == len(set(ids))
+    assert set(ids) == {id(p) for p in model.parameters()}
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_small_gpt_routing(tie):
+    model = TinyLM(tie=tie, bias=True)
+    groups = muonclip.param_groups(model)
+    check_exactly_once(model, groups)
+    r = routed(groups)
+    muon = {n for n, (a, _) in r.items() if a == "muon"}
+    expected_muon = {f"blocks.{i}.{m}.weight" for i in range(2) for m in ("q", "k", "v", "o", "fc", "proj")}
+    assert muon == expected_muon
+    assert r["wte.weight"][0] == "adamw"
+    if tie:
+        assert "lm_head.weight" not in r  # one parameter, routed once, as the embedding
+        assert model.lm_head.weight is model.wte.weight
+    else:
+        assert r["lm_head.weight"][0] == "adamw"
+    for name, (algo, g) in r.items():
+        if name.endswith("bias") or ".ln_" in name or name.startswith("ln_f"):
+            assert algo == "adamw" and g["weight_decay"] == 0.0
+    report = groups.report()
+    for name in r:
+        assert name in report
+
+
+def test_head_found_by_size_and_position_without_name():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(50, 8)
+            self.hidden = nn.Linear(8, 8)
+            self.unnamed = nn.Linear(8, 50)
+
+    r = routed(muonclip.param_groups(M()))
+    assert r["hidden.weight"][0] == "muon"
+    assert r["unnamed.weight"][0] == "adamw"
+
+
+def test_hf_style_get_output_embeddings():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(8, 8)
+            self.proj_out = nn.Linear(8, 8)
+            self.last = nn.Linear(8, 8)
+
+        def get_output_embeddings(self):
+            return self.proj_out
+
+    r = routed(muonclip.param_groups(M()))
+    assert r["proj_out.weight"][0] == "adamw"
+    assert r["body.weight"][0] == "muon" and r["last.weight"][0] == "muon"
+
+
+def test_conv_experts_scalars_and_overrides():
+    model = Mixed()
+    groups = muonclip.param_groups(model, adamw=["lin.*"], split={"experts": [2, 4]})
+    check_exactly_once(model, groups)
+    r = routed(groups)
+    assert r["conv.weight"][0] == "muon" and r["conv.weight"][1]["flatten"] is True
+    assert r["experts"][0] == "muon" and r["experts"][1]["split_sizes"] == [2, 4]
+    assert r["lin.weight"][0] == "adamw"  # override
+    for name in ("emb.weight", "head.weight", "gate", "norm.weight", "conv.bias", "head.bias"):
+        assert r[name][0] == "adamw", name
+    reasons = {rt.name: rt.reason for rt in groups.routes}
+    assert reasons["conv.weight"] == "conv" and reasons["experts"] == "experts" and reasons["gate"] == "vector"
+
+
+def test_muon_override_of_a_vector_is_an_error():
+    with pytest.raises(ValueError, match="norm.weight"):
+        muonclip.param_groups(Mixed(), muon=["norm.weight"])
+
+
+def test_frozen_parameters_are_left_out():
+    model = TinyLM()
+    model.blocks[0].q.weight.requires_grad_(False)
+    names = {n for g in muonclip.param_groups(model) for n in g["param_names"]}
+    assert "blocks.0.q.weight" not in names
+
+
+def test_groups_feed_muon_and_options_apply():
+    model = TinyLM(tie=False)
+    groups = muonclip.param_groups(model, lr=0.02, adamw_lr=3e-3, weight_decay=0.0)
+    opt = muonclip.Muon(groups, lr=1.0)
+    for g in opt.param_groups:
+        assert g["lr"] == (0.02 if g["algorithm"] == "muon" else 3e-3)
+    loss = model(torch.randint(0, 32, (2, 5))).logsumexp(-1).mean()
+    loss.backward()
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
