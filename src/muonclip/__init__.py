@@ -7,9 +7,14 @@ Public API (design.md section 2):
 * `param_groups` — routes a model's parameters to Muon or AdamW.
 """
 
+from .attention import scaled_dot_product_attention
 from .optim import Muon, NonFiniteGradError, ParamGroups, param_groups
 from .ortho import orthogonalize
+from .qkclip import MuonClip
 
 __version__ = "0.1.0"
 
-__all__ = ["Muon", "NonFiniteGradError", "ParamGroups", "orthogonalize", "param_groups", "__version__"]
+__all__ = [
+    "Muon", "MuonClip", "NonFiniteGradError", "ParamGroups", "orthogonalize", "param_groups",
+    "scaled_dot_product_attention", "__version__",
+]

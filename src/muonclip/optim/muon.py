@@ -14,11 +14,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..distributed.step import StepStats, muon_step
 from ..ortho import METHODS, check_method, orthogonalize
 from .adamw import adamw_update
-from .matrices import check_matrix_options, matrix_blocks
+from .matrices import check_matrix_options
 from .nonfinite import ON_NONFINITE, NonFiniteGradError, nonfinite_indices
-from .scale import SCALES, TORCH_ADJUST_LR_FN, update_scale
+from .scale import SCALES, TORCH_ADJUST_LR_FN
 
 ALGORITHMS = ("muon", "adamw")
 _UNSET: Any = object()
@@ -76,6 +77,15 @@ class Muon(torch.optim.Optimizer):
         adamw_eps: AdamW branch epsilon (default 1e-8); inside an ``adamw`` group the key
             ``eps`` means this.
         on_nonfinite: ``"raise"`` (default) or ``"skip"``; see above.
+        process_group: the group the Muon matrices are shared over (design.md 1.4). None
+            (default) is automatic: the device mesh of DTensor parameters (FSDP2
+            ``fully_shard``, ``Shard(0)``), else the default group when torch.distributed is
+            initialised with > 1 rank (DDP: parameters replicated), else none (one process).
+            Each matrix is orthogonalised once in the group, whole, on an owner rank chosen
+            by flops, and the result exchanged. ``"local"`` turns communication off.
+        comm_dtype: wire dtype of those exchanges (default None: the momentum dtype,
+            float32). ``torch.bfloat16`` halves the bytes; with ``orth_dtype=torch.bfloat16``
+            it is lossless for the built-in methods.
         eps: torch.optim.Muon's name: added to the Frobenius norm before Newton–Schulz
             (default 1e-7).
         ns_coefficients: torch.optim.Muon's name: the quintic's (a, b, c) for ``method="ns5"``
@@ -111,6 +121,8 @@ class Muon(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
         on_nonfinite: str = "raise",
+        process_group: Any = None,
+        comm_dtype: torch.dtype | None = None,
         eps: float = 1e-7,
         ns_coefficients: tuple[float, float, float] | None = None,
         ns_steps: int | None = None,
@@ -150,6 +162,9 @@ class Muon(torch.optim.Optimizer):
         )
         self.adamw_eps = adamw_eps
         self.on_nonfinite = on_nonfinite
+        self.process_group = process_group
+        self.comm_dtype = comm_dtype
+        self.last_step_stats = StepStats()
         self.steps_taken = 0
         self.steps_skipped = 0
         super().__init__(params, defaults)
@@ -204,50 +219,29 @@ class Muon(torch.optim.Optimizer):
             )
         self.steps_taken += 1
         muon = [(g, p) for g, _, p in live if g["algorithm"] == "muon"]
-        if muon:
-            self._muon_step(muon)
+        self._muon_step(muon)  # on every rank, even one without grads: it runs collectives
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
                 self._adamw_group(group)
         return loss
 
     def _muon_step(self, items: list[tuple[dict[str, Any], Tensor]]) -> None:
-        """Momentum, batched orthogonalisation and update for every Muon parameter with a grad.
+        """Momentum, orthogonalisation and update of every Muon parameter with a grad.
 
-        Phases: (1) update momentum and form V per parameter; (2) cut every V into matrix
-        blocks and bucket blocks of the same shape and orthogonalisation settings; (3) one
-        ``orthogonalize`` call per bucket; (4) scale each block into the parameter's update
-        buffer and apply decoupled weight decay and the update.
+        One code path for one process, DDP and FSDP2: `muonclip.distributed.step.muon_step`
+        (phases: agree across ranks, momentum on local rows, plan owners by flops, gather
+        whole V to owners, one ``orthogonalize`` per bucket of same-shape blocks, exchange
+        results, scale and apply). ``items`` is unused beyond documentation: every Muon
+        parameter takes part so that all ranks enter the same collectives.
         """
-        buckets: dict[tuple, list[tuple[Tensor, Tensor, float]]] = defaultdict(list)
-        applies: list[tuple[dict[str, Any], Tensor, Tensor]] = []
-        for group, p in items:
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = _zeros_fp32(p)
-            buf = state["momentum_buffer"]
-            mu = group["momentum"]
-            buf.mul_(mu).add_(p.grad)
-            V = buf.mul(mu).add_(p.grad) if group["nesterov"] else buf
-            U = torch.empty_like(buf)  # (p.shape) like the buffer, filled block by block below
-            applies.append((group, p, U))
-            opts = dict(flatten=group["flatten"], split_sizes=group["split_sizes"])
-            for v_block, u_block in zip(matrix_blocks(V, **opts), matrix_blocks(U, **opts)):
-                E, A, B = v_block.shape
-                key = (A, B, v_block.device, group["method"], group["steps"], group["orth_dtype"],
-                       group["eps"], group["ns_coefficients"])
-                buckets[key].append((v_block, u_block, update_scale(group["update_scale"], A, B)))
-        for key, blocks in buckets.items():
-            _, _, _, method, steps, dtype, eps, coeffs = key
-            V = torch.cat([v for v, _, _ in blocks]) if len(blocks) > 1 else blocks[0][0]
-            O = orthogonalize(V, method, steps, dtype, eps=eps, coefficients=coeffs)
-            for (_, u, s), o in zip(blocks, O.split([v.shape[0] for v, _, _ in blocks])):
-                torch.mul(o, s, out=u)
-        for group, p, U in applies:
-            lr, wd = group["lr"], group["weight_decay"]
-            if wd != 0.0:
-                p.mul_(1.0 - lr * wd)
-            p.add_(U, alpha=-lr)
+        params = [
+            (g, p, _name(self, g, i))
+            for g in self.param_groups if g["algorithm"] == "muon"
+            for i, p in enumerate(g["params"])
+        ]
+        self.last_step_stats = muon_step(
+            params, self.state, _zeros_fp32, self.process_group, self.comm_dtype, orthogonalize=orthogonalize
+        )
 
     def _adamw_group(self, group: dict[str, Any]) -> None:
         params, grads, avgs, sqs = [], [], [], []

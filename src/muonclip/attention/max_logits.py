@@ -1,0 +1,206 @@
+"""Exact per-head max logits of an attention call, without materialising the full score matrix.
+
+For query head h the max logit of one call is::
+
+    S_h = max over batch b, query i, key j with (i, j) allowed of  scale * q[b, h, i] . k[b, g(h), j]
+
+signed (not absolute), where ``g(h) = h // (Hq // Hkv)`` is the key head of query head h
+(``enable_gqa``, as ``repeat_interleave``), and "allowed" means: ``j <= i`` when ``is_causal``
+(torch's top-left causal mask), ``attn_mask[b, h, i, j]`` is True for a boolean mask, and
+``attn_mask[b, h, i, j] > finfo.min`` for an additive float mask (``-inf`` and the
+``finfo(dtype).min`` that Hugging Face uses both mean "masked"). The finite values of an
+additive mask are a bias, not part of ``q.k``: QK-Clip cannot scale them, so they are not
+included in the max. Fully masked rows contribute ``-inf``.
+
+Two ways to get it:
+
+* `chunked_max_logits` (any device; the reference): the scores in chunks of query rows, each
+  chunk ``(B, Hq, chunk, Tk)`` float32 of at most ``DEFAULT_CHUNK_ELEMENTS`` elements
+  (64 MiB), masked and reduced at once. With ``is_causal`` each chunk only reads the keys it
+  can see. Costs about the ``Q K^T`` matmul of attention again.
+* `flex_attention_with_max` (CUDA only, opt-in): PyTorch FlexAttention computes the output
+  and, with ``return_aux=AuxRequest(max_scores=True)``, each query row's max score in the same
+  fused kernel. Not supported on CPU in torch 2.13; UNTESTED on GPU in this project so far.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+DEFAULT_CHUNK_ELEMENTS = 1 << 24  # 16M float32 scores (64 MiB) per chunk
+
+
+def check_shapes(query: Tensor, key: Tensor, enable_gqa: bool) -> tuple[int, int]:
+    """Validate ``query (B, Hq, Tq, D)`` / ``key (B, Hkv, Tk, D)``; return ``(Hq, Hkv)``."""
+    if query.ndim != 4 or key.ndim != 4:
+        raise ValueError(
+            f"recording max logits needs 4-D query (B, Hq, Tq, D) and key (B, Hkv, Tk, D), got "
+            f"{tuple(query.shape)} and {tuple(key.shape)}"
+        )
+    hq, hkv = query.shape[1], key.shape[1]
+    if hq != hkv and not (enable_gqa and hq % hkv == 0):
+        raise ValueError(
+            f"query has {hq} heads and key {hkv}; pass enable_gqa=True with Hq a multiple of Hkv for GQA/MQA"
+        )
+    return hq, hkv
+
+
+def allowed_pairs(mask: Tensor) -> Tensor:
+    """Boolean "pair allowed" of an SDPA mask: the mask itself if bool, else ``mask > finfo.min``."""
+    if mask.dtype == torch.bool:
+        return mask
+    return mask > torch.finfo(mask.dtype).min
+
+
+@torch.no_grad()
+def chunked_max_logits(
+    query: Tensor,
+    key: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """Per-query-head max logit of one attention call (see module doc), chunked over queries.
+
+    Args:
+        query: ``(B, Hq, Tq, D)``.
+        key: ``(B, Hkv, Tk, D)``; ``Hkv == Hq``, or ``Hq % Hkv == 0`` with ``enable_gqa``.
+        attn_mask: None (default), or a bool / additive float mask broadcastable to
+            ``(B, Hq, Tq, Tk)``, as for ``F.scaled_dot_product_attention``.
+        is_causal: top-left causal mask, ``j <= i`` (default False).
+        scale: softmax scale (default None: ``1 / sqrt(D)``).
+        enable_gqa: query head h uses key head ``h // (Hq // Hkv)`` (default False).
+        chunk_size: query rows per chunk (default None: as many as fit in
+            ``DEFAULT_CHUNK_ELEMENTS`` scores).
+
+    Returns:
+        ``(Hq,)`` float32: the max over batch, queries and allowed keys; ``-inf`` for a head
+        with no allowed pair.
+    """
+    hq, hkv = check_shapes(query, key, enable_gqa)
+    B, _, Tq, D = query.shape
+    Tk = key.shape[2]
+    G = hq // hkv
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    cdtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    k = key.detach().to(cdtype).unsqueeze(2).transpose(-1, -2)  # (B, Hkv, 1, D, Tk)
+    allowed = None
+    if attn_mask is not None:
+        try:
+            allowed = attn_mask.expand(B, hq, Tq, Tk).view(B, hkv, G, Tq, Tk)  # a view: no copy
+        except RuntimeError:
+            raise ValueError(
+                f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {(B, hq, Tq, Tk)}"
+            ) from None
+    if chunk_size is None:
+        chunk_size = max(1, DEFAULT_CHUNK_ELEMENTS // max(1, B * hq * Tk))
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    out = torch.full((hq,), -math.inf, dtype=torch.float32, device=query.device)
+    for i0 in range(0, Tq, chunk_size):
+        i1 = min(Tq, i0 + chunk_size)
+        # causal: rows i0..i1-1 only see keys 0..i1-1
+        n_keys = min(Tk, i1) if is_causal else Tk
+        if n_keys == 0:
+            continue
+        qc = query[:, :, i0:i1].detach().to(cdtype).mul(scale).view(B, hkv, G, i1 - i0, D)
+        s = torch.matmul(qc, k[..., :n_keys])  # (B, Hkv, G, c, n_keys)
+        if is_causal:
+            rows = torch.arange(i0, i1, device=s.device)[:, None]
+            cols = torch.arange(n_keys, device=s.device)[None, :]
+            s.masked_fill_(cols > rows, -math.inf)
+        if allowed is not None:
+            s.masked_fill_(~allowed_pairs(allowed[..., i0:i1, :n_keys]), -math.inf)
+        out = torch.maximum(out, s.amax(dim=(0, 3, 4)).reshape(hq).to(torch.float32))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# FlexAttention (CUDA)
+# ----------------------------------------------------------------------------------------------
+
+
+def flex_available(query: Tensor) -> bool:
+    """True when FlexAttention with ``AuxRequest(max_scores=True)`` exists and ``query`` is on CUDA."""
+    if not query.is_cuda:
+        return False
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest, flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@lru_cache(maxsize=1)
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@lru_cache(maxsize=32)
+def _causal_block_mask(Tq: int, Tk: int, device: str):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    return create_block_mask(causal, None, None, Tq, Tk, device=device)
+
+
+def flex_attention_with_max(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """FlexAttention output ``(B, Hq, Tq, Dv)`` and per-head max logit ``(Hq,)`` in one kernel (CUDA).
+
+    Only ``attn_mask=None`` or a boolean mask (an additive float mask's bias would enter
+    FlexAttention's ``max_scores``, so the caller uses `chunked_max_logits` for those), no
+    dropout. Fully masked rows give output 0 (SDPA gives NaN) and max ``-inf``. UNTESTED on GPU.
+    """
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
+
+    B, hq, Tq, _ = query.shape
+    Tk = key.shape[2]
+    if attn_mask is not None:
+        if attn_mask.dtype != torch.bool:
+            raise ValueError("flex_attention_with_max takes a boolean attn_mask only")
+        mask = attn_mask.expand(B, hq, Tq, Tk)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            keep = mask[b, h, q_idx, kv_idx]
+            return keep & (q_idx >= kv_idx) if is_causal else keep
+
+        block_mask = create_block_mask(mask_mod, B, hq, Tq, Tk, device=str(query.device))
+    elif is_causal:
+        block_mask = _causal_block_mask(Tq, Tk, str(query.device))
+    else:
+        block_mask = None
+    out, aux = _compiled_flex()(
+        query, key, value, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+        return_aux=AuxRequest(max_scores=True),
+    )
+    per_head = aux.max_scores.detach().float().amax(dim=(0, 2))  # (B, Hq, Tq) -> (Hq,)
+    return out, per_head
+
+
+__all__ = [
+    "DEFAULT_CHUNK_ELEMENTS",
+    "allowed_pairs",
+    "check_shapes",
+    "chunked_max_logits",
+    "flex_attention_with_max",
+    "flex_available",
+]

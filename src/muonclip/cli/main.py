@@ -1,0 +1,144 @@
+"""The ``muonclip`` command: ``muonclip compare`` and ``muonclip train``.
+
+Exit codes: 0 done; 2 bad input (data, config, output folder, checkpoint) — nothing written;
+3 non-finite loss — training stopped, last good checkpoint kept; 130 Ctrl-C — checkpoint
+of the last finished step written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..data import DataError
+from .checkpoint import CheckpointError, load_checkpoint
+from .config import OPTIMIZERS, PRESETS, RunConfig, apply_overrides, make_config
+from .train import CHECKPOINT, Interrupted, NonFiniteLossError, OutputError
+
+EXIT_INPUT, EXIT_NONFINITE, EXIT_INTERRUPTED = 2, 3, 130
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="starting configuration (default: default); see muonclip.cli.config")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config field, e.g. --set n_layer=2 --set lr_muon=0.02 (repeatable)")
+    p.add_argument("--steps", type=int, help="optimizer steps")
+    p.add_argument("--data", help="a text file or a folder of .txt/.md files (default: built-in Shakespeare plays)")
+    p.add_argument("--seed", type=int, help="model init and batch order seed")
+    p.add_argument("--tau", type=float, help="QK-Clip threshold on the max logit")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: all cores)")
+    p.add_argument("--out", help="output folder of the run")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="muonclip",
+        description="Train a small GPT on real text with AdamW, Muon or MuonClip (Muon + QK-Clip).",
+        epilog="Exit codes: 0 done, 2 bad input, 3 non-finite loss, 130 interrupted (checkpoint saved).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("compare", help="AdamW vs Muon vs MuonClip on the same model and data; writes a report",
+                       description="Train the same GPT with the same data order and seed with each optimizer "
+                                   "and write plots and summary.md to --out (default out/compare-<preset>-<time>).")
+    _common(c)
+    c.add_argument("--optimizers", default=",".join(OPTIMIZERS),
+                   help="comma-separated subset to run (default: adamw,muon,muonclip)")
+    c.add_argument("--sweep", nargs="?", const="0.5,1,2", default=None, metavar="FACTORS",
+                   help="also try these multiples of each optimizer's lr (default when given: 0.5,1,2) "
+                        "and report the best of each")
+    t = sub.add_parser("train", help="train with one optimizer, with checkpoints and --resume",
+                       description="Train the GPT with one optimizer. Writes metrics.jsonl/.csv and checkpoint.pt "
+                                   "to --out (default out/train-<optimizer>-<time>).")
+    _common(t)
+    t.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="default: muonclip (on resume: the run's)")
+    t.add_argument("--lr", type=float, help="peak learning rate of the chosen optimizer")
+    t.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its checkpoint (its config, with any overrides given)")
+    return parser
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {"steps": args.steps, "data": args.data, "seed": args.seed, "tau": args.tau, "threads": args.threads}
+
+
+def _stamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from .train import train_run
+
+    if args.resume:
+        if args.out is None:
+            raise OutputError("--resume needs --out, the folder of the run to continue")
+        if args.preset is not None:
+            raise ValueError("--preset cannot be used with --resume: the run's config comes from its checkpoint")
+        data = load_checkpoint(Path(args.out) / CHECKPOINT)
+        optimizer = args.optimizer or data["optimizer"]
+        try:
+            base = RunConfig.from_dict(data["config"])
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{Path(args.out) / CHECKPOINT} holds an unreadable config ({e})") from None
+        over = _overrides(args)
+        if args.lr is not None:
+            over[f"lr_{optimizer}"] = args.lr
+        cfg = apply_overrides(base, over, args.sets)
+        out = Path(args.out)
+    else:
+        optimizer = args.optimizer or "muonclip"
+        over = _overrides(args)
+        if args.lr is not None:
+            over[f"lr_{optimizer}"] = args.lr
+        cfg = make_config(args.preset or "default", over, args.sets)
+        out = Path(args.out) if args.out else Path("out") / f"train-{optimizer}-{_stamp()}"
+    result = train_run(cfg, optimizer, out, resume=args.resume, progress=not args.quiet)
+    print(f"{optimizer}: {result.steps} steps, final validation loss {result.final_val_loss:.4f}, "
+          f"{result.wall_time:.0f}s; run folder {out}")
+    return 0
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from .compare import compare
+
+    cfg = make_config(args.preset or "default", _overrides(args), args.sets)
+    optimizers = [o.strip() for o in args.optimizers.split(",") if o.strip()]
+    sweep = None
+    if args.sweep is not None:
+        try:
+            sweep = [float(f) for f in args.sweep.split(",")]
+        except ValueError:
+            raise ValueError(f"--sweep expects comma-separated numbers like 0.5,1,2, got {args.sweep!r}") from None
+    out = Path(args.out) if args.out else Path("out") / f"compare-{cfg.preset}-{_stamp()}"
+    _, table = compare(cfg, out, optimizers=optimizers, sweep=sweep, progress=not args.quiet)
+    print(table)
+    print(f"\nreport: {out}/summary.md and {out}/val_loss.png, max_logit.png, clip_events.png")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``muonclip`` console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        return _run_train(args) if args.command == "train" else _run_compare(args)
+    except (DataError, OutputError, CheckpointError, ValueError) as e:
+        print(f"muonclip: error: {e}", file=sys.stderr)
+        return EXIT_INPUT
+    except NonFiniteLossError as e:
+        print(f"\nmuonclip: error: {e}", file=sys.stderr)
+        return EXIT_NONFINITE
+    except Interrupted as e:
+        print(f"\nmuonclip: {e}; continue with: muonclip train --out {e.checkpoint.parent} --resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:
+        print("\nmuonclip: aborted; the last checkpoint (if any) is intact", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,317 @@
+"""`muonclip train`: one run of the reference GPT with AdamW, Muon or MuonClip.
+
+A run lives in one folder (``run_dir``)::
+
+    config.json      the RunConfig and the optimizer
+    metrics.jsonl    one row per step (see muonclip.cli.metrics)
+    metrics.csv      the same rows as CSV
+    checkpoint.pt    the latest checkpoint (see muonclip.cli.checkpoint)
+
+Step s (0-based) of every run: the batch ``train_batch(corpus, s, seed)``, learning rate
+``peak * lr_factor(s)`` (linear warm-up, cosine decay to ``peak * min_lr_ratio``), forward,
+backward, optimizer step (MuonClip's includes QK-Clip), then bookkeeping: per-layer max
+logits (MuonClip's ``last_max_logits``; for AdamW/Muon the model's recorders, read and reset),
+update RMS over the hidden matrices, validation every ``eval_every`` steps and at the end,
+a checkpoint every ``checkpoint_every`` steps and at the end.
+
+Resume is bit-identical: batches depend only on (seed, step), the learning rate only on
+the step, and the checkpoint holds model, optimizer and RNG state.
+
+Stops:
+* Ctrl-C (SIGINT): the current step finishes, a checkpoint is written, `Interrupted` is raised
+  (the CLI exits with 130). A second Ctrl-C aborts at once; the last checkpoint stays valid.
+* A non-finite loss (or gradient): nothing is written for that step, the last good checkpoint
+  is kept, `NonFiniteLossError` names the step (the CLI exits with 3).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..data import Corpus, check_fits, load_corpus, train_batch, val_batches
+from ..optim import NonFiniteGradError, param_groups
+from .checkpoint import check_compatible, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .config import RunConfig, check_optimizer
+from .metrics import MetricsWriter
+from .progress import Progress
+
+CHECKPOINT = "checkpoint.pt"
+CONFIG = "config.json"
+
+
+class OutputError(RuntimeError):
+    """The output folder cannot be used (unwritable, or holds another run)."""
+
+
+class NonFiniteLossError(FloatingPointError):
+    """Training produced a NaN/inf loss or gradient at ``step`` (1-based); the last good checkpoint is kept."""
+
+    def __init__(self, step: int, detail: str, checkpoint: Path | None) -> None:
+        self.step, self.checkpoint = step, checkpoint
+        kept = f"the last good checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written yet"
+        super().__init__(f"non-finite {detail} at step {step}; training stopped, {kept}. "
+                         "Lower the learning rate or resume from the checkpoint with other settings.")
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C: a checkpoint of the last finished step was written (``step``, ``checkpoint``)."""
+
+    def __init__(self, step: int, checkpoint: Path) -> None:
+        self.step, self.checkpoint = step, checkpoint
+        super().__init__(f"interrupted after step {step}; checkpoint saved to {checkpoint}")
+
+
+@dataclass
+class RunResult:
+    """What a finished run reports (the full history is in ``run_dir/metrics.jsonl``)."""
+
+    optimizer: str
+    run_dir: Path
+    steps: int
+    final_val_loss: float
+    wall_time: float
+
+
+def build_model(cfg: RunConfig) -> nn.Module:
+    """The reference GPT of ``cfg``, initialised from ``torch.manual_seed(cfg.seed)``."""
+    from ..models import GPT, GPTConfig
+
+    torch.manual_seed(cfg.seed)
+    return GPT(GPTConfig(vocab_size=256, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                         n_kv_head=cfg.n_kv_head, n_embd=cfg.n_embd, attention=cfg.attention, qk_norm=cfg.qk_norm))
+
+
+def build_optimizer(name: str, model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+    """The optimizer of a run.
+
+    * ``adamw``: ``torch.optim.AdamW(lr=lr_adamw, betas=(0.9, 0.95))``, weight decay on
+      tensors with ndim >= 2 only.
+    * ``muon``: ``muonclip.Muon`` over `muonclip.param_groups` — hidden matrices at
+      ``lr_muon``, embeddings/head/norms by its AdamW branch at ``lr_adamw``.
+    * ``muonclip``: ``muonclip.MuonClip``, the same plus QK-Clip at ``tau``, at ``lr_muonclip``.
+    """
+    check_optimizer(name)
+    if name == "adamw":
+        decay = [p for p in model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in model.parameters() if p.ndim < 2]
+        return torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr_adamw, betas=(0.9, 0.95),
+        )
+    groups = param_groups(model, adamw_lr=cfg.lr_adamw)
+    if name == "muon":
+        from ..optim import Muon
+
+        return Muon(groups, lr=cfg.lr_muon, weight_decay=cfg.weight_decay)
+    from .. import MuonClip
+
+    return MuonClip(model, lr=cfg.lr_muonclip, tau=cfg.tau, groups=groups, weight_decay=cfg.weight_decay)
+
+
+def lr_factor(step: int, cfg: RunConfig) -> float:
+    """Multiplier of the peak lr at 0-based ``step``: linear warm-up over ``warmup_steps``, then
+    cosine from 1 down to ``min_lr_ratio`` at the last step."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps - 1)
+    t = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+def forward_loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    """Mean cross-entropy of ``model`` on ``x (B, T)`` against ``y (B, T)``."""
+    return model(x, y)[1]
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[tuple[Tensor, Tensor]]) -> float:
+    """Mean validation loss over the fixed ``batches`` (eval mode; the recorders are not fed)."""
+    was_training = model.training
+    model.eval()
+    total = sum(float(forward_loss(model, x, y)) for x, y in batches) / len(batches)
+    model.train(was_training)
+    return total
+
+
+def read_max_logits(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list[float], list[int]]:
+    """Per-layer max logit of the step and per-layer count of clipped heads (0 without QK-Clip)."""
+    names = [f"blocks.{i}.attn" for i in range(len(model.attention_modules()))]
+    clipped_map = {}
+    if hasattr(optimizer, "last_max_logits"):
+        logits_map = dict(optimizer.last_max_logits or {})
+        clipped_map = dict(getattr(optimizer, "last_clipped", None) or {})
+        model.pop_max_logits()  # nothing should be left; keep the recorders clean regardless
+    else:
+        logits_map = model.pop_max_logits()
+    keys = names if all(k in logits_map for k in names) else list(logits_map)
+    maxes = [float(logits_map[k].max()) for k in keys]
+    clipped = [int(clipped_map[k].sum()) if k in clipped_map else 0 for k in keys]
+    return maxes, clipped
+
+
+def check_out_dir(run_dir: Path, *, resume: bool) -> None:
+    """Raise `OutputError` unless ``run_dir`` can be written (fresh run: must not hold a run already)."""
+    probe = run_dir
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise OutputError(f"--out {run_dir}: {probe} is a file, not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise OutputError(f"--out {run_dir}: cannot write to {probe} (permission denied); choose another --out")
+    if not resume and (run_dir / CHECKPOINT).exists():
+        raise OutputError(f"--out {run_dir} already holds a run; continue it with --resume or choose another --out")
+
+
+def _install_sigint() -> tuple[dict[str, bool], Any]:
+    flag = {"stop": False}
+    if threading.current_thread() is not threading.main_thread():
+        return flag, None
+
+    def handler(signum: int, frame: Any) -> None:
+        if flag["stop"]:
+            raise KeyboardInterrupt
+        flag["stop"] = True
+
+    return flag, signal.signal(signal.SIGINT, handler)
+
+
+def _hidden_matrices(model: nn.Module) -> list[Tensor]:
+    return [p for g in param_groups(model) if g["algorithm"] == "muon" for p in g["params"]]
+
+
+def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bool = False,
+              corpus: Corpus | None = None, progress: bool = True, label: str | None = None) -> RunResult:
+    """Train one run; see the module docstring. Every input is checked before anything is written.
+
+    Args:
+        cfg: the validated config (on resume: the checkpoint's, with any overrides applied).
+        optimizer: "adamw", "muon" or "muonclip".
+        run_dir: the run's folder (created).
+        resume: continue from ``run_dir/checkpoint.pt`` (default False).
+        corpus: a loaded corpus (default None: ``load_corpus(cfg.data, cfg.val_fraction)``).
+        progress: show the progress bar on stderr (default True).
+        label: progress-bar label (default: the optimizer name).
+
+    Raises:
+        DataError, OutputError, CheckpointError, ValueError: bad input; nothing written.
+        NonFiniteLossError: NaN/inf loss; last good checkpoint kept.
+        Interrupted: Ctrl-C; checkpoint of the last finished step written.
+    """
+    check_optimizer(optimizer)
+    run_dir = Path(run_dir)
+    cfg.validate()
+    check_out_dir(run_dir, resume=resume)
+    if corpus is None:
+        corpus = load_corpus(cfg.data, cfg.val_fraction)
+    check_fits(corpus, cfg.batch_size, cfg.block_size)
+    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
+
+    model = build_model(cfg)
+    opt = build_optimizer(optimizer, model, cfg)
+    base_lrs = [g["lr"] for g in opt.param_groups]
+    start, extra = 0, {"elapsed": 0.0, "last_val_loss": float("nan")}
+    ckpt_path = run_dir / CHECKPOINT
+    if resume:
+        data = load_checkpoint(ckpt_path)
+        check_compatible(data, optimizer=optimizer, config=cfg.to_dict(), model=model, path=ckpt_path)
+        if data["step"] > cfg.steps:
+            raise ValueError(f"the checkpoint is at step {data['step']}, past steps={cfg.steps}; raise --steps")
+        model.load_state_dict(data["model"])
+        opt.load_state_dict(data["optim"])
+        set_rng_state(data["rng"])
+        start = int(data["step"])
+        extra.update(data.get("extra") or {})
+
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(run_dir / CONFIG, "w", encoding="utf-8") as f:
+            json.dump({"optimizer": optimizer, **cfg.to_dict()}, f, indent=2)
+    except OSError as e:
+        raise OutputError(f"--out {run_dir}: cannot write ({e}); choose another --out") from None
+    writer = MetricsWriter(run_dir, cfg.n_layer, keep_until=start if resume else None)
+    val = val_batches(corpus, n_batches=cfg.eval_batches, batch_size=cfg.batch_size, block_size=cfg.block_size)
+    hidden = _hidden_matrices(model)
+    tokens_per_step = cfg.batch_size * cfg.block_size
+    bar = Progress(label or optimizer, cfg.steps, start=start, tokens_per_step=tokens_per_step, enabled=progress)
+    last_saved: Path | None = ckpt_path if resume else None
+    elapsed0 = float(extra["elapsed"])
+    t_start = time.perf_counter()
+
+    def save(step: int) -> Path:
+        extra["elapsed"] = elapsed0 + time.perf_counter() - t_start
+        return save_checkpoint(ckpt_path, {
+            "optimizer": optimizer, "config": cfg.to_dict(), "step": step, "model": model.state_dict(),
+            "optim": opt.state_dict(), "rng": rng_state(), "extra": dict(extra),
+        })
+
+    flag, old_handler = _install_sigint()
+    model.train()
+    try:
+        for step in range(start, cfg.steps):
+            factor = lr_factor(step, cfg)
+            for g, lr in zip(opt.param_groups, base_lrs):
+                g["lr"] = lr * factor
+            x, y = train_batch(corpus, step, batch_size=cfg.batch_size, block_size=cfg.block_size, seed=cfg.seed)
+            t0 = time.perf_counter()
+            before = [p.detach().clone() for p in hidden]
+            loss = forward_loss(model, x, y)
+            loss_value = float(loss.detach())
+            if not math.isfinite(loss_value):
+                raise NonFiniteLossError(step + 1, f"loss ({loss_value})", last_saved)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            try:
+                opt.step()
+            except NonFiniteGradError as e:
+                raise NonFiniteLossError(step + 1, f"gradient ({e})", last_saved) from None
+            maxes, clipped = read_max_logits(model, opt)
+            with torch.no_grad():
+                rms = [float((p - b).pow(2).mean().sqrt()) for p, b in zip(hidden, before)]
+            step_time = time.perf_counter() - t0
+            done = step + 1
+            val_loss = None
+            if done % cfg.eval_every == 0 or done == cfg.steps:
+                val_loss = evaluate(model, val)
+                extra["last_val_loss"] = val_loss
+                bar.extra = f" | val {val_loss:.4f}"
+            writer.write({
+                "step": done, "tokens": done * tokens_per_step, "loss": loss_value, "val_loss": val_loss,
+                "lr": cfg.lr(optimizer) * factor, "max_logit": max(maxes) if maxes else None,
+                "max_logits": maxes, "clipped_heads": sum(clipped), "clipped": clipped,
+                "update_rms": sum(rms) / max(1, len(rms)), "step_time": step_time,
+                "elapsed": elapsed0 + time.perf_counter() - t_start,
+            })
+            bar.update(done, loss_value)
+            if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+                last_saved = save(done)
+            if flag["stop"]:
+                if last_saved is None or done % cfg.checkpoint_every:
+                    last_saved = save(done)
+                bar.close()
+                raise Interrupted(done, last_saved)
+    finally:
+        writer.close()
+        if old_handler is not None:
+            signal.signal(signal.SIGINT, old_handler)
+    bar.close()
+    return RunResult(optimizer, run_dir, cfg.steps, float(extra["last_val_loss"]),
+                     elapsed0 + time.perf_counter() - t_start)
+
+
+__all__ = [
+    "CHECKPOINT", "CONFIG", "Interrupted", "NonFiniteLossError", "OutputError", "RunResult", "build_model",
+    "build_optimizer", "evaluate", "forward_loss", "lr_factor", "read_max_logits", "train_run",
+]

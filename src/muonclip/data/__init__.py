@@ -1,0 +1,33 @@
+"""Text data for the command-line tool: the built-in Shakespeare corpus (or the user's text),
+a byte-level tokenizer, a fixed train/validation split, and deterministic batches."""
+
+from .batches import check_fits, step_seed, train_batch, val_batches
+from .corpus import (
+    VOCAB_SIZE,
+    Corpus,
+    DataError,
+    builtin_corpus_dir,
+    decode,
+    encode,
+    list_documents,
+    load_corpus,
+    read_document,
+    strip_markdown,
+)
+
+__all__ = [
+    "VOCAB_SIZE",
+    "Corpus",
+    "DataError",
+    "builtin_corpus_dir",
+    "check_fits",
+    "decode",
+    "encode",
+    "list_documents",
+    "load_corpus",
+    "read_document",
+    "step_seed",
+    "strip_markdown",
+    "train_batch",
+    "val_batches",
+]

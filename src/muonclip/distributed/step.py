@@ -1,0 +1,209 @@
+"""The Muon update of one step, for one process, DDP and FSDP2 alike (design.md 1.4).
+
+Phases (every rank runs all of them; collectives only when the group has > 1 rank):
+
+1. **Agree** (multi-rank only): one small all-reduce checks that every rank has the same
+   Muon parameters and the same gradients present (`exchange.agree`).
+2. **Momentum** on what each rank holds: ``M = mu M + G``, ``V = G + mu M`` (or ``M``).
+   Under FSDP2 ``M``, ``G`` and ``V`` are row shards: momentum stays sharded.
+3. **Plan**: every parameter gets one owner rank, balanced by Newton–Schulz flops
+   (`plan.assign_owners`); the same on every rank, no communication.
+4. **Gather**: owners get whole V: row-sharded ones by one all-to-all (`gather_rows`);
+   replicated ones are already whole.
+5. **Orthogonalise** on the owner only, on whole matrices: the owner's blocks of the same
+   shape and settings are batched into one ``orthogonalize`` call per bucket.
+6. **Exchange**: results go back — all-to-all of each rank's rows (FSDP2), all-gather of the
+   owned results (DDP).
+7. **Apply**: per matrix block ``U = scale(A, B) * O``; ``W = W (1 - lr wd) - lr U`` on each
+   rank's own rows.
+
+With one process every parameter is owned by rank 0, phases 1, 4 and 6 are no-ops, and the
+buckets are exactly those of a plain loop, so results are bit-identical to the
+non-distributed algorithm.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..optim.matrices import matrix_blocks
+from ..optim.scale import update_scale
+from ..ortho import METHODS, orthogonalize
+from .context import ROWS, GroupContext, item_layout, local, resolve_group, shard_rows
+from .exchange import CommStats, agree, all_gather_owned, gather_rows, scatter_rows, signature
+from .plan import Plan, assign_owners, matrix_rows, ns_flops
+
+
+@dataclass
+class StepStats:
+    """What this rank did in the last Muon step.
+
+    Attributes:
+        world_size: ranks in the group (1 without communication).
+        matrices: matrices this rank orthogonalised (stacked experts count E each).
+        ns_flops: Newton–Schulz flops of those matrices (`plan.ns_flops`).
+        total_ns_flops: the same summed over every rank's share.
+        comm: bytes sent and collective calls (`exchange.CommStats`).
+    """
+
+    world_size: int = 1
+    matrices: int = 0
+    ns_flops: int = 0
+    total_ns_flops: int = 0
+    comm: CommStats = field(default_factory=CommStats)
+
+
+def _steps(group: dict[str, Any]) -> int:
+    s = group["steps"]
+    return METHODS[group["method"]].default_steps if s is None else s
+
+
+def _opts(group: dict[str, Any]) -> dict[str, Any]:
+    return dict(flatten=group["flatten"], split_sizes=group["split_sizes"])
+
+
+def muon_step(
+    params: Sequence[tuple[dict[str, Any], Tensor, str]],
+    state: dict[Tensor, dict[str, Any]],
+    new_buffer: Callable[[Tensor], Tensor],
+    process_group: Any = None,
+    comm_dtype: torch.dtype | None = None,
+    orthogonalize: Callable[..., Tensor] = orthogonalize,
+) -> StepStats:
+    """Apply one Muon update to every parameter of ``params`` that has a gradient.
+
+    Args:
+        params: every parameter of the optimizer's Muon groups, with or without a gradient,
+            as ``(group, param, name)`` in optimizer order (the order fixes the plan).
+        state: the optimizer's per-parameter state; ``"momentum_buffer"`` is created with
+            ``new_buffer(param)`` (a DTensor for a DTensor parameter, so checkpoints reshard).
+        process_group: see `muonclip.Muon` (None: automatic; ``"local"``: no communication).
+        comm_dtype: wire dtype of the exchanges (None: the momentum dtype).
+        orthogonalize: the function called once per bucket (default
+            `muonclip.orthogonalize`; `Muon` passes its module's name so it can be wrapped).
+    """
+    stats = StepStats()
+    if not params:
+        return stats
+    ctx = resolve_group([p for _, p, _ in params], [n for _, _, n in params], process_group)
+    stats.world_size = ctx.world_size
+    if ctx.world_size > 1:
+        sig = signature([(tuple(p.shape), p.dtype, g["method"], g["flatten"], g["split_sizes"]) for g, p, _ in params])
+        agree(ctx, sig, [p.grad is not None for _, p, _ in params], [n for _, _, n in params],
+              local(params[0][1]).device, stats.comm)
+    live = [(g, p) for g, p, _ in params if p.grad is not None]
+    if not live:
+        return stats
+
+    # 2. momentum, on the rows this rank holds
+    V: list[Tensor] = []
+    for g, p in live:
+        st = state[p]
+        if "momentum_buffer" not in st:
+            st["momentum_buffer"] = new_buffer(p)
+        buf, grad, mu = local(st["momentum_buffer"]), local(p.grad), g["momentum"]
+        buf.mul_(mu).add_(grad)
+        V.append(buf.mul(mu).add_(grad) if g["nesterov"] else buf)
+
+    # 3. plan
+    shapes = [p.shape for _, p in live]
+    costs = []
+    for (g, _), shape in zip(live, shapes):
+        _, ranges, cols, batch = matrix_rows(shape, **_opts(g))
+        costs.append(ns_flops([(batch, b - a, cols) for a, b in ranges], max(_steps(g), 1)))
+    plan = assign_owners(costs, ctx.world_size)
+    stats.total_ns_flops = sum(plan.flops)
+    layouts = [item_layout(p, ctx) for _, p in live]
+    rows_idx = [k for k, kind in enumerate(layouts) if kind == ROWS]
+    rep_idx = [k for k, kind in enumerate(layouts) if kind != ROWS]
+    dtype, device = V[0].dtype, V[0].device
+    wire = comm_dtype or dtype
+
+    # 4. whole V on the owner
+    whole = {k: V[k] for k in rep_idx if plan.owners[k] == ctx.rank}
+    if rows_idx:
+        got = gather_rows(ctx, [V[k] for k in rows_idx], [shapes[k] for k in rows_idx],
+                          [plan.owners[k] for k in rows_idx], wire, stats.comm)
+        whole.update({rows_idx[j]: t for j, t in got.items()})
+
+    # 5. orthogonalise owned matrices, one call per bucket
+    O = _orthogonalize_owned(live, whole, stats, orthogonalize)
+    stats.ns_flops = plan.flops[ctx.rank]
+
+    # 6. results back to every rank that holds rows
+    result: list[Tensor | None] = [None] * len(live)
+    if ctx.world_size == 1:
+        for k in rep_idx:
+            result[k] = O[k]
+    else:
+        if rep_idx:
+            got = all_gather_owned(ctx, {rep_idx.index(k): O[k] for k in rep_idx if k in O},
+                                   [shapes[k] for k in rep_idx], [plan.owners[k] for k in rep_idx],
+                                   wire, dtype, device, stats.comm)
+            for j, k in enumerate(rep_idx):
+                result[k] = got[j]
+        if rows_idx:
+            got = scatter_rows(ctx, {rows_idx.index(k): O[k] for k in rows_idx if k in O},
+                               [shapes[k] for k in rows_idx], [plan.owners[k] for k in rows_idx],
+                               wire, dtype, device, stats.comm)
+            for j, k in enumerate(rows_idx):
+                result[k] = got[j]
+
+    # 7. scale per block and apply to this rank's rows
+    for k, (g, p) in enumerate(live):
+        offset = shard_rows(shapes[k][0], ctx.world_size, ctx.rank)[0] if layouts[k] == ROWS else 0
+        U = _scaled(result[k], shapes[k], g, offset)
+        w, lr, wd = local(p), g["lr"], g["weight_decay"]
+        if wd != 0.0:
+            w.mul_(1.0 - lr * wd)
+        w.add_(U, alpha=-lr)
+    return stats
+
+
+def _orthogonalize_owned(live: list[tuple[dict[str, Any], Tensor]], whole: dict[int, Tensor],
+                         stats: StepStats, orthogonalize: Callable[..., Tensor]) -> dict[int, Tensor]:
+    """``{k: orth(V_k)}`` for the owned items, blocks of equal shape and settings batched."""
+    buckets: dict[tuple, list[tuple[Tensor, Tensor]]] = defaultdict(list)
+    out: dict[int, Tensor] = {}
+    for k in sorted(whole):
+        g = live[k][0]
+        v = whole[k].contiguous()
+        out[k] = torch.empty_like(v)
+        for vb, ob in zip(matrix_blocks(v, **_opts(g)), matrix_blocks(out[k], **_opts(g))):
+            E, A, B = vb.shape
+            key = (A, B, vb.device, g["method"], g["steps"], g["orth_dtype"], g["eps"], g["ns_coefficients"])
+            buckets[key].append((vb, ob))
+    for key, blocks in buckets.items():
+        _, _, _, method, steps, dtype, eps, coeffs = key
+        Vb = torch.cat([v for v, _ in blocks]) if len(blocks) > 1 else blocks[0][0]
+        stats.matrices += Vb.shape[0]
+        Ob = orthogonalize(Vb, method, steps, dtype, eps=eps, coefficients=coeffs)
+        for (_v, o), r in zip(blocks, Ob.split([v.shape[0] for v, _ in blocks])):
+            o.copy_(r)
+    return out
+
+
+def _scaled(res: Tensor, shape: torch.Size, group: dict[str, Any], offset: int) -> Tensor:
+    """``scale(A_i, B) * O`` per matrix block, for the rows ``[offset, offset + len(res))`` of the parameter."""
+    axis, ranges, cols, _ = matrix_rows(shape, **_opts(group))
+    U = torch.empty_like(res, memory_format=torch.contiguous_format)
+    if axis == 1:  # stacked experts: every local expert has every block
+        for a, b in ranges:
+            torch.mul(res[:, a:b], update_scale(group["update_scale"], b - a, cols), out=U[:, a:b])
+        return U
+    n = res.shape[0]
+    for a, b in ranges:
+        lo, hi = max(a, offset), min(b, offset + n)
+        if lo < hi:
+            s = update_scale(group["update_scale"], b - a, cols)
+            torch.mul(res[lo - offset : hi - offset], s, out=U[lo - offset : hi - offset])
+    return U
+
+
+__all__ = ["StepStats", "muon_step", "Plan", "GroupContext"]

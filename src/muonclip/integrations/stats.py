@@ -1,0 +1,234 @@
+"""What the logging callbacks report about a `muonclip.Muon` / `muonclip.MuonClip` step — no framework needed.
+
+Per optimizer step (keys with the default prefix ``"muonclip/"``):
+
+* ``max_logit`` — the largest per-head max logit the clip used in this step (over layers and
+  heads, over all micro-batches of the step): ``MuonClip.last_max_logits``. MuonClip only.
+* ``clipped_heads`` — how many heads QK-Clip scaled in this step (``MuonClip.last_clipped``),
+  and ``clipped_fraction`` — that over all heads. MuonClip only.
+* ``max_logit/<layer>`` and ``clipped_heads/<layer>`` per attention layer, with
+  ``per_layer=True``.
+* ``update_rms`` — the RMS of the update Muon applied to the hidden matrices, per unit learning
+  rate: over every element of every ``algorithm="muon"`` parameter updated in the step,
+
+      U = (W_before * (1 - lr * weight_decay) - W_after) / lr        # = scale(A, B) * orth(V)
+      update_rms = sqrt(mean(U ** 2))
+
+  i.e. the orthogonalised update with its ``update_scale`` (weight decay removed exactly, as
+  Muon applies it). With ``update_scale="rms"`` it is about 0.2 (exactly 0.2 for full-rank
+  matrices with ``method="svd"``; ns5's singular values in ~[0.68, 1.13] make it a little
+  less), the RMS of a typical AdamW update — the quantity Moonlight matches. For `MuonClip`
+  it is measured after the Muon update and before QK-Clip rescales any head (the clip is not
+  an update of the optimizer; its effect is ``clipped_heads``). Computing it keeps one copy of
+  the hidden matrices during the step (``update_rms=False`` to skip it). Parameters whose
+  group has ``lr == 0`` are left out.
+
+Steps that Muon skipped (``on_nonfinite="skip"``) report nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..optim import Muon
+
+
+def unwrap_optimizer(optimizer: Any) -> Muon | None:
+    """The `muonclip.Muon` inside a framework's optimizer wrapper, or None.
+
+    Follows ``.optimizer`` links (accelerate's ``AcceleratedOptimizer`` in the HF Trainer,
+    Lightning's ``LightningOptimizer``) a few levels deep.
+    """
+    for _ in range(8):
+        if isinstance(optimizer, Muon):
+            return optimizer
+        optimizer = getattr(optimizer, "optimizer", None)
+        if optimizer is None:
+            return None
+    return None
+
+
+class UpdateRMS:
+    """Measures ``update_rms`` (module docstring) of one optimizer step: `before`, step, `after`.
+
+    For a `MuonClip` (an optimizer with a ``clip()`` method called by ``step()``), `before`
+    wraps ``optimizer.clip`` for the duration of the step so the update is measured just before
+    the clip; `after` (or `discard`) restores it.
+
+    Args:
+        optimizer: the `muonclip.Muon` (or `MuonClip`) whose ``algorithm="muon"`` groups are measured.
+    """
+
+    def __init__(self, optimizer: Muon) -> None:
+        if not isinstance(optimizer, Muon):
+            raise TypeError(f"UpdateRMS measures a muonclip.Muon optimizer, got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self._before: list[tuple[Tensor, Tensor, float, float]] = []
+        self._measured: float | None = None
+        self._patched = False
+        self._own_clip: Any = None
+
+    @torch.no_grad()
+    def before(self) -> None:
+        """Copy the hidden matrices that will be updated (those with a gradient and lr > 0)."""
+        self._restore()
+        self._before, self._measured = [], None
+        for group in self.optimizer.param_groups:
+            if group["algorithm"] != "muon":
+                continue
+            lr, wd = float(group["lr"]), float(group["weight_decay"])
+            if lr == 0.0:
+                continue
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._before.append((p, p.detach().clone(), lr, wd))
+        clip = getattr(self.optimizer, "clip", None)
+        if self._before and callable(clip):
+            self._own_clip = self.optimizer.__dict__.get("clip")  # an instance attribute already there, if any
+
+            def measured_clip(*args: Any, **kwargs: Any) -> Any:
+                self._measured = self._measure()
+                return clip(*args, **kwargs)
+
+            self.optimizer.clip = measured_clip
+            self._patched = True
+
+    @torch.no_grad()
+    def _measure(self) -> float:
+        total = torch.zeros((), dtype=torch.float64)
+        count = 0
+        for p, w0, lr, wd in self._before:
+            u = (w0.mul(1.0 - lr * wd) - p.detach()).double() / lr  # same rounding as Muon's p.mul_(1 - lr*wd)
+            total += u.pow(2).sum().cpu()
+            count += u.numel()
+        return math.sqrt(float(total) / count)
+
+    def after(self) -> float | None:
+        """RMS of the update since `before` (None if nothing was measured); forgets the copies."""
+        self._restore()
+        if not self._before:
+            return None
+        value = self._measured if self._measured is not None else self._measure()
+        self._before, self._measured = [], None
+        return value
+
+    def discard(self) -> None:
+        """Forget the copies (a skipped step)."""
+        self._restore()
+        self._before, self._measured = [], None
+
+    def _restore(self) -> None:
+        if not self._patched:
+            return
+        if self._own_clip is None:
+            del self.optimizer.clip
+        else:
+            self.optimizer.clip = self._own_clip
+        self._patched, self._own_clip = False, None
+
+
+def step_metrics(
+    optimizer: Muon, update_rms: float | None = None, *, per_layer: bool = False, prefix: str = "muonclip/"
+) -> dict[str, float]:
+    """The metrics of the optimizer's last step (module docstring), keys prefixed with ``prefix``.
+
+    Args:
+        optimizer: a `muonclip.Muon`; clip figures come from ``clip_stats()`` when it is a `MuonClip`.
+        update_rms: the measured update RMS (default None: left out).
+        per_layer: include ``max_logit/<layer>`` and ``clipped_heads/<layer>`` (default False).
+        prefix: prepended to every key (default ``"muonclip/"``).
+    """
+    out: dict[str, float] = {}
+    clip_stats = getattr(optimizer, "clip_stats", None)
+    if callable(clip_stats):
+        for k, v in clip_stats().items():
+            if per_layer or "/" not in k:
+                out[prefix + k] = float(v)
+    if update_rms is not None:
+        out[prefix + "update_rms"] = float(update_rms)
+    return out
+
+
+class StepMetrics:
+    """Follows one optimizer through its steps for a logging callback.
+
+    Call `before_step` just before ``optimizer.step()`` and `after_step` just after; `after_step`
+    returns the step's metrics (None for a skipped step or one not bracketed by `before_step`).
+    `pop_interval` returns, once per new step, the last step's metrics plus
+    ``<prefix>max_logit_peak``, the largest ``max_logit`` of all steps since the previous
+    `pop_interval` (loggers that write every N steps would otherwise miss peaks in between).
+
+    Args:
+        update_rms: measure ``update_rms`` (default True; one copy of the hidden matrices per step).
+        per_layer: per-layer max logits and clipped-head counts (default False).
+        prefix: key prefix (default ``"muonclip/"``).
+    """
+
+    def __init__(self, *, update_rms: bool = True, per_layer: bool = False, prefix: str = "muonclip/") -> None:
+        self.update_rms = update_rms
+        self.per_layer = per_layer
+        self.prefix = prefix
+        self.optimizer: Muon | None = None
+        self.last: dict[str, float] = {}
+        self._rms: UpdateRMS | None = None
+        self._steps_before: int | None = None
+        self._peak = -math.inf
+        self._pending = False
+
+    def bind(self, optimizer: Any) -> Muon:
+        """Follow ``optimizer`` (a `muonclip.Muon`, or a framework wrapper around one); returns the Muon."""
+        opt = unwrap_optimizer(optimizer)
+        if opt is None:
+            raise TypeError(
+                f"the muonclip logging callbacks need a muonclip.Muon or muonclip.MuonClip optimizer, got "
+                f"{type(optimizer).__name__}; pass optimizers=(MuonClip(model, ...), None) to the HF Trainer, or "
+                "return MuonClip from configure_optimizers in Lightning"
+            )
+        if opt is not self.optimizer:
+            self.optimizer = opt
+            self._rms = UpdateRMS(opt) if self.update_rms else None
+        return opt
+
+    def before_step(self, optimizer: Any) -> None:
+        """Note the step counter (and copy the hidden matrices for ``update_rms``)."""
+        opt = self.bind(optimizer)
+        self._steps_before = opt.steps_taken
+        if self._rms is not None:
+            self._rms.before()
+
+    def after_step(self) -> dict[str, float] | None:
+        """The metrics of the step just taken, or None (skipped step / no `before_step`)."""
+        opt, before = self.optimizer, self._steps_before
+        self._steps_before = None
+        if opt is None or before is None or opt.steps_taken == before:
+            if self._rms is not None:
+                self._rms.discard()
+            return None
+        rms = self._rms.after() if self._rms is not None else None
+        self.last = step_metrics(opt, rms, per_layer=self.per_layer, prefix=self.prefix)
+        m = self.last.get(self.prefix + "max_logit")
+        if m is not None:
+            self._peak = max(self._peak, m)
+        self._pending = True
+        return self.last
+
+    def pop_interval(self) -> dict[str, float]:
+        """Last step's metrics and the peak max logit since the previous call; {} if no new step."""
+        if not self._pending:
+            return {}
+        out = dict(self.last)
+        if self._peak > -math.inf:
+            out[self.prefix + "max_logit_peak"] = self._peak
+        self._pending, self._peak = False, -math.inf
+        return out
+
+    def recorders(self) -> list[Any]:
+        """The max-logit recorders of the optimizer's attention layers (empty for plain Muon)."""
+        return [layer.recorder for layer in getattr(self.optimizer, "layers", [])]
+
+
+__all__ = ["StepMetrics", "UpdateRMS", "step_metrics", "unwrap_optimizer"]

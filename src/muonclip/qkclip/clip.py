@@ -1,0 +1,117 @@
+"""The QK-Clip step (Kimi K2, arXiv 2507.20534, section 2.1, Algorithm 1; design.md 1.3).
+
+After the optimizer update, with ``S_h`` each head's max logit recorded since the last clip::
+
+    gamma_h = tau / S_h   if S_h > tau   else 1
+    layout.clip(gamma)    # head h's logits times exactly gamma_h (see muonclip.qkclip.layouts)
+    recorder.reset()
+
+Under data parallelism every rank recorded the max of its own micro-batches; one packed
+``all_reduce(MAX)`` over all layers and heads (plus one "recorded" flag per layer) makes every
+rank clip with the global maxima. It runs on every rank, never under a rank condition, and is
+skipped when ``torch.distributed`` is not initialised or the world size is 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .layouts import AttentionLayer
+
+
+def compute_gamma(max_logits: Tensor, tau: float) -> Tensor:
+    """Per-head factor ``tau / S_h`` where ``S_h > tau``, else exactly 1.0.
+
+    Args:
+        max_logits: ``(n_heads,)`` recorded maxima ``S_h`` (``-inf``: head saw no token pair;
+            NaN is never clipped).
+        tau: the threshold, > 0.
+
+    Returns:
+        ``(n_heads,)`` float32 gamma in ``(0, 1]``.
+    """
+    s = max_logits.float()
+    over = s > tau
+    return torch.where(over, tau / torch.where(over, s, torch.ones_like(s)), torch.ones_like(s))
+
+
+def _dist_world() -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size()
+
+
+def _layer_device(layer: AttentionLayer) -> torch.device:
+    if layer.recorder.value is not None:
+        return layer.recorder.value.device
+    params = layer.layout.params()
+    return params[0].device if params else torch.device("cpu")
+
+
+@torch.no_grad()
+def all_reduce_max_(layers: Sequence[AttentionLayer], group: dist.ProcessGroup | None = None) -> None:
+    """Replace every layer's recorded maxima by the max over the data-parallel ranks, in ONE all-reduce.
+
+    The packed buffer holds, for each layer, its ``n_heads`` maxima (``-inf`` when nothing was
+    recorded on this rank) and a flag (1 if recorded here, else 0). After the ``MAX``
+    reduction a layer recorded on no rank stays unrecorded (``value = None``); one host read
+    of the L flags decides that. Must be called on every rank of ``group`` (every rank holds
+    the same layers). No-op without an initialised process group or with world size 1.
+    """
+    if not layers or _dist_world() == 1:
+        return
+    device = _layer_device(layers[0])
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    parts = []
+    for layer in layers:
+        v = layer.recorder.value
+        if v is None:
+            parts.append(torch.full((layer.recorder.n_heads + 1,), -math.inf, device=device))
+        else:
+            parts.append(torch.cat([v.to(device), torch.ones(1, device=device)]))
+    packed = torch.cat(parts)
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    sizes = [layer.recorder.n_heads + 1 for layer in layers]
+    chunks = packed.split(sizes)
+    flags = torch.stack([c[-1] for c in chunks]).tolist()  # one host sync for L flags
+    for layer, chunk, flag in zip(layers, chunks, flags):
+        target = _layer_device(layer)
+        layer.recorder.value = chunk[:-1].to(target).clone() if flag > 0 else None
+
+
+@torch.no_grad()
+def apply_qk_clip(layers: Sequence[AttentionLayer], tau: float) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """Clip every layer with recorded maxima, then reset every recorder.
+
+    Args:
+        layers: the attention layers.
+        tau: threshold, > 0.
+
+    Returns:
+        ``(max_logits, clipped)``: per layer name that had something recorded, the ``(n_heads,)``
+        maxima used and the ``(n_heads,)`` bool "clipped" mask. Layers with nothing recorded are
+        absent (nothing to clip; no error). No host sync.
+    """
+    if not tau > 0:
+        raise ValueError(f"tau must be > 0, got {tau}")
+    max_logits: dict[str, Tensor] = {}
+    clipped: dict[str, Tensor] = {}
+    for layer in layers:
+        s = layer.recorder.value
+        layer.recorder.reset()
+        if s is None:
+            continue
+        gamma = compute_gamma(s, tau)
+        layer.layout.clip(gamma)
+        max_logits[layer.name] = s
+        clipped[layer.name] = gamma < 1.0
+    return max_logits, clipped
+
+
+__all__ = ["all_reduce_max_", "apply_qk_clip", "compute_gamma"]

@@ -1,0 +1,311 @@
+"""QK-Clip for Hugging Face transformers models, without editing model code.
+
+`attach(model)` does three things:
+
+1. **Registers an attention function** named ``"muonclip"`` with transformers'
+   ``AttentionInterface`` (`muonclip_attention_forward`). Every attention module of a
+   transformers 5.x model calls ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module,
+   query, key, value, attention_mask, dropout=..., scaling=..., **kwargs)`` with the queries
+   after RoPE and the keys before GQA repetition. Ours does what transformers' own
+   ``sdpa_attention_forward`` does, through `muonclip.scaled_dot_product_attention`, which also
+   folds the call's per-head max logit into the recorder stored on the module.
+2. **Registers the matching mask** under the same name with ``AttentionMaskInterface`` (the
+   SDPA boolean mask, ``transformers.masking_utils.sdpa_mask``). Without it, transformers
+   builds *no mask at all* for an unknown implementation name, and padded batches silently
+   attend to padding.
+3. **Switches the model** to it (``model.set_attn_implementation("muonclip")``) and returns one
+   `AttentionLayer` per attention module, with its head layout:
+
+   * Llama / Mistral / Qwen2 style (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``): `MHALayout`
+     when ``num_key_value_heads == num_attention_heads``, else `GQALayout` (exact per-head
+     policy by default); q/k biases (Qwen2) are part of the layout.
+   * DeepSeek-V3 MLA (``kv_b_proj``): `MLALayout` on ``q_b_proj`` (or ``q_proj`` when
+     ``q_lora_rank`` is None; rows ``[nope | rope]`` per head) and ``kv_b_proj`` (rows
+     ``[k_nope | v]`` per head). The shared rotary key (last ``qk_rope_head_dim`` rows of
+     ``kv_a_proj_with_mqa``) and V are never touched.
+   * QK-norm (Qwen3, Gemma3, OLMo2, ...: ``q_norm``/``k_norm`` after the projection): a
+     ValueError — scaling W_q/W_k does not change normalised q/k, so it cannot bound the logits.
+
+The recorder of each layer lives on its attention module (attribute ``muonclip_recorder``), so
+the attention function finds it from ``module`` alone; calling `attach` again reuses it.
+Recording happens on every forward call through the module (training, evaluation,
+generation); `MuonClip.step` consumes and resets the record, and
+``layer.recorder.reset()`` forgets an evaluation forward if it must not count.
+
+Reference: Kimi K2 (arXiv 2507.20534) section 2.1; transformers' attention interface docs
+(https://huggingface.co/docs/transformers/en/attention_interface).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+try:
+    from transformers import AttentionInterface, PreTrainedModel
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "muonclip.qkclip.hf needs Hugging Face transformers >= 4.56: pip install 'muonclip[hf]'"
+    ) from e
+
+from ..attention.recorder import MaxLogitRecorder
+from ..attention.sdpa import scaled_dot_product_attention
+from .layouts import AttentionLayer, GQALayout, MHALayout, MLALayout
+
+ATTN_IMPLEMENTATION = "muonclip"
+"""The name our attention function and mask are registered under."""
+
+RECORDER_ATTR = "muonclip_recorder"
+"""Attribute of an attention module holding its `MaxLogitRecorder`."""
+
+QK_NORM_ATTRS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
+
+
+# ----------------------------------------------------------------------------------------------
+# the attention function
+# ----------------------------------------------------------------------------------------------
+
+
+def muonclip_attention_forward(
+    module: nn.Module,
+    query: Tensor,  # (B, nh, Tq, hs) after RoPE
+    key: Tensor,  # (B, nkv, Tk, hs) before GQA repetition
+    value: Tensor,  # (B, nkv, Tk, hv)
+    attention_mask: Tensor | None,  # (B, 1, Tq, Tk) bool (True = attend) or additive float, or None
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers attention function: SDPA attention that records per-head max logits.
+
+    Same semantics as transformers' ``sdpa_attention_forward``: ``is_causal`` (default: the
+    module's ``is_causal``, else True) is used only when there is no mask and more than one
+    query, and then keys are cropped to the query length (prefill into an empty static
+    cache); GQA by ``enable_gqa`` without a mask, by repeating key/value heads with one. The
+    output is ``(B, Tq, nh, hv)`` and no attention weights.
+
+    Args:
+        module: the calling attention module; its ``muonclip_recorder`` (set by `attach`)
+            receives the per-head max of ``scaling * q.k`` over the pairs the mask allows. A
+            module without one is computed without recording.
+        query, key, value: as annotated above.
+        attention_mask: the mask built by the registered mask function (or passed by the user).
+        dropout: attention dropout probability (0.0 default; transformers passes 0 in eval).
+        scaling: softmax scale (None: 1/sqrt(hs)).
+        is_causal: see above (None default).
+        **kwargs: transformers' extra arguments; ``softcap``, ``position_bias``, a paged
+            ``cache`` and ``output_attentions=True`` are not supported (ValueError).
+    """
+    if kwargs.get("softcap") is not None:
+        raise ValueError(
+            "muonclip attention does not support logit soft-capping (`softcap`): QK-Clip bounds the raw logits "
+            "that soft-capping hides; use a model config without attn_logit_softcapping"
+        )
+    if kwargs.get("position_bias") is not None:
+        raise ValueError(
+            "muonclip attention does not support an additive `position_bias`: clipping W_q/W_k cannot bound a "
+            "learned bias; QK-Clip applies to RoPE-style models (Llama, Qwen2, DeepSeek-V3)"
+        )
+    if kwargs.get("cache") is not None:
+        raise ValueError(
+            "muonclip attention does not support paged caches (continuous batching); for generation switch back "
+            "with model.set_attn_implementation('sdpa')"
+        )
+    if kwargs.get("output_attentions", False):
+        raise ValueError("muonclip attention returns no attention weights; use attn_implementation='eager' for them")
+
+    recorder = getattr(module, RECORDER_ATTR, None)
+    n_heads, q_len = query.shape[1], query.shape[2]
+    enable_gqa = False
+    if key.shape[1] != n_heads:
+        if n_heads % key.shape[1]:
+            raise ValueError(f"{n_heads} query heads cannot share {key.shape[1]} key heads (not a divisor)")
+        if attention_mask is None:
+            enable_gqa = True
+        else:
+            rep = n_heads // key.shape[1]
+            key = key.repeat_interleave(rep, dim=1)  # (B, nh, Tk, hs)
+            value = value.repeat_interleave(rep, dim=1)  # (B, nh, Tk, hv)
+
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = bool(q_len > 1 and attention_mask is None and is_causal)
+    if is_causal and key.shape[2] > q_len:
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+
+    out = scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        is_causal=is_causal,
+        scale=scaling,
+        enable_gqa=enable_gqa,
+        recorder=recorder,
+    )  # (B, nh, Tq, hv)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register the ``"muonclip"`` attention function and its SDPA mask with transformers (idempotent)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, muonclip_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# finding attention modules and their head layouts
+# ----------------------------------------------------------------------------------------------
+
+
+def _is_attention(module: nn.Module) -> bool:
+    """An attention module of a transformers model: calls the attention interface with ``layer_idx``."""
+    if not hasattr(module, "layer_idx"):
+        return False
+    names = set(dict(module.named_children()))
+    return ("q_proj" in names and "k_proj" in names) or "kv_b_proj" in names or type(module).__name__.endswith(
+        "Attention"
+    )
+
+
+def _check_no_qk_norm(name: str, module: nn.Module) -> None:
+    norms = [a for a in QK_NORM_ATTRS if isinstance(getattr(module, a, None), nn.Module)]
+    if norms:
+        raise ValueError(
+            f"attention layer '{name}' ({type(module).__name__}) normalises q/k after the projection "
+            f"({', '.join(norms)}): QK-Clip rescales rows of W_q/W_k, which a norm undoes, so it cannot bound "
+            "the logits of this model. QK-norm already bounds them (by the norm gains): train it with plain "
+            "muonclip.Muon, or clip the norm gains yourself by passing MuonClip(layers=[...]) with your own layout."
+        )
+
+
+def _linear(module: nn.Module, attr: str, name: str) -> nn.Linear:
+    lin = getattr(module, attr, None)
+    if not isinstance(getattr(lin, "weight", None), Tensor):
+        raise ValueError(f"attention layer '{name}': expected a projection '{attr}' with a weight, found {lin!r}")
+    return lin
+
+
+def _mla_layout(name: str, module: nn.Module) -> MLALayout:
+    n_heads = int(getattr(module, "num_heads", None) or module.config.num_attention_heads)
+    q = _linear(module, "q_b_proj" if getattr(module, "q_b_proj", None) is not None else "q_proj", name)
+    kv_b = _linear(module, "kv_b_proj", name)
+    return MLALayout(
+        q_weight=q.weight,
+        n_heads=n_heads,
+        qk_nope_head_dim=int(module.qk_nope_head_dim),
+        qk_rope_head_dim=int(module.qk_rope_head_dim),
+        kv_b_weight=kv_b.weight,
+        v_head_dim=int(module.v_head_dim),
+        q_bias=q.bias,
+        kv_b_bias=kv_b.bias,
+    )
+
+
+def _qkv_layout(name: str, module: nn.Module, config: Any, gqa_policy: str) -> MHALayout | GQALayout:
+    q, k = _linear(module, "q_proj", name), _linear(module, "k_proj", name)
+    n_heads = int(config.num_attention_heads)
+    n_kv = int(getattr(config, "num_key_value_heads", None) or n_heads)
+    head_dim = getattr(module, "head_dim", None) or getattr(config, "head_dim", None)
+    head_dim = int(head_dim or config.hidden_size // n_heads)
+    if n_kv == n_heads:
+        return MHALayout(q.weight, k.weight, n_heads, head_dim, q_bias=q.bias, k_bias=k.bias)
+    return GQALayout(q.weight, k.weight, n_heads, n_kv, head_dim, q_bias=q.bias, k_bias=k.bias, policy=gqa_policy)
+
+
+def _layout(name: str, module: nn.Module, config: Any, gqa_policy: str) -> MHALayout | GQALayout | MLALayout:
+    _check_no_qk_norm(name, module)
+    children = set(dict(module.named_children()))
+    if "kv_b_proj" in children:
+        return _mla_layout(name, module)
+    if "q_proj" in children and "k_proj" in children:
+        return _qkv_layout(name, module, config, gqa_policy)
+    raise ValueError(
+        f"attention layer '{name}' ({type(module).__name__}) has no q_proj/k_proj (or MLA kv_b_proj) that "
+        "muonclip knows how to clip (fused QKV?). Name its q/k weights and head layout yourself: "
+        "MuonClip(model, layers=[AttentionLayer(name, GQALayout(...), recorder)])"
+    )
+
+
+def _set_implementation(model: nn.Module) -> None:
+    """Switch every outermost PreTrainedModel inside ``model`` (``model`` itself included) to ours."""
+    covered: set[int] = set()
+    for m in model.modules():  # parents come before their children
+        if isinstance(m, PreTrainedModel) and id(m) not in covered:
+            m.set_attn_implementation(ATTN_IMPLEMENTATION)  # also switches its sub-models
+            covered.update(id(sub) for sub in m.modules())
+
+
+def attach(model: nn.Module, *, gqa_policy: str = "per_head") -> list[AttentionLayer]:
+    """Find a transformers model's attention layers, make them record max logits, return them.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` (e.g. ``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
+            ``DeepseekV3ForCausalLM`` built from a config or loaded), or any module containing one.
+        gqa_policy: `GQALayout` policy for layers with fewer key than query heads: ``"per_head"``
+            (default, exact), ``"balanced"`` or ``"group"`` (see `GQALayout`). To use another
+            policy with `MuonClip`, pass ``MuonClip(model, layers=attach(model, gqa_policy=...))``.
+
+    Returns:
+        One `AttentionLayer` per attention module, in module order, named by its module path
+        (e.g. ``"model.layers.0.self_attn"``), with its head layout (checked against the
+        weights) and the recorder that the ``"muonclip"`` attention function fills.
+
+    Raises:
+        ValueError: no attention module found; an attention module with QK-norm or without
+            projections we know; a weight that does not fit the head counts in the config; a
+            model whose attention implementation cannot be switched.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"attach expects a torch.nn.Module (a transformers model), got {type(model).__name__}")
+    register()
+    layers: list[AttentionLayer] = []
+    modules: list[nn.Module] = []
+    for name, module in model.named_modules():
+        if not _is_attention(module):
+            continue
+        config = getattr(module, "config", None) or getattr(model, "config", None)
+        layout = _layout(name, module, config, gqa_policy)
+        recorder = getattr(module, RECORDER_ATTR, None)
+        if not isinstance(recorder, MaxLogitRecorder) or recorder.n_heads != layout.n_heads:
+            recorder = MaxLogitRecorder(layout.n_heads)
+        layer = AttentionLayer(name, layout, recorder)
+        layer.check()
+        layers.append(layer)
+        modules.append(module)
+    if not layers:
+        raise ValueError(
+            f"no attention modules found in {type(model).__name__}: attach() recognises transformers attention "
+            "modules with q_proj/k_proj (Llama, Qwen2, Mistral, ...) or kv_b_proj (DeepSeek-V3 MLA). For another "
+            "model pass MuonClip(model, layers=[AttentionLayer(...)])"
+        )
+    for module, layer in zip(modules, layers):
+        setattr(module, RECORDER_ATTR, layer.recorder)  # plain attribute: not a submodule, not in state_dict
+    _set_implementation(model)
+    wrong = [
+        layer.name
+        for module, layer in zip(modules, layers)
+        if getattr(getattr(module, "config", None), "_attn_implementation", ATTN_IMPLEMENTATION) != ATTN_IMPLEMENTATION
+    ]
+    if wrong:
+        raise ValueError(
+            f"could not switch attention layers {wrong} to attn_implementation='{ATTN_IMPLEMENTATION}' (their model "
+            "does not dispatch through transformers' AttentionInterface), so their max logits would never be recorded"
+        )
+    return layers
+
+
+def detach(model: nn.Module, attn_implementation: str = "sdpa") -> None:
+    """Undo `attach`: remove the recorders and switch the model back (default ``"sdpa"``)."""
+    for module in model.modules():
+        if hasattr(module, RECORDER_ATTR):
+            delattr(module, RECORDER_ATTR)
+    for m in model.modules():
+        if isinstance(m, PreTrainedModel):
+            m.set_attn_implementation(attn_implementation)
+            break
+
+
+__all__ = ["ATTN_IMPLEMENTATION", "RECORDER_ATTR", "attach", "detach", "muonclip_attention_forward", "register"]

@@ -1,0 +1,196 @@
+"""The drop-in SDPA: same output as F.scaled_dot_product_attention, exact recorded max logits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from muonclip import scaled_dot_product_attention
+from muonclip.attention import MaxLogitRecorder, chunked_max_logits, get_max_logit_backend, set_max_logit_backend
+
+
+def reference_max(q, k, allowed=None, scale=None):
+    """Explicit (B, Hq, Tq, Tk) float64 logits, masked, max per query head."""
+    hq, hkv = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(hq // hkv, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = scale * q.double() @ k.double().transpose(-1, -2)
+    if allowed is not None:
+        s = s.masked_fill(~allowed.expand_as(s), -math.inf)
+    return s.amax(dim=(0, 2, 3)).float()
+
+
+def qkv(B=2, hq=4, hkv=4, tq=7, tk=7, d=8, dv=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, hq, tq, d, generator=g), torch.randn(B, hkv, tk, d, generator=g),
+            torch.randn(B, hkv, tk, dv, generator=g))
+
+
+def causal(tq, tk):
+    return torch.ones(tq, tk, dtype=torch.bool).tril()
+
+
+def padding(B, tk, lengths):
+    return (torch.arange(tk)[None, :] < torch.tensor(lengths)[:, None]).view(B, 1, 1, tk)
+
+
+CASES = {
+    "plain": dict(),
+    "causal": dict(is_causal=True),
+    "causal_rect": dict(is_causal=True, tk=11),
+    "bool_mask_padding": dict(mask="padding"),
+    "float_mask_additive": dict(mask="float"),
+    "float_mask_finfo_min": dict(mask="finfo"),
+    "gqa_causal": dict(hkv=2, enable_gqa=True, is_causal=True),
+    "mqa_padding": dict(hkv=1, enable_gqa=True, mask="padding"),
+    "custom_scale": dict(scale=0.37, is_causal=True),
+    "value_dim_differs": dict(dv=5, is_causal=True),
+}
+
+
+def build(case):
+    c = dict(case)
+    B, hkv, tk = 2, c.pop("hkv", 4), c.pop("tk", 7)
+    q, k, v = qkv(B=B, hkv=hkv, tk=tk, dv=c.pop("dv", 8))
+    tq = q.shape[2]
+    mask_kind = c.pop("mask", None)
+    allowed = None
+    if c.get("is_causal"):
+        allowed = causal(tq, tk)
+    if mask_kind == "padding":
+        c["attn_mask"] = allowed = padding(B, tk, [tk, 3])
+    elif mask_kind == "float":
+        bias = torch.randn(B, 1, tq, tk)
+        bias[1, :, :, 4:] = -math.inf
+        c["attn_mask"], allowed = bias, bias > -math.inf
+    elif mask_kind == "finfo":
+        keep = padding(B, tk, [5, tk]) & causal(tq, tk)
+        c["attn_mask"], allowed = torch.zeros(B, 1, tq, tk).masked_fill(~keep, torch.finfo(torch.float32).min), keep
+    return q, k, v, c, allowed
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("chunk", [None, 1, 3])
+def test_output_equals_sdpa_and_max_equals_explicit(name, chunk, monkeypatch):
+    q, k, v, kwargs, allowed = build(CASES[name])
+    if chunk is not None:
+        monkeypatch.setattr("muonclip.attention.max_logits.DEFAULT_CHUNK_ELEMENTS", chunk * 2 * 4 * k.shape[2])
+    rec = MaxLogitRecorder(q.shape[1])
+    out = scaled_dot_product_attention(q, k, v, recorder=rec, **kwargs)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, **kwargs))
+    torch.testing.assert_close(rec.value, reference_max(q, k, allowed, kwargs.get("scale")), rtol=1e-5, atol=1e-5)
+    assert rec.value.dtype == torch.float32 and rec.value.grad_fn is None
+
+
+def test_chunk_size_keyword_and_causal_key_skipping():
+    q, k, _ = qkv(tq=13, tk=13)
+    ref = reference_max(q, k, causal(13, 13))
+    for chunk in (1, 2, 5, 13, 100):
+        torch.testing.assert_close(chunked_max_logits(q, k, is_causal=True, chunk_size=chunk), ref)
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunked_max_logits(q, k, chunk_size=0)
+
+
+def test_fully_masked_rows_contribute_nothing():
+    q, k, v = qkv(B=1, tq=4, tk=4)
+    mask = torch.ones(1, 4, 4, 4, dtype=torch.bool)
+    mask[0, 0] = False  # head 0: every row masked
+    mask[0, 1, 2] = False  # head 1: row 2 masked
+    rec = MaxLogitRecorder(4)
+    scaled_dot_product_attention(q, k, v, attn_mask=mask, recorder=rec)
+    assert rec.value[0] == -math.inf
+    torch.testing.assert_close(rec.value[1:], reference_max(q, k, mask)[1:])
+
+
+def test_gradients_match_sdpa_and_recording_in_no_grad():
+    q, k, v = qkv(hkv=2)
+    q1, k1, v1 = (t.clone().requires_grad_() for t in (q, k, v))
+    q2, k2, v2 = (t.clone().requires_grad_() for t in (q, k, v))
+    rec = MaxLogitRecorder(4)
+    scaled_dot_product_attention(q1, k1, v1, is_causal=True, enable_gqa=True, recorder=rec).square().sum().backward()
+    F.scaled_dot_product_attention(q2, k2, v2, is_causal=True, enable_gqa=True).square().sum().backward()
+    for a, b in ((q1, q2), (k1, k2), (v1, v2)):
+        assert torch.equal(a.grad, b.grad)
+    rec2 = MaxLogitRecorder(4)
+    with torch.no_grad():
+        scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, recorder=rec2)
+    assert torch.equal(rec.value, rec2.value)
+
+
+def test_dropout_does_not_change_output_or_max():
+    q, k, v = qkv()
+    torch.manual_seed(3)
+    rec = MaxLogitRecorder(4)
+    out = scaled_dot_product_attention(q, k, v, dropout_p=0.5, is_causal=True, recorder=rec)
+    torch.manual_seed(3)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, dropout_p=0.5, is_causal=True))
+    torch.testing.assert_close(rec.value, reference_max(q, k, causal(7, 7)))
+
+
+def test_micro_batches_accumulate_to_full_batch_max_and_reset():
+    q, k, v = qkv(B=4, hkv=2)
+    full, parts = MaxLogitRecorder(4), MaxLogitRecorder(4)
+    scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, recorder=full)
+    for sl in (slice(0, 2), slice(2, 4)):
+        scaled_dot_product_attention(q[sl], k[sl], v[sl], is_causal=True, enable_gqa=True, recorder=parts)
+    assert torch.equal(full.value, parts.value)
+    parts.reset()
+    assert parts.value is None
+
+
+def test_recorder_validation():
+    with pytest.raises(ValueError, match="n_heads"):
+        MaxLogitRecorder(0)
+    rec = MaxLogitRecorder(3)
+    with pytest.raises(ValueError, match=r"expected \(3,\)"):
+        rec.update(torch.zeros(4))
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="recorder has n_heads=3"):
+        scaled_dot_product_attention(q, k, v, recorder=rec)
+    with pytest.raises(ValueError, match="4-D"):
+        scaled_dot_product_attention(q[0], k[0], v[0], recorder=MaxLogitRecorder(4))
+    q, k, v = qkv(hkv=2)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        scaled_dot_product_attention(q, k, v, recorder=MaxLogitRecorder(4))
+    with pytest.raises(ValueError, match="broadcast"):
+        chunked_max_logits(q, k, attn_mask=torch.ones(3, 5, dtype=torch.bool), enable_gqa=True)
+
+
+def test_without_recorder_is_plain_sdpa():
+    q, k, v = qkv()
+    assert torch.equal(scaled_dot_product_attention(q, k, v, None, 0.0, True), F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_backend_switch_falls_back_on_cpu():
+    assert get_max_logit_backend() == "chunked"
+    with pytest.raises(ValueError, match="backend"):
+        set_max_logit_backend("fast")
+    q, k, v = qkv()
+    set_max_logit_backend("flex")
+    try:
+        rec = MaxLogitRecorder(4)
+        out = scaled_dot_product_attention(q, k, v, is_causal=True, recorder=rec)
+    finally:
+        set_max_logit_backend("chunked")
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    torch.testing.assert_close(rec.value, reference_max(q, k, causal(7, 7)))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    B=st.integers(1, 3), hkv=st.integers(1, 3), groups=st.integers(1, 3), tq=st.integers(1, 9), tk=st.integers(1, 9),
+    d=st.sampled_from([2, 4, 8]), causal_=st.booleans(), chunk=st.integers(1, 4), seed=st.integers(0, 1000),
+)
+def test_property_chunked_max_equals_explicit(B, hkv, groups, tq, tk, d, causal_, chunk, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, hkv * groups, tq, d, generator=g) * 3
+    k = torch.randn(B, hkv, tk, d, generator=g)
+    keep = torch.rand(B, 1, tq, tk, generator=g) > 0.3
+    allowed = keep & causal(tq, tk) if causal_ else keep
+    got = chunked_max_logits(q, k, attn_mask=keep, is_causal=causal_, enable_gqa=True, chunk_size=chunk)
+    torch.testing.assert_close(got, reference_max(q, k, allowed), rtol=1e-5, atol=1e-5)

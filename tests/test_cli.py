@@ -1,0 +1,206 @@
+"""`muonclip compare` / `muonclip train` end to end, and every bad input: message, exit code, no files."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+
+import pytest
+import torch
+
+import muonclip.cli.train as train_mod
+from muonclip.cli.checkpoint import load_checkpoint
+from muonclip.cli.config import make_config
+from muonclip.cli.main import main
+from muonclip.cli.metrics import read_rows
+from muonclip.data import builtin_corpus_dir, read_document
+
+TINY = ["--preset", "tiny", "--quiet", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "macbeth.txt"
+    path.write_text(read_document(builtin_corpus_dir() / "tragedies" / "macbeth.md"))
+    return str(path)
+
+
+def snapshot(folder):
+    """Every file under folder with its bytes (to show that nothing was written or changed)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_compare_end_to_end_writes_a_real_report(tmp_path, text, capsys):
+    out = tmp_path / "cmp"
+    rc = main(["compare", *TINY, "--data", text, "--out", str(out), "--steps", "12", "--set", "eval_every=4",
+               "--tau", "0.05"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    for name in ("val_loss.png", "max_logit.png", "clip_events.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (out / name).stat().st_size > 5000
+    summary = json.loads((out / "summary.json").read_text())["summary"]
+    assert [s["optimizer"] for s in summary] == ["adamw", "muon", "muonclip"]
+    for s in summary:
+        assert s["steps"] == 12 and s["tokens"] == 12 * 8 * 32
+        assert math.isfinite(s["final_val_loss"]) and 2.0 < s["final_val_loss"] < 6.0  # ln 256 = 5.55
+        assert math.isfinite(s["peak_max_logit"]) and s["step_time"] > 0 and s["wall_time"] > 0
+        rows = read_rows(out / s["optimizer"])
+        assert [r["step"] for r in rows] == list(range(1, 13))
+        assert s["final_val_loss"] == rows[-1]["val_loss"] and s["peak_max_logit"] == max(r["max_logit"] for r in rows)
+    by = {s["optimizer"]: s for s in summary}
+    assert by["adamw"]["step_time_ratio"] == 1.0
+    # tau = 0.05 is below the initial logits, so MuonClip clips (right from step 1) and plain runs never do
+    assert read_rows(out / "muonclip")[0]["clipped_heads"] > 0
+    assert by["muonclip"]["clip_steps"] >= 1 and by["muon"]["clip_events"] == by["adamw"]["clip_events"] == 0
+    assert by["muonclip"]["final_max_logit"] < by["muon"]["final_max_logit"]
+    md = (out / "summary.md").read_text()
+    table = [line for line in md.splitlines() if line.startswith("| ")]
+    assert len(table) == 4 and f"{by['muon']['final_val_loss']:.4f}" in table[2]
+    assert table[0] in printed and table[3] in printed
+    csv_lines = (out / "muonclip" / "metrics.csv").read_text().splitlines()
+    assert len(csv_lines) == 13 and csv_lines[0].startswith("step,tokens,loss,val_loss,lr,max_logit,max_logit_0")
+
+
+def test_train_interrupt_then_resume_matches_straight_run(tmp_path, text, monkeypatch, capsys):
+    args = ["train", *TINY, "--data", text, "--optimizer", "muonclip", "--steps", "6", "--tau", "0.05"]
+    assert main([*args, "--out", str(tmp_path / "straight")]) == 0
+
+    real = train_mod.forward_loss
+    calls = {"n": 0}
+
+    def forward(model, x, y):
+        if model.training:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                signal.raise_signal(signal.SIGINT)  # Ctrl-C during step 3
+        return real(model, x, y)
+
+    monkeypatch.setattr(train_mod, "forward_loss", forward)
+    assert main([*args, "--out", str(tmp_path / "run")]) == 130
+    assert "interrupted after step 3" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert main(["train", "--out", str(tmp_path / "run"), "--resume", "--quiet"]) == 0
+    a = load_checkpoint(tmp_path / "straight" / "checkpoint.pt")
+    b = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
+    assert a["step"] == b["step"] == 6
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
+
+
+def test_nonfinite_loss_stops_names_the_step_and_keeps_the_checkpoint(tmp_path, text, monkeypatch, capsys):
+    real = train_mod.forward_loss
+    calls = {"n": 0}
+
+    def forward(model, x, y):
+        loss = real(model, x, y)
+        if model.training:
+            calls["n"] += 1
+            if calls["n"] == 5:
+                return loss * float("nan")
+        return loss
+
+    monkeypatch.setattr(train_mod, "forward_loss", forward)
+    out = tmp_path / "run"
+    rc = main(["train", *TINY, "--data", text, "--optimizer", "muon", "--steps", "8", "--set", "checkpoint_every=2",
+               "--out", str(out)])
+    assert rc == 3
+    err = capsys.readouterr().err
+    assert "non-finite loss (nan) at step 5" in err and "checkpoint.pt" in err
+    data = load_checkpoint(out / "checkpoint.pt")
+    assert data["step"] == 4
+    assert all(torch.isfinite(v).all() for v in data["model"].values())
+    assert [r["step"] for r in read_rows(out)] == [1, 2, 3, 4]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "config.json", "metrics.csv", "metrics.jsonl"]
+
+
+def _bad(capsys, argv, match, code=2):
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == code, err
+    assert "muonclip: error:" in err and match in err, err
+    return err
+
+
+@pytest.mark.parametrize("command", ["train", "compare"])
+def test_bad_data_inputs(tmp_path, capsys, command):
+    out = tmp_path / "out"
+    base = [command, *TINY, "--out", str(out)]
+    _bad(capsys, [*base, "--data", str(tmp_path / "nope.txt")], "no such file or folder")
+    (tmp_path / "empty.txt").write_text("")
+    _bad(capsys, [*base, "--data", str(tmp_path / "empty.txt")], "is empty")
+    (tmp_path / "emptydir").mkdir()
+    _bad(capsys, [*base, "--data", str(tmp_path / "emptydir")], "holds no .txt/.md files")
+    (tmp_path / "small.txt").write_text("Out, damned spot! out, I say!\n" * 5)
+    _bad(capsys, [*base, "--data", str(tmp_path / "small.txt")], "fewer than one batch")
+    assert not out.exists()
+
+
+def test_bad_config_inputs(tmp_path, capsys, text):
+    out = tmp_path / "out"
+    base = ["train", *TINY, "--data", text, "--out", str(out)]
+    _bad(capsys, [*base, "--set", "n_layers=3"], "unknown field 'n_layers'")
+    _bad(capsys, [*base, "--set", "n_layer=two"], "expected int")
+    _bad(capsys, [*base, "--set", "n_embd=30", "--set", "n_head=4"], "divisible by n_head")
+    _bad(capsys, [*base, "--steps", "0"], "steps must be a positive integer")
+    _bad(capsys, ["compare", *TINY, "--data", text, "--out", str(out), "--optimizers", "adamw,sgd"], "'sgd'")
+    _bad(capsys, ["compare", *TINY, "--data", text, "--out", str(out), "--sweep", "1,x"], "--sweep expects")
+    assert not out.exists()
+
+
+def test_unwritable_out(tmp_path, capsys, text):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    _bad(capsys, ["train", *TINY, "--data", text, "--out", str(blocker / "run")], "is a file, not a folder")
+    _bad(capsys, ["compare", *TINY, "--data", text, "--out", str(blocker / "run")], "is a file, not a folder")
+    if os.geteuid() != 0:  # root ignores permissions
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(0o500)
+        try:
+            _bad(capsys, ["train", *TINY, "--data", text, "--out", str(locked / "run")], "permission denied")
+            assert list(locked.iterdir()) == []
+        finally:
+            locked.chmod(0o700)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"] + (["locked"] if os.geteuid() else [])
+
+
+def test_existing_output_is_never_overwritten(tmp_path, capsys, text):
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--data", text, "--steps", "2", "--out", str(run)]) == 0
+    before = snapshot(run)
+    _bad(capsys, ["train", *TINY, "--data", text, "--steps", "2", "--out", str(run)], "already holds a run")
+    _bad(capsys, ["compare", *TINY, "--data", text, "--steps", "2", "--out", str(run)], "already holds a run")
+    assert snapshot(run) == before
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    _bad(capsys, ["compare", *TINY, "--data", text, "--steps", "2", "--out", str(other)], "is not empty")
+    assert snapshot(other) == {"notes.txt": b"mine"}
+
+
+def test_bad_checkpoints_on_resume(tmp_path, capsys, text):
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--data", text, "--optimizer", "adamw", "--steps", "2", "--out", str(run)]) == 0
+    before = snapshot(run)
+    resume = ["train", "--quiet", "--out", str(run), "--resume"]
+    _bad(capsys, [*resume, "--optimizer", "muon"], "'adamw' run, this run uses 'muon'")
+    _bad(capsys, [*resume, "--set", "n_layer=3"], "another shape (n_layer: checkpoint 2, now 3)")
+    _bad(capsys, [*resume, "--preset", "tiny"], "--preset cannot be used with --resume")
+    assert snapshot(run) == before
+
+    (run / "checkpoint.pt").write_bytes(before["checkpoint.pt"][: len(before["checkpoint.pt"]) // 2])  # torn
+    torn = snapshot(run)
+    _bad(capsys, resume, "corrupt or unreadable")
+    assert snapshot(run) == torn
+    _bad(capsys, ["train", "--quiet", "--out", str(tmp_path / "nothing"), "--resume"], "no checkpoint at")
+    assert not (tmp_path / "nothing").exists()
+
+
+def test_presets_are_valid_and_logit_growth_removes_weight_decay():
+    for name in ("default", "tiny", "logit-growth"):
+        make_config(name)
+    lg, d = make_config("logit-growth"), make_config("default")
+    assert lg.weight_decay == 0.0 and d.weight_decay > 0 and lg.lr_muon > d.lr_muon

@@ -1,0 +1,446 @@
+"""Distributed Muon / MuonClip on torch.distributed: DDP and FSDP2, gloo on CPU, 2 processes.
+
+Every multi-rank check runs in processes started by ``torch.multiprocessing`` (a free port,
+gloo, a 60 s collective timeout, a wall-clock limit so that a hang fails instead of stalling)
+and compares against the single-process run of the same model on the same data, computed in
+the same process with ``process_group="local"`` (design.md 1.4).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import muonclip
+import muonclip.optim.muon as muon_mod
+from muonclip import Muon, param_groups
+from muonclip.distributed import assign_owners, checkpoint, local_rows, ns_flops, shard_rows
+from muonclip.models import GPT, GPTConfig
+from muonclip.qkclip.muonclip import MuonClip
+
+CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=3, n_embd=24)  # 3 heads of 8 rows: head 1 straddles 2 ranks
+OPT = dict(lr=0.02, weight_decay=0.1, orth_dtype=torch.float32)
+STEPS = 10
+TOL = 1e-5
+WORLD = 2
+
+
+# ------------------------------------------------------------------------------------------
+# harness
+# ------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, fn, args):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        fn(rank, world, *args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _launch(fn, *args, world=WORLD, limit_s=150):
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; fail (not hang) after ``limit_s``."""
+    ctx = mp.start_processes(_entry, args=(world, _free_port(), fn, args), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + limit_s
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{fn.__name__} did not finish in {limit_s} s on {world} ranks (a hang?)")
+
+
+def _model(seed=0, **kw) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**{**CFG, **kw}))
+
+
+def _batch(step, B=4, T=16):
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randint(0, CFG["vocab_size"], (B, T + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def _train(model, opt, steps, *, start=0, rank=0, world=1, after_step=None):
+    """``steps`` steps on the global batches ``start..``; each rank takes its equal share of the batch."""
+    for s in range(start, start + steps):
+        x, y = _batch(s)
+        n = x.shape[0] // world
+        _, loss = model(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if after_step is not None:
+            after_step(s)
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    model = getattr(model, "module", model)
+    return {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+
+
+def _opt_state(opt) -> dict[str, dict]:
+    out = {}
+    for g in opt.param_groups:
+        for name, p in zip(g["param_names"], g["params"]):
+            out[name] = {k: _full(v).clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()}
+    return out
+
+
+def _fsdp(model):
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def _reference(steps=STEPS, **opt_kw):
+    model = _model()
+    opt = Muon(param_groups(model), process_group="local", **{**OPT, **opt_kw})
+    _train(model, opt, steps)
+    return model, opt
+
+
+def _muon_matrices(model) -> list[tuple[int, int]]:
+    return [tuple(p.shape) for g in param_groups(model) if g["algorithm"] == "muon" for p in g["params"]]
+
+
+# ------------------------------------------------------------------------------------------
+# parity: DDP and FSDP2 match one process; NS once per matrix per step across the group
+# ------------------------------------------------------------------------------------------
+
+
+def _parity_worker(rank, world, out_dir, comm_dtype):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    calls: list[tuple[int, ...]] = []
+    real_orth = muon_mod.orthogonalize
+
+    def counting(V, *a, **k):
+        calls.append(tuple(V.shape))
+        return real_orth(V, *a, **k)
+
+    collectives: list[str] = []
+    wrapped = {}
+    for op in ("all_reduce", "all_gather_into_tensor", "all_to_all_single"):
+        real = getattr(dist, op)
+
+        def spy(*a, _op=op, _real=real, **k):
+            collectives.append(_op)
+            return _real(*a, **k)
+
+        wrapped[op] = real
+        setattr(dist, op, spy)
+    muon_mod.orthogonalize = counting
+    result = {}
+    try:
+        for mode in ("ddp", "fsdp"):
+            calls.clear()
+            collectives.clear()
+            model = _model()
+            if mode == "ddp":
+                groups, net = param_groups(model), DDP(model)
+            else:
+                net = _fsdp(model)
+                groups = param_groups(net)
+            opt = Muon(groups, comm_dtype=comm_dtype, **OPT)
+            flops = []
+            _train(net, opt, STEPS, rank=rank, world=world,
+                   after_step=lambda s, o=opt: flops.append((o.last_step_stats.ns_flops, o.last_step_stats.total_ns_flops)))
+            result[mode] = {"params": _params(net), "calls": list(calls), "collectives": list(collectives),
+                            "flops": flops, "bytes": opt.last_step_stats.comm.bytes_sent}
+    finally:
+        muon_mod.orthogonalize = real_orth
+        for op, real in wrapped.items():
+            setattr(dist, op, real)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory):
+    out = tmp_path_factory.mktemp("parity")
+    _launch(_parity_worker, str(out), None)
+    ranks = [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    ref, _ = _reference()
+    return ranks, _params(ref), _model()
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_parity_with_single_process_after_10_steps(parity, mode, record_property):
+    ranks, ref, _ = parity
+    diffs = [_max_diff(r[mode]["params"], ref) for r in ranks]
+    record_property(f"max_abs_diff_{mode}", max(diffs))
+    print(f"{mode}: max |param - single-process param| after {STEPS} steps = {max(diffs):.3g}")
+    assert max(diffs) <= TOL
+    assert _max_diff(ranks[0][mode]["params"], ranks[1][mode]["params"]) == 0.0  # replicas agree exactly
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_newton_schulz_runs_once_per_matrix_per_step_on_whole_matrices(parity, mode):
+    ranks, _, model = parity
+    matrices = _muon_matrices(model)
+    whole = {(a, b) for a, b in matrices}
+    per_rank = [sum(c[0] for c in r[mode]["calls"]) for r in ranks]
+    assert sum(per_rank) == STEPS * len(matrices)  # every matrix exactly once per step, group-wide
+    assert all(n > 0 for n in per_rank)  # the work is shared
+    for r in ranks:
+        assert {c[1:] for c in r[mode]["calls"]} <= whole  # never a shard: only whole-matrix shapes
+        mine, total = r[mode]["flops"][-1]
+        assert total == sum(ns_flops([(1, a, b)], 5) for a, b in matrices)
+        assert mine <= 0.6 * total  # balanced: about 1/2 each
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_every_rank_runs_the_same_collectives(parity, mode):
+    ranks, _, _ = parity
+    seqs = [r[mode]["collectives"] for r in ranks]
+    assert seqs[0] == seqs[1] and len(seqs[0]) >= STEPS
+
+
+# ------------------------------------------------------------------------------------------
+# MuonClip under FSDP2 clips the same heads with the same factors
+# ------------------------------------------------------------------------------------------
+
+TAU = 0.7
+
+
+def _clip_model():
+    model = _model()
+    with torch.no_grad():
+        for attn in model.attention_modules():  # large q/k so that some heads pass tau
+            attn.q_proj.weight.mul_(torch.tensor([4.0] * 8 + [8.0] * 8 + [1.0] * 8)[:, None])
+            attn.k_proj.weight.mul_(4.0)
+    return model
+
+
+def _clip_run(model, opt, rank=0, world=1):
+    log = []
+
+    def record(step):
+        log.append({n: (opt.last_max_logits[n].clone(), opt.last_clipped[n].clone()) for n in opt.last_max_logits})
+
+    _train(model, opt, 4, rank=rank, world=world, after_step=record)
+    return log
+
+
+def _clip_worker(rank, world, out_dir):
+    net = _fsdp(_clip_model())
+    opt = MuonClip(net, tau=TAU, **OPT)
+    log = _clip_run(net, opt, rank, world)
+    torch.save({"log": log, "params": _params(net)}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_muonclip_fsdp2_clips_the_same_heads_with_the_same_factors(tmp_path):
+    _launch(_clip_worker, str(tmp_path))
+    model = _clip_model()
+    opt = MuonClip(model, tau=TAU, process_group="local", **OPT)
+    ref = _clip_run(model, opt)
+    n_clipped = sum(int(c.sum()) for step in ref for _, c in step.values())
+    assert 0 < n_clipped < sum(c.numel() for step in ref for _, c in step.values())  # the test can tell
+    for r in range(WORLD):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        assert len(got["log"]) == len(ref)
+        for mine, theirs in zip(got["log"], ref):
+            assert mine.keys() == theirs.keys()
+            for name, (s, clipped) in mine.items():
+                s_ref, clipped_ref = theirs[name]
+                assert torch.equal(clipped, clipped_ref), name
+                gamma, gamma_ref = (TAU / s).clamp(max=1), (TAU / s_ref).clamp(max=1)
+                torch.testing.assert_close(gamma, gamma_ref, rtol=1e-5, atol=0)
+        assert _max_diff(got["params"], _params(model)) <= TOL
+
+
+# ------------------------------------------------------------------------------------------
+# checkpoints: 2 ranks -> 1 process and 1 process -> 2 ranks
+# ------------------------------------------------------------------------------------------
+
+
+def _ckpt_save_worker(rank, world, out_dir):
+    net = _fsdp(_model())
+    opt = Muon(param_groups(net), **OPT)
+    _train(net, opt, 3, rank=rank, world=world)
+    checkpoint.save(os.path.join(out_dir, "ckpt2"), net, opt, extra={"step": 3})
+    saved = {"params": _params(net), "state": _opt_state(opt), "steps_taken": opt.steps_taken}
+    _train(net, opt, 3, start=3, rank=rank, world=world)
+    final = _params(net)  # full_tensor() is a collective: every rank calls it
+    if rank == 0:
+        torch.save({"saved": saved, "final": final}, os.path.join(out_dir, "from2.pt"))
+
+
+def _ckpt_load_worker(rank, world, out_dir):
+    net = _fsdp(_model(seed=123))  # different init: everything must come from the checkpoint
+    opt = Muon(param_groups(net), **OPT)
+    extra = checkpoint.load(os.path.join(out_dir, "ckpt1"), net, opt)
+    loaded = {"params": _params(net), "state": _opt_state(opt), "steps_taken": opt.steps_taken, "extra": extra}
+    _train(net, opt, 3, start=3, rank=rank, world=world)
+    final = _params(net)
+    if rank == 0:
+        torch.save({"loaded": loaded, "final": final}, os.path.join(out_dir, "on2.pt"))
+
+
+def _assert_same_state(a, b):
+    assert a["steps_taken"] == b["steps_taken"]
+    assert _max_diff(a["params"], b["params"]) == 0.0
+    assert a["state"].keys() == b["state"].keys()
+    for name in a["state"]:
+        sa, sb = a["state"][name], b["state"][name]
+        assert sa.keys() == sb.keys(), name
+        for k in sa:
+            if torch.is_tensor(sa[k]):
+                assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), (name, k)
+            else:
+                assert sa[k] == sb[k], (name, k)
+
+
+def test_checkpoint_saved_on_2_ranks_loads_on_1_and_continues(tmp_path):
+    _launch(_ckpt_save_worker, str(tmp_path))
+    got = torch.load(tmp_path / "from2.pt")
+    model = _model(seed=123)
+    opt = Muon(param_groups(model), process_group="local", **OPT)
+    extra = checkpoint.load(tmp_path / "ckpt2", model, opt)
+    assert extra == {"step": 3}
+    _assert_same_state({"params": _params(model), "state": _opt_state(opt), "steps_taken": opt.steps_taken},
+                       got["saved"])
+    _train(model, opt, 3, start=3)
+    assert _max_diff(_params(model), got["final"]) <= TOL
+
+
+def test_checkpoint_saved_on_1_process_loads_on_2_ranks_and_continues(tmp_path):
+    model = _model()
+    opt = Muon(param_groups(model), process_group="local", **OPT)
+    _train(model, opt, 3)
+    checkpoint.save(tmp_path / "ckpt1", model, opt, extra={"step": 3})
+    saved = {"params": _params(model), "state": _opt_state(opt), "steps_taken": opt.steps_taken}
+    _train(model, opt, 3, start=3)
+    _launch(_ckpt_load_worker, str(tmp_path))
+    got = torch.load(tmp_path / "on2.pt")
+    assert got["loaded"]["extra"] == {"step": 3}
+    _assert_same_state(got["loaded"], saved)
+    assert _max_diff(got["final"], _params(model)) <= TOL
+
+
+# ------------------------------------------------------------------------------------------
+# bad input: clear errors on every rank, never a hang
+# ------------------------------------------------------------------------------------------
+
+
+def _expect(exc, match, fn):
+    with pytest.raises(exc, match=match):
+        fn()
+
+
+def _errors_worker(rank, world, out_dir):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    # a gradient on rank 0 only: both ranks raise, nobody waits in a collective
+    a, b = torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(6, 4))
+    opt = Muon([a, b], lr=0.1)
+    a.grad = torch.ones_like(a)
+    if rank == 0:
+        b.grad = torch.ones_like(b)
+    _expect(ValueError, "some ranks but not on others", opt.step)
+    # a rank with no Muon gradient at all still enters the same collectives
+    a.grad = torch.ones_like(a) if rank == 1 else None
+    b.grad = None
+    _expect(ValueError, "some ranks but not on others", opt.step)
+    # parameters that differ across ranks (shapes)
+    c = torch.nn.Parameter(torch.randn(6, 4 + rank))
+    c.grad = torch.ones_like(c)
+    _expect(ValueError, "differ across ranks", Muon([c], lr=0.1).step)
+    # parameters present on every rank without a gradient anywhere are skipped, consistently
+    a.grad, b.grad = torch.ones_like(a), None
+    before = b.detach().clone()
+    opt.step()
+    assert torch.equal(b.detach(), before)
+    # mixed meshes
+    mesh_a, mesh_b = DeviceMesh("cpu", [0, 1]), DeviceMesh("cpu", [1, 0])
+    d1 = torch.nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh_a, [Shard(0)]))
+    d2 = torch.nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh_b, [Shard(0)]))
+    for d in (d1, d2):
+        d.grad = torch.ones_like(d)
+    _expect(ValueError, "mixed meshes", Muon([d1, d2], lr=0.1).step)
+    # a sharding Muon cannot gather rows from
+    d3 = torch.nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh_a, [Shard(1)]))
+    d3.grad = torch.ones_like(d3)
+    _expect(ValueError, "Shard\\(0\\)", Muon([d3], lr=0.1).step)
+    # a DTensor parameter after the process group is gone
+    opt = Muon([d1], lr=0.1)
+    dist.destroy_process_group()
+    _expect(RuntimeError, "not initialised", opt.step)
+    with open(os.path.join(out_dir, f"ok{rank}"), "w") as f:
+        json.dump(True, f)
+
+
+def test_bad_input_gives_the_same_clear_error_on_every_rank(tmp_path):
+    _launch(_errors_worker, str(tmp_path))
+    assert all((tmp_path / f"ok{r}").exists() for r in range(WORLD))
+
+
+# ------------------------------------------------------------------------------------------
+# single-process pieces
+# ------------------------------------------------------------------------------------------
+
+
+def test_plan_is_balanced_deterministic_and_total():
+    costs = [ns_flops([(1, a, b)], 5) for a, b in [(64, 64)] * 6 + [(256, 64)] * 4 + [(8, 8)]]
+    for world in (1, 2, 3, 4):
+        plan = assign_owners(costs, world)
+        assert plan == assign_owners(list(costs), world)
+        assert sorted(plan.owners) == sorted(plan.owners) and len(plan.owners) == len(costs)
+        assert sum(plan.flops) == sum(costs)
+        assert max(plan.flops) <= sum(costs) / world + max(costs)  # LPT bound
+    assert ns_flops([(3, 16, 32)], 5) == 3 * 5 * (4 * 16 * 16 * 32 + 2 * 16**3)
+
+
+@pytest.mark.parametrize("rows, world", [(24, 2), (7, 2), (5, 4), (3, 4)])
+def test_shard_rows_match_torch_chunk(rows, world):
+    chunks = torch.arange(rows).chunk(world)
+    for r in range(world):
+        offset, n = shard_rows(rows, world, r)
+        expect = chunks[r] if r < len(chunks) else torch.empty(0)
+        assert n == expect.numel() and (n == 0 or offset == int(expect[0]))
+
+
+def test_local_rows_of_a_plain_tensor_is_the_tensor():
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    t, offset = local_rows(w)
+    assert offset == 0 and t.data_ptr() == w.data_ptr()
+
+
+def test_one_process_without_a_group_needs_no_distributed_setup():
+    assert not dist.is_initialized()
+    model, opt = _reference(steps=2)
+    assert opt.last_step_stats.world_size == 1 and opt.last_step_stats.comm.bytes_sent == 0
+    assert opt.last_step_stats.matrices == len(_muon_matrices(model))
+    assert muonclip.Muon is Muon

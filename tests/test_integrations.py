@@ -1,0 +1,312 @@
+"""HF Trainer and PyTorch Lightning with MuonClip (tiny models built from configs, offline).
+
+* HF Trainer, ``gradient_accumulation_steps=2``: the max logits the clip used equal the max over
+  both micro-batches of an independent reference (q, k recomputed from each attention call's
+  inputs with transformers' own RoPE, ``scaling * q.k`` explicit and causally masked); the
+  callback's logged figures equal MuonClip's record; evaluation does not leak into the clip.
+* Lightning, ``accumulate_grad_batches=2``: the clip uses the max of both micro-batches; the
+  callback's figures equal the record; train 1 epoch, checkpoint, resume to 2 epochs ==
+  2 epochs uninterrupted, bit for bit (same CPU kernels in the same order; data not shuffled).
+* ``update_rms`` against a known result: with exact orthogonalisation (``method="svd"``) and
+  ``update_scale="rms"`` the update of a full-rank matrix has RMS exactly 0.2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import muonclip
+from muonclip import MuonClip
+from muonclip.integrations.stats import StepMetrics, UpdateRMS, unwrap_optimizer
+from muonclip.models import GPT, GPTConfig
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _spy_clips(opt: MuonClip) -> list[tuple[dict, dict]]:
+    """Record (last_max_logits, last_clipped) after every clip of ``opt``."""
+    clips: list[tuple[dict, dict]] = []
+    clip = opt.clip
+
+    def spy() -> None:
+        clip()
+        clips.append(({k: v.clone() for k, v in opt.last_max_logits.items()},
+                      {k: v.clone() for k, v in opt.last_clipped.items()}))
+
+    opt.clip = spy
+    return clips
+
+
+def _figures(max_logits: dict, clipped: dict) -> tuple[float, float]:
+    return (max(float(v.max()) for v in max_logits.values()), float(sum(int(c.sum()) for c in clipped.values())))
+
+
+# ----------------------------------------------------------------------------------------------
+# update RMS: known result
+# ----------------------------------------------------------------------------------------------
+
+
+def test_update_rms_is_0_2_for_exact_orthogonalisation_with_rms_scale():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 24, bias=False), nn.Linear(24, 8, bias=False))
+    opt = muonclip.Muon(model.parameters(), lr=0.01, weight_decay=0.1, update_scale="rms", method="svd",
+                        orth_dtype=torch.float64)
+    meter = UpdateRMS(opt)
+    for _ in range(2):
+        model(torch.randn(32, 16)).square().mean().backward()
+        meter.before()
+        opt.step()
+        opt.zero_grad()
+        # every U = 0.2 sqrt(max(A, B)) * (orthogonal A x B), so mean(U^2) = 0.04 max(A,B) min(A,B) / (A B)
+        assert meter.after() == pytest.approx(0.2, rel=1e-4)
+    # "shape" scale sqrt(max(1, A/B)): RMS = sqrt(sum_i scale_i^2 min_i / sum_i A_i B_i) — a different, known value
+    opt2 = muonclip.Muon(model.parameters(), lr=0.01, update_scale="shape", method="svd", orth_dtype=torch.float64)
+    meter2 = UpdateRMS(opt2)
+    model(torch.randn(32, 16)).square().mean().backward()
+    meter2.before()
+    opt2.step()
+    # weights (24, 16): scale^2 = 1.5, 16 unit singular values; (8, 24): scale^2 = 1, 8 of them
+    expected = math.sqrt((1.5 * 16 + 1.0 * 8) / (24 * 16 + 8 * 24))
+    assert meter2.after() == pytest.approx(expected, rel=1e-4)
+
+
+def test_step_metrics_refuses_a_foreign_optimizer_and_unwraps_wrappers():
+    p = nn.Parameter(torch.zeros(3, 3))
+    with pytest.raises(TypeError, match="muonclip.Muon"):
+        StepMetrics().before_step(torch.optim.SGD([p], lr=0.1))
+
+    class Wrapper:
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+    opt = muonclip.Muon([p])
+    assert unwrap_optimizer(Wrapper(Wrapper(opt))) is opt
+
+
+def test_import_muonclip_needs_no_framework():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('transformers', 'lightning', 'pytorch_lightning', 'tensorboard'):\n"
+        "            raise ImportError('blocked ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import muonclip, muonclip.integrations\n"
+        "from muonclip.integrations import step_metrics\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face Trainer
+# ----------------------------------------------------------------------------------------------
+
+
+def _eager_max_logits(attn: nn.Module, hidden: torch.Tensor, position_embeddings) -> torch.Tensor:
+    """Per-head max of scaling * q.k over causal pairs, from the attention module's inputs."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    B, T, _ = hidden.shape
+    hd = attn.head_dim
+    q = attn.q_proj(hidden).view(B, T, -1, hd).transpose(1, 2)  # (B, nh, T, hd)
+    k = attn.k_proj(hidden).view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hd)
+    cos, sin = position_embeddings
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # (B, nh, T, hd)
+    s = (q.double() @ k.double().transpose(-1, -2)) * attn.scaling  # (B, nh, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    return s.masked_fill(~causal, -math.inf).amax(dim=(0, 2, 3)).float()  # (nh,)
+
+
+def test_hf_trainer_grad_accumulation_clip_sees_both_micro_batches_and_callback_logs_the_record(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    from muonclip.integrations.hf_trainer import MuonClipTrainerCallback
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, initializer_range=0.25,
+                      max_position_embeddings=64, pad_token_id=0)
+    model = LlamaForCausalLM(cfg)
+    tau = 2.0
+    opt = MuonClip(model, lr=0.02, tau=tau)
+    clips = _spy_clips(opt)
+
+    # independent per-micro-batch reference, training forwards only
+    refs: dict[str, list[torch.Tensor]] = {}
+    names = {}
+    for name, module in model.named_modules():
+        if type(module).__name__ == "LlamaAttention":
+            names[module] = name
+
+            def hook(module, args, kwargs, _name=name):
+                if module.training:
+                    hidden = args[0] if args else kwargs["hidden_states"]
+                    with torch.no_grad():
+                        refs.setdefault(_name, []).append(_eager_max_logits(module, hidden, kwargs["position_embeddings"]))
+
+            module.register_forward_pre_hook(hook, with_kwargs=True)
+    assert len(names) == 2
+
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(1, 64, (12,), generator=g) for _ in range(8)]
+    train = [{"input_ids": r, "labels": r.clone()} for r in rows]
+    evals = [{"input_ids": r, "labels": r.clone()} for r in rows[:2]]
+
+    class Reporter(TrainerCallback):  # stands for TensorBoard / W&B: a reporter that runs after ours
+        def __init__(self):
+            self.logs = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logs.append(dict(logs))
+
+    reporter = Reporter()
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, per_device_eval_batch_size=2,
+        gradient_accumulation_steps=2, max_steps=2, logging_steps=1, eval_strategy="steps", eval_steps=1,
+        report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=evals, optimizers=(opt, None),
+                      callbacks=[reporter])
+    callback = MuonClipTrainerCallback().install(trainer)
+    assert trainer.callback_handler.callbacks[0] is callback
+    trainer.train()
+
+    # two optimizer steps, each after two training micro-batches (eval forwards are not in refs)
+    assert opt.steps_taken == 2 and len(clips) == 2
+    mixed = 0
+    for step, (max_logits, clipped) in enumerate(clips):
+        assert set(max_logits) == set(refs)
+        for name in refs:
+            a, b = refs[name][2 * step], refs[name][2 * step + 1]
+            expected = torch.maximum(a, b)
+            torch.testing.assert_close(max_logits[name], expected, rtol=1e-4, atol=1e-5)
+            assert torch.equal(clipped[name], expected > tau)
+            mixed += int(((a > b).any() & (b > a).any()).item())
+    assert mixed > 0, "the data never made both micro-batches hold a head's max: the test could not tell them apart"
+    n_clipped = [int(sum(c.sum() for c in clipped.values())) for _, clipped in clips]
+    assert 0 < sum(n_clipped) < 2 * 2 * 4, f"tau should clip some heads but not all, got {n_clipped}"
+
+    # the callback's figures == MuonClip's record, in log_history and in the reporter that runs after it
+    train_logs = [h for h in trainer.state.log_history if "loss" in h and "eval_loss" not in h]
+    seen = [h for h in reporter.logs if "loss" in h]
+    assert [h["step"] for h in train_logs] == [1, 2] and len(seen) == 2
+    for (max_logits, clipped), hist, rep in zip(clips, train_logs, seen):
+        m, c = _figures(max_logits, clipped)
+        for logs in (hist, rep):
+            assert logs["muonclip/max_logit"] == pytest.approx(m, rel=1e-6)
+            assert logs["muonclip/max_logit_peak"] == pytest.approx(m, rel=1e-6)
+            assert logs["muonclip/clipped_heads"] == c
+            assert logs["muonclip/clipped_fraction"] == pytest.approx(c / 8)
+            assert 0.05 < logs["muonclip/update_rms"] < 0.25  # rms scale: ~0.2 times ns5's singular values
+    assert not any(k.startswith("muonclip/") for h in trainer.state.log_history if "eval_loss" in h for k in h)
+
+
+# ----------------------------------------------------------------------------------------------
+# PyTorch Lightning
+# ----------------------------------------------------------------------------------------------
+
+GPT_CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
+
+
+def _lightning_module(tau: float):
+    import lightning.pytorch as pl
+
+    class LitGPT(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = GPT(GPTConfig(**GPT_CFG))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return self.model(x, y)[1]
+
+        def configure_optimizers(self):
+            opt = MuonClip(self.model, lr=0.02, tau=tau)
+            self.clips = _spy_clips(opt)
+            return opt
+
+    return LitGPT()
+
+
+def _loader():
+    g = torch.Generator().manual_seed(2)
+    data = torch.randint(0, 64, (8, 17), generator=g)
+    ds = torch.utils.data.TensorDataset(data[:, :-1], data[:, 1:])
+    return torch.utils.data.DataLoader(ds, batch_size=2, shuffle=False)
+
+
+def _trainer(max_epochs: int, callbacks):
+    import lightning.pytorch as pl
+
+    return pl.Trainer(
+        max_epochs=max_epochs, accumulate_grad_batches=2, accelerator="cpu", devices=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+    )
+
+
+def test_lightning_accumulation_callback_and_resume_is_identical(tmp_path):
+    pytest.importorskip("lightning")
+    from muonclip.integrations.lightning import MuonClipLightningCallback
+
+    tau = 0.05  # this tiny GPT's max logits are ~0.05-0.07 per step: some heads clip, some do not
+    # uninterrupted: 2 epochs x 4 batches / accumulate 2 = 4 optimizer steps
+    full = _lightning_module(tau)
+    updates: dict[int, list[torch.Tensor]] = {}
+    for i, attn in enumerate(full.model.attention_modules()):
+        rec = attn.recorder
+        orig = rec.update
+
+        def update(per_head_max, _i=i, _orig=orig):
+            updates.setdefault(_i, []).append(per_head_max.detach().clone())
+            _orig(per_head_max)
+
+        rec.update = update
+    callback = MuonClipLightningCallback()
+    trainer = _trainer(2, [callback])
+    trainer.fit(full, _loader())
+    opt = unwrap_optimizer(trainer.optimizers[0])
+    assert isinstance(opt, MuonClip) and opt.steps_taken == 4
+    # the last clip used the max over the last two micro-batches
+    for i in range(2):
+        expected = torch.maximum(updates[i][-2], updates[i][-1])
+        assert torch.equal(opt.last_max_logits[f"blocks.{i}.attn"], expected)
+    m, c = _figures(opt.last_max_logits, opt.last_clipped)
+    assert float(trainer.callback_metrics["muonclip/max_logit"]) == pytest.approx(m, rel=1e-6)
+    assert float(trainer.callback_metrics["muonclip/clipped_heads"]) == c
+    assert "muonclip/update_rms" in trainer.callback_metrics
+
+    # interrupted: 1 epoch, checkpoint, resume to 2 epochs in a fresh module and trainer
+    first = _lightning_module(tau)
+    t1 = _trainer(1, [MuonClipLightningCallback()])
+    t1.fit(first, _loader())
+    ckpt = tmp_path / "epoch1.ckpt"
+    t1.save_checkpoint(ckpt)
+    resumed = _lightning_module(tau)
+    t2 = _trainer(2, [MuonClipLightningCallback()])
+    t2.fit(resumed, _loader(), ckpt_path=str(ckpt))
+    opt2 = unwrap_optimizer(t2.optimizers[0])
+    assert opt2.steps_taken == 4 and t2.global_step == trainer.global_step == 4
+    for (name, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), f"{name} differs after resume"
+    for p_full, p_res in zip(full.parameters(), resumed.parameters()):
+        for key in opt.state[p_full]:
+            sa, sb = opt.state[p_full][key], opt2.state[p_res][key]
+            assert torch.equal(torch.as_tensor(sa), torch.as_tensor(sb)), key
+    n_clipped = [sum(int(c.sum()) for c in clipped.values()) for _, clipped in full.clips]
+    assert len(n_clipped) == 4 and 0 < sum(n_clipped) < 4 * 8, f"tau should clip some heads, not all: {n_clipped}"
+    assert sum(n_clipped[:2]) > 0, "the checkpointed epoch should include clipped steps"

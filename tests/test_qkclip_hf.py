@@ -1,0 +1,432 @@
+"""QK-Clip on Hugging Face transformers models built from tiny configs (never downloaded).
+
+Reference for every max logit: a test-only attention function that captures the query (after
+RoPE), key and mask transformers hands to its stock SDPA implementation, and computes
+``scaling * q.k`` explicitly, masked, per head.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import (  # noqa: E402
+    AttentionInterface,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
+
+from muonclip.qkclip.hf import ATTN_IMPLEMENTATION, RECORDER_ATTR, attach  # noqa: E402
+from muonclip.qkclip.layouts import GQALayout, MHALayout, MLALayout  # noqa: E402
+
+VOCAB, B, T = 64, 3, 9
+
+# ----------------------------------------------------------------------------------------------
+# tiny models
+# ----------------------------------------------------------------------------------------------
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, pad_token_id=0)
+
+
+def _llama(n_kv: int):
+    return LlamaForCausalLM(LlamaConfig(**COMMON, num_attention_heads=4, num_key_value_heads=n_kv, head_dim=8))
+
+
+def _qwen2(n_kv: int, sliding_window: int | None = None):
+    window = dict(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=0) if sliding_window else {}
+    return Qwen2ForCausalLM(Qwen2Config(**COMMON, num_attention_heads=4, num_key_value_heads=n_kv, **window))
+
+
+def _dsv3(q_lora_rank: int | None):
+    cfg = DeepseekV3Config(
+        **COMMON, moe_intermediate_size=16, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora_rank,
+        kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, first_k_dense_replace=1,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
+    )
+    return DeepseekV3ForCausalLM(cfg)
+
+
+MODELS = {
+    "llama-mha": (lambda: _llama(4), MHALayout),
+    "llama-gqa": (lambda: _llama(2), GQALayout),
+    "qwen2-gqa-bias": (lambda: _qwen2(2), GQALayout),
+    "qwen2-mqa-bias": (lambda: _qwen2(1), GQALayout),
+    "qwen2-sliding-window": (lambda: _qwen2(2, sliding_window=3), GQALayout),  # mask kept for sliding layers too
+    "dsv3-mla-qlora": (lambda: _dsv3(16), MLALayout),
+    "dsv3-mla-qproj": (lambda: _dsv3(None), MLALayout),
+}
+
+
+def build(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = MODELS[kind][0]().float().eval()
+    with torch.no_grad():  # larger q/k weights: logits of order 5-30, heads spread apart; non-zero biases
+        for name, p in model.named_parameters():
+            if any(s in name for s in ("q_proj", "k_proj", "q_b_proj", "kv_b_proj", "kv_a_proj")) and p.ndim == 2:
+                p.mul_(torch.linspace(10.0, 30.0, p.shape[0])[:, None])
+            if name.endswith("_proj.bias"):
+                p.normal_(0.0, 0.5)
+    return model
+
+
+def batch(seed: int = 1):
+    """Input ids and a LEFT-padded attention mask (row 1: 3 pads, row 2: 5 pads)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (B, T), generator=g)
+    am = torch.ones(B, T, dtype=torch.long)
+    am[1, :3] = 0
+    am[2, :5] = 0
+    return ids.masked_fill(am == 0, 0), am
+
+
+# ----------------------------------------------------------------------------------------------
+# the reference: capture what stock SDPA attention receives, compute masked logits explicitly
+# ----------------------------------------------------------------------------------------------
+
+CAPTURE = "muonclip_test_capture"
+_captured: dict[int, torch.Tensor] = {}
+
+
+def _explicit_max(query, key, mask, scaling):
+    """Per-head max of scaling * q.k over allowed pairs; q (B, nh, Tq, D), k (B, nkv, Tk, D)."""
+    nh, nkv = query.shape[1], key.shape[1]
+    k = key.repeat_interleave(nh // nkv, dim=1)
+    s = scaling * (query.double() @ k.double().transpose(-1, -2))  # (B, nh, Tq, Tk)
+    if mask is None:  # stock sdpa uses is_causal for q_len > 1 without a mask
+        tq, tk = s.shape[-2:]
+        allowed = torch.ones(tq, tk, dtype=torch.bool).tril()
+    else:
+        assert mask.dtype == torch.bool
+        allowed = mask
+    return s.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3)).float()
+
+
+def _capture_forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    m = _explicit_max(query, key, attention_mask, scaling)
+    prev = _captured.get(module.layer_idx)
+    _captured[module.layer_idx] = m if prev is None else torch.maximum(prev, m)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+AttentionInterface.register(CAPTURE, _capture_forward)
+AttentionMaskInterface.register(CAPTURE, sdpa_mask)
+
+
+def attention_modules(model) -> dict[str, torch.nn.Module]:
+    return {n: m for n, m in model.named_modules() if hasattr(m, "layer_idx") and type(m).__name__.endswith("Attention")}
+
+
+def reference_max(model, ids, am) -> dict[str, torch.Tensor]:
+    """Explicit per-head max logits of one forward on the stock SDPA path; restores the implementation."""
+    impl = model.config._attn_implementation
+    model.set_attn_implementation(CAPTURE)
+    _captured.clear()
+    try:
+        with torch.no_grad():
+            model(ids, attention_mask=am, use_cache=False)
+    finally:
+        model.set_attn_implementation(impl)
+    return {n: _captured[m.layer_idx] for n, m in attention_modules(model).items()}
+
+
+def replay_max(model, saved) -> dict[str, torch.Tensor]:
+    """Max logits of each attention module re-run on its own saved inputs (so clipping layer 0
+    does not change layer 1's input)."""
+    impl = model.config._attn_implementation
+    model.set_attn_implementation(CAPTURE)
+    _captured.clear()
+    out = {}
+    try:
+        with torch.no_grad():
+            for n, m in attention_modules(model).items():
+                args, kwargs = saved[n]
+                m(*args, **kwargs)
+                out[n] = _captured[m.layer_idx]
+    finally:
+        model.set_attn_implementation(impl)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# attach: layouts, attention output, mask, recorded maxima
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_attach_finds_layers_and_layouts(kind):
+    model = build(kind)
+    layers = attach(model)
+    assert [ly.name for ly in layers] == [f"model.layers.{i}.self_attn" for i in range(2)]
+    assert all(type(ly.layout) is MODELS[kind][1] for ly in layers)
+    assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+    attn = model.model.layers[0].self_attn
+    lay = layers[0].layout
+    assert getattr(attn, RECORDER_ATTR) is layers[0].recorder and layers[0].recorder.n_heads == 4
+    if isinstance(lay, MLALayout):
+        q = attn.q_b_proj if attn.q_b_proj is not None else attn.q_proj
+        assert lay.q_weight is q.weight and lay.kv_b_weight is attn.kv_b_proj.weight
+        assert (lay.qk_nope_head_dim, lay.qk_rope_head_dim, lay.v_head_dim) == (8, 4, 6)
+    else:
+        assert lay.q_weight is attn.q_proj.weight and lay.k_weight is attn.k_proj.weight
+        assert lay.q_bias is attn.q_proj.bias and lay.k_bias is attn.k_proj.bias
+        assert (lay.q_bias is not None) == kind.startswith("qwen2")
+    # attaching again keeps the same recorders (MuonClip's discovery may call it after the user)
+    again = attach(model)
+    assert all(a.recorder is b.recorder for a, b in zip(layers, again))
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_output_and_grads_equal_stock_sdpa_with_padding(kind):
+    ids, am = batch()
+    ref = build(kind)
+    ours = copy.deepcopy(ref)
+    layers = attach(ours)
+    assert ref.config._attn_implementation == "sdpa"
+    for mask in (am, None):
+        ref.zero_grad()
+        ours.zero_grad()
+        a = ref(ids, attention_mask=mask, use_cache=False).logits
+        b = ours(ids, attention_mask=mask, use_cache=False).logits
+        real = (am.bool() if mask is not None else torch.ones_like(am, dtype=torch.bool))[..., None]
+        torch.testing.assert_close(b * real, a * real, rtol=1e-6, atol=1e-6)
+        (a * real).square().sum().backward()
+        (b * real).square().sum().backward()
+        for (n, p), q in zip(ref.named_parameters(), ours.parameters()):
+            if p.grad is not None:
+                torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=n)
+    # the mask is kept: without it, the real tokens of the left-padded rows would read the pads
+    with torch.no_grad():
+        masked = ours(ids, attention_mask=am, use_cache=False).logits
+        unmasked = ours(ids, use_cache=False).logits
+    assert not torch.allclose(masked[1, 3:], unmasked[1, 3:], atol=1e-4)
+    assert all(ly.recorder.value is not None for ly in layers)
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_recorded_max_equals_explicit_masked_max(kind):
+    model = build(kind)
+    ids, am = batch()
+    layers = attach(model)
+    for mask in (None, am):  # GQA through enable_gqa (no mask) and through repeated heads (mask)
+        ref = reference_max(model, ids, mask)
+        with torch.no_grad():
+            model(ids, attention_mask=mask, use_cache=False)
+        for ly in layers:
+            torch.testing.assert_close(ly.recorder.value, ref[ly.name], rtol=1e-5, atol=1e-5)
+            assert torch.isfinite(ly.recorder.value).all()  # real logits, not the masked -inf/finfo.min
+            ly.recorder.reset()
+    with torch.no_grad():
+        model(ids, attention_mask=am, use_cache=False)
+    # running max over two micro-batches == max over both; reset forgets
+    ids2, am2 = batch(seed=7)
+    ref2 = reference_max(model, ids2, am2)
+    with torch.no_grad():
+        model(ids2, attention_mask=am2, use_cache=False)
+    for ly in layers:
+        torch.testing.assert_close(ly.recorder.value, torch.maximum(ref[ly.name], ref2[ly.name]), rtol=1e-5, atol=1e-5)
+        ly.recorder.reset()
+        assert ly.recorder.value is None
+
+
+def test_mask_is_lost_without_the_mask_registration():
+    """Why the mask interface matters: transformers builds no mask for an unknown implementation."""
+    model = build("llama-gqa")
+    ids, am = batch()
+    with torch.no_grad():
+        ref = model(ids, attention_mask=am, use_cache=False).logits
+    name = "muonclip_test_no_mask"
+    AttentionInterface.register(name, _capture_forward)
+    try:
+        model.set_attn_implementation(name)
+        with torch.no_grad():
+            lost = model(ids, attention_mask=am, use_cache=False).logits
+    finally:
+        model.set_attn_implementation("sdpa")
+        del AttentionInterface._global_mapping[name]
+    assert not torch.allclose(lost[1, 3:], ref[1, 3:], atol=1e-4)
+    attach(model)
+    with torch.no_grad():
+        kept = model(ids, attention_mask=am, use_cache=False).logits
+    torch.testing.assert_close(kept[1, 3:], ref[1, 3:], rtol=1e-6, atol=1e-6)
+
+
+def test_detach_restores_sdpa():
+    from muonclip.qkclip.hf import detach
+
+    model = build("llama-gqa")
+    attach(model)
+    detach(model)
+    assert model.config._attn_implementation == "sdpa"
+    assert not any(hasattr(m, RECORDER_ATTR) for m in model.modules())
+
+
+# ----------------------------------------------------------------------------------------------
+# errors
+# ----------------------------------------------------------------------------------------------
+
+
+def test_qwen3_qk_norm_gets_a_clear_error():
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn.*q_norm, k_norm.*cannot bound"):
+        attach(model)
+    assert model.config._attn_implementation == "sdpa"  # nothing switched
+
+
+def test_no_attention_and_wrong_shapes_are_clear_errors():
+    with pytest.raises(ValueError, match="no attention modules found"):
+        attach(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        attach("llama")
+    model = build("llama-gqa")
+    model.config.num_key_value_heads = 4  # config now disagrees with k_proj (2 heads of 8 rows)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn.*k_weight has 16 rows.*32"):
+        attach(model)
+
+
+# ----------------------------------------------------------------------------------------------
+# MuonClip with lr=0: the clip is the only change
+# ----------------------------------------------------------------------------------------------
+
+
+def _changeable_rows(layer, clipped: torch.Tensor) -> dict[int, torch.Tensor]:
+    """id(param) -> bool rows the clip may change, given the clipped heads ((n_heads,) bool)."""
+    lay = layer.layout
+    if isinstance(lay, MLALayout):
+        q_rows = clipped.repeat_interleave(lay.qk_nope_head_dim + lay.qk_rope_head_dim)
+        kv = torch.cat([clipped[:, None].expand(-1, lay.qk_nope_head_dim),
+                        torch.zeros(lay.n_heads, lay.v_head_dim, dtype=torch.bool)], dim=1).reshape(-1)
+        pairs = [(lay.q_weight, q_rows), (lay.q_bias, q_rows), (lay.kv_b_weight, kv), (lay.kv_b_bias, kv)]
+    elif isinstance(lay, GQALayout):  # exact per-head policy: only q rows, shared key untouched
+        q_rows = clipped.repeat_interleave(lay.head_dim)
+        pairs = [(lay.q_weight, q_rows), (lay.q_bias, q_rows)]
+    else:
+        rows = clipped.repeat_interleave(lay.head_dim)
+        pairs = [(lay.q_weight, rows), (lay.q_bias, rows), (lay.k_weight, rows), (lay.k_bias, rows)]
+    return {id(p): r for p, r in pairs if p is not None}
+
+
+def _tau_between_heads(s: dict[str, torch.Tensor]) -> float:
+    """A tau with half the heads above and half below, none within float tolerance of it."""
+    s_all = torch.cat(list(s.values())).sort().values
+    mid = s_all.numel() // 2
+    assert s_all[mid] - s_all[mid - 1] > 1e-3
+    return float(s_all[mid - 1] + s_all[mid]) / 2
+
+
+def _muonclip_and_plain_muon_step(kind: str, lr: float, gqa_policy: str = "per_head"):
+    """One MuonClip step on a tiny model and one plain Muon step on a copy, with identical gradients.
+
+    Returns (model, opt, plain_model, plain_opt, tau, S before, each attention module's saved inputs,
+    weights before the step)."""
+    from muonclip.optim import Muon, param_groups
+    from muonclip.qkclip.muonclip import MuonClip
+
+    model = build(kind)
+    ids, am = batch()
+    labels = ids.masked_fill(am == 0, -100)
+    before = reference_max(model, ids, am)
+    tau = _tau_between_heads(before)
+
+    plain = copy.deepcopy(model)
+    opt = MuonClip(model, lr=lr, tau=tau, weight_decay=0.1, layers=attach(model, gqa_policy=gqa_policy))
+    plain_opt = Muon(param_groups(plain), lr=lr, weight_decay=0.1)
+
+    saved = {}
+    hooks = [
+        m.register_forward_pre_hook(lambda mod, a, kw, n=n: saved.__setitem__(n, (a, dict(kw))), with_kwargs=True)
+        for n, m in attention_modules(model).items()
+    ]
+    model.train()
+    model(ids, attention_mask=am, labels=labels, use_cache=False).loss.backward()
+    for h in hooks:
+        h.remove()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        if p.grad is not None:
+            q.grad = p.grad.clone()  # identical gradients for the plain optimizer
+
+    w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.step()
+    plain_opt.step()
+    return model, opt, plain, plain_opt, tau, before, saved, w0
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_muonclip_lr0_clips_exactly_to_tau(kind):
+    model, opt, plain, plain_opt, tau, before, saved, w0 = _muonclip_and_plain_muon_step(kind, lr=0.0)
+    for n, p in plain.named_parameters():
+        assert torch.equal(p, w0[n]), f"lr=0 Muon step changed {n}"
+
+    layers = {ly.name: ly for ly in opt.layers}
+    after = replay_max(model, saved)
+    n_clipped = 0
+    changeable: dict[int, torch.Tensor] = {}
+    for name, s in before.items():
+        torch.testing.assert_close(opt.last_max_logits[name].float().cpu(), s, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(after[name], torch.clamp(s, max=tau), rtol=1e-5, atol=1e-5)
+        clipped = s > tau
+        assert torch.equal(opt.last_clipped[name].cpu(), clipped)
+        n_clipped += int(clipped.sum())
+        changeable.update(_changeable_rows(layers[name], clipped))
+        assert layers[name].recorder.value is None  # consumed by the clip
+    assert 0 < n_clipped < sum(s.numel() for s in before.values())
+
+    for n, p in model.named_parameters():
+        rows = changeable.get(id(p), torch.zeros(p.shape[0], dtype=torch.bool))
+        assert torch.equal(p.detach()[~rows], w0[n][~rows]), f"{n}: rows of unclipped heads / other weights changed"
+        assert not torch.equal(p.detach()[rows], w0[n][rows]) or not rows.any(), f"{n}: clipped rows unchanged"
+
+    # optimizer state: exactly what plain Muon (same grads, lr=0, no clip) holds
+    plain_params = dict(plain.named_parameters())
+    for n, p in model.named_parameters():
+        st, ref_st = opt.state.get(p, {}), plain_opt.state.get(plain_params[n], {})
+        assert st.keys() == ref_st.keys(), n
+        for k in st:
+            a, b = st[k], ref_st[k]
+            assert torch.equal(a, b) if torch.is_tensor(a) else a == b, f"{n}: state {k} differs"
+
+
+@pytest.mark.parametrize("kind", ["llama-mha", "qwen2-gqa-bias", "dsv3-mla-qlora"])
+def test_muonclip_normal_step_scales_clipped_heads_by_gamma(kind):
+    """lr > 0: each head's logits are gamma_h times those of plain Muon's updated weights."""
+    model, opt, plain, _, tau, before, saved, _ = _muonclip_and_plain_muon_step(kind, lr=0.02)
+    clipped_ml, plain_ml = replay_max(model, saved), replay_max(plain, saved)
+    layers = {ly.name: ly for ly in opt.layers}
+    changeable: dict[int, torch.Tensor] = {}
+    for name, s in before.items():
+        gamma = torch.where(s > tau, tau / s, torch.ones_like(s))
+        assert not torch.allclose(plain_ml[name], s, rtol=1e-3)  # the weights did move
+        torch.testing.assert_close(clipped_ml[name], gamma * plain_ml[name], rtol=1e-5, atol=1e-5)
+        changeable.update(_changeable_rows(layers[name], s > tau))
+    plain_params = dict(plain.named_parameters())
+    for n, p in model.named_parameters():  # everything the clip may not touch equals plain Muon's
+        rows = changeable.get(id(p), torch.zeros(p.shape[0], dtype=torch.bool))
+        assert torch.equal(p.detach()[~rows], plain_params[n].detach()[~rows]), n
+
+
+@pytest.mark.parametrize("policy", ["balanced", "group"])
+def test_other_gqa_policies(policy):
+    """"balanced" keeps the logit invariant (shared key scaled too); "group" over-clips whole groups."""
+    model, opt, *_, tau, before, saved, _ = _muonclip_and_plain_muon_step("llama-gqa", lr=0.0, gqa_policy=policy)
+    assert all(ly.layout.policy == policy for ly in opt.layers)
+    after = replay_max(model, saved)
+    for name, s in before.items():
+        if policy == "balanced":
+            torch.testing.assert_close(after[name], torch.clamp(s, max=tau), rtol=1e-5, atol=1e-5)
+        else:
+            assert (after[name] <= torch.clamp(s, max=tau) * (1 + 1e-5)).all()
+    if policy == "group":  # some head at or below tau shares its key head with a clipped one
+        over = [(after[n] < torch.clamp(s, max=tau) * (1 - 1e-3)).any() for n, s in before.items()]
+        assert any(over)
