@@ -31,5 +31,8 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_step.py
 
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
+
 clean:
 	rm -rf $(VENV) out build dist site

@@ -176,7 +176,8 @@ def _parity_worker(rank, world, out_dir, comm_dtype):
             opt = Muon(groups, comm_dtype=comm_dtype, **OPT)
             flops = []
             _train(net, opt, STEPS, rank=rank, world=world,
-                   after_step=lambda s, o=opt: flops.append((o.last_step_stats.ns_flops, o.last_step_stats.total_ns_flops)))
+                   after_step=lambda s, o=opt, f=flops: f.append((o.last_step_stats.ns_flops,
+                                                                  o.last_step_stats.total_ns_flops)))
             result[mode] = {"params": _params(net), "calls": list(calls), "collectives": list(collectives),
                             "flops": flops, "bytes": opt.last_step_stats.comm.bytes_sent}
     finally:

@@ -131,7 +131,8 @@ def _eager_max_logits(attn: nn.Module, hidden: torch.Tensor, position_embeddings
 
 
 def test_hf_trainer_grad_accumulation_clip_sees_both_micro_batches_and_callback_logs_the_record(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     from muonclip.integrations.hf_trainer import MuonClipTrainerCallback
@@ -310,3 +311,59 @@ def test_lightning_accumulation_callback_and_resume_is_identical(tmp_path):
     n_clipped = [sum(int(c.sum()) for c in clipped.values()) for _, clipped in full.clips]
     assert len(n_clipped) == 4 and 0 < sum(n_clipped) < 4 * 8, f"tau should clip some heads, not all: {n_clipped}"
     assert sum(n_clipped[:2]) > 0, "the checkpointed epoch should include clipped steps"
+
+
+# ----------------------------------------------------------------------------------------------
+# TensorBoard writer
+# ----------------------------------------------------------------------------------------------
+
+
+def test_tensorboard_writer_round_trip_and_purge_on_resume(tmp_path):
+    pytest.importorskip("tensorboard")
+    from muonclip.integrations.tensorboard import TensorBoardWriter, read_scalars, scalars
+
+    row = {"step": 1, "loss": 2.5, "val_loss": None, "lr": 1e-3, "max_logits": [1.5, float("nan")], "clipped": [0, 2],
+           "max_logit": float("inf"), "optimizer": "muonclip", "flag": True}
+    assert scalars(row) == {"loss": 2.5, "lr": 1e-3, "max_logits/0": 1.5, "clipped/0": 0.0, "clipped/1": 2.0}
+
+    with TensorBoardWriter(tmp_path) as tb:
+        for step in (1, 2, 3):
+            tb.write({"step": step, "loss": 10.0 - step, "max_logits": [float(step), 2.0 * step]})
+    got = read_scalars(tmp_path)
+    assert got["loss"] == [(1, 9.0), (2, 8.0), (3, 7.0)]
+    assert got["max_logits/1"] == [(1, 2.0), (2, 4.0), (3, 6.0)]
+    # resume from a checkpoint at step 2: step 3 is written again and the old step 3 is purged
+    with TensorBoardWriter(tmp_path, purge_step=3) as tb:
+        tb.write({"step": 3, "loss": 0.5})
+    assert read_scalars(tmp_path)["loss"] == [(1, 9.0), (2, 8.0), (3, 0.5)]
+    with pytest.raises(ValueError, match="step"):
+        TensorBoardWriter(tmp_path / "x").write({"loss": 1.0})
+
+
+def test_cli_train_tensorboard_matches_the_jsonl_metrics_and_resume_purges(tmp_path):
+    pytest.importorskip("tensorboard")
+    import shutil
+
+    from muonclip.cli.main import main
+    from muonclip.cli.metrics import read_rows
+    from muonclip.data import builtin_corpus_dir, read_document
+    from muonclip.integrations.tensorboard import read_scalars
+
+    text = tmp_path / "macbeth.txt"
+    text.write_text(read_document(builtin_corpus_dir() / "tragedies" / "macbeth.md"))
+    run, tb = tmp_path / "run", tmp_path / "tb"
+    common = ["--quiet", "--out", str(run), "--tensorboard", str(tb)]
+    assert main(["train", "--preset", "tiny", "--threads", "1", "--data", str(text), "--tau", "0.05",
+                 "--steps", "2", *common]) == 0
+    shutil.copy(run / "checkpoint.pt", tmp_path / "step2.pt")
+    assert main(["train", "--resume", "--steps", "3", *common]) == 0
+    # a crash after step 3, before its checkpoint: resuming from step 2 rewrites step 3, once
+    shutil.copy(tmp_path / "step2.pt", run / "checkpoint.pt")
+    assert main(["train", "--resume", "--steps", "4", *common]) == 0
+    rows = read_rows(run)
+    got = read_scalars(tb)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [s for s, _ in got["loss"]] == [1, 2, 3, 4]
+    for key in ("loss", "max_logit", "clipped_heads", "update_rms", "lr"):
+        assert [v for _, v in got[key]] == pytest.approx([r[key] for r in rows], rel=1e-6), key
+    assert [v for _, v in got["max_logits/0"]] == pytest.approx([r["max_logits"][0] for r in rows], rel=1e-6)

@@ -16,8 +16,9 @@ Two ways to get it:
 
 * `chunked_max_logits` (any device; the reference): the scores in chunks of query rows, each
   chunk ``(B, Hq, chunk, Tk)`` float32 of at most ``DEFAULT_CHUNK_ELEMENTS`` elements
-  (64 MiB), masked and reduced at once. With ``is_causal`` each chunk only reads the keys it
-  can see. Costs about the ``Q K^T`` matmul of attention again.
+  (4 MiB, small enough to stay in cache), masked and reduced at once. With ``is_causal`` a
+  chunk reads only the keys it can see, and only its diagonal block is masked. Costs about
+  the causal ``Q K^T`` matmul of attention again.
 * `flex_attention_with_max` (CUDA only, opt-in): PyTorch FlexAttention computes the output
   and, with ``return_aux=AuxRequest(max_scores=True)``, each query row's max score in the same
   fused kernel. Not supported on CPU in torch 2.13; UNTESTED on GPU in this project so far.
@@ -31,7 +32,7 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-DEFAULT_CHUNK_ELEMENTS = 1 << 24  # 16M float32 scores (64 MiB) per chunk
+DEFAULT_CHUNK_ELEMENTS = 1 << 20  # 1M float32 scores (4 MiB) per chunk: stays in cache
 
 
 def check_shapes(query: Tensor, key: Tensor, enable_gqa: bool) -> tuple[int, int]:
@@ -54,6 +55,13 @@ def allowed_pairs(mask: Tensor) -> Tensor:
     if mask.dtype == torch.bool:
         return mask
     return mask > torch.finfo(mask.dtype).min
+
+
+def _fold(out: Tensor, scores: Tensor, hq: int) -> Tensor:
+    """Running max ``out (Hq,)`` with the per-head max of ``scores (B, Hkv, G, c, n)``."""
+    if scores.numel() == 0:
+        return out
+    return torch.maximum(out, scores.amax(dim=(0, 3, 4)).reshape(hq).to(torch.float32))
 
 
 @torch.no_grad()
@@ -103,23 +111,34 @@ def chunked_max_logits(
         chunk_size = max(1, DEFAULT_CHUNK_ELEMENTS // max(1, B * hq * Tk))
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    post_scale = scale > 0  # max(scale * x) = scale * max(x): scale the (Hq,) result, not the scores
     out = torch.full((hq,), -math.inf, dtype=torch.float32, device=query.device)
     for i0 in range(0, Tq, chunk_size):
         i1 = min(Tq, i0 + chunk_size)
-        # causal: rows i0..i1-1 only see keys 0..i1-1
-        n_keys = min(Tk, i1) if is_causal else Tk
-        if n_keys == 0:
+        qc = query[:, :, i0:i1].detach().to(cdtype)
+        if not post_scale:
+            qc = qc.mul(scale)
+        qc = qc.view(B, hkv, G, i1 - i0, D)
+        if is_causal and allowed is None:
+            # keys [0, i0) are visible to every row of the chunk: no mask to apply there;
+            # only the diagonal block [i0, i1) needs the triangle.
+            if i0 > 0:
+                out = _fold(out, torch.matmul(qc, k[..., : min(i0, Tk)]), hq)
+            if i0 < Tk:
+                j1 = min(Tk, i1)
+                s = torch.matmul(qc, k[..., i0:j1])  # (B, Hkv, G, c, j1 - i0)
+                tri = torch.arange(j1 - i0, device=s.device)[None, :] > torch.arange(i1 - i0, device=s.device)[:, None]
+                out = _fold(out, s.masked_fill_(tri, -math.inf), hq)
             continue
-        qc = query[:, :, i0:i1].detach().to(cdtype).mul(scale).view(B, hkv, G, i1 - i0, D)
+        n_keys = min(Tk, i1) if is_causal else Tk  # causal: rows < i1 only see keys < i1
         s = torch.matmul(qc, k[..., :n_keys])  # (B, Hkv, G, c, n_keys)
         if is_causal:
             rows = torch.arange(i0, i1, device=s.device)[:, None]
-            cols = torch.arange(n_keys, device=s.device)[None, :]
-            s.masked_fill_(cols > rows, -math.inf)
+            s.masked_fill_(torch.arange(n_keys, device=s.device)[None, :] > rows, -math.inf)
         if allowed is not None:
             s.masked_fill_(~allowed_pairs(allowed[..., i0:i1, :n_keys]), -math.inf)
-        out = torch.maximum(out, s.amax(dim=(0, 3, 4)).reshape(hq).to(torch.float32))
-    return out
+        out = _fold(out, s, hq)
+    return out * scale if post_scale else out
 
 
 # ----------------------------------------------------------------------------------------------

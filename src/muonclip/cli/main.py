@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(t)
     t.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="default: muonclip (on resume: the run's)")
     t.add_argument("--lr", type=float, help="peak learning rate of the chosen optimizer")
+    t.add_argument("--tensorboard", metavar="DIR", default=None,
+                   help="also write the metrics as TensorBoard scalars to DIR (pip install 'muonclip[tensorboard]')")
     t.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its checkpoint (its config, with any overrides given)")
     return parser
@@ -97,7 +99,7 @@ def _run_train(args: argparse.Namespace) -> int:
             over[f"lr_{optimizer}"] = args.lr
         cfg = make_config(args.preset or "default", over, args.sets)
         out = Path(args.out) if args.out else Path("out") / f"train-{optimizer}-{_stamp()}"
-    result = train_run(cfg, optimizer, out, resume=args.resume, progress=not args.quiet)
+    result = train_run(cfg, optimizer, out, resume=args.resume, progress=not args.quiet, tensorboard=args.tensorboard)
     print(f"{optimizer}: {result.steps} steps, final validation loss {result.final_val_loss:.4f}, "
           f"{result.wall_time:.0f}s; run folder {out}")
     return 0

@@ -193,7 +193,8 @@ def _hidden_matrices(model: nn.Module) -> list[Tensor]:
 
 
 def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bool = False,
-              corpus: Corpus | None = None, progress: bool = True, label: str | None = None) -> RunResult:
+              corpus: Corpus | None = None, progress: bool = True, label: str | None = None,
+              tensorboard: str | Path | None = None) -> RunResult:
     """Train one run; see the module docstring. Every input is checked before anything is written.
 
     Args:
@@ -204,6 +205,8 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
         corpus: a loaded corpus (default None: ``load_corpus(cfg.data, cfg.val_fraction)``).
         progress: show the progress bar on stderr (default True).
         label: progress-bar label (default: the optimizer name).
+        tensorboard: also write every metrics row as TensorBoard scalars to this folder (default
+            None; needs the ``tensorboard`` extra; see `muonclip.integrations.tensorboard`).
 
     Raises:
         DataError, OutputError, CheckpointError, ValueError: bad input; nothing written.
@@ -235,6 +238,14 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
         start = int(data["step"])
         extra.update(data.get("extra") or {})
 
+    tb = None
+    if tensorboard is not None:
+        from ..integrations.tensorboard import TensorBoardWriter
+
+        try:
+            tb = TensorBoardWriter(tensorboard, purge_step=start + 1 if resume else None)
+        except ImportError as e:
+            raise ValueError(f"--tensorboard: {e}") from None
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         with open(run_dir / CONFIG, "w", encoding="utf-8") as f:
@@ -287,13 +298,16 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
                 val_loss = evaluate(model, val)
                 extra["last_val_loss"] = val_loss
                 bar.extra = f" | val {val_loss:.4f}"
-            writer.write({
+            row = {
                 "step": done, "tokens": done * tokens_per_step, "loss": loss_value, "val_loss": val_loss,
                 "lr": cfg.lr(optimizer) * factor, "max_logit": max(maxes) if maxes else None,
                 "max_logits": maxes, "clipped_heads": sum(clipped), "clipped": clipped,
                 "update_rms": sum(rms) / max(1, len(rms)), "step_time": step_time,
                 "elapsed": elapsed0 + time.perf_counter() - t_start,
-            })
+            }
+            writer.write(row)
+            if tb is not None:
+                tb.write(row)
             bar.update(done, loss_value)
             if done % cfg.checkpoint_every == 0 or done == cfg.steps:
                 last_saved = save(done)
@@ -304,6 +318,8 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
                 raise Interrupted(done, last_saved)
     finally:
         writer.close()
+        if tb is not None:
+            tb.close()
         if old_handler is not None:
             signal.signal(signal.SIGINT, old_handler)
     bar.close()

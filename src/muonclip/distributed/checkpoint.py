@@ -10,8 +10,9 @@ the loaded tensors are bit-identical to the saved ones.
 Layout of the checkpoint (a directory): ``{"model": ..., "optim": ..., "muonclip": {...},
 "extra": {...}}`` where ``"muonclip"`` holds Muon's step and skipped-step counters (DCP's
 optimizer state dict keeps only ``state`` and ``param_groups``) and ``"extra"`` anything the
-caller adds (data position, RNG seeds...; pickled, so load only checkpoints you trust). Every rank must call `save` / `load` (they are
-collectives when a process group is initialised); without one they work in one process.
+caller adds (data position, RNG seeds...; pickled, so load only checkpoints you trust).
+Every rank must call `save` / `load` (they are collectives when a process group is
+initialised); without one they work in one process.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ gives.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,12 +111,12 @@ class GroupContext:
 SINGLE = GroupContext(None, 0, 1)
 
 
-def resolve_group(params: Sequence[Tensor], names: Sequence[str], process_group: Any = None) -> GroupContext:
+def resolve_group(params: Sequence[Tensor], name_of: Callable[[int], str], process_group: Any = None) -> GroupContext:
     """Find the group the Muon parameters ``params`` live on; validate their layouts.
 
     Args:
         params: the Muon parameters of the step (plain tensors and/or DTensors).
-        names: a readable name per parameter, for errors.
+        name_of: ``name_of(i)`` is a readable name of ``params[i]``, for errors.
         process_group: ``None`` (default, automatic: the DTensors' mesh, else the default
             group when torch.distributed is initialised with world size > 1, else none),
             ``"local"`` (no communication: each process optimises on its own; not allowed with
@@ -127,9 +127,10 @@ def resolve_group(params: Sequence[Tensor], names: Sequence[str], process_group:
         ValueError: parameters on different meshes, or a layout Muon cannot handle.
     """
     meshes, first = [], None
-    for p, name in zip(params, names):
+    for i, p in enumerate(params):
         if not is_dtensor(p):
             continue
+        name = name_of(i)
         if not dist.is_initialized():
             raise RuntimeError(
                 f"{name} is a DTensor but torch.distributed is not initialised (was the process group "

@@ -91,7 +91,7 @@ def muon_step(
     stats = StepStats()
     if not params:
         return stats
-    ctx = resolve_group([p for _, p, _ in params], [n for _, _, n in params], process_group)
+    ctx = resolve_group([p for _, p, _ in params], lambda i: params[i][2], process_group)
     stats.world_size = ctx.world_size
     if ctx.world_size > 1:
         sig = signature([(tuple(p.shape), p.dtype, g["method"], g["flatten"], g["split_sizes"]) for g, p, _ in params])

@@ -38,7 +38,9 @@ from typing import Any
 try:
     import lightning.pytorch as pl
 except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError("muonclip.integrations.lightning needs PyTorch Lightning: pip install 'muonclip[lightning]'") from e
+    raise ImportError(
+        "muonclip.integrations.lightning needs PyTorch Lightning: pip install 'muonclip[lightning]'"
+    ) from e
 
 from .stats import StepMetrics, unwrap_optimizer
 

@@ -14,11 +14,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..distributed.context import resolve_group
 from ..distributed.step import StepStats, muon_step
 from ..ortho import METHODS, check_method, orthogonalize
 from .adamw import adamw_update
 from .matrices import check_matrix_options
-from .nonfinite import ON_NONFINITE, NonFiniteGradError, nonfinite_indices
+from .nonfinite import ON_NONFINITE, MaskedStep, NonFiniteGradError, nonfinite_indices
 from .scale import SCALES, TORCH_ADJUST_LR_FN
 
 ALGORITHMS = ("muon", "adamw")
@@ -53,7 +54,14 @@ class Muon(torch.optim.Optimizer):
     Before anything is updated, every gradient of the step is checked for NaN/inf (one host
     sync). ``on_nonfinite="raise"`` (default) raises `NonFiniteGradError` naming the parameter
     and the step; ``"skip"`` skips the whole step for every parameter and counts it in
-    ``steps_skipped``. Either way no weight and no buffer sees a non-finite value.
+    ``steps_skipped``. ``"mask"`` does what ``"skip"`` does without the host sync (for GPUs:
+    the step never waits for the device): the flag stays on the device, the gradients are
+    zeroed where it is set, the step is computed, and every parameter and state tensor is
+    restored where it is set (`muonclip.optim.nonfinite.MaskedStep`; costs one copy of the
+    parameters and their state per step). In that mode ``steps_taken`` counts masked steps
+    too, AdamW's bias-correction step number advances on them, the zeroed gradients stay
+    zeroed, and reading ``steps_skipped`` syncs. Either way no weight and no buffer sees a
+    non-finite value.
 
     Args:
         params: parameters or param groups. A group may set any option below, plus
@@ -76,7 +84,8 @@ class Muon(torch.optim.Optimizer):
         betas: AdamW branch moment coefficients (default (0.9, 0.95)).
         adamw_eps: AdamW branch epsilon (default 1e-8); inside an ``adamw`` group the key
             ``eps`` means this.
-        on_nonfinite: ``"raise"`` (default) or ``"skip"``; see above.
+        on_nonfinite: ``"raise"`` (default), ``"skip"`` or ``"mask"`` (sync-free skip); see
+            above.
         process_group: the group the Muon matrices are shared over (design.md 1.4). None
             (default) is automatic: the device mesh of DTensor parameters (FSDP2
             ``fully_shard``, ``Shard(0)``), else the default group when torch.distributed is
@@ -206,7 +215,12 @@ class Muon(torch.optim.Optimizer):
                     f"{_name(self, g, i)} has a sparse gradient; Muon and its AdamW branch need dense "
                     "gradients (build the embedding with sparse=False)"
                 )
-        bad = nonfinite_indices([p.grad for _, _, p in live])
+        # distributed: a clear error (no process group, mixed meshes, bad placement) before any collective
+        resolve_group([p for _, _, p in live], lambda k: _name(self, live[k][0], live[k][1]), self.process_group)
+        guard = None
+        if self.on_nonfinite == "mask":  # sync-free: decided and undone on the device
+            guard = MaskedStep([p for _, _, p in live], [self.state[p] for _, _, p in live])
+        bad = [] if guard is not None else nonfinite_indices([p.grad for _, _, p in live])
         if bad:
             names = ", ".join(_name(self, live[k][0], live[k][1]) for k in bad[:5])
             if self.on_nonfinite == "skip":
@@ -223,7 +237,28 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
                 self._adamw_group(group)
+        if guard is not None:
+            guard.restore()
+            self._count_masked(guard.found)
         return loss
+
+    # Skipped-step counter: a host int plus, in on_nonfinite="mask" mode, a device counter that
+    # is only read (one sync) when someone asks for the number.
+    @property
+    def steps_skipped(self) -> int:
+        """Steps skipped for a non-finite gradient (reading it syncs in ``"mask"`` mode)."""
+        device_count = self.__dict__.get("_masked_count")
+        return self._skipped_host + (0 if device_count is None else int(device_count))
+
+    @steps_skipped.setter
+    def steps_skipped(self, value: int) -> None:
+        self._skipped_host = int(value)
+        self._masked_count = None
+
+    def _count_masked(self, found: Tensor) -> None:
+        if self._masked_count is None:
+            self._masked_count = torch.zeros((), dtype=torch.int64, device=found.device)
+        self._masked_count.add_(found)
 
     def _muon_step(self, items: list[tuple[dict[str, Any], Tensor]]) -> None:
         """Momentum, orthogonalisation and update of every Muon parameter with a grad.

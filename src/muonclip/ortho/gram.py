@@ -29,11 +29,12 @@ Newton–Schulz Algorithm for Muon" (2026), https://tridao.me/blog/2026/gram-new
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from functools import partial
 
 import torch
 from torch import Tensor
 
-from .newton_schulz import quintic_iteration
+from .newton_schulz import newton_schulz, quintic_iteration
 
 GRAM_RESTARTS: tuple[int, ...] = (2,)
 GRAM_MIN_ASPECT = 1.5
@@ -101,20 +102,12 @@ def gram_newton_schulz(
     Returns:
         A tensor of ``V``'s shape, in ``dtype``.
     """
-    *batch, A, B = V.shape
-    X = V.reshape(-1, A, B).to(dtype)
-    transposed = A > B
-    if transposed:
-        X = X.mT
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
-    X = X / (norm * norm_scale + eps)
+    A, B = V.shape[-2:]
     if max(A, B) >= min_aspect * min(A, B):
-        X = gram_iteration(X, coefficients, restarts)
+        iteration = partial(gram_iteration, restarts=restarts)
     else:
-        X = quintic_iteration(X, coefficients)
-    if transposed:
-        X = X.mT
-    return X.reshape(*batch, A, B)
+        iteration = quintic_iteration
+    return newton_schulz(V, coefficients, dtype=dtype, eps=eps, norm_scale=norm_scale, iteration=iteration)
 
 
 def gram_flops(m: int, n: int, steps: int, restarts: Collection[int] = GRAM_RESTARTS) -> int:

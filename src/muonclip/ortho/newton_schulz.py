@@ -12,7 +12,7 @@ Every function takes a batch ``X`` of shape ``(..., A, B)`` and returns the same
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -71,6 +71,7 @@ def newton_schulz(
     dtype: torch.dtype = torch.bfloat16,
     eps: float = 1e-7,
     norm_scale: float = 1.0,
+    iteration: Callable[[Tensor, Sequence[tuple[float, float, float]]], Tensor] | None = None,
 ) -> Tensor:
     """Approximate the polar factor of each matrix in ``V`` by a quintic Newton–Schulz run.
 
@@ -84,6 +85,9 @@ def newton_schulz(
         dtype: compute dtype (default bf16).
         eps: added to the Frobenius norm before the division (default 1e-7).
         norm_scale: the Frobenius norm is multiplied by this first (Polar Express uses 1.01).
+        iteration: ``iteration(X, coefficients)`` runs the steps on the normalised
+            ``(batch, m, n)`` batch, m <= n (default None: `quintic_iteration`; the Gram and
+            symmetric forms in `muonclip.ortho.gram` / `.symmetric` plug in here).
 
     Returns:
         A tensor of ``V``'s shape, in ``dtype``.
@@ -95,7 +99,7 @@ def newton_schulz(
         X = X.mT
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
     X = X / (norm * norm_scale + eps)
-    X = quintic_iteration(X, coefficients)
+    X = (iteration or quintic_iteration)(X, coefficients)
     if transposed:
         X = X.mT
     return X.reshape(*batch, A, B)

@@ -1,0 +1,161 @@
+"""One optimizer step: muonclip.Muon vs torch.optim.Muon vs torch.optim.AdamW, in one run.
+
+Two parameter sets (float32 weights, fixed gradients):
+
+* **GPT** (6 layers, d = 384): per layer four d x d attention matrices (q, k, v, o), the MLP's
+  4d x d ``c_fc`` and d x 4d ``c_proj`` (36 matrices, 10.6M weights).
+* **experts**: one stacked-expert weight (64, 256, 176) (64 experts of 2048 x 1408 scaled by
+  1/8). torch.optim.Muon takes 2-D weights only, so it gets the 64 experts as 64 parameters
+  (looped); muonclip.Muon takes the 3-D weight and orthogonalises the 64 as one batch.
+
+Contenders: ``muonclip.Muon`` with its defaults (ns5, bf16), with ``method="gram"`` (Gram
+Newton–Schulz for the rectangular matrices), with ``on_nonfinite="mask"`` (no host sync),
+torch.optim.Muon (same lr, weight decay, ns5 coefficients, 5 steps) and
+``torch.optim.AdamW(foreach=True)``. Times are medians of interleaved rounds (timing.py)
+after warm-up steps. Beside each Muon time: the orthogonality error max |sigma_i - 1| of
+that optimizer's orthogonaliser on the set's matrices, built with singular values
+log-spaced in [0.01, 1] (condition number 100), singular values of the result in float64.
+
+Then Newton–Schulz's achieved GFLOP/s against the plain matmul rate on the GPT shapes (see
+bench_ortho.py for the full table).
+
+Usage: ``python benchmarks/bench_step.py [--threads 2] [--rounds 9] [--clock wall|process]
+[--device cpu|cuda]`` (``make bench`` runs it with the defaults).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from bench_ortho import matmul_floor, ortho_error, quintic_flops, torch_ns
+from timing import machine, round_robin, setup_threads
+
+import muonclip
+from muonclip.ortho import orthogonalize
+
+LR, WD = 0.02, 0.1
+NS5 = (3.4445, -4.7750, 2.0315)
+
+
+def gpt_shapes(d: int = 384, layers: int = 6) -> list[tuple[int, ...]]:
+    """Hidden matrices of a GPT block stack: q, k, v, o (d x d), c_fc (4d x d), c_proj (d x 4d)."""
+    return [s for _ in range(layers) for s in [(d, d)] * 4 + [(4 * d, d), (d, 4 * d)]]
+
+
+def conditioned(shape: tuple[int, ...], cond: float = 100.0, seed: int = 0) -> torch.Tensor:
+    """Random matrices (batch over leading dims) with singular values log-spaced in [1/cond, 1]."""
+    g = torch.Generator().manual_seed(seed)
+    *batch, A, B = shape
+    k = min(A, B)
+    U, _ = torch.linalg.qr(torch.randn(*batch, A, k, generator=g, dtype=torch.float64))
+    W, _ = torch.linalg.qr(torch.randn(*batch, B, k, generator=g, dtype=torch.float64))
+    s = torch.logspace(0, -torch.log10(torch.tensor(cond)).item(), k, dtype=torch.float64)
+    return ((U * s) @ W.mT).float()
+
+
+def make_params(shapes, grads, device):
+    params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
+    for p, g in zip(params, grads):
+        p.grad = g.to(device).clone()
+    return params
+
+
+def contenders(shapes, grads, device, torch_shapes=None, torch_grads=None):
+    """name -> (optimizer, orthogonaliser for the accuracy column or None)."""
+    ts, tg = torch_shapes or shapes, torch_grads or grads
+    out = {
+        "muonclip.Muon (ns5 bf16, default)": (
+            muonclip.Muon(make_params(shapes, grads, device), lr=LR, weight_decay=WD),
+            lambda V: orthogonalize(V, "ns5"),
+        ),
+        "muonclip.Muon method=gram": (
+            muonclip.Muon(make_params(shapes, grads, device), lr=LR, weight_decay=WD, method="gram"),
+            lambda V: orthogonalize(V, "gram"),
+        ),
+        "muonclip.Muon method=gram on_nonfinite=mask": (
+            muonclip.Muon(
+                make_params(shapes, grads, device), lr=LR, weight_decay=WD, method="gram", on_nonfinite="mask"
+            ),
+            lambda V: orthogonalize(V, "gram"),
+        ),
+    }
+    if hasattr(torch.optim, "Muon"):
+        out["torch.optim.Muon"] = (
+            torch.optim.Muon(make_params(ts, tg, device), lr=LR, weight_decay=WD, ns_coefficients=NS5),
+            None if torch_ns is None else lambda V: torch.stack([torch_ns(v, NS5, 5, 1e-7) for v in V]),
+        )
+    out["torch.optim.AdamW(foreach=True)"] = (
+        torch.optim.AdamW(make_params(shapes, grads, device), lr=LR, weight_decay=WD, foreach=True),
+        None,
+    )
+    return out
+
+
+def accuracy(orth, mats: list[torch.Tensor]) -> float:
+    """Largest orthogonality error of ``orth`` over every matrix in ``mats`` (batched by shape)."""
+    by_shape: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    for m in mats:
+        by_shape.setdefault(tuple(m.shape), []).append(m)
+    return max(ortho_error(orth(torch.cat(ms) if ms[0].ndim == 3 else torch.stack(ms))) for ms in by_shape.values())
+
+
+def run_set(title, shapes, grads, args, torch_shapes=None, torch_grads=None) -> None:
+    opts = contenders(shapes, grads, args.device, torch_shapes, torch_grads)
+    times = round_robin(
+        {name: opt.step for name, (opt, _) in opts.items()},
+        rounds=args.rounds, warmup=2, clock=args.clock, device=args.device,
+    )
+    ref = times.get("torch.optim.Muon")
+    adamw = times["torch.optim.AdamW(foreach=True)"]
+    print(f"\n## {title}\n")
+    print("| optimizer | step ms | / torch.optim.Muon | / AdamW | max abs(sigma-1), cond 100 |")
+    print("|---|---|---|---|---|")
+    for name, t in times.items():
+        orth = opts[name][1]
+        err = f"{accuracy(orth, grads):.3f}" if orth is not None else "n/a"
+        vs_ref = f"{t / ref:.2f}" if ref else "n/a"
+        print(f"| {name} | {t * 1e3:.1f} | {vs_ref} | {t / adamw:.1f} | {err} |", flush=True)
+
+
+def ns_rate(args) -> None:
+    """Newton–Schulz GFLOP/s (ns5 and gram, bf16) vs the bare matmul rate on the GPT buckets."""
+    print("\n## Newton–Schulz rate on the GPT buckets (bf16)\n")
+    print("| bucket | method | ms | equiv GFLOP/s | matmul floor GFLOP/s | ratio |")
+    print("|---|---|---|---|---|---|")
+    for E, A, B in [(24, 384, 384), (6, 1536, 384), (6, 384, 1536)]:
+        V = conditioned((E, A, B)).to(args.device)
+        t = round_robin(
+            {m: (lambda m=m, V=V: orthogonalize(V, m)) for m in ("ns5", "gram")},
+            rounds=args.rounds, clock=args.clock, device=args.device,
+        )
+        floor = matmul_floor(E, A, B, torch.bfloat16, args.device, args.rounds, args.clock)
+        flops = E * quintic_flops(min(A, B), max(A, B))
+        for m, s in t.items():
+            rate = flops / s / 1e9
+            print(f"| {E}x{A}x{B} | {m} | {s * 1e3:.1f} | {rate:.0f} | {floor:.0f} | {rate / floor:.2f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--clock", choices=("wall", "process"), default="wall")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    setup_threads(args.threads)
+    print(f"# bench_step: {machine()}; clock={args.clock}, median of {args.rounds} interleaved rounds")
+    shapes = gpt_shapes()
+    grads = [conditioned(s, seed=i) for i, s in enumerate(shapes)]
+    run_set("GPT set: 6 layers, d=384 (36 matrices)", shapes, grads, args)
+    experts = conditioned((64, 256, 176), seed=99)
+    run_set(
+        "64 experts, one (64, 256, 176) weight (torch.optim.Muon: 64 2-D params, looped)",
+        [tuple(experts.shape)], [experts], args,
+        torch_shapes=[tuple(experts.shape[1:])] * 64, torch_grads=list(experts),
+    )
+    ns_rate(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Symmetric products for Newton–Schulz: compute only the upper triangle of X X^T and S S.
+
+In the quintic step ``S = X X^T``, ``X <- a X + (b S + c S S) X`` both ``S`` and ``S S``
+(= ``S S^T``) are symmetric, so half of each product is redundant (design.md 1.2: a symmetric
+kernel needs about ``3 m^2 n + m^3`` flops a step instead of ``4 m^2 n + 2 m^3``).
+
+Without a symmetric (syrk) kernel for bf16 we cut the rows into ``blocks`` strips of height h
+and compute strip i against rows ``i h ..`` only (``X_i @ X[i h:]^T``: a (h, m - i h) block
+of the upper triangle), then mirror it into the lower triangle. That costs
+``(blocks + 1) / (2 blocks)`` of the full product's flops (0.75 for 2 strips, 0.625 for 4),
+in ``blocks`` smaller matrix products and one mirror copy per strip.
+
+Measured on a 2-core AMD EPYC (Zen 5, avx512_bf16) with torch 2.13 (benchmarks/RESULTS.md):
+the smaller products run at a lower rate than one big product, so at GPT-sized matrices
+(m = 384) the saving does not pay; it starts to at m >= 1536 with 4 strips. It is a user
+option (``method="ns5_sym"``), not the default. On GPU the same idea wants a dedicated
+symmetric kernel (e.g. quack's ``gemm_symmetric``), which this pure-PyTorch code is not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+
+import torch
+from torch import Tensor
+
+from .newton_schulz import newton_schulz
+
+SYM_BLOCKS = 2
+
+
+def sym_gram(X: Tensor, blocks: int = SYM_BLOCKS) -> Tensor:  # X: (batch, m, n)
+    """``X X^T`` (batch, m, m) from its upper-triangle row strips; exact up to round-off.
+
+    ``blocks`` strips (default 2; 1 means one plain product). Rows are split as evenly as
+    possible when m is not a multiple of ``blocks``.
+    """
+    batch, m, n = X.shape
+    if blocks <= 1 or m < 2 * blocks:
+        return torch.bmm(X, X.mT)
+    bounds = [round(i * m / blocks) for i in range(blocks + 1)]
+    S = X.new_empty(batch, m, m)
+    for i in range(blocks):
+        r0, r1 = bounds[i], bounds[i + 1]
+        strip = torch.bmm(X[:, r0:r1], X[:, r0:].mT)  # (batch, h, m - r0): rows r0:r1, cols r0:
+        S[:, r0:r1, r0:] = strip
+        if r1 < m:
+            S[:, r1:, r0:r1] = strip[:, :, r1 - r0 :].mT
+    return S
+
+
+def symmetric_quintic_iteration(
+    X: Tensor,  # (batch, m, n), m <= n, normalised so that ||X||_2 <= 1
+    coefficients: Sequence[tuple[float, float, float]],
+    blocks: int = SYM_BLOCKS,
+) -> Tensor:
+    """`quintic_iteration` with ``X X^T`` and ``S S`` from `sym_gram`; returns (batch, m, n)."""
+    for a, b, c in coefficients:
+        S = sym_gram(X, blocks)  # (batch, m, m)
+        P = sym_gram(S, blocks).mul_(c).add_(S, alpha=b)  # b S + c S S
+        X = torch.baddbmm(X, P, X, beta=a)  # a X + P X
+    return X
+
+
+def symmetric_newton_schulz(
+    V: Tensor,  # (..., A, B)
+    coefficients: Sequence[tuple[float, float, float]],
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    eps: float = 1e-7,
+    norm_scale: float = 1.0,
+    blocks: int = SYM_BLOCKS,
+) -> Tensor:
+    """`muonclip.ortho.newton_schulz.newton_schulz` with the symmetric products of `sym_gram`.
+
+    Same arguments and result (``V``'s shape, in ``dtype``); ``blocks`` row strips per
+    symmetric product (default 2).
+    """
+    iteration = partial(symmetric_quintic_iteration, blocks=blocks)
+    return newton_schulz(V, coefficients, dtype=dtype, eps=eps, norm_scale=norm_scale, iteration=iteration)
+
+
+def symmetric_flops(m: int, n: int, steps: int, blocks: int = SYM_BLOCKS) -> int:
+    """Flops of `symmetric_quintic_iteration` on one m x n matrix (m <= n), 2 per multiply-add."""
+    f = (blocks + 1) / (2 * blocks) if blocks > 1 and m >= 2 * blocks else 1.0
+    return int(steps * (f * 2 * m * m * n + f * 2 * m**3 + 2 * m * m * n))
