@@ -9,6 +9,7 @@ the same process with ``process_group="local"`` (design.md 1.4).
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import socket
@@ -140,92 +141,97 @@ def _muon_matrices(model) -> list[tuple[int, int]]:
 # ------------------------------------------------------------------------------------------
 
 
-def _parity_worker(rank, world, out_dir, comm_dtype):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    calls: list[tuple[int, ...]] = []
+def _spy(collectives, calls):
+    """Wrap the collectives and ``orthogonalize`` as Muon sees them; return an undo function."""
     real_orth = muon_mod.orthogonalize
 
     def counting(V, *a, **k):
         calls.append(tuple(V.shape))
         return real_orth(V, *a, **k)
 
-    collectives: list[str] = []
     wrapped = {}
     for op in ("all_reduce", "all_gather_into_tensor", "all_to_all_single"):
-        real = getattr(dist, op)
+        real = wrapped[op] = getattr(dist, op)
 
         def spy(*a, _op=op, _real=real, **k):
             collectives.append(_op)
             return _real(*a, **k)
 
-        wrapped[op] = real
         setattr(dist, op, spy)
     muon_mod.orthogonalize = counting
-    result = {}
-    try:
-        for mode in ("ddp", "fsdp"):
-            calls.clear()
-            collectives.clear()
-            model = _model()
-            if mode == "ddp":
-                groups, net = param_groups(model), DDP(model)
-            else:
-                net = _fsdp(model)
-                groups = param_groups(net)
-            opt = Muon(groups, comm_dtype=comm_dtype, **OPT)
-            flops = []
-            _train(net, opt, STEPS, rank=rank, world=world,
-                   after_step=lambda s, o=opt, f=flops: f.append((o.last_step_stats.ns_flops,
-                                                                  o.last_step_stats.total_ns_flops)))
-            result[mode] = {"params": _params(net), "calls": list(calls), "collectives": list(collectives),
-                            "flops": flops, "bytes": opt.last_step_stats.comm.bytes_sent}
-    finally:
+
+    def undo():
         muon_mod.orthogonalize = real_orth
         for op, real in wrapped.items():
             setattr(dist, op, real)
+
+    return undo
+
+
+def _net(mode):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _model()
+    if mode == "ddp":
+        return DDP(model), param_groups(model)
+    net = _fsdp(model)
+    return net, param_groups(net)
+
+
+def _parity_worker(rank, world, out_dir, mode):
+    calls: list[tuple[int, ...]] = []
+    collectives: list[str] = []
+    undo = _spy(collectives, calls)
+    try:
+        net, groups = _net(mode)
+        opt = Muon(groups, **OPT)
+        flops = []
+        _train(net, opt, STEPS, rank=rank, world=world,
+               after_step=lambda s: flops.append((opt.last_step_stats.ns_flops, opt.last_step_stats.total_ns_flops)))
+    finally:
+        undo()
+    # bf16 on the wire is lossless when the orthogonalisation itself runs in bf16
+    wire = []
+    for comm_dtype in (None, torch.bfloat16):
+        net16, groups16 = _net(mode)
+        _train(net16, Muon(groups16, comm_dtype=comm_dtype, **{**OPT, "orth_dtype": torch.bfloat16}), 3,
+               rank=rank, world=world)
+        wire.append(_params(net16))
+    result = {"params": _params(net), "calls": calls, "collectives": collectives, "flops": flops,
+              "bf16_wire_diff": _max_diff(*wire)}
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-@pytest.fixture(scope="module")
-def parity(tmp_path_factory):
-    out = tmp_path_factory.mktemp("parity")
-    _launch(_parity_worker, str(out), None)
-    ranks = [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
-    ref, _ = _reference()
-    return ranks, _params(ref), _model()
+@functools.cache
+def _reference_params():
+    return _params(_reference()[0])
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_parity_with_single_process_after_10_steps(parity, mode, record_property):
-    ranks, ref, _ = parity
-    diffs = [_max_diff(r[mode]["params"], ref) for r in ranks]
-    record_property(f"max_abs_diff_{mode}", max(diffs))
-    print(f"{mode}: max |param - single-process param| after {STEPS} steps = {max(diffs):.3g}")
-    assert max(diffs) <= TOL
-    assert _max_diff(ranks[0][mode]["params"], ranks[1][mode]["params"]) == 0.0  # replicas agree exactly
-
-
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_newton_schulz_runs_once_per_matrix_per_step_on_whole_matrices(parity, mode):
-    ranks, _, model = parity
-    matrices = _muon_matrices(model)
-    whole = {(a, b) for a, b in matrices}
-    per_rank = [sum(c[0] for c in r[mode]["calls"]) for r in ranks]
-    assert sum(per_rank) == STEPS * len(matrices)  # every matrix exactly once per step, group-wide
-    assert all(n > 0 for n in per_rank)  # the work is shared
+def test_parity_ns_once_per_whole_matrix_and_same_collectives_on_every_rank(mode, tmp_path, record_property):
+    """10 steps with DDP / FSDP2 on 2 ranks vs one process; NS counted; collective sequences compared."""
+    _launch(_parity_worker, str(tmp_path), mode)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    # parity with one process (fp32 orthogonalisation)
+    diff = max(_max_diff(r["params"], _reference_params()) for r in ranks)
+    record_property(f"max_abs_diff_{mode}", diff)
+    print(f"{mode}: max |param - single-process param| after {STEPS} steps = {diff:.3g}")
+    assert diff <= TOL
+    assert _max_diff(ranks[0]["params"], ranks[1]["params"]) == 0.0  # replicas agree exactly
+    # Newton-Schulz: every matrix exactly once per step group-wide, on whole matrices, work shared
+    matrices = _muon_matrices(_model())
+    per_rank = [sum(c[0] for c in r["calls"]) for r in ranks]
+    assert sum(per_rank) == STEPS * len(matrices)
+    assert all(n > 0 for n in per_rank)
     for r in ranks:
-        assert {c[1:] for c in r[mode]["calls"]} <= whole  # never a shard: only whole-matrix shapes
-        mine, total = r[mode]["flops"][-1]
+        assert {c[1:] for c in r["calls"]} <= set(matrices)  # never a shard: only whole-matrix shapes
+        mine, total = r["flops"][-1]
         assert total == sum(ns_flops([(1, a, b)], 5) for a, b in matrices)
         assert mine <= 0.6 * total  # balanced: about 1/2 each
-
-
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_every_rank_runs_the_same_collectives(parity, mode):
-    ranks, _, _ = parity
-    seqs = [r[mode]["collectives"] for r in ranks]
-    assert seqs[0] == seqs[1] and len(seqs[0]) >= STEPS
+    # the same collectives, in the same order, on every rank
+    assert ranks[0]["collectives"] == ranks[1]["collectives"] and len(ranks[0]["collectives"]) >= STEPS
+    # comm_dtype=bf16 with orth_dtype=bf16 changes nothing
+    assert all(r["bf16_wire_diff"] == 0.0 for r in ranks)
 
 
 # ------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ gives.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,19 +29,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # pragma: no cover - torch built without distributed
-    DTensor = None  # type: ignore[assignment,misc]
-
 REPLICATED = "replicated"
 ROWS = "rows"
 LOCAL = "local"  # the value of Muon(process_group=...) that turns communication off
 
 
 def is_dtensor(t: Any) -> bool:
-    """True for a `torch.distributed.tensor.DTensor` (an FSDP2 / tensor-parallel parameter)."""
-    return DTensor is not None and isinstance(t, DTensor)
+    """True for a `torch.distributed.tensor.DTensor` (an FSDP2 / tensor-parallel parameter).
+
+    Without importing ``torch.distributed.tensor`` (about 1 s): if nobody imported it, no
+    DTensor can exist.
+    """
+    mod = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(mod, "DTensor", None)
+    return cls is not None and isinstance(t, cls)
 
 
 def local(t: Tensor) -> Tensor:
@@ -56,32 +58,39 @@ def shard_rows(n_rows: int, world_size: int, rank: int) -> tuple[int, int]:
     This is how ``Shard(0)`` lays out a DTensor: blocks of ``ceil(n_rows / world_size)`` rows,
     the last ones shorter or empty.
     """
-    size, offset = Shard.local_shard_size_and_offset(n_rows, world_size, rank)
-    return int(offset), int(size)
+    chunk = -(-n_rows // world_size)  # ceil
+    offset = min(rank * chunk, n_rows)
+    return offset, min(n_rows, offset + chunk) - offset
 
 
 def local_rows(param: Tensor) -> tuple[Tensor, int]:
     """``(local_tensor, row_offset)``: the rows of ``param`` this rank holds and where they start.
 
-    A plain tensor or a replicated DTensor: the whole tensor, offset 0. A DTensor sharded on
-    dim 0 (FSDP2): its local shard and the global index of its first row, so a per-row factor
-    ``f`` (indexed by global row) applies as ``local * f[offset : offset + len(local)]``.
-    Used by QK-Clip to scale each head's rows where they live (a head's rows may be split
-    between two ranks). Raises ValueError for any other placement.
+    A plain tensor or a replicated DTensor: the whole tensor, offset 0. A DTensor split only
+    along dim 0 (FSDP2 ``Shard(0)``, also on a 2-D HSDP mesh): its local shard (an alias:
+    writes go through) and the global index of its first row, so a per-row factor ``f``
+    (indexed by global row) applies as ``local * f[offset : offset + len(local)]``. Used by
+    QK-Clip to scale each head's rows where they live (a head's rows may be split between two
+    ranks). Raises ValueError for a DTensor split along any other dimension.
     """
     data = param.data if isinstance(param, torch.nn.Parameter) else param
     if not is_dtensor(data):
         return data, 0
-    kind = layout_of(data, "parameter")
-    loc = data._local_tensor
-    if kind == REPLICATED:
-        return loc, 0
-    offset, _ = shard_rows(data.shape[0], data.device_mesh.size(), data.device_mesh.get_local_rank())
-    return loc, offset
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(data.shape, data.device_mesh, data.placements)
+    if any(o != 0 for o in offset[1:]) or tuple(shape[1:]) != tuple(data.shape[1:]):
+        raise ValueError(
+            f"a weight of shape {tuple(data.shape)} placed {data.placements} is split along a dimension other than "
+            "the rows; per-row scaling (QK-Clip) needs row shards (Shard(0), what fully_shard uses) or replicas"
+        )
+    return data._local_tensor, int(offset[0])
 
 
 def layout_of(t: Tensor, name: str) -> str:
     """``"replicated"`` or ``"rows"`` for a DTensor; raise ValueError naming ``name`` otherwise."""
+    from torch.distributed.tensor import Replicate, Shard
+
     mesh = t.device_mesh
     if mesh.ndim != 1:
         raise ValueError(
@@ -183,7 +192,7 @@ def _check_shard_shape(p: Tensor, name: str) -> None:
 
 def item_layout(p: Tensor, ctx: GroupContext) -> str:
     """``"rows"`` for a Shard(0) DTensor in a multi-rank step, ``"replicated"`` otherwise."""
-    if ctx.world_size > 1 and is_dtensor(p) and isinstance(p.placements[0], Shard):
+    if ctx.world_size > 1 and is_dtensor(p) and p.placements[0].is_shard():
         return ROWS
     return REPLICATED
 

@@ -10,11 +10,13 @@ of the upper triangle), then mirror it into the lower triangle. That costs
 ``(blocks + 1) / (2 blocks)`` of the full product's flops (0.75 for 2 strips, 0.625 for 4),
 in ``blocks`` smaller matrix products and one mirror copy per strip.
 
-Measured on a 2-core AMD EPYC (Zen 5, avx512_bf16) with torch 2.13 (benchmarks/RESULTS.md):
-the smaller products run at a lower rate than one big product, so at GPT-sized matrices
-(m = 384) the saving does not pay; it starts to at m >= 1536 with 4 strips. It is a user
-option (``method="ns5_sym"``), not the default. On GPU the same idea wants a dedicated
-symmetric kernel (e.g. quack's ``gemm_symmetric``), which this pure-PyTorch code is not.
+Measured on a 2-core AMD EPYC (Zen 5, avx512_bf16), torch 2.13, one thread, bf16
+(benchmarks/RESULTS.md): the strips run at a lower rate than one big product and the mirror
+copies cost more than the saved flops, so ``ns5_sym`` is 1.1-1.5x *slower* than plain ns5 at
+every GPT/expert shape (384 x 384, 384 x 1536, 64 x 256 x 176); only at 1536 x 1536 did 2
+strips gain (0.92x). It is kept as a user option (``method="ns5_sym"``), not a default. On a
+GPU the saving needs a real symmetric kernel (e.g. quack's ``gemm_symmetric``), which this
+pure-PyTorch code is not.
 """
 
 from __future__ import annotations

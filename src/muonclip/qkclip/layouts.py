@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from ..attention.recorder import MaxLogitRecorder
+from ..distributed.context import local_rows
 
 GQA_POLICIES = ("per_head", "balanced", "group")
 
@@ -72,23 +73,8 @@ def scale_rows_(t: Tensor | None, factor: Tensor) -> None:
     """
     if t is None:
         return
-    data = t.data if isinstance(t, torch.nn.Parameter) else t
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        DTensor = ()  # type: ignore[assignment]
-    if isinstance(data, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        local = data.to_local()
-        shape, offset = compute_local_shape_and_global_offset(data.shape, data.device_mesh, data.placements)
-        if any(o != 0 for o in offset[1:]) or tuple(shape[1:]) != tuple(data.shape[1:]):
-            raise ValueError(
-                f"QK-Clip can scale a weight sharded by rows (Shard(0)) or replicated, not one with placements "
-                f"{data.placements}; shard attention projections on dim 0"
-            )
-        factor = factor[offset[0] : offset[0] + shape[0]]
-        data = local
+    data, offset = local_rows(t)  # FSDP2 Shard(0): this rank's rows and the global index of the first
+    factor = factor[offset : offset + data.shape[0]]
     f = factor.to(device=data.device, dtype=torch.float32).view(-1, *([1] * (data.ndim - 1)))
     data.mul_(f)
 
