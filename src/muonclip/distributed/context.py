@@ -87,6 +87,24 @@ def local_rows(param: Tensor) -> tuple[Tensor, int]:
     return data._local_tensor, int(offset[0])
 
 
+def locals_and_group(tensors: Sequence[Tensor]) -> tuple[list[Tensor], Any]:
+    """The rank-local tensors of ``tensors`` and the process group their DTensors span (None if none).
+
+    For checks that must agree across ranks (e.g. "is any gradient non-finite?"): compute on
+    the local shards, then reduce once over the returned group instead of letting DTensor
+    issue one collective per tensor.
+    """
+    group = None
+    out = []
+    for t in tensors:
+        if is_dtensor(t):
+            if group is None and t.device_mesh.size() > 1:
+                group = t.device_mesh.get_group() if t.device_mesh.ndim == 1 else dist.group.WORLD
+            t = t._local_tensor
+        out.append(t)
+    return out, group
+
+
 def layout_of(t: Tensor, name: str) -> str:
     """``"replicated"`` or ``"rows"`` for a DTensor; raise ValueError naming ``name`` otherwise."""
     from torch.distributed.tensor import Replicate, Shard
@@ -204,5 +222,5 @@ def row_blocks(n_rows: int, ctx: GroupContext) -> list[tuple[int, int]]:
 
 __all__ = [
     "GroupContext", "LOCAL", "REPLICATED", "ROWS", "SINGLE", "is_dtensor", "item_layout", "layout_of",
-    "local", "local_rows", "resolve_group", "row_blocks", "shard_rows",
+    "local", "local_rows", "locals_and_group", "resolve_group", "row_blocks", "shard_rows",
 ]

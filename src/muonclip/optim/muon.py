@@ -57,8 +57,9 @@ class Muon(torch.optim.Optimizer):
     ``steps_skipped``. ``"mask"`` does what ``"skip"`` does without the host sync (for GPUs:
     the step never waits for the device): the flag stays on the device, the gradients are
     zeroed where it is set, the step is computed, and every parameter and state tensor is
-    restored where it is set (`muonclip.optim.nonfinite.MaskedStep`; costs one copy of the
-    parameters and their state per step). In that mode ``steps_taken`` counts masked steps
+    restored where it is set (`muonclip.optim.nonfinite.MaskedStep`; costs a copy and a
+    masked write-back of the parameters and their state per step, and memory for the copy,
+    kept between steps). In that mode ``steps_taken`` counts masked steps
     too, AdamW's bias-correction step number advances on them, the zeroed gradients stay
     zeroed, and reading ``steps_skipped`` syncs. Either way no weight and no buffer sees a
     non-finite value.
@@ -92,6 +93,8 @@ class Muon(torch.optim.Optimizer):
             initialised with > 1 rank (DDP: parameters replicated), else none (one process).
             Each matrix is orthogonalised once in the group, whole, on an owner rank chosen
             by flops, and the result exchanged. ``"local"`` turns communication off.
+            ``last_step_stats`` (`muonclip.distributed.step.StepStats`) reports this rank's
+            share: matrices, Newton–Schulz flops, bytes sent.
         comm_dtype: wire dtype of those exchanges (default None: the momentum dtype,
             float32). ``torch.bfloat16`` halves the bytes; with ``orth_dtype=torch.bfloat16``
             it is lossless for the built-in methods.
@@ -171,6 +174,7 @@ class Muon(torch.optim.Optimizer):
         )
         self.adamw_eps = adamw_eps
         self.on_nonfinite = on_nonfinite
+        self._mask_cache: list[Tensor] = []  # on_nonfinite="mask": copies reused between steps
         self.process_group = process_group
         self.comm_dtype = comm_dtype
         self.last_step_stats = StepStats()
@@ -219,7 +223,7 @@ class Muon(torch.optim.Optimizer):
         resolve_group([p for _, _, p in live], lambda k: _name(self, live[k][0], live[k][1]), self.process_group)
         guard = None
         if self.on_nonfinite == "mask":  # sync-free: decided and undone on the device
-            guard = MaskedStep([p for _, _, p in live], [self.state[p] for _, _, p in live])
+            guard = MaskedStep([p for _, _, p in live], [self.state[p] for _, _, p in live], self._mask_cache)
         bad = [] if guard is not None else nonfinite_indices([p.grad for _, _, p in live])
         if bad:
             names = ", ".join(_name(self, live[k][0], live[k][1]) for k in bad[:5])
