@@ -8,13 +8,14 @@ For each shape (a batch of E matrices A x B) and method this prints, from one ru
   method that saves flops can beat the floor);
 * the flop floor: the rate of the plain matrix products one quintic step makes (X X^T, S S,
   P X as bare ``bmm`` in the same dtype, same shapes), and the ratio GFLOP/s / floor;
-* orthogonality error max |sigma_i - 1| of the result (singular values in float64).
+* orthogonality error max |sigma_i - 1| of the result (singular values in float64), on
+  inputs with singular values log-spaced in [0.01, 1] (condition number 100).
 
 Batched vs looped: the same E matrices as one batched call and as E calls, and
 torch.optim.Muon's per-matrix Newton–Schulz looped.
 
 Usage: ``python benchmarks/bench_ortho.py [--threads 2] [--rounds 7] [--clock wall|process]
-[--big] [--device cpu|cuda]``. ``--big`` adds 4096 x 4096 and 4096 x 14336 (slow on CPU).
+[--big] [--compiled] [--device cpu|cuda]``. ``--big`` adds 4096 x 4096 and 4096 x 14336 (slow on CPU).
 """
 
 from __future__ import annotations
@@ -51,8 +52,19 @@ CONTENDERS = [
     ("gram", torch.bfloat16),
     ("ns5_sym", torch.bfloat16),
     ("polar_express", torch.bfloat16),
-    ("gram_polar_express", torch.bfloat16),
 ]
+COMPILED = [("ns5_compiled", torch.bfloat16)]  # --compiled: about 20 s of compiling per shape on CPU
+
+
+def conditioned(shape: tuple[int, ...], cond: float = 100.0, seed: int = 0) -> torch.Tensor:
+    """Random matrices (batch over leading dims) with singular values log-spaced in [1/cond, 1]."""
+    g = torch.Generator().manual_seed(seed)
+    *batch, A, B = shape
+    k = min(A, B)
+    U, _ = torch.linalg.qr(torch.randn(*batch, A, k, generator=g, dtype=torch.float64))
+    W, _ = torch.linalg.qr(torch.randn(*batch, B, k, generator=g, dtype=torch.float64))
+    s = torch.logspace(0, -torch.log10(torch.tensor(cond)).item(), k, dtype=torch.float64)
+    return ((U * s) @ W.mT).float()
 
 
 def quintic_flops(m: int, n: int, steps: int = 5) -> int:
@@ -89,10 +101,9 @@ def matmul_floor(E: int, A: int, B: int, dtype: torch.dtype, device: str, rounds
 
 def bench_shape(label: str, E: int, A: int, B: int, args: argparse.Namespace) -> list[str]:
     """Markdown rows for one shape."""
-    torch.manual_seed(0)
-    V = torch.randn(E, A, B, device=args.device)
+    V = conditioned((E, A, B)).to(args.device)
     fns, errs, flops = {}, {}, {}
-    for method, dtype in CONTENDERS:
+    for method, dtype in CONTENDERS + (COMPILED if args.compiled else []):
         name = f"{method} {str(dtype).removeprefix('torch.')}"
         fns[name] = lambda method=method, dtype=dtype: orthogonalize(V, method, dtype=dtype)
         errs[name] = ortho_error(fns[name]())
@@ -130,10 +141,11 @@ def main() -> None:
     parser.add_argument("--clock", choices=("wall", "process"), default="wall")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--big", action="store_true", help="add 4096 x 4096 and 4096 x 14336")
+    parser.add_argument("--compiled", action="store_true", help="add ns5_compiled (torch.compile)")
     parser.add_argument("--only", default=None, help="run only shapes whose label contains this")
     args = parser.parse_args()
     setup_threads(args.threads)
-    unknown = {m for m, _ in CONTENDERS} - set(METHODS)
+    unknown = {m for m, _ in CONTENDERS + COMPILED} - set(METHODS)
     if unknown:
         raise SystemExit(f"methods {unknown} are not registered")
     print(f"# bench_ortho: {machine()}; clock={args.clock}, median of {args.rounds} interleaved rounds\n")

@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from bench_ortho import matmul_floor, ortho_error, quintic_flops, torch_ns
+from bench_ortho import conditioned, matmul_floor, ortho_error, quintic_flops, torch_ns
 from timing import machine, round_robin, setup_threads
 
 import muonclip
@@ -41,17 +41,6 @@ NS5 = (3.4445, -4.7750, 2.0315)
 def gpt_shapes(d: int = 384, layers: int = 6) -> list[tuple[int, ...]]:
     """Hidden matrices of a GPT block stack: q, k, v, o (d x d), c_fc (4d x d), c_proj (d x 4d)."""
     return [s for _ in range(layers) for s in [(d, d)] * 4 + [(4 * d, d), (d, 4 * d)]]
-
-
-def conditioned(shape: tuple[int, ...], cond: float = 100.0, seed: int = 0) -> torch.Tensor:
-    """Random matrices (batch over leading dims) with singular values log-spaced in [1/cond, 1]."""
-    g = torch.Generator().manual_seed(seed)
-    *batch, A, B = shape
-    k = min(A, B)
-    U, _ = torch.linalg.qr(torch.randn(*batch, A, k, generator=g, dtype=torch.float64))
-    W, _ = torch.linalg.qr(torch.randn(*batch, B, k, generator=g, dtype=torch.float64))
-    s = torch.logspace(0, -torch.log10(torch.tensor(cond)).item(), k, dtype=torch.float64)
-    return ((U * s) @ W.mT).float()
 
 
 def make_params(shapes, grads, device):

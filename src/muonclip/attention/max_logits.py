@@ -57,6 +57,16 @@ def allowed_pairs(mask: Tensor) -> Tensor:
     return mask > torch.finfo(mask.dtype).min
 
 
+def _scores(qc: Tensor, kT: Tensor) -> Tensor:
+    """``qc (B, Hkv, G, c, D) @ kT (B, Hkv, D, n) -> (B, Hkv, G, c, n)`` as one batched matmul.
+
+    Folding the G query heads of a key head into the rows keeps the matmul a plain bmm over
+    (B, Hkv); a broadcast over G would send torch.matmul down a much slower path.
+    """
+    B, hkv, G, c, D = qc.shape
+    return torch.matmul(qc.reshape(B, hkv, G * c, D), kT).view(B, hkv, G, c, kT.shape[-1])
+
+
 def _fold(out: Tensor, scores: Tensor, hq: int) -> Tensor:
     """Running max ``out (Hq,)`` with the per-head max of ``scores (B, Hkv, G, c, n)``."""
     if scores.numel() == 0:
@@ -98,7 +108,7 @@ def chunked_max_logits(
     G = hq // hkv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     cdtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-    k = key.detach().to(cdtype).unsqueeze(2).transpose(-1, -2)  # (B, Hkv, 1, D, Tk)
+    k = key.detach().to(cdtype).transpose(-1, -2)  # (B, Hkv, D, Tk)
     allowed = None
     if attn_mask is not None:
         try:
@@ -123,15 +133,15 @@ def chunked_max_logits(
             # keys [0, i0) are visible to every row of the chunk: no mask to apply there;
             # only the diagonal block [i0, i1) needs the triangle.
             if i0 > 0:
-                out = _fold(out, torch.matmul(qc, k[..., : min(i0, Tk)]), hq)
+                out = _fold(out, _scores(qc, k[..., : min(i0, Tk)]), hq)
             if i0 < Tk:
                 j1 = min(Tk, i1)
-                s = torch.matmul(qc, k[..., i0:j1])  # (B, Hkv, G, c, j1 - i0)
+                s = _scores(qc, k[..., i0:j1])  # (B, Hkv, G, c, j1 - i0)
                 tri = torch.arange(j1 - i0, device=s.device)[None, :] > torch.arange(i1 - i0, device=s.device)[:, None]
                 out = _fold(out, s.masked_fill_(tri, -math.inf), hq)
             continue
         n_keys = min(Tk, i1) if is_causal else Tk  # causal: rows < i1 only see keys < i1
-        s = torch.matmul(qc, k[..., :n_keys])  # (B, Hkv, G, c, n_keys)
+        s = _scores(qc, k[..., :n_keys])  # (B, Hkv, G, c, n_keys)
         if is_causal:
             rows = torch.arange(i0, i1, device=s.device)[:, None]
             s.masked_fill_(torch.arange(n_keys, device=s.device)[None, :] > rows, -math.inf)

@@ -25,6 +25,7 @@ from typing import Any
 
 OPTIMIZERS = ("adamw", "muon", "muonclip")
 ATTENTIONS = ("mha", "mla")
+ORTH_DTYPES = ("bfloat16", "float32")
 
 
 @dataclass
@@ -54,6 +55,9 @@ class RunConfig:
         warmup_steps: linear warm-up steps (default 20).
         min_lr_ratio: cosine decay from the peak down to peak * min_lr_ratio (default 0.1).
         tau: QK-Clip threshold on the max logit, also drawn on the plots (default 100, K2's).
+        orth_dtype: compute dtype of Muon's orthogonalisation, ``"bfloat16"`` (default, the
+            paper's) or ``"float32"`` (slower; for exact comparisons, e.g. a torchrun run
+            against one process).
 
     Bookkeeping:
         seed: model initialisation and batch order (default 0).
@@ -81,6 +85,7 @@ class RunConfig:
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
     tau: float = 100.0
+    orth_dtype: str = "bfloat16"
     seed: int = 0
     eval_every: int = 25
     eval_batches: int = 8
@@ -112,6 +117,8 @@ class RunConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        if self.orth_dtype not in ORTH_DTYPES:
+            raise ValueError(f"orth_dtype must be one of {ORTH_DTYPES}, got {self.orth_dtype!r}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
         if self.n_embd % self.n_head:
@@ -213,4 +220,7 @@ def apply_overrides(cfg: RunConfig, overrides: dict[str, Any] | None = None,
     return RunConfig(**values).validate()
 
 
-__all__ = ["ATTENTIONS", "OPTIMIZERS", "PRESETS", "RunConfig", "apply_overrides", "check_optimizer", "make_config"]
+__all__ = [
+    "ATTENTIONS", "OPTIMIZERS", "ORTH_DTYPES", "PRESETS", "RunConfig", "apply_overrides", "check_optimizer",
+    "make_config",
+]

@@ -3,11 +3,15 @@
 Exit codes: 0 done; 2 bad input (data, config, output folder, checkpoint) — nothing written;
 3 non-finite loss — training stopped, last good checkpoint kept; 130 Ctrl-C — checkpoint
 of the last finished step written.
+
+``muonclip train`` also runs under ``torchrun --nproc_per_node=N`` (DDP; ``--fsdp`` for FSDP2;
+see `muonclip.cli.distributed`): rank 0 prints, every rank returns the same exit code.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -15,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from ..data import DataError
-from .checkpoint import CheckpointError, load_checkpoint
+from .checkpoint import CheckpointError
 from .config import OPTIMIZERS, PRESETS, RunConfig, apply_overrides, make_config
-from .train import CHECKPOINT, Interrupted, NonFiniteLossError, OutputError
+from .distributed import LAUNCH_HINT, find_checkpoint, launched_by_torchrun, session
+from .train import Interrupted, NonFiniteLossError, OutputError
 
 EXIT_INPUT, EXIT_NONFINITE, EXIT_INTERRUPTED = 2, 3, 130
 
@@ -62,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write the metrics as TensorBoard scalars to DIR (pip install 'muonclip[tensorboard]')")
     t.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its checkpoint (its config, with any overrides given)")
+    t.add_argument("--fsdp", action="store_true",
+                   help="under torchrun: shard the model with FSDP2 (fully_shard) instead of DDP; "
+                        "e.g. torchrun --nproc_per_node=2 -m muonclip.cli.main train --fsdp")
     return parser
 
 
@@ -76,17 +84,21 @@ def _stamp() -> str:
 def _run_train(args: argparse.Namespace) -> int:
     from .train import train_run
 
+    if args.fsdp and not launched_by_torchrun():
+        raise ValueError(f"--fsdp shards the model over several processes; {LAUNCH_HINT}")
+    if launched_by_torchrun() and args.out is None:
+        raise OutputError("under torchrun, give --out: every rank must write to the same run folder")
     if args.resume:
         if args.out is None:
             raise OutputError("--resume needs --out, the folder of the run to continue")
         if args.preset is not None:
             raise ValueError("--preset cannot be used with --resume: the run's config comes from its checkpoint")
-        data = load_checkpoint(Path(args.out) / CHECKPOINT)
-        optimizer = args.optimizer or data["optimizer"]
+        found = find_checkpoint(Path(args.out))
+        optimizer = args.optimizer or found.optimizer
         try:
-            base = RunConfig.from_dict(data["config"])
+            base = RunConfig.from_dict(found.config)
         except (TypeError, ValueError) as e:
-            raise CheckpointError(f"{Path(args.out) / CHECKPOINT} holds an unreadable config ({e})") from None
+            raise CheckpointError(f"{found.path} holds an unreadable config ({e})") from None
         over = _overrides(args)
         if args.lr is not None:
             over[f"lr_{optimizer}"] = args.lr
@@ -99,14 +111,22 @@ def _run_train(args: argparse.Namespace) -> int:
             over[f"lr_{optimizer}"] = args.lr
         cfg = make_config(args.preset or "default", over, args.sets)
         out = Path(args.out) if args.out else Path("out") / f"train-{optimizer}-{_stamp()}"
-    result = train_run(cfg, optimizer, out, resume=args.resume, progress=not args.quiet, tensorboard=args.tensorboard)
-    print(f"{optimizer}: {result.steps} steps, final validation loss {result.final_val_loss:.4f}, "
-          f"{result.wall_time:.0f}s; run folder {out}")
+    with session(args.fsdp) as env:
+        result = train_run(cfg, optimizer, out, resume=args.resume, progress=not args.quiet,
+                           tensorboard=args.tensorboard, fsdp=args.fsdp)
+        if env.is_main:
+            ranks = f" on {env.world_size} processes ({env.mode})" if env.active else ""
+            print(f"{optimizer}: {result.steps} steps{ranks}, final validation loss {result.final_val_loss:.4f}, "
+                  f"{result.wall_time:.0f}s; run folder {out}")
     return 0
 
 
 def _run_compare(args: argparse.Namespace) -> int:
     from .compare import compare
+
+    if launched_by_torchrun() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("muonclip compare runs in one process; under torchrun use `muonclip train` "
+                         "(one optimizer per launch, --optimizer adamw|muon|muonclip)")
 
     cfg = make_config(args.preset or "default", _overrides(args), args.sets)
     optimizers = [o.strip() for o in args.optimizers.split(",") if o.strip()]
@@ -123,19 +143,28 @@ def _run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quiet_rank() -> bool:
+    """True on ranks other than 0 of a torchrun launch (they keep input-error messages to themselves)."""
+    return launched_by_torchrun() and os.environ.get("RANK", "0") != "0"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``muonclip`` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
     try:
         return _run_train(args) if args.command == "train" else _run_compare(args)
     except (DataError, OutputError, CheckpointError, ValueError) as e:
-        print(f"muonclip: error: {e}", file=sys.stderr)
+        if not _quiet_rank():
+            print(f"muonclip: error: {e}", file=sys.stderr)
         return EXIT_INPUT
     except NonFiniteLossError as e:
-        print(f"\nmuonclip: error: {e}", file=sys.stderr)
+        if not _quiet_rank():
+            print(f"\nmuonclip: error: {e}", file=sys.stderr)
         return EXIT_NONFINITE
     except Interrupted as e:
-        print(f"\nmuonclip: {e}; continue with: muonclip train --out {e.checkpoint.parent} --resume", file=sys.stderr)
+        if not _quiet_rank():
+            print(f"\nmuonclip: {e}; continue with: muonclip train --out {e.checkpoint.parent} --resume",
+                  file=sys.stderr)
         return EXIT_INTERRUPTED
     except KeyboardInterrupt:
         print("\nmuonclip: aborted; the last checkpoint (if any) is intact", file=sys.stderr)

@@ -17,9 +17,17 @@ a checkpoint every ``checkpoint_every`` steps and at the end.
 Resume is bit-identical: batches depend only on (seed, step), the learning rate only on
 the step, and the checkpoint holds model, optimizer and RNG state.
 
+Under ``torchrun`` (see `muonclip.cli.distributed`): DDP, or FSDP2 with ``fsdp=True``;
+``batch_size`` is the global batch and each rank trains on its block of rows, so the run
+equals the one-process run up to float reduction order; rank 0 alone prints and writes
+metrics; checkpoints are sharded (``checkpoint.dcp.json`` + ``checkpoint-step<N>.dcp/``) and
+resume on any number of ranks. A one-process run resumes a sharded checkpoint and vice versa.
+
 Stops:
 * Ctrl-C (SIGINT): the current step finishes, a checkpoint is written, `Interrupted` is raised
   (the CLI exits with 130). A second Ctrl-C aborts at once; the last checkpoint stays valid.
+  Under torchrun the stop flag is all-reduced each step (every rank stops after the same
+  step and joins the save), and SIGTERM, which the launcher sends on Ctrl-C, stops the same way.
 * A non-finite loss (or gradient): nothing is written for that step, the last good checkpoint
   is kept, `NonFiniteLossError` names the step (the CLI exits with 3).
 """
@@ -41,8 +49,25 @@ from torch import Tensor, nn
 
 from ..data import Corpus, check_fits, load_corpus, train_batch, val_batches
 from ..optim import NonFiniteGradError, param_groups
-from .checkpoint import check_compatible, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .checkpoint import check_compatible, rng_state, save_checkpoint, set_rng_state
 from .config import RunConfig, check_optimizer
+from .distributed import (
+    SINGLE,
+    DistEnv,
+    all_max,
+    all_mean,
+    all_sum,
+    check_batch,
+    current_env,
+    find_checkpoint,
+    has_checkpoint,
+    load_full_into_sharded,
+    load_sharded,
+    rank_rows,
+    remove_sharded,
+    save_sharded,
+    wrap_model,
+)
 from .metrics import MetricsWriter
 from .progress import Progress
 
@@ -110,13 +135,15 @@ def build_optimizer(name: str, model: nn.Module, cfg: RunConfig) -> torch.optim.
             lr=cfg.lr_adamw, betas=(0.9, 0.95),
         )
     groups = param_groups(model, adamw_lr=cfg.lr_adamw)
+    orth_dtype = getattr(torch, cfg.orth_dtype)
     if name == "muon":
         from ..optim import Muon
 
-        return Muon(groups, lr=cfg.lr_muon, weight_decay=cfg.weight_decay)
+        return Muon(groups, lr=cfg.lr_muon, weight_decay=cfg.weight_decay, orth_dtype=orth_dtype)
     from .. import MuonClip
 
-    return MuonClip(model, lr=cfg.lr_muonclip, tau=cfg.tau, groups=groups, weight_decay=cfg.weight_decay)
+    return MuonClip(model, lr=cfg.lr_muonclip, tau=cfg.tau, groups=groups, weight_decay=cfg.weight_decay,
+                    orth_dtype=orth_dtype)
 
 
 def lr_factor(step: int, cfg: RunConfig) -> float:
@@ -144,18 +171,28 @@ def evaluate(model: nn.Module, batches: list[tuple[Tensor, Tensor]]) -> float:
     return total
 
 
-def read_max_logits(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list[float], list[int]]:
-    """Per-layer max logit of the step and per-layer count of clipped heads (0 without QK-Clip)."""
+def read_max_logits(model: nn.Module, optimizer: torch.optim.Optimizer,
+                    env: DistEnv = SINGLE) -> tuple[list[float], list[int]]:
+    """Per-layer max logit of the step and per-layer count of clipped heads (0 without QK-Clip).
+
+    Under torchrun, call on every rank: MuonClip's maxima are already reduced over the ranks;
+    the model's own recorders (AdamW/Muon runs) saw only this rank's rows and are all-reduced
+    with MAX here.
+    """
     names = [f"blocks.{i}.attn" for i in range(len(model.attention_modules()))]
     clipped_map = {}
     if hasattr(optimizer, "last_max_logits"):
         logits_map = dict(optimizer.last_max_logits or {})
         clipped_map = dict(getattr(optimizer, "last_clipped", None) or {})
         model.pop_max_logits()  # nothing should be left; keep the recorders clean regardless
+        reduce = False
     else:
         logits_map = model.pop_max_logits()
+        reduce = True
     keys = names if all(k in logits_map for k in names) else list(logits_map)
     maxes = [float(logits_map[k].max()) for k in keys]
+    if reduce:
+        maxes = all_max(maxes, env)
     clipped = [int(clipped_map[k].sum()) if k in clipped_map else 0 for k in keys]
     return maxes, clipped
 
@@ -171,7 +208,7 @@ def check_out_dir(run_dir: Path, *, resume: bool) -> None:
         raise OutputError(f"--out {run_dir}: {probe} is a file, not a folder")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise OutputError(f"--out {run_dir}: cannot write to {probe} (permission denied); choose another --out")
-    if not resume and (run_dir / CHECKPOINT).exists():
+    if not resume and has_checkpoint(run_dir):
         raise OutputError(f"--out {run_dir} already holds a run; continue it with --resume or choose another --out")
 
 
@@ -188,13 +225,40 @@ def _install_sigint() -> tuple[dict[str, bool], Any]:
     return flag, signal.signal(signal.SIGINT, handler)
 
 
+def _install_sigterm(flag: dict[str, bool]) -> Any:
+    """Under torchrun: SIGTERM (what the launcher sends its workers on Ctrl-C) stops like a first
+    Ctrl-C — finish the step, checkpoint on every rank, exit — and never aborts a save."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum: int, frame: Any) -> None:
+        flag["stop"] = True
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
 def _hidden_matrices(model: nn.Module) -> list[Tensor]:
     return [p for g in param_groups(model) if g["algorithm"] == "muon" for p in g["params"]]
 
 
+def _local(p: Tensor) -> Tensor:
+    """The rows of ``p`` this rank holds (all of it unless FSDP2 shards it)."""
+    from ..distributed import local_rows
+
+    return local_rows(p)[0]
+
+
+def _update_rms(hidden: list[Tensor], before: list[Tensor], env: DistEnv) -> list[float]:
+    """RMS of each hidden matrix's update; FSDP2 shards are summed over the ranks (one all-reduce)."""
+    sq = [float((_local(p) - b).double().pow(2).sum()) for p, b in zip(hidden, before)]
+    if env.fsdp:
+        sq = all_sum(sq, env)
+    return [math.sqrt(s / max(1, p.numel())) for s, p in zip(sq, hidden)]
+
+
 def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bool = False,
               corpus: Corpus | None = None, progress: bool = True, label: str | None = None,
-              tensorboard: str | Path | None = None) -> RunResult:
+              tensorboard: str | Path | None = None, fsdp: bool = False) -> RunResult:
     """Train one run; see the module docstring. Every input is checked before anything is written.
 
     Args:
@@ -207,6 +271,8 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
         label: progress-bar label (default: the optimizer name).
         tensorboard: also write every metrics row as TensorBoard scalars to this folder (default
             None; needs the ``tensorboard`` extra; see `muonclip.integrations.tensorboard`).
+        fsdp: shard the model with FSDP2 (default False: DDP when a process group of several
+            ranks is initialised, see `muonclip.cli.distributed.session`; else one process).
 
     Raises:
         DataError, OutputError, CheckpointError, ValueError: bad input; nothing written.
@@ -216,70 +282,107 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
     check_optimizer(optimizer)
     run_dir = Path(run_dir)
     cfg.validate()
+    env = current_env(fsdp)
+    check_batch(cfg.batch_size, env)
     check_out_dir(run_dir, resume=resume)
     if corpus is None:
         corpus = load_corpus(cfg.data, cfg.val_fraction)
     check_fits(corpus, cfg.batch_size, cfg.block_size)
-    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // env.world_size))
 
     model = build_model(cfg)
-    opt = build_optimizer(optimizer, model, cfg)
-    base_lrs = [g["lr"] for g in opt.param_groups]
     start, extra = 0, {"elapsed": 0.0, "last_val_loss": float("nan")}
+    found = find_checkpoint(run_dir) if resume else None
+    if found is not None:
+        if found.kind == "file":
+            check_compatible(found.data, optimizer=optimizer, config=cfg.to_dict(), model=model, path=found.path)
+        else:
+            shapes = {k: torch.empty(v, device="meta") for k, v in found.data["shapes"].items()}
+            check_compatible({**found.data, "model": shapes}, optimizer=optimizer, config=cfg.to_dict(),
+                             model=model, path=found.path)
+        if found.step > cfg.steps:
+            raise ValueError(f"the checkpoint is at step {found.step}, past steps={cfg.steps}; raise --steps")
+        if found.kind == "file":
+            model.load_state_dict(found.data["model"])  # before wrapping: DDP/FSDP2 take the loaded weights
+        start = found.step
+        extra.update(found.data.get("extra") or {})
+    train_model, model = wrap_model(model, env)
+    opt = build_optimizer(optimizer, model, cfg)
+    base_lrs = [g["lr"] for g in opt.param_groups]  # the peaks: a loaded state holds the last scheduled lr
+    if found is not None:
+        if found.kind == "sharded":
+            set_rng_state(load_sharded(run_dir, found.data, model, opt))
+        else:
+            if env.fsdp:
+                def build_plain() -> tuple[nn.Module, torch.optim.Optimizer]:
+                    plain = build_model(cfg)
+                    return plain, build_optimizer(optimizer, plain, cfg)
+
+                load_full_into_sharded(model, opt, found.data, build_plain)
+            else:
+                opt.load_state_dict(found.data["optim"])
+            set_rng_state(found.data["rng"])
     ckpt_path = run_dir / CHECKPOINT
-    if resume:
-        data = load_checkpoint(ckpt_path)
-        check_compatible(data, optimizer=optimizer, config=cfg.to_dict(), model=model, path=ckpt_path)
-        if data["step"] > cfg.steps:
-            raise ValueError(f"the checkpoint is at step {data['step']}, past steps={cfg.steps}; raise --steps")
-        model.load_state_dict(data["model"])
-        opt.load_state_dict(data["optim"])
-        set_rng_state(data["rng"])
-        start = int(data["step"])
-        extra.update(data.get("extra") or {})
 
     tb = None
-    if tensorboard is not None:
+    if tensorboard is not None and env.is_main:
         from ..integrations.tensorboard import TensorBoardWriter
 
         try:
             tb = TensorBoardWriter(tensorboard, purge_step=start + 1 if resume else None)
         except ImportError as e:
             raise ValueError(f"--tensorboard: {e}") from None
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with open(run_dir / CONFIG, "w", encoding="utf-8") as f:
-            json.dump({"optimizer": optimizer, **cfg.to_dict()}, f, indent=2)
-    except OSError as e:
-        raise OutputError(f"--out {run_dir}: cannot write ({e}); choose another --out") from None
-    writer = MetricsWriter(run_dir, cfg.n_layer, keep_until=start if resume else None)
-    val = val_batches(corpus, n_batches=cfg.eval_batches, batch_size=cfg.batch_size, block_size=cfg.block_size)
+    writer = None
+    if env.is_main:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            with open(run_dir / CONFIG, "w", encoding="utf-8") as f:
+                json.dump({"optimizer": optimizer, **cfg.to_dict()}, f, indent=2)
+        except OSError as e:
+            raise OutputError(f"--out {run_dir}: cannot write ({e}); choose another --out") from None
+        writer = MetricsWriter(run_dir, cfg.n_layer, keep_until=start if resume else None)
+    val = [(rank_rows(x, env), rank_rows(y, env)) for x, y in
+           val_batches(corpus, n_batches=cfg.eval_batches, batch_size=cfg.batch_size, block_size=cfg.block_size)]
     hidden = _hidden_matrices(model)
     tokens_per_step = cfg.batch_size * cfg.block_size
-    bar = Progress(label or optimizer, cfg.steps, start=start, tokens_per_step=tokens_per_step, enabled=progress)
-    last_saved: Path | None = ckpt_path if resume else None
+    bar = Progress(label or optimizer, cfg.steps, start=start, tokens_per_step=tokens_per_step,
+                   enabled=progress and env.is_main)
+    last_saved: Path | None = found.path if found is not None else None
     elapsed0 = float(extra["elapsed"])
     t_start = time.perf_counter()
 
     def save(step: int) -> Path:
         extra["elapsed"] = elapsed0 + time.perf_counter() - t_start
-        return save_checkpoint(ckpt_path, {
+        if env.active:
+            meta = {"optimizer": optimizer, "config": cfg.to_dict(), "step": step, "extra": dict(extra)}
+            return save_sharded(run_dir, model, opt, env, meta=meta, rng=rng_state())
+        path = save_checkpoint(ckpt_path, {
             "optimizer": optimizer, "config": cfg.to_dict(), "step": step, "model": model.state_dict(),
             "optim": opt.state_dict(), "rng": rng_state(), "extra": dict(extra),
         })
+        remove_sharded(run_dir)  # a resumed sharded run now continues in checkpoint.pt
+        return path
 
     flag, old_handler = _install_sigint()
-    model.train()
+    old_term = _install_sigterm(flag) if env.active else None
+    train_model.train()
     try:
         for step in range(start, cfg.steps):
             factor = lr_factor(step, cfg)
             for g, lr in zip(opt.param_groups, base_lrs):
                 g["lr"] = lr * factor
             x, y = train_batch(corpus, step, batch_size=cfg.batch_size, block_size=cfg.block_size, seed=cfg.seed)
+            x, y = rank_rows(x, env), rank_rows(y, env)
             t0 = time.perf_counter()
-            before = [p.detach().clone() for p in hidden]
-            loss = forward_loss(model, x, y)
-            loss_value = float(loss.detach())
+            with torch.no_grad():
+                before = [_local(p).clone() for p in hidden]
+            loss = forward_loss(train_model, x, y)
+            stop_now = False
+            if env.active:  # one all-reduce: the mean loss (non-finite if any rank's is) and Ctrl-C on any rank
+                loss_value, stops = all_mean([float(loss.detach()), float(flag["stop"])], env)
+                stop_now = stops > 0
+            else:
+                loss_value = float(loss.detach())
             if not math.isfinite(loss_value):
                 raise NonFiniteLossError(step + 1, f"loss ({loss_value})", last_saved)
             opt.zero_grad(set_to_none=True)
@@ -288,14 +391,14 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
                 opt.step()
             except NonFiniteGradError as e:
                 raise NonFiniteLossError(step + 1, f"gradient ({e})", last_saved) from None
-            maxes, clipped = read_max_logits(model, opt)
+            maxes, clipped = read_max_logits(model, opt, env)
             with torch.no_grad():
-                rms = [float((p - b).pow(2).mean().sqrt()) for p, b in zip(hidden, before)]
+                rms = _update_rms(hidden, before, env)
             step_time = time.perf_counter() - t0
             done = step + 1
             val_loss = None
             if done % cfg.eval_every == 0 or done == cfg.steps:
-                val_loss = evaluate(model, val)
+                val_loss = all_mean([evaluate(model, val)], env)[0]
                 extra["last_val_loss"] = val_loss
                 bar.extra = f" | val {val_loss:.4f}"
             row = {
@@ -305,23 +408,27 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
                 "update_rms": sum(rms) / max(1, len(rms)), "step_time": step_time,
                 "elapsed": elapsed0 + time.perf_counter() - t_start,
             }
-            writer.write(row)
+            if writer is not None:
+                writer.write(row)
             if tb is not None:
                 tb.write(row)
             bar.update(done, loss_value)
             if done % cfg.checkpoint_every == 0 or done == cfg.steps:
                 last_saved = save(done)
-            if flag["stop"]:
+            if stop_now or (flag["stop"] and not env.active):
                 if last_saved is None or done % cfg.checkpoint_every:
                     last_saved = save(done)
                 bar.close()
                 raise Interrupted(done, last_saved)
     finally:
-        writer.close()
+        if writer is not None:
+            writer.close()
         if tb is not None:
             tb.close()
         if old_handler is not None:
             signal.signal(signal.SIGINT, old_handler)
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
     bar.close()
     return RunResult(optimizer, run_dir, cfg.steps, float(extra["last_val_loss"]),
                      elapsed0 + time.perf_counter() - t_start)

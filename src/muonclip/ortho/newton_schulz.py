@@ -33,9 +33,9 @@ _POLAR_EXPRESS_RAW: tuple[tuple[float, float, float], ...] = (
 )
 POLAR_EXPRESS_SAFETY = 1.01
 # On CPU a batch is iterated in chunks whose working set (X, the new X, S and P) fits in
-# about this many bytes (the L2 caches of the 2-core test machine): measured 0.69x the time of
-# one 24 x 384 x 384 batch, 0.75x at 6 x 384 x 1536 (benchmarks/RESULTS.md). GPUs take the
-# whole batch at once.
+# about this many bytes (the L2 caches of the 2-core test machine): 2 threads, bf16, measured
+# 0.68x the time of one whole batch at 24 x 384 x 384 (4 per chunk) and 0.81x at 6 x 384 x 1536
+# (1 per chunk) (benchmarks/RESULTS.md). GPUs take the whole batch at once.
 CPU_CHUNK_BYTES = 4 * 2**20
 
 

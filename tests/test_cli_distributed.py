@@ -1,0 +1,207 @@
+"""`muonclip train` under torchrun (2 CPU processes, gloo): DDP and FSDP2 runs equal the one-process
+run of the same config, and checkpoints move between 2 ranks and 1 process in both directions.
+
+Every comparison uses fp32 orthogonalisation and a constant learning rate (so a run of 3 steps
+resumed to 6 is the same computation as 6 steps straight); tau = 0.05 makes QK-Clip fire.
+Tolerance: 1e-5 on every parameter and optimizer-state entry, and on every logged loss
+(measured: ~2e-7, the float reduction order of the gradient all-reduce).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from muonclip.cli.config import RunConfig
+from muonclip.cli.distributed import SHARDED_POINTER, find_checkpoint, load_sharded
+from muonclip.cli.main import main
+from muonclip.cli.metrics import read_rows
+from muonclip.cli.train import build_model, build_optimizer
+from muonclip.data import builtin_corpus_dir, read_document
+
+TOL = 1e-5
+EXACT = ["--preset", "tiny", "--quiet", "--set", "orth_dtype=float32", "--set", "warmup_steps=0",
+         "--set", "min_lr_ratio=1", "--tau", "0.05", "--set", "eval_every=3"]
+SCRIPT = shutil.which("muonclip", path=str(Path(sys.executable).parent)) or shutil.which("muonclip")
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "macbeth.txt"
+    path.write_text(read_document(builtin_corpus_dir() / "tragedies" / "macbeth.md"))
+    return str(path)
+
+
+def torchrun(args, nproc=2, timeout=120):
+    """Run ``muonclip <args>`` on ``nproc`` CPU processes with torchrun; return the CompletedProcess."""
+    launcher = [SCRIPT] if SCRIPT else ["-m", "muonclip.cli.main"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           *launcher, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def run_ok(args, nproc=2):
+    proc = torchrun(args, nproc)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def final_state(run_dir):
+    """(model state dict, optimizer state dict, step) of the latest checkpoint, in one process."""
+    found = find_checkpoint(run_dir)
+    if found.kind == "file":
+        return found.data["model"], found.data["optim"], found.step
+    cfg = RunConfig.from_dict(found.config)
+    model = build_model(cfg)
+    opt = build_optimizer(found.optimizer, model, cfg)
+    load_sharded(run_dir, found.data, model, opt)
+    return model.state_dict(), opt.state_dict(), found.step
+
+
+def max_diff(a, b, where="") -> float:
+    """Largest |a - b| over the tensors of two nested state dicts; non-tensors must be equal."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.shape == b.shape, where
+        return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+    if isinstance(a, dict):
+        assert set(a) == set(b), (where, set(a) ^ set(b))
+        return max((max_diff(a[k], b[k], f"{where}.{k}") for k in a), default=0.0)
+    if isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        return max((max_diff(x, y, f"{where}[{i}]") for i, (x, y) in enumerate(zip(a, b))), default=0.0)
+    assert a == b, (where, a, b)
+    return 0.0
+
+
+def assert_same_run(run_dir, ref_dir, steps):
+    """Same final parameters and optimizer state (within TOL) and the same logged numbers per step."""
+    m, o, step = final_state(run_dir)
+    rm, ro, rstep = final_state(ref_dir)
+    assert step == rstep == steps
+    assert max_diff(m, rm, "model") <= TOL
+    assert max_diff(o, ro, "optim") <= TOL
+    rows, ref = read_rows(run_dir), read_rows(ref_dir)
+    assert [r["step"] for r in rows] == [r["step"] for r in ref] == list(range(1, steps + 1))
+    for r, q in zip(rows, ref):
+        assert math.isfinite(r["loss"]) and abs(r["loss"] - q["loss"]) <= TOL, (r, q)
+        assert abs(r["max_logit"] - q["max_logit"]) <= TOL * q["max_logit"], (r, q)
+        assert r["clipped"] == q["clipped"] and r["tokens"] == q["tokens"]
+        assert (r["val_loss"] is None) == (q["val_loss"] is None)
+        if q["val_loss"] is not None:
+            assert abs(r["val_loss"] - q["val_loss"]) <= TOL
+        assert abs(r["update_rms"] - q["update_rms"]) <= TOL * q["update_rms"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, text):
+    """One-process runs of 6 steps, for muon and muonclip."""
+    root = tmp_path_factory.mktemp("ref")
+    for opt in ("muon", "muonclip"):
+        assert main(["train", *EXACT, "--data", text, "--optimizer", opt, "--steps", "6", "--threads", "1",
+                     "--out", str(root / opt)]) == 0
+    return root
+
+
+def test_fsdp_run_equals_one_process(tmp_path, text, reference):
+    out = tmp_path / "fsdp"
+    proc = run_ok(["train", *EXACT, "--data", text, "--optimizer", "muonclip", "--steps", "6", "--out", str(out),
+                   "--fsdp"])
+    assert proc.stdout.count("6 steps on 2 processes (fsdp)") == 1  # printed by rank 0 only
+    assert sorted(p.name for p in out.iterdir()) == [
+        "checkpoint-step6.dcp", SHARDED_POINTER, "config.json", "metrics.csv", "metrics.jsonl"]
+    rows = read_rows(out)
+    assert rows[0]["clipped_heads"] > 0 and all(2.0 < r["loss"] < 6.0 for r in rows)
+    assert_same_run(out, reference / "muonclip", 6)
+
+
+def test_ddp_saves_on_two_ranks_resumes_on_one(tmp_path, text, reference):
+    out = tmp_path / "ddp"
+    proc = run_ok(["train", *EXACT, "--data", text, "--optimizer", "muon", "--steps", "3", "--out", str(out)])
+    assert "3 steps on 2 processes (ddp)" in proc.stdout
+    assert find_checkpoint(out).kind == "sharded" and find_checkpoint(out).step == 3
+    rows = read_rows(out)
+    ref = read_rows(reference / "muon")
+    for r, q in zip(rows, ref[:3]):  # max logits of plain Muon: each rank's recorders, all-reduced with MAX
+        assert abs(r["loss"] - q["loss"]) <= TOL and abs(r["max_logit"] - q["max_logit"]) <= TOL * q["max_logit"]
+    assert main(["train", "--quiet", "--out", str(out), "--resume", "--steps", "6", "--threads", "1"]) == 0
+    assert not (out / SHARDED_POINTER).exists() and not list(out.glob("checkpoint-step*"))  # now checkpoint.pt
+    assert_same_run(out, reference / "muon", 6)
+
+
+def test_one_process_checkpoint_resumes_on_two_ranks_with_fsdp(tmp_path, text, reference):
+    out = tmp_path / "one-then-two"
+    assert main(["train", *EXACT, "--data", text, "--optimizer", "muonclip", "--steps", "3", "--threads", "1",
+                 "--out", str(out)]) == 0
+    run_ok(["train", "--quiet", "--out", str(out), "--resume", "--steps", "6", "--fsdp"])
+    assert not (out / "checkpoint.pt").exists() and find_checkpoint(out).kind == "sharded"
+    assert_same_run(out, reference / "muonclip", 6)
+
+
+def test_fsdp_without_torchrun_says_how_to_launch(tmp_path, text, capsys):
+    rc = main(["train", *EXACT, "--data", text, "--fsdp", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--fsdp" in err and "torchrun --standalone --nproc_per_node=2" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_input_under_torchrun_exits_on_every_rank_without_hanging(tmp_path, text):
+    out = tmp_path / "run"
+    proc = torchrun(["train", *EXACT, "--data", text, "--set", "batch_size=7", "--out", str(out)], timeout=60)
+    assert proc.returncode != 0
+    assert proc.stderr.count("batch_size (7) is the global batch") == 1  # rank 0 reports, rank 1 stays quiet
+    assert not out.exists()
+
+
+def test_each_rank_takes_its_block_of_the_global_batch():
+    from muonclip.cli.distributed import DistEnv, check_batch, rank_rows
+
+    x = torch.arange(8 * 3).reshape(8, 3)
+    parts = [rank_rows(x, DistEnv(rank=r, world_size=4)) for r in range(4)]
+    assert all(p.shape == (2, 3) for p in parts) and torch.equal(torch.cat(parts), x)
+    assert torch.equal(rank_rows(x, DistEnv()), x)
+    with pytest.raises(ValueError, match="must be divisible by 3"):
+        check_batch(8, DistEnv(rank=0, world_size=3))
+
+
+def test_interrupted_sharded_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    import muonclip.distributed.checkpoint as dcp_ckpt
+    from muonclip.cli.checkpoint import rng_state
+    from muonclip.cli.config import make_config
+    from muonclip.cli.distributed import SINGLE, save_sharded
+
+    cfg = make_config("tiny", {"threads": 1})
+    model = build_model(cfg)
+    opt = build_optimizer("muon", model, cfg)
+    model(torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8)))[1].backward()
+    opt.step()
+    meta = {"optimizer": "muon", "config": cfg.to_dict(), "extra": {}}
+    save_sharded(tmp_path, model, opt, SINGLE, meta={**meta, "step": 1}, rng=rng_state())
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    real = dcp_ckpt.save
+
+    def torn(path, *args, **kwargs):  # writes the shards, then dies before the checkpoint is complete
+        real(path, *args, **kwargs)
+        (Path(path) / ".metadata").unlink()
+        raise KeyboardInterrupt
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    monkeypatch.setattr(dcp_ckpt, "save", torn)
+    with pytest.raises(KeyboardInterrupt):
+        save_sharded(tmp_path, model, opt, SINGLE, meta={**meta, "step": 2}, rng=rng_state())
+    assert find_checkpoint(tmp_path).step == 1
+    state, _, _ = final_state(tmp_path)
+    assert max_diff(state, saved) == 0.0
+    monkeypatch.undo()
+    save_sharded(tmp_path, model, opt, SINGLE, meta={**meta, "step": 3}, rng=rng_state())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-step3.dcp", SHARDED_POINTER]
+    assert find_checkpoint(tmp_path).step == 3
