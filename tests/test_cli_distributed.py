@@ -102,9 +102,9 @@ def assert_same_run(run_dir, ref_dir, steps):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, text):
-    """One-process runs of 6 steps, for muon and muonclip."""
+    """One-process runs of 6 steps, for adamw and muonclip."""
     root = tmp_path_factory.mktemp("ref")
-    for opt in ("muon", "muonclip"):
+    for opt in ("adamw", "muonclip"):
         assert main(["train", *EXACT, "--data", text, "--optimizer", opt, "--steps", "6", "--threads", "1",
                      "--out", str(root / opt)]) == 0
     return root
@@ -122,18 +122,19 @@ def test_fsdp_run_equals_one_process(tmp_path, text, reference):
     assert_same_run(out, reference / "muonclip", 6)
 
 
-def test_ddp_saves_on_two_ranks_resumes_on_one(tmp_path, text, reference):
+@pytest.mark.parametrize("optimizer", ["adamw", "muonclip"])
+def test_ddp_saves_on_two_ranks_resumes_on_one(tmp_path, text, reference, optimizer):
     out = tmp_path / "ddp"
-    proc = run_ok(["train", *EXACT, "--data", text, "--optimizer", "muon", "--steps", "3", "--out", str(out)])
+    proc = run_ok(["train", *EXACT, "--data", text, "--optimizer", optimizer, "--steps", "3", "--out", str(out)])
     assert "3 steps on 2 processes (ddp)" in proc.stdout
     assert find_checkpoint(out).kind == "sharded" and find_checkpoint(out).step == 3
     rows = read_rows(out)
-    ref = read_rows(reference / "muon")
-    for r, q in zip(rows, ref[:3]):  # max logits of plain Muon: each rank's recorders, all-reduced with MAX
+    ref = read_rows(reference / optimizer)
+    for r, q in zip(rows, ref[:3]):  # AdamW's max logits: each rank's recorders, all-reduced with MAX
         assert abs(r["loss"] - q["loss"]) <= TOL and abs(r["max_logit"] - q["max_logit"]) <= TOL * q["max_logit"]
     assert main(["train", "--quiet", "--out", str(out), "--resume", "--steps", "6", "--threads", "1"]) == 0
     assert not (out / SHARDED_POINTER).exists() and not list(out.glob("checkpoint-step*"))  # now checkpoint.pt
-    assert_same_run(out, reference / "muon", 6)
+    assert_same_run(out, reference / optimizer, 6)
 
 
 def test_one_process_checkpoint_resumes_on_two_ranks_with_fsdp(tmp_path, text, reference):

@@ -60,7 +60,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     """
     model = _unwrap(model)
     msd, osd = get_state_dict(model, optimizer)
-    state = {"model": msd, "optim": osd, "muonclip": {k: 0 for k in _COUNTERS}, "extra": b""}
+    state = {"model": msd, "optim": osd, "muonclip": {k: 0 for k in _COUNTERS if hasattr(optimizer, k)}, "extra": b""}
     dcp.load(state, checkpoint_id=os.fspath(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     for k, v in state["muonclip"].items():

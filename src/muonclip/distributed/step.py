@@ -158,52 +158,70 @@ def muon_step(
     # 7. scale per block and apply to this rank's rows
     for k, (g, p) in enumerate(live):
         offset = shard_rows(shapes[k][0], ctx.world_size, ctx.rank)[0] if layouts[k] == ROWS else 0
-        U = _scaled(result[k], shapes[k], g, offset)
         w, lr, wd = local(p), g["lr"], g["weight_decay"]
         if wd != 0.0:
             w.mul_(1.0 - lr * wd)
-        w.add_(U, alpha=-lr)
+        _add_scaled_(w, result[k], shapes[k], g, offset, -lr)
     return stats
 
 
 def _orthogonalize_owned(live: list[tuple[dict[str, Any], Tensor]], whole: dict[int, Tensor],
                          stats: StepStats, orthogonalize: Callable[..., Tensor]) -> dict[int, Tensor]:
-    """``{k: orth(V_k)}`` for the owned items, blocks of equal shape and settings batched."""
-    buckets: dict[tuple, list[tuple[Tensor, Tensor]]] = defaultdict(list)
-    out: dict[int, Tensor] = {}
+    """``{k: orth(V_k)}`` (each of V_k's shape, in the compute dtype) for the owned items.
+
+    Blocks of equal shape and settings are batched into one ``orthogonalize`` call per bucket.
+    A result that is one block is a view into its bucket's output (no copy); only items cut
+    into several blocks (``split_sizes``) are assembled.
+    """
+    buckets: dict[tuple, list[tuple[int, int, Tensor]]] = defaultdict(list)
+    n_blocks: dict[int, int] = {}
     for k in sorted(whole):
         g = live[k][0]
-        v = whole[k].contiguous()
-        out[k] = torch.empty_like(v)
-        for vb, ob in zip(matrix_blocks(v, **_opts(g)), matrix_blocks(out[k], **_opts(g))):
+        blocks = matrix_blocks(whole[k].contiguous(), **_opts(g))
+        n_blocks[k] = len(blocks)
+        for b, vb in enumerate(blocks):
             E, A, B = vb.shape
             key = (A, B, vb.device, g["method"], g["steps"], g["orth_dtype"], g["eps"], g["ns_coefficients"])
-            buckets[key].append((vb, ob))
-    for key, blocks in buckets.items():
+            buckets[key].append((k, b, vb))
+    pieces: dict[int, list[Tensor | None]] = {k: [None] * n for k, n in n_blocks.items()}
+    for key, entries in buckets.items():
         _, _, _, method, steps, dtype, eps, coeffs = key
-        Vb = torch.cat([v for v, _ in blocks]) if len(blocks) > 1 else blocks[0][0]
+        Vb = torch.cat([v for _, _, v in entries]) if len(entries) > 1 else entries[0][2]
         stats.matrices += Vb.shape[0]
-        Ob = orthogonalize(Vb, method, steps, dtype, eps=eps, coefficients=coeffs)
-        for (_v, o), r in zip(blocks, Ob.split([v.shape[0] for v, _ in blocks])):
-            o.copy_(r)
+        Ob = orthogonalize(Vb, method, steps, dtype, eps=eps, coefficients=coeffs, out_dtype=dtype or Vb.dtype)
+        for (k, b, _), r in zip(entries, Ob.split([v.shape[0] for _, _, v in entries])):
+            pieces[k][b] = r
+    out: dict[int, Tensor] = {}
+    for k, parts in pieces.items():
+        shape = whole[k].shape
+        if len(parts) == 1:
+            out[k] = parts[0].view(shape)
+        else:
+            out[k] = torch.empty(shape, dtype=parts[0].dtype, device=parts[0].device)
+            for dst, r in zip(matrix_blocks(out[k], **_opts(live[k][0])), parts):
+                dst.copy_(r)
     return out
 
 
-def _scaled(res: Tensor, shape: torch.Size, group: dict[str, Any], offset: int) -> Tensor:
-    """``scale(A_i, B) * O`` per matrix block, for the rows ``[offset, offset + len(res))`` of the parameter."""
+def _add_scaled_(w: Tensor, res: Tensor, shape: torch.Size, group: dict[str, Any], offset: int, alpha: float) -> None:
+    """``w += alpha * scale(A_i, B) * O`` per matrix block, ``w``/``res`` holding the rows
+    ``[offset, offset + len(res))`` of the parameter (all of them without sharding).
+
+    The orthogonalised result is added as it is (e.g. bf16 into a float32 weight, as
+    torch.optim.Muon does): no scaled copy is made.
+    """
     axis, ranges, cols, _ = matrix_rows(shape, **_opts(group))
-    U = torch.empty_like(res, memory_format=torch.contiguous_format)
+    rule = group["update_scale"]
     if axis == 1:  # stacked experts: every local expert has every block
         for a, b in ranges:
-            torch.mul(res[:, a:b], update_scale(group["update_scale"], b - a, cols), out=U[:, a:b])
-        return U
+            w[:, a:b].add_(res[:, a:b], alpha=alpha * update_scale(rule, b - a, cols))
+        return
     n = res.shape[0]
     for a, b in ranges:
         lo, hi = max(a, offset), min(b, offset + n)
         if lo < hi:
-            s = update_scale(group["update_scale"], b - a, cols)
-            torch.mul(res[lo - offset : hi - offset], s, out=U[lo - offset : hi - offset])
-    return U
+            s = update_scale(rule, b - a, cols)
+            w[lo - offset : hi - offset].add_(res[lo - offset : hi - offset], alpha=alpha * s)
 
 
 __all__ = ["StepStats", "muon_step", "Plan", "GroupContext"]

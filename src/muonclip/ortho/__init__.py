@@ -104,6 +104,7 @@ def orthogonalize(
     *,
     eps: float = 1e-7,
     coefficients: Sequence[float] | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """Approximate the polar factor ``U V^T`` of every matrix in ``V``.
 
@@ -125,9 +126,12 @@ def orthogonalize(
             gives zeros, never NaN.
         coefficients: ns5, gram, ns5_sym and ns5_compiled only: the quintic's (a, b, c) (default
             (3.4445, -4.7750, 2.0315)).
+        out_dtype: dtype of the result (default None: ``V``'s dtype). Pass the compute dtype
+            to skip the final cast when the caller casts anyway (Muon adds the bf16 result
+            straight into the weight).
 
     Returns:
-        A tensor of ``V``'s shape and dtype.
+        A tensor of ``V``'s shape, in ``out_dtype`` (default ``V``'s dtype).
 
     References:
         K. Jordan et al., "Muon: An optimizer for hidden layers" (2024).
@@ -139,9 +143,9 @@ def orthogonalize(
     if V.is_complex():
         raise TypeError("orthogonalize works on real matrices; got a complex tensor")
     if V.numel() == 0:
-        return V.clone()
+        return V.to(out_dtype or V.dtype, copy=True)
     out = m.run(V, m.default_steps if steps is None else steps, dtype or m.default_dtype, eps, coefficients)
-    return out.to(V.dtype)
+    return out.to(out_dtype or V.dtype)
 
 
 __all__ = ["METHODS", "Method", "check_method", "orthogonalize", "svd_polar", "newton_schulz"]
