@@ -101,15 +101,21 @@ def muon_step(
     if not live:
         return stats
 
-    # 2. momentum, on the rows this rank holds
-    V: list[Tensor] = []
+    # 2. momentum, on the rows this rank holds: M = G + mu M in one pass; the Nesterov
+    #    V = G + mu M is formed (one more pass) only where it is used: every row shard, and
+    #    the replicated matrices this rank owns.
+    bufs: list[Tensor] = []
     for g, p in live:
         st = state[p]
         if "momentum_buffer" not in st:
             st["momentum_buffer"] = new_buffer(p)
-        buf, grad, mu = local(st["momentum_buffer"]), local(p.grad), g["momentum"]
-        buf.mul_(mu).add_(grad)
-        V.append(buf.mul(mu).add_(grad) if g["nesterov"] else buf)
+        buf = local(st["momentum_buffer"])
+        torch.add(local(p.grad), buf, alpha=g["momentum"], out=buf)
+        bufs.append(buf)
+
+    def v(k: int) -> Tensor:
+        g, p = live[k]
+        return torch.add(local(p.grad), bufs[k], alpha=g["momentum"]) if g["nesterov"] else bufs[k]
 
     # 3. plan
     shapes = [p.shape for _, p in live]
@@ -122,13 +128,13 @@ def muon_step(
     layouts = [item_layout(p, ctx) for _, p in live]
     rows_idx = [k for k, kind in enumerate(layouts) if kind == ROWS]
     rep_idx = [k for k, kind in enumerate(layouts) if kind != ROWS]
-    dtype, device = V[0].dtype, V[0].device
+    dtype, device = bufs[0].dtype, bufs[0].device
     wire = comm_dtype or dtype
 
     # 4. whole V on the owner
-    whole = {k: V[k] for k in rep_idx if plan.owners[k] == ctx.rank}
+    whole = {k: v(k) for k in rep_idx if plan.owners[k] == ctx.rank}
     if rows_idx:
-        got = gather_rows(ctx, [V[k] for k in rows_idx], [shapes[k] for k in rows_idx],
+        got = gather_rows(ctx, [v(k) for k in rows_idx], [shapes[k] for k in rows_idx],
                           [plan.owners[k] for k in rows_idx], wire, stats.comm)
         whole.update({rows_idx[j]: t for j, t in got.items()})
 
