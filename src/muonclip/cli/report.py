@@ -29,6 +29,8 @@ from typing import Any
 from .metrics import read_rows
 
 COLORS = {"adamw": "tab:blue", "muon": "tab:orange", "muonclip": "tab:green"}
+# MuonClip equals Muon until the clip first fires: dashed, so both lines stay visible.
+STYLES = {"muonclip": "--"}
 
 
 def tokens_to_reach(rows: list[dict[str, Any]], target: float) -> float | None:
@@ -120,7 +122,8 @@ def plot(runs: dict[str, Path], out_dir: Path, tau: float) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, rs in rows.items():
         ev = [r for r in rs if r.get("val_loss") is not None]
-        ax.plot([r["tokens"] for r in ev], [r["val_loss"] for r in ev], marker=".", label=name, color=COLORS.get(name))
+        ax.plot([r["tokens"] for r in ev], [r["val_loss"] for r in ev], marker=".", label=name, color=COLORS.get(name),
+                ls=STYLES.get(name, "-"))
     ax.set_xlabel("training tokens")
     ax.set_ylabel("validation loss (nats/byte)")
     ax.set_title("Validation loss")
@@ -134,7 +137,8 @@ def plot(runs: dict[str, Path], out_dir: Path, tau: float) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, rs in rows.items():
         pts = [r for r in rs if r.get("max_logit") is not None]
-        ax.plot([r["step"] for r in pts], [r["max_logit"] for r in pts], label=name, color=COLORS.get(name), lw=1.2)
+        ax.plot([r["step"] for r in pts], [r["max_logit"] for r in pts], label=name, color=COLORS.get(name), lw=1.2,
+                ls=STYLES.get(name, "-"))
     ax.axhline(tau, color="red", ls="--", lw=1, label=f"tau = {tau:g}")
     ax.set_xlabel("step")
     ax.set_ylabel("max attention logit (all layers, heads)")

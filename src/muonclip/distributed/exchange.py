@@ -13,7 +13,7 @@ sends and receives zero-length pieces):
   second ``all_to_all`` sends each rank its rows of the result. Momentum never leaves its
   shard except as this transient V.
 * `all_gather_owned` — DDP (replicated parameters): each rank contributes the results of
-  the matrices it owns, padded to the longest share, in one ``all_gather_into_tensor``.
+  the matrices it owns, padded to the longest share, in one all-gather into a single tensor.
 
 ``comm_dtype`` (default: the momentum dtype, float32) is the wire dtype. bfloat16 halves the
 bytes; with ``orth_dtype=bfloat16`` and the built-in methods (which cast V to bf16 before
@@ -27,6 +27,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -172,7 +173,7 @@ def all_gather_owned(
     if mine:
         buf[: sum(numel[i] for i in mine)] = _cat([wholes[i].reshape(-1) for i in mine], comm_dtype, device)
     out = torch.empty(world * length, dtype=comm_dtype, device=device)
-    dist.all_gather_into_tensor(out, buf, group=ctx.group)
+    _all_gather_single(out, buf, group=ctx.group)
     stats.add("all_gather", (world - 1) * length * buf.element_size())
     result: list[Tensor | None] = [None] * len(shapes)
     for r, chunk in enumerate(out.split(length)):
@@ -180,6 +181,12 @@ def all_gather_owned(
         for i, piece in zip(owned[r], chunk[: sum(sizes)].split(sizes)):
             result[i] = piece.view(shapes[i]).to(dtype)
     return result  # type: ignore[return-value]
+
+
+def _all_gather_single(out: Tensor, inp: Tensor, group: Any) -> None:
+    """``dist.all_gather_single`` where torch has it, else its older name ``all_gather_into_tensor``."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
 
 
 def _cat(parts: list[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -101,9 +101,9 @@ def muon_step(
     if not live:
         return stats
 
-    # 2. momentum, on the rows this rank holds: M = G + mu M in one pass; the Nesterov
-    #    V = G + mu M is formed (one more pass) only where it is used: every row shard, and
-    #    the replicated matrices this rank owns.
+    # 2. momentum, on the rows this rank holds: M = G + mu M in one pass. The Nesterov
+    #    V = G + mu M is formed only where it is used (every row shard, and the replicated
+    #    matrices this rank owns), by `v_into` straight into the orthogonaliser's input.
     bufs: list[Tensor] = []
     for g, p in live:
         st = state[p]
@@ -113,9 +113,12 @@ def muon_step(
         torch.add(local(p.grad), buf, alpha=g["momentum"], out=buf)
         bufs.append(buf)
 
-    def v(k: int) -> Tensor:
+    def v_into(k: int, out: Tensor | None = None) -> Tensor:
+        """V of item k, written into ``out`` (any dtype, the item's local shape) if given."""
         g, p = live[k]
-        return torch.add(local(p.grad), bufs[k], alpha=g["momentum"]) if g["nesterov"] else bufs[k]
+        if not g["nesterov"]:
+            return bufs[k] if out is None else out.copy_(bufs[k])
+        return torch.add(local(p.grad), bufs[k], alpha=g["momentum"], out=out)
 
     # 3. plan
     shapes = [p.shape for _, p in live]
@@ -131,15 +134,15 @@ def muon_step(
     dtype, device = bufs[0].dtype, bufs[0].device
     wire = comm_dtype or dtype
 
-    # 4. whole V on the owner
-    whole = {k: v(k) for k in rep_idx if plan.owners[k] == ctx.rank}
+    # 4. whole V on the owner (None: this rank holds it whole, formed in phase 5)
+    whole: dict[int, Tensor | None] = {k: None for k in rep_idx if plan.owners[k] == ctx.rank}
     if rows_idx:
-        got = gather_rows(ctx, [v(k) for k in rows_idx], [shapes[k] for k in rows_idx],
+        got = gather_rows(ctx, [v_into(k) for k in rows_idx], [shapes[k] for k in rows_idx],
                           [plan.owners[k] for k in rows_idx], wire, stats.comm)
         whole.update({rows_idx[j]: t for j, t in got.items()})
 
     # 5. orthogonalise owned matrices, one call per bucket
-    O = _orthogonalize_owned(live, whole, stats, orthogonalize)
+    O = _orthogonalize_owned(live, whole, v_into, stats, orthogonalize)
     stats.ns_flops = plan.flops[ctx.rank]
 
     # 6. results back to every rank that holds rows
@@ -171,35 +174,48 @@ def muon_step(
     return stats
 
 
-def _orthogonalize_owned(live: list[tuple[dict[str, Any], Tensor]], whole: dict[int, Tensor],
-                         stats: StepStats, orthogonalize: Callable[..., Tensor]) -> dict[int, Tensor]:
+def _orthogonalize_owned(live: list[tuple[dict[str, Any], Tensor]], whole: dict[int, Tensor | None],
+                         v_into: Callable[..., Tensor], stats: StepStats,
+                         orthogonalize: Callable[..., Tensor]) -> dict[int, Tensor]:
     """``{k: orth(V_k)}`` (each of V_k's shape, in the compute dtype) for the owned items.
 
     Blocks of equal shape and settings are batched into one ``orthogonalize`` call per bucket.
-    A result that is one block is a view into its bucket's output (no copy); only items cut
+    Each bucket's input is allocated once in the compute dtype and filled in place: by
+    ``v_into(k, out)`` for an item held whole here (``whole[k] is None``), else from the
+    gathered ``whole[k]``, so V is never materialised in float32 and then concatenated. A
+    result that is one block is a view into its bucket's output (no copy); only items cut
     into several blocks (``split_sizes``) are assembled.
     """
-    buckets: dict[tuple, list[tuple[int, int, Tensor]]] = defaultdict(list)
+    buckets: dict[tuple, list[tuple[int, int, torch.Size]]] = defaultdict(list)
     n_blocks: dict[int, int] = {}
     for k in sorted(whole):
-        g = live[k][0]
-        blocks = matrix_blocks(whole[k].contiguous(), **_opts(g))
+        g, p = live[k]
+        shape = p.shape if whole[k] is None else whole[k].shape
+        blocks = matrix_blocks(torch.empty(shape, device="meta"), **_opts(g))
         n_blocks[k] = len(blocks)
         for b, vb in enumerate(blocks):
             E, A, B = vb.shape
-            key = (A, B, vb.device, g["method"], g["steps"], g["orth_dtype"], g["eps"], g["ns_coefficients"])
-            buckets[key].append((k, b, vb))
+            key = (A, B, local(p).device, g["method"], g["steps"], g["orth_dtype"], g["eps"], g["ns_coefficients"])
+            buckets[key].append((k, b, vb.shape))
     pieces: dict[int, list[Tensor | None]] = {k: [None] * n for k, n in n_blocks.items()}
     for key, entries in buckets.items():
-        _, _, _, method, steps, dtype, eps, coeffs = key
-        Vb = torch.cat([v for _, _, v in entries]) if len(entries) > 1 else entries[0][2]
+        A, B, device, method, steps, dtype, eps, coeffs = key
+        cdtype = dtype or METHODS[method].default_dtype
+        Vb = torch.empty(sum(s[0] for _, _, s in entries), A, B, dtype=cdtype, device=device)
+        for (k, b, _), dst in zip(entries, Vb.split([s[0] for _, _, s in entries])):
+            g = live[k][0]
+            if whole[k] is None and n_blocks[k] == 1:
+                v_into(k, dst.view(live[k][1].shape))
+            else:
+                src = v_into(k) if whole[k] is None else whole[k]
+                dst.copy_(matrix_blocks(src.contiguous(), **_opts(g))[b])
         stats.matrices += Vb.shape[0]
-        Ob = orthogonalize(Vb, method, steps, dtype, eps=eps, coefficients=coeffs, out_dtype=dtype or Vb.dtype)
-        for (k, b, _), r in zip(entries, Ob.split([v.shape[0] for _, _, v in entries])):
+        Ob = orthogonalize(Vb, method, steps, dtype, eps=eps, coefficients=coeffs, out_dtype=cdtype)
+        for (k, b, _), r in zip(entries, Ob.split([s[0] for _, _, s in entries])):
             pieces[k][b] = r
     out: dict[int, Tensor] = {}
     for k, parts in pieces.items():
-        shape = whole[k].shape
+        shape = live[k][1].shape if whole[k] is None else whole[k].shape
         if len(parts) == 1:
             out[k] = parts[0].view(shape)
         else:
