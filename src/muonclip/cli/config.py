@@ -49,8 +49,10 @@ class RunConfig:
 
     Optimisation:
         steps: optimizer steps (default 500).
-        lr_adamw, lr_muon, lr_muonclip: peak learning rate of each optimizer (defaults 3e-3,
-            1e-2, 1e-2); the AdamW branch of Muon/MuonClip uses lr_adamw.
+        lr_adamw, lr_muon, lr_muonclip: peak learning rate of each optimizer (defaults 1.5e-3,
+            1e-2, 1e-2: the best of ``muonclip compare --sweep 0.5,1,2,4`` around 3e-3 / 1e-2
+            on the default preset, see benchmarks/RESULTS.md); the AdamW branch of
+            Muon/MuonClip uses lr_adamw.
         weight_decay: decoupled weight decay on matrices (default 0.1; never on vectors).
         warmup_steps: linear warm-up steps (default 20).
         min_lr_ratio: cosine decay from the peak down to peak * min_lr_ratio (default 0.1).
@@ -78,7 +80,7 @@ class RunConfig:
     val_fraction: float = 0.05
     batch_size: int = 16
     steps: int = 500
-    lr_adamw: float = 3e-3
+    lr_adamw: float = 1.5e-3
     lr_muon: float = 1e-2
     lr_muonclip: float = 1e-2
     weight_decay: float = 0.1

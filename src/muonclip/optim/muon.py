@@ -236,8 +236,7 @@ class Muon(torch.optim.Optimizer):
                 "or pass on_nonfinite='skip' to skip such steps."
             )
         self.steps_taken += 1
-        muon = [(g, p) for g, _, p in live if g["algorithm"] == "muon"]
-        self._muon_step(muon)  # on every rank, even one without grads: it runs collectives
+        self._muon_step()  # on every rank, even one without grads: it runs collectives
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
                 self._adamw_group(group)
@@ -264,14 +263,14 @@ class Muon(torch.optim.Optimizer):
             self._masked_count = torch.zeros((), dtype=torch.int64, device=found.device)
         self._masked_count.add_(found)
 
-    def _muon_step(self, items: list[tuple[dict[str, Any], Tensor]]) -> None:
+    def _muon_step(self) -> None:
         """Momentum, orthogonalisation and update of every Muon parameter with a grad.
 
         One code path for one process, DDP and FSDP2: `muonclip.distributed.step.muon_step`
         (phases: agree across ranks, momentum on local rows, plan owners by flops, gather
         whole V to owners, one ``orthogonalize`` per bucket of same-shape blocks, exchange
-        results, scale and apply). ``items`` is unused beyond documentation: every Muon
-        parameter takes part so that all ranks enter the same collectives.
+        results, scale and apply). Every Muon parameter takes part, with or without a
+        gradient, so that all ranks enter the same collectives.
         """
         params = [
             (g, p, _name(self, g, i))
