@@ -51,6 +51,12 @@ def test_compare_end_to_end_writes_a_real_report(tmp_path, text, capsys):
         assert [r["step"] for r in rows] == list(range(1, 13))
         assert s["final_val_loss"] == rows[-1]["val_loss"] and s["peak_max_logit"] == max(r["max_logit"] for r in rows)
     by = {s["optimizer"]: s for s in summary}
+    # update_rms, per unit lr with weight decay removed (UpdateRMS): AdamW's first update is
+    # m_hat / sqrt(v_hat) = sign(g), RMS 1; Muon's "rms" scale gives 0.2 * RMS of ns5's singular
+    # values, which lie in about [0.68, 1.13]
+    assert 0.99 < read_rows(out / "adamw")[0]["update_rms"] <= 1.0
+    for name in ("muon", "muonclip"):
+        assert all(0.2 * 0.68 < r["update_rms"] < 0.2 * 1.13 for r in read_rows(out / name))
     assert by["adamw"]["step_time_ratio"] == 1.0
     # tau = 0.05 is below the initial logits, so MuonClip clips (right from step 1) and plain runs never do
     assert read_rows(out / "muonclip")[0]["clipped_heads"] > 0

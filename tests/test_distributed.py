@@ -234,6 +234,50 @@ def test_parity_ns_once_per_whole_matrix_and_same_collectives_on_every_rank(mode
     assert all(r["bf16_wire_diff"] == 0.0 for r in ranks)
 
 
+def _conv1d_run(net, groups, rank=0, world=1, **kw):
+    opt = Muon(groups, **{**OPT, **kw})
+    for s in range(4):
+        g = torch.Generator().manual_seed(2000 + s)
+        x = torch.randn(4, 6, generator=g)
+        n = x.shape[0] // world
+        net(x[rank * n:(rank + 1) * n]).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return _params(net)
+
+
+def _conv1d_net(mode):
+    from toy_models import Conv1DNet
+
+    torch.manual_seed(0)
+    model = Conv1DNet(d=8)
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model), param_groups(model, split={"*.c_attn.weight": [8, 8, 8]})
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    return model, param_groups(model, split={"*.c_attn.weight": [8, 8, 8]})
+
+
+def _conv1d_worker(rank, world, out_dir, mode):
+    torch.save(_conv1d_run(*_conv1d_net(mode), rank=rank, world=world), os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_transposed_conv1d_weights_with_splits_match_one_process(mode, tmp_path):
+    """Weights stored (in, out) (transformers' Conv1D), one split in three column blocks: FSDP2
+    shards their *input* dimension, so every matrix block is spread over both ranks."""
+    _launch(_conv1d_worker, str(tmp_path), mode)
+    ref = _conv1d_run(*_conv1d_net("local"), process_group="local")
+    for r in range(WORLD):
+        assert _max_diff(torch.load(tmp_path / f"rank{r}.pt"), ref) <= TOL
+
+
 # ------------------------------------------------------------------------------------------
 # MuonClip under FSDP2 clips the same heads with the same factors
 # ------------------------------------------------------------------------------------------

@@ -76,6 +76,32 @@ def test_update_rms_is_0_2_for_exact_orthogonalisation_with_rms_scale():
     assert meter2.after() == pytest.approx(expected, rel=1e-4)
 
 
+def test_update_rms_of_chosen_params_of_adamw_and_the_rank_reduction():
+    """Any optimizer with ``params=``: AdamW's first update is m_hat / (sqrt(v_hat) + eps) = sign(g), RMS 1
+    (weight decay removed exactly); ``reduce`` pools [sum of squares, count] over ranks."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 24), nn.Linear(24, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.5)
+    hidden = [model[0].weight, model[1].weight]
+    meter = UpdateRMS(opt, params=hidden)
+    model(torch.randn(32, 16)).square().mean().backward()
+    meter.before()
+    opt.step()
+    assert meter.after() == pytest.approx(1.0, abs=1e-4)
+    # another "rank" holding 100 elements whose squared updates sum to 400 (RMS 2)
+    model(torch.randn(32, 16)).square().mean().backward()
+    meter.before()
+    opt.step()
+    sq, count = meter._measure()  # this process's figures
+    assert count == 24 * 16 + 8 * 24
+    got = meter.after(reduce=lambda v: [v[0] + 400.0, v[1] + 100.0])
+    assert got == pytest.approx(math.sqrt((sq + 400.0) / (count + 100)), rel=1e-12)
+    with pytest.raises(TypeError, match="params="):
+        UpdateRMS(opt)
+    with pytest.raises(ValueError, match=r"params \[0\] are not in the optimizer"):
+        UpdateRMS(opt, params=[nn.Parameter(torch.zeros(2, 2))])
+
+
 def test_step_metrics_refuses_a_foreign_optimizer_and_unwraps_wrappers():
     p = nn.Parameter(torch.zeros(3, 3))
     with pytest.raises(TypeError, match="muonclip.Muon"):

@@ -66,6 +66,55 @@ def test_ns_coefficients_and_steps_are_used():
     torch.testing.assert_close(p.detach(), expected, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("update_scale", ["shape", "rms"])
+@pytest.mark.parametrize("split_sizes", [None, [4, 12, 8]])
+def test_transposed_weight_steps_exactly_as_its_transpose(update_scale, split_sizes):
+    """A weight stored (in, out) with transposed=True (transformers' Conv1D) gets, bit for bit,
+    the transpose of what the (out, in) weight gets: same scale (asymmetric "shape" included),
+    same row blocks of the (out, in) matrix, same batch."""
+    (w,) = make_params([(24, 10)])  # (out, in)
+    plain = torch.nn.Parameter(w.detach().clone())
+    stored = torch.nn.Parameter(w.detach().T.contiguous())  # (in, out)
+    opt = muonclip.Muon([{"params": [plain]}, {"params": [stored], "transposed": True}], lr=0.05,
+                        weight_decay=0.1, update_scale=update_scale, split_sizes=split_sizes)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        grad = torch.randn(24, 10, generator=g)
+        plain.grad, stored.grad = grad.clone(), grad.T.contiguous()
+        opt.step()
+        assert opt.last_step_stats.matrices == 2 * (1 if split_sizes is None else 3)
+        assert torch.equal(stored.detach(), plain.detach().T)
+        assert torch.equal(opt.state[stored]["momentum_buffer"], opt.state[plain]["momentum_buffer"].T)
+    # the (out, in) path itself is checked against the slow reference in CASES; the weights moved
+    assert not torch.equal(plain.detach(), w.detach())
+
+
+def test_transposed_needs_a_2d_weight():
+    (p,) = make_params([(3, 4, 5)])
+    with pytest.raises(ValueError, match="transposed=True is for 2-D weights"):
+        muonclip.Muon([p], transposed=True)
+    (q,) = make_params([(10, 24)])
+    with pytest.raises(ValueError, match=r"add up to the 24 rows"):
+        muonclip.Muon([q], transposed=True, split_sizes=[10])
+
+
+@pytest.mark.parametrize("method", ["gram", "ns5_sym"])
+def test_ns_coefficients_reach_every_quintic_method(method):
+    """The quintic's coefficients apply to the methods that run it (float64: equal to ns5 with them)."""
+    (p,) = make_params([(16, 48)])
+    w = p.detach().clone()
+    p.grad = torch.randn_like(p)
+    coeffs = (2.0, -1.5, 0.5)
+    opt = muonclip.Muon([p], lr=0.1, weight_decay=0.0, momentum=0.0, nesterov=False, update_scale="none",
+                        method=method, ns_coefficients=coeffs, orth_dtype=torch.float64)
+    opt.step()
+    expected = w - 0.1 * muonclip.orthogonalize(p.grad.double(), "ns5", 5, torch.float64, coefficients=coeffs)
+    torch.testing.assert_close(p.detach(), expected.float(), atol=1e-6, rtol=0)
+    for other in ("polar_express", "svd"):
+        with pytest.raises(ValueError, match="no quintic coefficients"):
+            muonclip.Muon([p], method=other, ns_coefficients=coeffs, orth_dtype=torch.float32)
+
+
 CASES = [
     dict(shapes=[(24, 40), (40, 24), (24, 40)], opts={}),
     dict(shapes=[(24, 40)], opts=dict(nesterov=False, update_scale="shape")),

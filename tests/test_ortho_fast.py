@@ -7,6 +7,7 @@ the host while keeping non-finite gradients away from weights and state.
 """
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -158,6 +159,23 @@ def test_batched_equals_looped(method):
     batched = orthogonalize(V, method, dtype=torch.float32)
     looped = torch.stack([orthogonalize(v, method, dtype=torch.float32) for v in V])
     torch.testing.assert_close(batched, looped, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["ns5", "gram", "ns5_sym", "polar_express"])
+@pytest.mark.parametrize("shape", [(7, 24, 72), (7, 72, 24), (7, 24, 24)])
+def test_cpu_chunks_equal_one_call(monkeypatch, method, shape):
+    """CPU batches run in cache-sized chunks written into one result: same values as one call."""
+    ns = importlib.import_module("muonclip.ortho.newton_schulz")  # the module, not the function
+    V = conditioned(shape).float()
+    whole = orthogonalize(V, method, dtype=torch.float32)
+    monkeypatch.setattr(ns, "CPU_CHUNK_BYTES", 1)  # one matrix per chunk
+    assert ns.batch_chunk(7, 24, 72, torch.float32, V.device) == 1
+    chunked = orthogonalize(V, method, dtype=torch.float32)
+    monkeypatch.setattr(ns, "CPU_CHUNK_BYTES", 3 * (2 * 24 * 72 + 2 * 24 * 24) * 4)  # 3, 3, 1
+    uneven = orthogonalize(V, method, dtype=torch.float32)
+    for got in (chunked, uneven):
+        assert got.shape == V.shape
+        torch.testing.assert_close(got, whole, atol=1e-6, rtol=0)
 
 
 def test_compiled_equals_eager():

@@ -119,6 +119,8 @@ def test_svd_polar_is_unitary_on_full_rank():
         (dict(steps=0), ValueError),
         (dict(steps=2.5), ValueError),
         (dict(method="polar_express", coefficients=(1.0, 2.0, 3.0)), ValueError),
+        (dict(method="svd", coefficients=(1.0, 2.0, 3.0)), ValueError),
+        (dict(method="gram", coefficients=(1.0, 2.0)), ValueError),
     ],
 )
 def test_bad_arguments(kwargs, error):

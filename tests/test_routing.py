@@ -3,7 +3,7 @@
 import pytest
 import torch
 from torch import nn
-from toy_models import Mixed, TinyLM
+from toy_models import Conv1DNet, Mixed, TinyLM
 
 import muonclip
 
@@ -106,3 +106,47 @@ def test_groups_feed_muon_and_options_apply():
     loss.backward()
     opt.step()
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_conv1d_weights_are_muon_with_transposed_layout():
+    """transformers' Conv1D stores (in, out): its weight goes to Muon in a transposed=True group,
+    and split= patterns cut the rows of the (out, in) matrix."""
+    model = Conv1DNet(d=8)
+    groups = muonclip.param_groups(model, split={"*.c_attn.weight": [8, 8, 8]})
+    check_exactly_once(model, groups)
+    r = routed(groups)
+    for i in range(2):
+        algo, g = r[f"blocks.{i}.c_attn.weight"]
+        assert algo == "muon" and g["transposed"] is True and g["split_sizes"] == [8, 8, 8]
+        algo, g = r[f"blocks.{i}.c_proj.weight"]
+        assert algo == "muon" and g["transposed"] is True and "split_sizes" not in g
+        assert r[f"blocks.{i}.c_attn.bias"][0] == "adamw"
+    assert "transposed" not in r["inp.weight"][1]
+    assert "conv1d (in, out)" in groups.report()
+    opt = muonclip.Muon(groups, lr=0.02)
+    model(torch.randn(5, 6)).pow(2).mean().backward()
+    opt.step()
+    assert opt.last_step_stats.matrices == 2 * (3 + 1) + 2  # split c_attn, c_proj; inp and out (plain Linear)
+
+
+def test_gpt2_from_transformers_routes_conv1d_transposed_and_tied_head_to_adamw():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32)
+    model = transformers.GPT2LMHeadModel(cfg)
+    groups = muonclip.param_groups(model)
+    check_exactly_once(model, groups)
+    r = routed(groups)
+    muon = {n for n, (a, _) in r.items() if a == "muon"}
+    assert muon == {f"transformer.h.{i}.{m}.weight" for i in range(2)
+                    for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+    assert all(r[n][1]["transposed"] is True for n in muon)
+    assert r["transformer.wte.weight"][0] == r["transformer.wpe.weight"][0] == "adamw"  # lm_head is tied to wte
+    # "shape" scale of c_fc: stored (32, 128) = (in, out), so the matrix is 128 x 32 and the scale sqrt(4) = 2
+    opt = muonclip.Muon(groups, lr=0.01, weight_decay=0.0, update_scale="shape", momentum=0.0, nesterov=False,
+                        method="svd", orth_dtype=torch.float64)
+    w = model.transformer.h[0].mlp.c_fc.weight
+    before = w.detach().clone()
+    model(torch.randint(0, 64, (2, 8)), labels=torch.randint(0, 64, (2, 8))).loss.backward()
+    expected = before - 0.01 * 2.0 * muonclip.orthogonalize(w.grad.double(), "svd").float()
+    opt.step()
+    torch.testing.assert_close(w.detach(), expected, atol=1e-6, rtol=0)

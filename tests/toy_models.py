@@ -68,3 +68,44 @@ def mixed_loss(model: Mixed, seed: int) -> torch.Tensor:
     idx = torch.randint(0, 10, (4,), generator=g)
     img = torch.randn(4, 2, 5, 5, generator=g)
     return model(idx, img).pow(2).mean()
+
+
+class Conv1D(nn.Module):
+    """transformers' ``Conv1D`` (GPT-2) re-made here: a linear layer whose weight is stored ``(in, out)``."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+class Conv1DBlock(nn.Module):
+    """A GPT-2-style MLP block: fused (3d x d) projection split in three, then back to d."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.c_attn = Conv1D(3 * d, d)
+        self.c_proj = Conv1D(d, 3 * d)
+
+    def forward(self, x):
+        return x + self.c_proj(torch.tanh(self.c_attn(x)))
+
+
+class Conv1DNet(nn.Module):
+    """Two `Conv1DBlock`s between an input and an output projection (plain Linear layers)."""
+
+    def __init__(self, d=8, n_in=6):
+        super().__init__()
+        self.inp = nn.Linear(n_in, d)
+        self.blocks = nn.ModuleList([Conv1DBlock(d) for _ in range(2)])
+        self.out = nn.Linear(d, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)

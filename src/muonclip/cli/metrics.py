@@ -7,7 +7,8 @@ One row per optimizer step, flushed as it is written::
     lr            learning rate of the step (the optimizer's own: Muon's for muon/muonclip)
     max_logit     largest per-head max logit over all layers in the step's forward pass
     max_logit_<i> per layer i                   clipped_heads / clipped_<i>: heads QK-Clip scaled
-    update_rms    mean over hidden matrices of RMS(W_after - W_before)
+    update_rms    RMS over all hidden-matrix elements of U = (W_before (1 - lr wd) - W_after) / lr,
+                  before QK-Clip (`muonclip.integrations.UpdateRMS`; ~0.2 for Muon's rms scale)
     step_time     seconds of forward + backward + step   elapsed: wall seconds since start
 
 In the JSONL file the per-layer values are lists (``max_logits``, ``clipped``). On resume the

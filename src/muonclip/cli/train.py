@@ -11,7 +11,8 @@ Step s (0-based) of every run: the batch ``train_batch(corpus, s, seed)``, learn
 ``peak * lr_factor(s)`` (linear warm-up, cosine decay to ``peak * min_lr_ratio``), forward,
 backward, optimizer step (MuonClip's includes QK-Clip), then bookkeeping: per-layer max
 logits (MuonClip's ``last_max_logits``; for AdamW/Muon the model's recorders, read and reset),
-update RMS over the hidden matrices, validation every ``eval_every`` steps and at the end,
+update RMS of the hidden matrices (`muonclip.integrations.UpdateRMS`: per unit lr, weight
+decay removed, before QK-Clip), validation every ``eval_every`` steps and at the end,
 a checkpoint every ``checkpoint_every`` steps and at the end.
 
 Resume is bit-identical: batches depend only on (seed, step), the learning rate only on
@@ -48,6 +49,7 @@ import torch
 from torch import Tensor, nn
 
 from ..data import Corpus, check_fits, load_corpus, train_batch, val_batches
+from ..integrations.stats import UpdateRMS
 from ..optim import NonFiniteGradError, param_groups
 from .checkpoint import check_compatible, rng_state, save_checkpoint, set_rng_state
 from .config import RunConfig, check_optimizer
@@ -241,21 +243,6 @@ def _hidden_matrices(model: nn.Module) -> list[Tensor]:
     return [p for g in param_groups(model) if g["algorithm"] == "muon" for p in g["params"]]
 
 
-def _local(p: Tensor) -> Tensor:
-    """The rows of ``p`` this rank holds (all of it unless FSDP2 shards it)."""
-    from ..distributed import local_rows
-
-    return local_rows(p)[0]
-
-
-def _update_rms(hidden: list[Tensor], before: list[Tensor], env: DistEnv) -> list[float]:
-    """RMS of each hidden matrix's update; FSDP2 shards are summed over the ranks (one all-reduce)."""
-    sq = [float((_local(p) - b).double().pow(2).sum()) for p, b in zip(hidden, before)]
-    if env.fsdp:
-        sq = all_sum(sq, env)
-    return [math.sqrt(s / max(1, p.numel())) for s, p in zip(sq, hidden)]
-
-
 def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bool = False,
               corpus: Corpus | None = None, progress: bool = True, label: str | None = None,
               tensorboard: str | Path | None = None, fsdp: bool = False) -> RunResult:
@@ -343,7 +330,7 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
         writer = MetricsWriter(run_dir, cfg.n_layer, keep_until=start if resume else None)
     val = [(rank_rows(x, env), rank_rows(y, env)) for x, y in
            val_batches(corpus, n_batches=cfg.eval_batches, batch_size=cfg.batch_size, block_size=cfg.block_size)]
-    hidden = _hidden_matrices(model)
+    rms_meter = UpdateRMS(opt, params=_hidden_matrices(model))
     tokens_per_step = cfg.batch_size * cfg.block_size
     bar = Progress(label or optimizer, cfg.steps, start=start, tokens_per_step=tokens_per_step,
                    enabled=progress and env.is_main)
@@ -374,8 +361,6 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
             x, y = train_batch(corpus, step, batch_size=cfg.batch_size, block_size=cfg.block_size, seed=cfg.seed)
             x, y = rank_rows(x, env), rank_rows(y, env)
             t0 = time.perf_counter()
-            with torch.no_grad():
-                before = [_local(p).clone() for p in hidden]
             loss = forward_loss(train_model, x, y)
             stop_now = False
             if env.active:  # one all-reduce: the mean loss (non-finite if any rank's is) and Ctrl-C on any rank
@@ -387,13 +372,14 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
                 raise NonFiniteLossError(step + 1, f"loss ({loss_value})", last_saved)
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            rms_meter.before()
             try:
                 opt.step()
             except NonFiniteGradError as e:
+                rms_meter.discard()
                 raise NonFiniteLossError(step + 1, f"gradient ({e})", last_saved) from None
             maxes, clipped = read_max_logits(model, opt, env)
-            with torch.no_grad():
-                rms = _update_rms(hidden, before, env)
+            rms = rms_meter.after(reduce=(lambda v: all_sum(v, env)) if env.fsdp else None)
             step_time = time.perf_counter() - t0
             done = step + 1
             val_loss = None
@@ -405,7 +391,7 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
                 "step": done, "tokens": done * tokens_per_step, "loss": loss_value, "val_loss": val_loss,
                 "lr": cfg.lr(optimizer) * factor, "max_logit": max(maxes) if maxes else None,
                 "max_logits": maxes, "clipped_heads": sum(clipped), "clipped": clipped,
-                "update_rms": sum(rms) / max(1, len(rms)), "step_time": step_time,
+                "update_rms": rms, "step_time": step_time,
                 "elapsed": elapsed0 + time.perf_counter() - t_start,
             }
             if writer is not None:

@@ -36,7 +36,8 @@ def ns_flops(blocks: Sequence[tuple[int, int, int]], steps: int) -> int:
 
 
 def matrix_rows(
-    shape: Sequence[int], flatten: bool = False, split_sizes: Sequence[int] | None = None
+    shape: Sequence[int], flatten: bool = False, split_sizes: Sequence[int] | None = None,
+    transposed: bool = False,
 ) -> tuple[int, list[tuple[int, int]], int, int]:
     """How a parameter of global ``shape`` is cut into matrices, stated as row ranges.
 
@@ -46,10 +47,13 @@ def matrix_rows(
     Returns:
         ``(axis, ranges, cols, batch)``: the rows of block k are ``[a_k, b_k)`` along ``axis``
         of the parameter (0 for 2-D and flattened weights, 1 for stacked experts
-        ``(E, A, B)``), each block has ``cols`` columns, and ``batch`` matrices of each block
-        (E for stacked experts, else 1).
+        ``(E, A, B)`` and for ``transposed`` 2-D weights stored ``(in, out)``, whose matrix
+        rows are the stored columns), each block has ``cols`` columns, and ``batch``
+        matrices of each block (E for stacked experts, else 1).
     """
-    if flatten or len(shape) >= 4 or len(shape) == 2:
+    if transposed:
+        axis, batch, rows, cols = 1, 1, shape[1], shape[0]
+    elif flatten or len(shape) >= 4 or len(shape) == 2:
         axis, rows, batch = 0, shape[0], 1
         cols = 1
         for s in shape[1:]:

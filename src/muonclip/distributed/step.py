@@ -65,7 +65,7 @@ def _steps(group: dict[str, Any]) -> int:
 
 
 def _opts(group: dict[str, Any]) -> dict[str, Any]:
-    return dict(flatten=group["flatten"], split_sizes=group["split_sizes"])
+    return dict(flatten=group["flatten"], split_sizes=group["split_sizes"], transposed=group.get("transposed", False))
 
 
 def muon_step(
@@ -94,7 +94,7 @@ def muon_step(
     ctx = resolve_group([p for _, p, _ in params], lambda i: params[i][2], process_group)
     stats.world_size = ctx.world_size
     if ctx.world_size > 1:
-        sig = signature([(tuple(p.shape), p.dtype, g["method"], g["flatten"], g["split_sizes"]) for g, p, _ in params])
+        sig = signature([(tuple(p.shape), p.dtype, g["method"], *_opts(g).values()) for g, p, _ in params])
         agree(ctx, sig, [p.grad is not None for _, p, _ in params], [n for _, _, n in params],
               local(params[0][1]).device, stats.comm)
     live = [(g, p) for g, p, _ in params if p.grad is not None]
@@ -205,7 +205,7 @@ def _orthogonalize_owned(live: list[tuple[dict[str, Any], Tensor]], whole: dict[
         for (k, b, _), dst in zip(entries, Vb.split([s[0] for _, _, s in entries])):
             g = live[k][0]
             if whole[k] is None and n_blocks[k] == 1:
-                v_into(k, dst.view(live[k][1].shape))
+                v_into(k, _as_stored(dst, live[k][1].shape, g))
             else:
                 src = v_into(k) if whole[k] is None else whole[k]
                 dst.copy_(matrix_blocks(src.contiguous(), **_opts(g))[b])
@@ -217,12 +217,20 @@ def _orthogonalize_owned(live: list[tuple[dict[str, Any], Tensor]], whole: dict[
     for k, parts in pieces.items():
         shape = live[k][1].shape if whole[k] is None else whole[k].shape
         if len(parts) == 1:
-            out[k] = parts[0].view(shape)
+            out[k] = _as_stored(parts[0], shape, live[k][0])
         else:
             out[k] = torch.empty(shape, dtype=parts[0].dtype, device=parts[0].device)
             for dst, r in zip(matrix_blocks(out[k], **_opts(live[k][0])), parts):
                 dst.copy_(r)
     return out
+
+
+def _as_stored(block: Tensor, shape: torch.Size, group: dict[str, Any]) -> Tensor:
+    """A bucket slot ``(E, A, B)`` that holds a whole parameter, viewed in the parameter's stored
+    layout (for ``transposed`` weights the strided transpose, so writes still land in the slot)."""
+    if group.get("transposed", False):
+        return block[0].mT
+    return block.view(shape)
 
 
 def _add_scaled_(w: Tensor, res: Tensor, shape: torch.Size, group: dict[str, Any], offset: int, alpha: float) -> None:
@@ -234,7 +242,7 @@ def _add_scaled_(w: Tensor, res: Tensor, shape: torch.Size, group: dict[str, Any
     """
     axis, ranges, cols, _ = matrix_rows(shape, **_opts(group))
     rule = group["update_scale"]
-    if axis == 1:  # stacked experts: every local expert has every block
+    if axis == 1:  # stacked experts, transposed 2-D: every local expert / stored row has every block
         for a, b in ranges:
             w[:, a:b].add_(res[:, a:b], alpha=alpha * update_scale(rule, b - a, cols))
         return

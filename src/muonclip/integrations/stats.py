@@ -29,11 +29,13 @@ Steps that Muon skipped (``on_nonfinite="skip"``) report nothing.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from ..distributed.context import local
 from ..optim import Muon
 
 
@@ -57,35 +59,56 @@ class UpdateRMS:
 
     For a `MuonClip` (an optimizer with a ``clip()`` method called by ``step()``), `before`
     wraps ``optimizer.clip`` for the duration of the step so the update is measured just before
-    the clip; `after` (or `discard`) restores it.
+    the clip; `after` (or `discard`) restores it. Each parameter's ``lr`` and ``weight_decay``
+    are read from its param group at `before`. Row-sharded parameters (FSDP2 DTensors) are
+    measured on this rank's rows; `after` takes a ``reduce`` that sums over the ranks.
 
     Args:
-        optimizer: the `muonclip.Muon` (or `MuonClip`) whose ``algorithm="muon"`` groups are measured.
+        optimizer: the optimizer that takes the step: a `muonclip.Muon` (or `MuonClip`), or any
+            ``torch.optim.Optimizer`` when ``params`` is given (e.g. torch.optim.AdamW, whose
+            decoupled weight decay has the same form, so the figure compares across optimizers).
+        params: the parameters to measure (default None: every parameter of the Muon's
+            ``algorithm="muon"`` groups); each must be in one of the optimizer's groups.
     """
 
-    def __init__(self, optimizer: Muon) -> None:
-        if not isinstance(optimizer, Muon):
-            raise TypeError(f"UpdateRMS measures a muonclip.Muon optimizer, got {type(optimizer).__name__}")
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[Tensor] | None = None) -> None:
+        if params is None and not isinstance(optimizer, Muon):
+            raise TypeError(
+                f"UpdateRMS measures a muonclip.Muon optimizer's hidden matrices, got {type(optimizer).__name__}; "
+                "pass params=[...] to measure chosen parameters of another optimizer"
+            )
         self.optimizer = optimizer
+        self._params = None if params is None else list(params)
+        if self._params is not None:
+            known = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            missing = [i for i, p in enumerate(self._params) if id(p) not in known]
+            if missing:
+                raise ValueError(f"UpdateRMS: params {missing} are not in the optimizer's param groups")
         self._before: list[tuple[Tensor, Tensor, float, float]] = []
-        self._measured: float | None = None
+        self._measured: tuple[float, int] | None = None
         self._patched = False
         self._own_clip: Any = None
 
+    def _targets(self) -> list[tuple[Tensor, float, float]]:
+        """(parameter, lr, weight_decay) of every parameter to measure."""
+        chosen = None if self._params is None else {id(p) for p in self._params}
+        out = []
+        for group in self.optimizer.param_groups:
+            if chosen is None and group["algorithm"] != "muon":
+                continue
+            lr, wd = float(group["lr"]), float(group.get("weight_decay", 0.0))
+            out += [(p, lr, wd) for p in group["params"] if chosen is None or id(p) in chosen]
+        return out
+
     @torch.no_grad()
     def before(self) -> None:
-        """Copy the hidden matrices that will be updated (those with a gradient and lr > 0)."""
+        """Copy the matrices that will be updated (those with a gradient and lr > 0): call it
+        after the backward pass, just before ``optimizer.step()``."""
         self._restore()
         self._before, self._measured = [], None
-        for group in self.optimizer.param_groups:
-            if group["algorithm"] != "muon":
-                continue
-            lr, wd = float(group["lr"]), float(group["weight_decay"])
-            if lr == 0.0:
-                continue
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._before.append((p, p.detach().clone(), lr, wd))
+        for p, lr, wd in self._targets():
+            if lr != 0.0 and p.grad is not None:
+                self._before.append((p, local(p.detach()).clone(), lr, wd))
         clip = getattr(self.optimizer, "clip", None)
         if self._before and callable(clip):
             self._own_clip = self.optimizer.__dict__.get("clip")  # an instance attribute already there, if any
@@ -98,23 +121,30 @@ class UpdateRMS:
             self._patched = True
 
     @torch.no_grad()
-    def _measure(self) -> float:
+    def _measure(self) -> tuple[float, int]:
+        """(sum of U^2, element count) over this rank's rows of the copied parameters."""
         total = torch.zeros((), dtype=torch.float64)
         count = 0
         for p, w0, lr, wd in self._before:
-            u = (w0.mul(1.0 - lr * wd) - p.detach()).double() / lr  # same rounding as Muon's p.mul_(1 - lr*wd)
+            u = (w0.mul(1.0 - lr * wd) - local(p.detach())).double() / lr  # same rounding as p.mul_(1 - lr*wd)
             total += u.pow(2).sum().cpu()
             count += u.numel()
-        return math.sqrt(float(total) / count)
+        return float(total), count
 
-    def after(self) -> float | None:
-        """RMS of the update since `before` (None if nothing was measured); forgets the copies."""
+    def after(self, reduce: Callable[[list[float]], list[float]] | None = None) -> float | None:
+        """RMS of the update since `before` (None if nothing was measured); forgets the copies.
+
+        Args:
+            reduce: sums ``[sum of squares, count]`` over the ranks when parameters are
+                row-sharded (default None: this process's figures). Called on every rank
+                whenever `before` was, so a collective inside it is safe.
+        """
         self._restore()
-        if not self._before:
-            return None
-        value = self._measured if self._measured is not None else self._measure()
+        sq, n = self._measured if self._measured is not None else self._measure()
         self._before, self._measured = [], None
-        return value
+        if reduce is not None:
+            sq, n = reduce([sq, float(n)])
+        return math.sqrt(sq / n) if n > 0 else None
 
     def discard(self) -> None:
         """Forget the copies (a skipped step)."""

@@ -8,6 +8,10 @@ Declared, not guessed (design.md 1.1):
 * 3-D without ``flatten`` (stacked MoE experts ``(E, A, B)``): E independent matrices.
 * ``split_sizes`` (fused QKV): the rows of each matrix are cut into blocks of those sizes, each
   block orthogonalised on its own.
+* ``transposed=True`` (2-D only): the weight is stored as ``(in, out)``, as in transformers'
+  ``Conv1D`` (GPT-2), so the matrix is its transpose ``(out, in)``: the update scale and
+  ``split_sizes`` refer to that ``(out, in)`` matrix. (Orthogonalisation itself does not care:
+  orth(W^T) = orth(W)^T.)
 """
 
 from __future__ import annotations
@@ -22,15 +26,21 @@ def matrix_blocks(
     *,
     flatten: bool = False,
     split_sizes: Sequence[int] | None = None,
+    transposed: bool = False,
 ) -> list[Tensor]:
     """Views of ``t`` as a list of batches ``(E, A_i, B)`` (E = 1 unless stacked experts).
 
     ``t`` must be contiguous so that the views write through (momentum buffers and update
-    buffers are). Raises ValueError when ``split_sizes`` do not add up to the row count.
+    buffers are). With ``transposed`` the views are of ``t``'s transpose (strided, still
+    writing through). Raises ValueError when ``split_sizes`` do not add up to the row count.
     """
     if t.ndim < 2:
         raise ValueError(f"a tensor of shape {tuple(t.shape)} is not a matrix")
-    if flatten or t.ndim >= 4:
+    if transposed:
+        if t.ndim != 2 or flatten:
+            raise ValueError(f"transposed=True applies to 2-D (in, out) weights, got shape {tuple(t.shape)}")
+        m = t.mT.unsqueeze(0)
+    elif flatten or t.ndim >= 4:
         m = t.reshape(1, t.shape[0], -1)
     elif t.ndim == 3:
         m = t
@@ -47,12 +57,19 @@ def matrix_blocks(
     return list(m.split(list(split_sizes), dim=1))
 
 
-def check_matrix_options(shape: Sequence[int], flatten: bool, split_sizes: Sequence[int] | None) -> None:
-    """Raise ValueError if ``flatten``/``split_sizes`` cannot apply to a tensor of ``shape``."""
+def check_matrix_options(
+    shape: Sequence[int], flatten: bool, split_sizes: Sequence[int] | None, transposed: bool = False
+) -> None:
+    """Raise ValueError if ``flatten``/``split_sizes``/``transposed`` cannot apply to a tensor of ``shape``."""
     if len(shape) < 2:
         raise ValueError(f"a tensor of shape {tuple(shape)} is not a matrix")
+    if transposed and (len(shape) != 2 or flatten):
+        raise ValueError(
+            f"transposed=True is for 2-D weights stored as (in, out) (transformers' Conv1D), got shape "
+            f"{tuple(shape)}{' with flatten=True' if flatten else ''}"
+        )
     if split_sizes is not None:
-        rows = shape[1] if (len(shape) == 3 and not flatten) else shape[0]
+        rows = shape[1] if (len(shape) == 3 and not flatten) or transposed else shape[0]
         if sum(split_sizes) != rows or any(int(s) <= 0 for s in split_sizes):
             raise ValueError(
                 f"split_sizes {list(split_sizes)} must be positive and add up to the {rows} rows of "

@@ -49,7 +49,9 @@ class Muon(torch.optim.Optimizer):
     are orthogonalised as one batch. A 2-D weight is one matrix; a 3-D weight ``(E, A, B)``
     (stacked MoE experts) is E matrices; ``flatten=True`` (set for convolutions by
     `param_groups`, implied for ndim >= 4) views ``(out, ...)`` as ``(out, prod(rest))``;
-    ``split_sizes`` cuts the rows into blocks orthogonalised separately (fused QKV).
+    ``split_sizes`` cuts the rows into blocks orthogonalised separately (fused QKV);
+    ``transposed=True`` (set by `param_groups` for transformers' ``Conv1D``) says a 2-D weight
+    is stored ``(in, out)``, so scale and splits use its ``(out, in)`` transpose.
 
     Before anything is updated, every gradient of the step is checked for NaN/inf (one host
     sync). ``on_nonfinite="raise"`` (default) raises `NonFiniteGradError` naming the parameter
@@ -82,6 +84,10 @@ class Muon(torch.optim.Optimizer):
             QKV weight (default None). Usually set per group.
         flatten: view ``(out, ...)`` weights as ``(out, prod(rest))`` (default False; 4-D and
             higher are always flattened).
+        transposed: the 2-D weights are stored as ``(in, out)``, like transformers' ``Conv1D``
+            in GPT-2 (default False). The update scale (``"shape"`` is asymmetric) and
+            ``split_sizes`` then refer to the ``(out, in)`` matrix. Usually set per group, as
+            `param_groups` does.
         betas: AdamW branch moment coefficients (default (0.9, 0.95)).
         adamw_eps: AdamW branch epsilon (default 1e-8); inside an ``adamw`` group the key
             ``eps`` means this.
@@ -100,8 +106,9 @@ class Muon(torch.optim.Optimizer):
             it is lossless for the built-in methods.
         eps: torch.optim.Muon's name: added to the Frobenius norm before Newton–Schulz
             (default 1e-7).
-        ns_coefficients: torch.optim.Muon's name: the quintic's (a, b, c) for ``method="ns5"``
-            (default None: (3.4445, -4.7750, 2.0315)).
+        ns_coefficients: torch.optim.Muon's name: the quintic's (a, b, c) for the methods that
+            run the quintic (``"ns5"``, ``"gram"``, ``"ns5_sym"``, ``"ns5_compiled"``; default
+            None: (3.4445, -4.7750, 2.0315)); an error with any other method.
         ns_steps: torch.optim.Muon's name for ``steps``.
         adjust_lr_fn: torch.optim.Muon's name for the scale: None or ``"original"`` means
             ``update_scale="shape"``, ``"match_rms_adamw"`` means ``"rms"``. Give either this
@@ -130,6 +137,7 @@ class Muon(torch.optim.Optimizer):
         orth_dtype: torch.dtype = torch.bfloat16,
         split_sizes: Sequence[int] | None = None,
         flatten: bool = False,
+        transposed: bool = False,
         betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
         on_nonfinite: str = "raise",
@@ -168,6 +176,7 @@ class Muon(torch.optim.Optimizer):
             orth_dtype=orth_dtype,
             split_sizes=None if split_sizes is None else list(split_sizes),
             flatten=flatten,
+            transposed=transposed,
             betas=tuple(betas),
             eps=eps,
             ns_coefficients=None if ns_coefficients is None else tuple(ns_coefficients),
@@ -379,11 +388,7 @@ def _validate_group(group: dict[str, Any]) -> None:
         raise ValueError(f"betas must be in [0, 1), got {group['betas']}")
     if group["update_scale"] not in SCALES:
         raise ValueError(f"unknown update_scale {group['update_scale']!r}; choose one of {sorted(SCALES)}")
-    check_method(group["method"], group["steps"], group["orth_dtype"])
-    if group["ns_coefficients"] is not None and (
-        group["method"] != "ns5" or len(group["ns_coefficients"]) != 3
-    ):
-        raise ValueError("ns_coefficients is a triple (a, b, c) and applies to method='ns5' only")
+    check_method(group["method"], group["steps"], group["orth_dtype"], group["ns_coefficients"])
     names = group.get("param_names") or [None] * len(group["params"])
     for i, (p, name) in enumerate(zip(group["params"], names)):
         label = f"parameter '{name}'" if name else f"parameter {i} (shape {tuple(p.shape)})"
@@ -396,7 +401,7 @@ def _validate_group(group: dict[str, Any]) -> None:
                     "tensors (biases, norm gains, scalars) must go in an algorithm='adamw' group; "
                     "muonclip.param_groups(model) routes them for you"
                 )
-            check_matrix_options(p.shape, group["flatten"], group["split_sizes"])
+            check_matrix_options(p.shape, group["flatten"], group["split_sizes"], group.get("transposed", False))
 
 
 __all__ = ["Muon", "NonFiniteGradError", "METHODS"]

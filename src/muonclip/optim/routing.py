@@ -10,7 +10,10 @@ Rules (design.md 1.1), first match wins:
    embedding is one parameter and is routed once, as an embedding.
 4. 0-D and 1-D tensors (norm gains, biases, scalars) -> AdamW with weight_decay 0 ("vector").
 5. Everything else with ndim >= 2 -> Muon: attention projections, MLP, stacked experts
-   (3-D), routers; convolution weights in a group with ``flatten=True`` ("conv").
+   (3-D), routers; convolution weights in a group with ``flatten=True`` ("conv"); the weights
+   of transformers' ``Conv1D`` (GPT-2; a linear layer stored ``(in, out)``, recognised by its
+   class name so transformers is not imported) in a group with ``transposed=True``
+   ("conv1d (in, out)").
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ class Route:
     name: str
     shape: tuple[int, ...]
     algorithm: str  # "muon" or "adamw"
-    reason: str  # "hidden matrix", "conv", "experts", "embedding", "lm head", "vector", "override"
+    reason: str  # "hidden matrix", "conv", "conv1d (in, out)", "experts", "embedding", "lm head", "vector", "override"
 
 
 class ParamGroups(list):
@@ -95,12 +98,13 @@ def param_groups(
         adamw: name patterns forced to AdamW (e.g. ``["*.router.weight"]``).
         muon: name patterns forced to Muon (must be >= 2-D).
         split: name pattern -> row ``split_sizes`` for fused weights (e.g.
-            ``{"*.qkv.weight": [d, d, d]}``).
+            ``{"*.qkv.weight": [d, d, d]}``; for a ``Conv1D`` weight, rows of its ``(out, in)``
+            transpose, e.g. ``{"*.c_attn.weight": [d, d, d]}`` for GPT-2).
         head_names: module names treated as the output head (default ``HEAD_NAMES``).
 
     Returns:
         `ParamGroups`: a list of dicts with ``params``, ``param_names`` and ``algorithm`` (and
-        ``flatten``/``split_sizes``/``lr``/``weight_decay`` where set), ready for
+        ``flatten``/``transposed``/``split_sizes``/``lr``/``weight_decay`` where set), ready for
         ``muonclip.Muon(groups, lr=...)``; ``.report()`` prints the routing.
 
     Raises:
@@ -155,6 +159,8 @@ def param_groups(
             algo, reason = "adamw", "vector"
         elif isinstance(module, _CONV):
             algo, reason = "muon", "conv"
+        elif _is_hf_conv1d(module, p):
+            algo, reason = "muon", "conv1d (in, out)"
         elif p.ndim == 3:
             algo, reason = "muon", "experts"
         else:
@@ -162,6 +168,8 @@ def param_groups(
         if algo == "muon":
             if reason == "conv" or p.ndim >= 4:
                 extra["flatten"] = True
+            if _is_hf_conv1d(module, p):
+                extra["transposed"] = True
             for pat, sizes in split.items():
                 if fnmatch.fnmatchcase(name, pat):
                     extra["split_sizes"] = list(sizes)
@@ -189,6 +197,17 @@ def param_groups(
     if len(seen) != len(set(seen)) or set(seen) != expected:
         raise ValueError("internal routing error: a parameter is routed twice or not at all")
     return ParamGroups(groups, routes)
+
+
+def _is_hf_conv1d(module: nn.Module | None, p: nn.Parameter) -> bool:
+    """Is ``p`` the 2-D weight of a transformers ``Conv1D`` (a linear layer stored ``(in, out)``)?"""
+    return (
+        module is not None
+        and type(module).__name__ == "Conv1D"
+        and p is getattr(module, "weight", None)
+        and p.ndim == 2
+        and getattr(module, "nf", p.shape[1]) == p.shape[1]
+    )
 
 
 def _owned_by_embedding(model: nn.Module, pname: str) -> bool:

@@ -33,12 +33,15 @@ class Method:
         default_steps: iterations used when ``steps`` is None (0 for direct methods).
         default_dtype: compute dtype used when ``dtype`` is None.
         dtypes: compute dtypes the method accepts.
+        takes_coefficients: whether ``coefficients`` (the quintic's (a, b, c)) applies
+            (default False: passing them is an error).
     """
 
     run: Callable[..., Tensor]
     default_steps: int
     default_dtype: torch.dtype
     dtypes: tuple[torch.dtype, ...]
+    takes_coefficients: bool = False
 
 
 def _ns5(V, steps, dtype, eps, coefficients):
@@ -47,8 +50,6 @@ def _ns5(V, steps, dtype, eps, coefficients):
 
 
 def _polar_express(V, steps, dtype, eps, coefficients):
-    if coefficients is not None:
-        raise ValueError("polar_express has its own per-step coefficients; do not pass coefficients")
     coeffs = polar_express_coefficients(steps)
     return newton_schulz(V, coeffs, dtype=dtype, eps=eps, norm_scale=POLAR_EXPRESS_SAFETY)
 
@@ -75,17 +76,19 @@ def _svd(V, steps, dtype, eps, coefficients):
 _ITERATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 METHODS: dict[str, Method] = {
-    "ns5": Method(_ns5, 5, torch.bfloat16, _ITERATIVE_DTYPES),
+    "ns5": Method(_ns5, 5, torch.bfloat16, _ITERATIVE_DTYPES, takes_coefficients=True),
     "polar_express": Method(_polar_express, 5, torch.bfloat16, _ITERATIVE_DTYPES),
     "svd": Method(_svd, 0, torch.float64, (torch.float32, torch.float64)),
-    "gram": Method(_gram, 5, torch.bfloat16, _ITERATIVE_DTYPES),
-    "ns5_sym": Method(_ns5_sym, 5, torch.bfloat16, _ITERATIVE_DTYPES),
-    "ns5_compiled": Method(_ns5_compiled, 5, torch.bfloat16, _ITERATIVE_DTYPES),
+    "gram": Method(_gram, 5, torch.bfloat16, _ITERATIVE_DTYPES, takes_coefficients=True),
+    "ns5_sym": Method(_ns5_sym, 5, torch.bfloat16, _ITERATIVE_DTYPES, takes_coefficients=True),
+    "ns5_compiled": Method(_ns5_compiled, 5, torch.bfloat16, _ITERATIVE_DTYPES, takes_coefficients=True),
 }
 
 
-def check_method(method: str, steps: int | None, dtype: torch.dtype | None) -> Method:
-    """Validate a (method, steps, dtype) choice and return the method; raise ValueError if bad."""
+def check_method(
+    method: str, steps: int | None, dtype: torch.dtype | None, coefficients: Sequence[float] | None = None
+) -> Method:
+    """Validate a (method, steps, dtype, coefficients) choice and return the method; raise ValueError if bad."""
     if method not in METHODS:
         raise ValueError(f"unknown orthogonalisation method {method!r}; choose one of {sorted(METHODS)}")
     m = METHODS[method]
@@ -93,6 +96,12 @@ def check_method(method: str, steps: int | None, dtype: torch.dtype | None) -> M
         raise ValueError(f"steps must be an int in [1, 100) or None for the default, got {steps!r}")
     if dtype is not None and dtype not in m.dtypes:
         raise ValueError(f"method {method!r} computes in one of {m.dtypes}, got dtype={dtype}")
+    if coefficients is not None:
+        if not m.takes_coefficients:
+            takers = sorted(k for k, v in METHODS.items() if v.takes_coefficients)
+            raise ValueError(f"method {method!r} has no quintic coefficients to set; coefficients apply to {takers}")
+        if len(coefficients) != 3:
+            raise ValueError(f"coefficients is the quintic's triple (a, b, c), got {tuple(coefficients)}")
     return m
 
 
@@ -137,7 +146,7 @@ def orthogonalize(
         K. Jordan et al., "Muon: An optimizer for hidden layers" (2024).
         N. Amsel et al., "The Polar Express", arXiv 2505.16932.
     """
-    m = check_method(method, steps, dtype)
+    m = check_method(method, steps, dtype, coefficients)
     if V.ndim < 2:
         raise ValueError(f"orthogonalize needs a matrix or a batch of matrices, got shape {tuple(V.shape)}")
     if V.is_complex():

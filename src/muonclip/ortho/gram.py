@@ -45,7 +45,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from .newton_schulz import newton_schulz, quintic_iteration
+from .newton_schulz import into, newton_schulz, quintic_iteration
 
 GRAM_MIN_ASPECT = 1.5
 
@@ -62,11 +62,13 @@ def gram_iteration(
     X: Tensor,  # (batch, m, n), m <= n, normalised so that ||X||_2 <= 1
     coefficients: Sequence[tuple[float, float, float]],
     restarts: Collection[int] | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
     """The quintic steps of ``coefficients`` on X, done on the Gram matrix; returns ``(batch, m, n)``.
 
     ``restarts``: step indices before which X and its Gram matrix are recomputed (index 0 is
-    ignored: step 0 always starts from X); None means `default_restarts`.
+    ignored: step 0 always starts from X); None means `default_restarts`. ``out``: as in
+    `muonclip.ortho.newton_schulz.quintic_iteration`.
     """
     if restarts is None:
         restarts = default_restarts(len(coefficients))
@@ -88,8 +90,8 @@ def gram_iteration(
             RZ = torch.baddbmm(R, R, Z, beta=a)  # a R + R Z
             R = torch.baddbmm(RZ, Z, RZ, beta=a)  # (a I + Z) R (a I + Z)
     if Q is None:
-        return X
-    return torch.bmm(Q, X)
+        return into(out, X)
+    return torch.bmm(Q, X, out=out)
 
 
 def gram_newton_schulz(

@@ -57,16 +57,27 @@ def polar_express_coefficients(steps: int) -> list[tuple[float, float, float]]:
 def quintic_iteration(
     X: Tensor,  # (batch, m, n), m <= n, already normalised so that ||X||_2 <= 1
     coefficients: Sequence[tuple[float, float, float]],
+    out: Tensor | None = None,
 ) -> Tensor:
     """Run ``X <- a X + (b S + c S S) X`` with ``S = X X^T`` once per (a, b, c).
 
-    Costs 4 m^2 n + 2 m^3 flops a step. ``X`` is consumed (may be overwritten).
+    Costs 4 m^2 n + 2 m^3 flops a step. ``X`` is consumed (may be overwritten). ``out``
+    (optional, X's shape and dtype, not aliasing X) receives the last step's product, so a
+    chunked caller needs no concatenation; the result is returned either way.
     """
-    for a, b, c in coefficients:
+    last = len(coefficients) - 1
+    for i, (a, b, c) in enumerate(coefficients):
         S = torch.bmm(X, X.mT)  # (batch, m, m)
         P = torch.baddbmm(S, S, S, beta=b, alpha=c)  # b S + c S S
-        X = torch.baddbmm(X, P, X, beta=a)  # a X + P X
-    return X
+        X = torch.baddbmm(X, P, X, beta=a, out=out if i == last else None)  # a X + P X
+    return into(out, X)
+
+
+def into(out: Tensor | None, X: Tensor) -> Tensor:
+    """``X`` written into ``out`` when given and not already there; returns the result tensor."""
+    if out is None or out is X:
+        return X
+    return out.copy_(X)
 
 
 def batch_chunk(batch: int, m: int, n: int, dtype: torch.dtype, device: torch.device) -> int:
@@ -84,14 +95,15 @@ def newton_schulz(
     dtype: torch.dtype = torch.bfloat16,
     eps: float = 1e-7,
     norm_scale: float = 1.0,
-    iteration: Callable[[Tensor, Sequence[tuple[float, float, float]]], Tensor] | None = None,
+    iteration: Callable[..., Tensor] | None = None,
 ) -> Tensor:
     """Approximate the polar factor of each matrix in ``V`` by a quintic Newton–Schulz run.
 
     Algorithm (per matrix): cast to ``dtype``; transpose if A > B so that the Gram matrix is
     the small one; divide by ``||X||_F * norm_scale + eps`` (a zero matrix stays zero, never
     NaN); run one quintic step per triple in ``coefficients``; transpose back. On CPU the
-    batch is run in chunks of `batch_chunk` matrices (cache-sized; same result as one call).
+    batch is run in chunks of `batch_chunk` matrices (cache-sized; same result as one call),
+    each normalised just before its steps and written into one preallocated result.
 
     Args:
         V: matrices of shape ``(..., A, B)``; leading dimensions are a batch.
@@ -99,9 +111,10 @@ def newton_schulz(
         dtype: compute dtype (default bf16).
         eps: added to the Frobenius norm before the division (default 1e-7).
         norm_scale: the Frobenius norm is multiplied by this first (Polar Express uses 1.01).
-        iteration: ``iteration(X, coefficients)`` runs the steps on the normalised
-            ``(batch, m, n)`` batch, m <= n (default None: `quintic_iteration`; the Gram and
-            symmetric forms in `muonclip.ortho.gram` / `.symmetric` plug in here).
+        iteration: ``iteration(X, coefficients, out=None)`` runs the steps on the normalised
+            ``(batch, m, n)`` batch, m <= n, writing the result into ``out`` when given
+            (default None: `quintic_iteration`; the Gram and symmetric forms in
+            `muonclip.ortho.gram` / `.symmetric` plug in here).
 
     Returns:
         A tensor of ``V``'s shape, in ``dtype``.
@@ -111,11 +124,17 @@ def newton_schulz(
     transposed = A > B
     if transposed:
         X = X.mT
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
-    X = X / (norm * norm_scale + eps)
+    denom = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) * norm_scale + eps
     run = iteration or quintic_iteration
-    k = batch_chunk(X.shape[0], X.shape[1], X.shape[2], X.dtype, X.device)
-    X = run(X, coefficients) if k >= X.shape[0] else torch.cat([run(x, coefficients) for x in X.split(k)])
+    N = X.shape[0]
+    k = batch_chunk(N, X.shape[1], X.shape[2], X.dtype, X.device)
+    if k >= N:
+        X = run(X / denom, coefficients)
+    else:  # each chunk normalised just before its steps (still in cache), result written in place
+        out = torch.empty(X.shape, dtype=X.dtype, device=X.device)
+        for i in range(0, N, k):
+            run(X[i : i + k] / denom[i : i + k], coefficients, out=out[i : i + k])
+        X = out
     if transposed:
         X = X.mT
     return X.reshape(*batch, A, B)

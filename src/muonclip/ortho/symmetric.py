@@ -27,7 +27,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from .newton_schulz import newton_schulz
+from .newton_schulz import into, newton_schulz
 
 SYM_BLOCKS = 2
 
@@ -56,13 +56,18 @@ def symmetric_quintic_iteration(
     X: Tensor,  # (batch, m, n), m <= n, normalised so that ||X||_2 <= 1
     coefficients: Sequence[tuple[float, float, float]],
     blocks: int = SYM_BLOCKS,
+    out: Tensor | None = None,
 ) -> Tensor:
-    """`quintic_iteration` with ``X X^T`` and ``S S`` from `sym_gram`; returns (batch, m, n)."""
-    for a, b, c in coefficients:
+    """`quintic_iteration` with ``X X^T`` and ``S S`` from `sym_gram`; returns (batch, m, n).
+
+    ``out``: as in `muonclip.ortho.newton_schulz.quintic_iteration`.
+    """
+    last = len(coefficients) - 1
+    for i, (a, b, c) in enumerate(coefficients):
         S = sym_gram(X, blocks)  # (batch, m, m)
         P = sym_gram(S, blocks).mul_(c).add_(S, alpha=b)  # b S + c S S
-        X = torch.baddbmm(X, P, X, beta=a)  # a X + P X
-    return X
+        X = torch.baddbmm(X, P, X, beta=a, out=out if i == last else None)  # a X + P X
+    return into(out, X)
 
 
 def symmetric_newton_schulz(
