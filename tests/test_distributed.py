@@ -278,6 +278,47 @@ def test_transposed_conv1d_weights_with_splits_match_one_process(mode, tmp_path)
         assert _max_diff(torch.load(tmp_path / f"rank{r}.pt"), ref) <= TOL
 
 
+def _nonfinite_run(net, groups, policy, rank=0, world=1, bad_rank=None, **kw):
+    """4 steps; at step 1 rank ``bad_rank`` (None: the single process) gets a NaN in its local
+    gradient of one Muon matrix. Returns the parameters after each step and the skip count."""
+    opt = Muon(groups, on_nonfinite=policy, **{**OPT, **kw})
+    target = groups[0]["params"][0]
+    snaps = []
+    for s in range(4):
+        x, y = _batch(s)
+        n = x.shape[0] // world
+        net(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n])[1].backward()
+        if s == 1 and (bad_rank is None or rank == bad_rank):
+            local_rows(target.grad)[0].view(-1)[0] = float("nan")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        snaps.append(_params(net))
+    return {"snaps": snaps, "skipped": int(opt.steps_skipped)}
+
+
+def _nonfinite_worker(rank, world, out_dir, policy):
+    net, groups = _net("fsdp")
+    torch.save(_nonfinite_run(net, groups, policy, rank=rank, world=world, bad_rank=1),
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.parametrize("policy", ["skip", "mask"])
+def test_nonfinite_gradient_on_one_rank_skips_the_step_on_every_rank(policy, tmp_path):
+    """FSDP2: a NaN in rank 1's shard only. Every rank skips that step for every parameter (the
+    flag is reduced over the group) and the run goes on as the single process skipping it does."""
+    _launch(_nonfinite_worker, str(tmp_path), policy)
+    model = _model()
+    ref = _nonfinite_run(model, param_groups(model), policy, process_group="local")
+    assert ref["skipped"] == 1
+    assert _max_diff(ref["snaps"][1], ref["snaps"][0]) == 0.0  # the single process skipped step 1
+    for r in range(WORLD):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        assert got["skipped"] == 1
+        assert _max_diff(got["snaps"][1], got["snaps"][0]) == 0.0  # nothing moved on any rank
+        for a, b in zip(got["snaps"], ref["snaps"]):
+            assert _max_diff(a, b) <= TOL
+
+
 # ------------------------------------------------------------------------------------------
 # MuonClip under FSDP2 clips the same heads with the same factors
 # ------------------------------------------------------------------------------------------
