@@ -18,8 +18,12 @@ from transformers import (  # noqa: E402
     AttentionInterface,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -29,7 +33,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward  # n
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
 
 from muonclip.qkclip.hf import ATTN_IMPLEMENTATION, RECORDER_ATTR, attach  # noqa: E402
-from muonclip.qkclip.layouts import GQALayout, MHALayout, MLALayout  # noqa: E402
+from muonclip.qkclip.layouts import GQALayout, MHALayout, MLALayout, Rows  # noqa: E402
 
 VOCAB, B, T = 64, 3, 9
 
@@ -58,6 +62,17 @@ def _dsv3(q_lora_rank: int | None):
     return DeepseekV3ForCausalLM(cfg)
 
 
+def _phi3(n_kv: int):
+    return Phi3ForCausalLM(Phi3Config(**COMMON, num_attention_heads=4, num_key_value_heads=n_kv))
+
+
+def _gpt2():
+    cfg = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, pad_token_id=0,
+                     bos_token_id=1, eos_token_id=2, scale_attn_by_inverse_layer_idx=True,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # no dropout: train and eval forwards agree
+    return GPT2LMHeadModel(cfg)
+
+
 MODELS = {
     "llama-mha": (lambda: _llama(4), MHALayout),
     "llama-gqa": (lambda: _llama(2), GQALayout),
@@ -66,7 +81,10 @@ MODELS = {
     "qwen2-sliding-window": (lambda: _qwen2(2, sliding_window=3), GQALayout),  # mask kept for sliding layers too
     "dsv3-mla-qlora": (lambda: _dsv3(16), MLALayout),
     "dsv3-mla-qproj": (lambda: _dsv3(None), MLALayout),
+    "phi3-fused-gqa": (lambda: _phi3(2), GQALayout),  # qkv_proj rows [q | k | v]
+    "gpt2-fused-conv1d": (_gpt2, MHALayout),  # c_attn stored (in, out), columns [q | k | v], biases
 }
+FUSED = ("phi3-fused-gqa", "gpt2-fused-conv1d")
 
 
 def build(kind: str, seed: int = 0):
@@ -76,7 +94,11 @@ def build(kind: str, seed: int = 0):
         for name, p in model.named_parameters():
             if any(s in name for s in ("q_proj", "k_proj", "q_b_proj", "kv_b_proj", "kv_a_proj")) and p.ndim == 2:
                 p.mul_(torch.linspace(10.0, 30.0, p.shape[0])[:, None])
-            if name.endswith("_proj.bias"):
+            if "qkv_proj.weight" in name:  # q and k rows of the fused (out, in) weight
+                p[:48].mul_(torch.linspace(10.0, 30.0, 48)[:, None])
+            if "c_attn.weight" in name:  # GPT-2's Conv1D is (in, out): q and k are the first 64 columns
+                p[:, :64].mul_(torch.linspace(10.0, 30.0, 64)[None, :])
+            if name.endswith("_proj.bias") or name.endswith("c_attn.bias"):
                 p.normal_(0.0, 0.5)
     return model
 
@@ -164,7 +186,7 @@ def replay_max(model, saved) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize("kind", [k for k in MODELS if k not in FUSED])
 def test_attach_finds_layers_and_layouts(kind):
     model = build(kind)
     layers = attach(model)
@@ -301,8 +323,22 @@ def test_no_attention_and_wrong_shapes_are_clear_errors():
 # ----------------------------------------------------------------------------------------------
 
 
-def _changeable_rows(layer, clipped: torch.Tensor) -> dict[int, torch.Tensor]:
-    """id(param) -> bool rows the clip may change, given the clipped heads ((n_heads,) bool)."""
+def _changeable(layer, clipped: torch.Tensor, masks: dict[int, torch.Tensor]) -> None:
+    """OR into ``masks`` (id(param) -> bool mask of the param's shape) the elements the clip may
+    change, given the clipped heads ((n_heads,) bool); fused weights (`Rows`) get their range."""
+    for t, rows in _changeable_rows(layer, clipped):
+        p = t.tensor if isinstance(t, Rows) else t
+        m = masks.setdefault(id(p), torch.zeros(p.shape, dtype=torch.bool))
+        if not isinstance(t, Rows):
+            m |= rows.view(-1, *([1] * (p.ndim - 1))).expand(p.shape)
+        elif t.transposed:
+            m[:, t.start:t.stop] |= rows[None, :]
+        else:
+            m[t.start:t.stop] |= rows.view(-1, *([1] * (p.ndim - 1)))
+
+
+def _changeable_rows(layer, clipped: torch.Tensor) -> list[tuple]:
+    """(weight or Rows, bool rows the clip may change) pairs, given the clipped heads."""
     lay = layer.layout
     if isinstance(lay, MLALayout):
         q_rows = clipped.repeat_interleave(lay.qk_nope_head_dim + lay.qk_rope_head_dim)
@@ -315,7 +351,7 @@ def _changeable_rows(layer, clipped: torch.Tensor) -> dict[int, torch.Tensor]:
     else:
         rows = clipped.repeat_interleave(lay.head_dim)
         pairs = [(lay.q_weight, rows), (lay.q_bias, rows), (lay.k_weight, rows), (lay.k_bias, rows)]
-    return {id(p): r for p, r in pairs if p is not None}
+    return [(p, r) for p, r in pairs if p is not None]
 
 
 def _tau_between_heads(s: dict[str, torch.Tensor]) -> float:
@@ -379,14 +415,14 @@ def test_muonclip_lr0_clips_exactly_to_tau(kind):
         clipped = s > tau
         assert torch.equal(opt.last_clipped[name].cpu(), clipped)
         n_clipped += int(clipped.sum())
-        changeable.update(_changeable_rows(layers[name], clipped))
+        _changeable(layers[name], clipped, changeable)
         assert layers[name].recorder.value is None  # consumed by the clip
     assert 0 < n_clipped < sum(s.numel() for s in before.values())
 
     for n, p in model.named_parameters():
-        rows = changeable.get(id(p), torch.zeros(p.shape[0], dtype=torch.bool))
-        assert torch.equal(p.detach()[~rows], w0[n][~rows]), f"{n}: rows of unclipped heads / other weights changed"
-        assert not torch.equal(p.detach()[rows], w0[n][rows]) or not rows.any(), f"{n}: clipped rows unchanged"
+        m = changeable.get(id(p), torch.zeros(p.shape, dtype=torch.bool))
+        assert torch.equal(p.detach()[~m], w0[n][~m]), f"{n}: rows of unclipped heads / other weights changed"
+        assert not m.any() or not torch.equal(p.detach()[m], w0[n][m]), f"{n}: clipped rows unchanged"
 
     # optimizer state: exactly what plain Muon (same grads, lr=0, no clip) holds
     plain_params = dict(plain.named_parameters())
@@ -398,7 +434,7 @@ def test_muonclip_lr0_clips_exactly_to_tau(kind):
             assert torch.equal(a, b) if torch.is_tensor(a) else a == b, f"{n}: state {k} differs"
 
 
-@pytest.mark.parametrize("kind", ["llama-mha", "qwen2-gqa-bias", "dsv3-mla-qlora"])
+@pytest.mark.parametrize("kind", ["llama-mha", "qwen2-gqa-bias", "dsv3-mla-qlora", *FUSED])
 def test_muonclip_normal_step_scales_clipped_heads_by_gamma(kind):
     """lr > 0: each head's logits are gamma_h times those of plain Muon's updated weights."""
     model, opt, plain, _, tau, before, saved, _ = _muonclip_and_plain_muon_step(kind, lr=0.02)
@@ -409,11 +445,11 @@ def test_muonclip_normal_step_scales_clipped_heads_by_gamma(kind):
         gamma = torch.where(s > tau, tau / s, torch.ones_like(s))
         assert not torch.allclose(plain_ml[name], s, rtol=1e-3)  # the weights did move
         torch.testing.assert_close(clipped_ml[name], gamma * plain_ml[name], rtol=1e-5, atol=1e-5)
-        changeable.update(_changeable_rows(layers[name], s > tau))
+        _changeable(layers[name], s > tau, changeable)
     plain_params = dict(plain.named_parameters())
     for n, p in model.named_parameters():  # everything the clip may not touch equals plain Muon's
-        rows = changeable.get(id(p), torch.zeros(p.shape[0], dtype=torch.bool))
-        assert torch.equal(p.detach()[~rows], plain_params[n].detach()[~rows]), n
+        m = changeable.get(id(p), torch.zeros(p.shape, dtype=torch.bool))
+        assert torch.equal(p.detach()[~m], plain_params[n].detach()[~m]), n
 
 
 @pytest.mark.parametrize("policy", ["balanced", "group"])
@@ -430,3 +466,38 @@ def test_other_gqa_policies(policy):
     if policy == "group":  # some head at or below tau shares its key head with a clipped one
         over = [(after[n] < torch.clamp(s, max=tau) * (1 - 1e-3)).any() for n, s in before.items()]
         assert any(over)
+
+
+@pytest.mark.parametrize("kind", FUSED)
+def test_attach_fused_projections_as_row_ranges(kind):
+    """Phi-3's qkv_proj rows [q | k | v] and GPT-2's Conv1D c_attn columns [q | k | v] become Rows."""
+    model = build(kind)
+    layers = attach(model)
+    assert len(layers) == 2 and all(type(ly.layout) is MODELS[kind][1] for ly in layers)
+    lay = layers[0].layout
+    if kind.startswith("phi3"):
+        w = model.model.layers[0].self_attn.qkv_proj.weight  # (4*8 + 2*8 + 2*8, 32)
+        assert (lay.q_weight, lay.k_weight) == (Rows(w, 0, 32), Rows(w, 32, 48))
+        assert lay.q_bias is None and lay.n_kv_heads == 2
+    else:
+        c = model.transformer.h[0].attn.c_attn  # weight (32, 96) = (in, out), bias (96,)
+        assert (lay.q_weight, lay.k_weight) == (Rows(c.weight, 0, 32, True), Rows(c.weight, 32, 64, True))
+        assert (lay.q_bias, lay.k_bias) == (Rows(c.bias, 0, 32), Rows(c.bias, 32, 64))
+    from muonclip.qkclip.layouts import scale_rows_
+
+    t = torch.randn(6, 10)
+    for rows, expect in ((Rows(t, 2, 5), lambda x, f: x[2:5] * f[:, None]),
+                         (Rows(t, 4, 9, True), lambda x, f: x[:, 4:9] * f[None, :])):
+        x, f = t.clone(), torch.rand(rows.stop - rows.start) + 0.5
+        want = expect(x, f)
+        scale_rows_(Rows(x, rows.start, rows.stop, rows.transposed), f)
+        got = x[rows.start:rows.stop] if not rows.transposed else x[:, rows.start:rows.stop]
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        untouched = torch.ones_like(x, dtype=torch.bool)
+        if rows.transposed:
+            untouched[:, rows.start:rows.stop] = False
+        else:
+            untouched[rows.start:rows.stop] = False
+        assert torch.equal(x[untouched], t[untouched])
+    with pytest.raises(ValueError, match="do not fit the 6 rows"):
+        MHALayout(Rows(t, 0, 8), Rows(t, 0, 4), 2, 2).check()

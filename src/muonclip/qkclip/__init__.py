@@ -2,7 +2,7 @@
 
 from .clip import all_reduce_max_, apply_qk_clip, compute_gamma
 from .discovery import discover_layers
-from .layouts import GQA_POLICIES, AttentionLayer, GQALayout, Layout, MHALayout, MLALayout
+from .layouts import GQA_POLICIES, AttentionLayer, GQALayout, Layout, MHALayout, MLALayout, Rows
 from .muonclip import MuonClip
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "MHALayout",
     "MLALayout",
     "MuonClip",
+    "Rows",
     "all_reduce_max_",
     "apply_qk_clip",
     "compute_gamma",

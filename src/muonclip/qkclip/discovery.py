@@ -5,7 +5,7 @@ Order (design.md 2, cases a–c):
 1. Modules with a method ``qk_clip_layer(name) -> AttentionLayer`` — the project's reference
    GPT (`muonclip.models.GPT`) and any model written against this protocol.
 2. A Hugging Face transformers ``PreTrainedModel``: `muonclip.qkclip.hf.attach` registers the
-   max-logit attention function and returns the layers (Llama, Qwen2, DeepSeek-V3, ...).
+   max-logit attention function and returns the layers (Llama, Qwen2, DeepSeek-V3, Phi-3, GPT-2, ...).
 3. Anything else: a ValueError asking for ``layers=[AttentionLayer(...)]``.
 """
 

@@ -19,6 +19,10 @@
    * Llama / Mistral / Qwen2 style (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``): `MHALayout`
      when ``num_key_value_heads == num_attention_heads``, else `GQALayout` (exact per-head
      policy by default); q/k biases (Qwen2) are part of the layout.
+   * Fused projections, as `Rows` ranges of one weight: Phi-3 style ``qkv_proj`` (rows
+     ``[q | k | v]``, MHA or GQA) and GPT-2's ``c_attn`` (a ``Conv1D`` stored ``(in, out)`` with
+     columns ``[q | k | v]``; a cross-attention layer's queries come from ``q_attn`` and its
+     ``c_attn`` holds ``[k | v]``). Biases are part of the layout.
    * DeepSeek-V3 MLA (``kv_b_proj``): `MLALayout` on ``q_b_proj`` (or ``q_proj`` when
      ``q_lora_rank`` is None; rows ``[nope | rope]`` per head) and ``kv_b_proj`` (rows
      ``[k_nope | v]`` per head). The shared rotary key (last ``qk_rope_head_dim`` rows of
@@ -52,7 +56,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from ..attention.recorder import MaxLogitRecorder
 from ..attention.sdpa import scaled_dot_product_attention
-from .layouts import AttentionLayer, GQALayout, MHALayout, MLALayout
+from .layouts import AttentionLayer, GQALayout, MHALayout, MLALayout, Rows
 
 ATTN_IMPLEMENTATION = "muonclip"
 """The name our attention function and mask are registered under."""
@@ -165,8 +169,9 @@ def _is_attention(module: nn.Module) -> bool:
     if not hasattr(module, "layer_idx"):
         return False
     names = set(dict(module.named_children()))
-    return ("q_proj" in names and "k_proj" in names) or "kv_b_proj" in names or type(module).__name__.endswith(
-        "Attention"
+    return (
+        ("q_proj" in names and "k_proj" in names) or bool(names & {"kv_b_proj", "qkv_proj", "c_attn"})
+        or type(module).__name__.endswith("Attention")
     )
 
 
@@ -204,15 +209,49 @@ def _mla_layout(name: str, module: nn.Module) -> MLALayout:
     )
 
 
+def _heads(module: nn.Module, config: Any) -> tuple[int, int, int]:
+    """(query heads, key heads, head dim) of an attention module, from the module or its config."""
+    n_heads = int(getattr(module, "num_heads", None) or config.num_attention_heads)
+    n_kv = int(getattr(module, "num_key_value_heads", None) or getattr(config, "num_key_value_heads", None) or n_heads)
+    head_dim = getattr(module, "head_dim", None) or getattr(config, "head_dim", None)
+    return n_heads, n_kv, int(head_dim or config.hidden_size // n_heads)
+
+
+def _make_layout(q_w, k_w, q_b, k_b, n_heads: int, n_kv: int, head_dim: int, gqa_policy: str) -> MHALayout | GQALayout:
+    if n_kv == n_heads:
+        return MHALayout(q_w, k_w, n_heads, head_dim, q_bias=q_b, k_bias=k_b)
+    return GQALayout(q_w, k_w, n_heads, n_kv, head_dim, q_bias=q_b, k_bias=k_b, policy=gqa_policy)
+
+
 def _qkv_layout(name: str, module: nn.Module, config: Any, gqa_policy: str) -> MHALayout | GQALayout:
     q, k = _linear(module, "q_proj", name), _linear(module, "k_proj", name)
-    n_heads = int(config.num_attention_heads)
-    n_kv = int(getattr(config, "num_key_value_heads", None) or n_heads)
-    head_dim = getattr(module, "head_dim", None) or getattr(config, "head_dim", None)
-    head_dim = int(head_dim or config.hidden_size // n_heads)
-    if n_kv == n_heads:
-        return MHALayout(q.weight, k.weight, n_heads, head_dim, q_bias=q.bias, k_bias=k.bias)
-    return GQALayout(q.weight, k.weight, n_heads, n_kv, head_dim, q_bias=q.bias, k_bias=k.bias, policy=gqa_policy)
+    n_heads, n_kv, head_dim = _heads(module, config)
+    return _make_layout(q.weight, k.weight, q.bias, k.bias, n_heads, n_kv, head_dim, gqa_policy)
+
+
+def _rows(t: Tensor | None, start: int, stop: int, transposed: bool = False) -> Rows | None:
+    return None if t is None else Rows(t, start, stop, transposed=transposed and t.ndim == 2)
+
+
+def _fused_layout(name: str, module: nn.Module, config: Any, gqa_policy: str) -> MHALayout | GQALayout:
+    """Phi-3 ``qkv_proj`` (rows ``[q | k | v]``) or GPT-2 ``c_attn`` (Conv1D, columns ``[q | k | v]``)."""
+    n_heads, n_kv, head_dim = _heads(module, config)
+    nq, nk = n_heads * head_dim, n_kv * head_dim
+    if getattr(module, "qkv_proj", None) is not None:
+        f = _linear(module, "qkv_proj", name)
+        q_w, q_b = _rows(f.weight, 0, nq), _rows(f.bias, 0, nq)
+        k_w, k_b = _rows(f.weight, nq, nq + nk), _rows(f.bias, nq, nq + nk)
+    else:
+        f = _linear(module, "c_attn", name)
+        transposed = type(f).__name__ == "Conv1D"  # GPT-2's Conv1D stores (in, out); a Linear (out, in)
+        if getattr(module, "is_cross_attention", False):  # queries from q_attn, c_attn = [k | v]
+            q = _linear(module, "q_attn", name)
+            q_w, q_b = _rows(q.weight, 0, nq, transposed), _rows(q.bias, 0, nq)
+            k_w, k_b = _rows(f.weight, 0, nk, transposed), _rows(f.bias, 0, nk)
+        else:
+            q_w, q_b = _rows(f.weight, 0, nq, transposed), _rows(f.bias, 0, nq)
+            k_w, k_b = _rows(f.weight, nq, nq + nk, transposed), _rows(f.bias, nq, nq + nk)
+    return _make_layout(q_w, k_w, q_b, k_b, n_heads, n_kv, head_dim, gqa_policy)
 
 
 def _layout(name: str, module: nn.Module, config: Any, gqa_policy: str) -> MHALayout | GQALayout | MLALayout:
@@ -222,10 +261,13 @@ def _layout(name: str, module: nn.Module, config: Any, gqa_policy: str) -> MHALa
         return _mla_layout(name, module)
     if "q_proj" in children and "k_proj" in children:
         return _qkv_layout(name, module, config, gqa_policy)
+    if "qkv_proj" in children or "c_attn" in children:
+        return _fused_layout(name, module, config, gqa_policy)
     raise ValueError(
-        f"attention layer '{name}' ({type(module).__name__}) has no q_proj/k_proj (or MLA kv_b_proj) that "
-        "muonclip knows how to clip (fused QKV?). Name its q/k weights and head layout yourself: "
-        "MuonClip(model, layers=[AttentionLayer(name, GQALayout(...), recorder)])"
+        f"attention layer '{name}' ({type(module).__name__}) has no q_proj/k_proj, fused qkv_proj/c_attn or MLA "
+        "kv_b_proj that muonclip knows how to clip (a per-head interleaved query_key_value?). Name its q/k weights "
+        "and head layout yourself: MuonClip(model, layers=[AttentionLayer(name, GQALayout(...), recorder)]), "
+        "using muonclip.qkclip.Rows for row ranges of a fused weight"
     )
 
 
@@ -278,7 +320,8 @@ def attach(model: nn.Module, *, gqa_policy: str = "per_head") -> list[AttentionL
     if not layers:
         raise ValueError(
             f"no attention modules found in {type(model).__name__}: attach() recognises transformers attention "
-            "modules with q_proj/k_proj (Llama, Qwen2, Mistral, ...) or kv_b_proj (DeepSeek-V3 MLA). For another "
+            "modules with q_proj/k_proj (Llama, Qwen2, Mistral, ...), qkv_proj (Phi-3), c_attn (GPT-2) or kv_b_proj "
+            "(DeepSeek-V3 MLA). For another "
             "model pass MuonClip(model, layers=[AttentionLayer(...)])"
         )
     for module, layer in zip(modules, layers):

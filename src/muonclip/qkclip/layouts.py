@@ -21,8 +21,13 @@ and ``params()``. ``clip`` multiplies by a per-row factor that is exactly 1.0 fo
 bit-identical without any host sync. An `AttentionLayer` ties a layout to a name and to the
 `MaxLogitRecorder` that the attention call fills.
 
+Fused projections (one weight holding q, k and v, as Phi-3's ``qkv_proj`` or GPT-2's ``c_attn``)
+are given as `Rows`: a row range of the ``(out, in)`` projection matrix, which may be stored
+transposed ``(in, out)`` (transformers' ``Conv1D``). Any layout weight or bias may be a `Rows`.
+
 Weights sharded by rows as a DTensor (FSDP2 ``Shard(0)``) are scaled on their local rows with
-the global row offset (design.md 1.4).
+the global row offset (design.md 1.4); a transposed `Rows` scales columns, which every local row
+holds.
 """
 
 from __future__ import annotations
@@ -43,8 +48,56 @@ GQA_POLICIES = ("per_head", "balanced", "group")
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_rows(name: str, t: Tensor | None, rows: int, why: str, *, vector: bool = False) -> None:
+@dataclass(frozen=True)
+class Rows:
+    """Rows ``[start, stop)`` of the ``(out, in)`` projection matrix held in ``tensor`` (fused QKV).
+
+    Args:
+        tensor: the parameter: a weight stored ``(out, in)``, or ``(in, out)`` with
+            ``transposed=True`` (transformers' ``Conv1D``: GPT-2's ``c_attn``), or a 1-D bias.
+        start: first row of the range (for a bias: first entry).
+        stop: one past the last row.
+        transposed: ``tensor`` is a 2-D weight stored ``(in, out)``, so the rows of the matrix
+            are its columns (default False).
+    """
+
+    tensor: Tensor
+    start: int
+    stop: int
+    transposed: bool = False
+
+    @property
+    def out_features(self) -> int:
+        """Rows of the whole ``(out, in)`` matrix (entries of a bias)."""
+        return self.tensor.shape[1] if self.transposed else self.tensor.shape[0]
+
+
+Weight = Tensor | Rows
+
+
+def _tensor(t: Weight) -> Tensor:
+    return t.tensor if isinstance(t, Rows) else t
+
+
+def _check_rows(name: str, t: Weight | None, rows: int, why: str, *, vector: bool = False) -> None:
     if t is None:
+        return
+    if isinstance(t, Rows):
+        ndim = t.tensor.ndim
+        if vector and (ndim != 1 or t.transposed):
+            raise ValueError(f"{name} must be 1-D entries of a bias, got Rows of shape {tuple(t.tensor.shape)}")
+        if not vector and ndim != 2:
+            raise ValueError(f"{name} must be rows of a 2-D weight, got Rows of shape {tuple(t.tensor.shape)}")
+        if not 0 <= t.start < t.stop <= t.out_features:
+            raise ValueError(
+                f"{name}: Rows [{t.start}, {t.stop}) do not fit the {t.out_features} rows of a weight of shape "
+                f"{tuple(t.tensor.shape)}{' stored (in, out)' if t.transposed else ''}"
+            )
+        if t.stop - t.start != rows:
+            raise ValueError(
+                f"{name} has {t.stop - t.start} rows ([{t.start}, {t.stop})) but the stated head layout needs "
+                f"{rows} ({why}); check n_heads / n_kv_heads / head dims, or the row range"
+            )
         return
     if vector and t.ndim != 1:
         raise ValueError(f"{name} must be 1-D (a bias), got shape {tuple(t.shape)}")
@@ -64,14 +117,27 @@ def _check_positive(**dims: int) -> None:
 
 
 @torch.no_grad()
-def scale_rows_(t: Tensor | None, factor: Tensor) -> None:
+def scale_rows_(t: Weight | None, factor: Tensor) -> None:
     """In place: ``t[r, ...] *= factor[r]`` for every row r (``factor`` of shape ``(t.shape[0],)``).
 
-    Computed in float32 and rounded once to ``t``'s dtype; rows with factor exactly 1.0 stay
-    bit-identical. A DTensor sharded on dim 0 (FSDP2) scales its local rows using the global
-    row offset; a replicated DTensor scales its local copy.
+    For a `Rows` ``t``: row ``start + r`` of its ``(out, in)`` matrix times ``factor[r]``
+    (``factor`` of shape ``(stop - start,)``); for a transposed one, those columns of the stored
+    ``(in, out)`` tensor. Computed in float32 and rounded once to ``t``'s dtype; rows with
+    factor exactly 1.0 stay bit-identical. A DTensor sharded on dim 0 (FSDP2) scales its local
+    rows using the global row offset (a transposed weight's local rows hold every column); a
+    replicated DTensor scales its local copy.
     """
     if t is None:
+        return
+    if isinstance(t, Rows):
+        data, offset = local_rows(t.tensor)
+        f = factor.to(device=data.device, dtype=torch.float32)
+        if t.transposed:
+            data[:, t.start : t.stop].mul_(f.view(1, -1))
+            return
+        lo, hi = max(t.start, offset), min(t.stop, offset + data.shape[0])
+        if lo < hi:
+            data[lo - offset : hi - offset].mul_(f[lo - t.start : hi - t.start].view(-1, *([1] * (data.ndim - 1))))
         return
     data, offset = local_rows(t)  # FSDP2 Shard(0): this rank's rows and the global index of the first
     factor = factor[offset : offset + data.shape[0]]
@@ -95,6 +161,8 @@ class MHALayout:
     Clip: those rows of ``q_weight`` and ``k_weight`` (and of ``q_bias``/``k_bias``) times
     ``sqrt(gamma_h)``, so head h's logits are multiplied by ``gamma_h``.
 
+    Each weight and bias may also be a `Rows` range of a fused projection.
+
     Args:
         q_weight: ``(n_heads*head_dim, d_in)`` query projection weight.
         k_weight: ``(n_heads*head_dim, d_in)`` key projection weight.
@@ -104,12 +172,12 @@ class MHALayout:
         k_bias: ``(n_heads*head_dim,)`` key bias or None (default).
     """
 
-    q_weight: Tensor
-    k_weight: Tensor
+    q_weight: Weight
+    k_weight: Weight
     n_heads: int
     head_dim: int
-    q_bias: Tensor | None = None
-    k_bias: Tensor | None = None
+    q_bias: Weight | None = None
+    k_bias: Weight | None = None
 
     def check(self) -> None:
         """Raise ValueError naming the weight whose shape does not fit the layout."""
@@ -121,13 +189,13 @@ class MHALayout:
         _check_rows("k_bias", self.k_bias, rows, why, vector=True)
 
     def params(self) -> list[Tensor]:
-        return [t for t in (self.q_weight, self.k_weight, self.q_bias, self.k_bias) if t is not None]
+        return [_tensor(t) for t in (self.q_weight, self.k_weight, self.q_bias, self.k_bias) if t is not None]
 
     @torch.no_grad()
     def clip(self, gamma: Tensor) -> None:
         """Scale head h's q and k rows by ``sqrt(gamma[h])``; ``gamma`` is ``(n_heads,)`` float32."""
         f = _per_row(gamma.float().sqrt(), self.head_dim)
-        for t in self.params():
+        for t in (self.q_weight, self.k_weight, self.q_bias, self.k_bias):
             scale_rows_(t, f)
 
 
@@ -154,6 +222,8 @@ class GQALayout:
       invariant: unclipped heads (and heads with a larger gamma) in a group with a clipped head
       are over-clipped.
 
+    Each weight and bias may also be a `Rows` range of a fused projection.
+
     Args:
         q_weight: ``(n_heads*head_dim, d_in)``.
         k_weight: ``(n_kv_heads*head_dim, d_in)``.
@@ -165,13 +235,13 @@ class GQALayout:
         policy: ``"per_head"`` (default), ``"balanced"`` or ``"group"``.
     """
 
-    q_weight: Tensor
-    k_weight: Tensor
+    q_weight: Weight
+    k_weight: Weight
     n_heads: int
     n_kv_heads: int
     head_dim: int
-    q_bias: Tensor | None = None
-    k_bias: Tensor | None = None
+    q_bias: Weight | None = None
+    k_bias: Weight | None = None
     policy: str = "per_head"
 
     def check(self) -> None:
@@ -192,7 +262,7 @@ class GQALayout:
         ts = [self.q_weight, self.q_bias]
         if self.policy != "per_head":
             ts += [self.k_weight, self.k_bias]
-        return [t for t in ts if t is not None]
+        return [_tensor(t) for t in ts if t is not None]
 
     @torch.no_grad()
     def clip(self, gamma: Tensor) -> None:
@@ -226,6 +296,8 @@ class MLALayout:
     rows of q) and k^C (k_nope rows of kv_b) by ``sqrt(gamma_h)`` and q^R (rope rows of q) by
     ``gamma_h``: both terms, hence the logit, are multiplied by ``gamma_h``. V rows untouched.
 
+    Each weight and bias may also be a `Rows` range of a fused projection.
+
     Args:
         q_weight: ``(n_heads*(qk_nope_head_dim+qk_rope_head_dim), d_q)``.
         n_heads: query heads.
@@ -238,14 +310,14 @@ class MLALayout:
             k_nope entries are scaled.
     """
 
-    q_weight: Tensor
+    q_weight: Weight
     n_heads: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
-    kv_b_weight: Tensor
+    kv_b_weight: Weight
     v_head_dim: int
-    q_bias: Tensor | None = None
-    kv_b_bias: Tensor | None = None
+    q_bias: Weight | None = None
+    kv_b_bias: Weight | None = None
 
     def check(self) -> None:
         """Raise ValueError naming the weight whose shape does not fit the layout."""
@@ -261,7 +333,7 @@ class MLALayout:
         _check_rows("kv_b_bias", self.kv_b_bias, self.n_heads * nkv, why_kv, vector=True)
 
     def params(self) -> list[Tensor]:
-        return [t for t in (self.q_weight, self.q_bias, self.kv_b_weight, self.kv_b_bias) if t is not None]
+        return [_tensor(t) for t in (self.q_weight, self.q_bias, self.kv_b_weight, self.kv_b_bias) if t is not None]
 
     @torch.no_grad()
     def clip(self, gamma: Tensor) -> None:
@@ -311,4 +383,5 @@ class AttentionLayer:
             )
 
 
-__all__ = ["AttentionLayer", "GQALayout", "GQA_POLICIES", "Layout", "MHALayout", "MLALayout", "scale_rows_"]
+__all__ = ["AttentionLayer", "GQALayout", "GQA_POLICIES", "Layout", "MHALayout", "MLALayout", "Rows", "Weight",
+           "scale_rows_"]
