@@ -19,8 +19,9 @@ the previous checkpoint or the new one, never a torn file.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch import nn
@@ -53,12 +54,21 @@ def save_checkpoint(path: str | Path, payload: dict[str, Any]) -> Path:
     The temporary file ``.<name>.tmp-<pid>`` in the same folder is removed if writing fails,
     and the previous file at ``path`` is untouched in that case.
     """
+    data = {"format": FORMAT, "version": VERSION, **payload}
+    return write_atomically(path, lambda f: torch.save(data, f))
+
+
+def write_atomically(path: str | Path, write: Callable[[IO[Any]], object], text: bool = False) -> Path:
+    """``write(f)`` into ``.<name>.tmp-<pid>`` beside ``path``, fsync, then ``os.replace`` onto ``path``.
+
+    On any failure (Ctrl-C included) the temporary file is removed and ``path`` is untouched.
+    ``text``: open the file in text mode, UTF-8 (default False: binary).
+    """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    data = {"format": FORMAT, "version": VERSION, **payload}
     try:
-        with open(tmp, "wb") as f:
-            torch.save(data, f)
+        with open(tmp, "w" if text else "wb", **({"encoding": "utf-8"} if text else {})) as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

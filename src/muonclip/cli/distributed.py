@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .checkpoint import CheckpointError, load_checkpoint
+from .checkpoint import CheckpointError, load_checkpoint, write_atomically
 
 SHARDED_POINTER = "checkpoint.dcp.json"
 SHARDED_FORMAT = "muonclip-sharded-checkpoint"
@@ -334,16 +334,7 @@ def save_sharded(run_dir: str | Path, model: nn.Module, optimizer: torch.optim.O
         os.replace(tmp, run_dir / name)
         body = {"format": SHARDED_FORMAT, "version": SHARDED_VERSION, "dir": name, "world_size": env.world_size,
                 "mode": env.mode, "shapes": model_shapes(model), **meta}
-        ptmp = run_dir / f".{SHARDED_POINTER}.tmp-{os.getpid()}"
-        try:
-            with open(ptmp, "w", encoding="utf-8") as f:
-                json.dump(body, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(ptmp, pointer)
-        except BaseException:
-            ptmp.unlink(missing_ok=True)
-            raise
+        write_atomically(pointer, lambda f: json.dump(body, f, indent=1), text=True)
         if old and old != name:
             shutil.rmtree(run_dir / old, ignore_errors=True)
         for stale in run_dir.glob(".checkpoint-step*.dcp.tmp"):  # left by interrupted saves

@@ -123,13 +123,12 @@ class UpdateRMS:
     @torch.no_grad()
     def _measure(self) -> tuple[float, int]:
         """(sum of U^2, element count) over this rank's rows of the copied parameters."""
-        total = torch.zeros((), dtype=torch.float64)
-        count = 0
+        sums, count = [], 0
         for p, w0, lr, wd in self._before:
             u = (w0.mul(1.0 - lr * wd) - local(p.detach())).double() / lr  # same rounding as p.mul_(1 - lr*wd)
-            total += u.pow(2).sum().cpu()
+            sums.append(u.pow(2).sum().to(sums[0].device if sums else u.device))
             count += u.numel()
-        return float(total), count
+        return (float(torch.stack(sums).sum()) if sums else 0.0), count  # one host read for all parameters
 
     def after(self, reduce: Callable[[list[float]], list[float]] | None = None) -> float | None:
         """RMS of the update since `before` (None if nothing was measured); forgets the copies.
