@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup compare test lint bench docs clean
+.PHONY: setup compare test lint bench gpu-check docs clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_step.py
+
+# On a CUDA machine with its own PyTorch (no .venv, nothing installed): CUDA tests + GPU benchmarks.
+gpu-check:
+	bash benchmarks/gpu_check.sh
 
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict

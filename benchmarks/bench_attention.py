@@ -1,8 +1,9 @@
 """Cost of max-logit capture and of the clip.
 
 1. Time per attention call (forward) of `muonclip.scaled_dot_product_attention` with a recorder
-   vs plain ``F.scaled_dot_product_attention`` (causal, bf16 off: float32), at a few sequence
-   lengths; and with GQA (Hkv = H/4).
+   vs plain ``F.scaled_dot_product_attention`` (causal; float32 on CPU, bf16 on CUDA), at a few
+   sequence lengths; and with GQA (Hkv = H/4). On CUDA also ``set_max_logit_backend("flex")``
+   (the max comes out of the FlexAttention kernel) against plain compiled FlexAttention.
 2. The QK-Clip's own cost per step (`MuonClip.clip`: gamma, row scaling, reset) vs the Muon
    step (`Muon.step`) and vs forward+backward, on a small reference GPT.
 
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import muonclip
-from muonclip.attention import MaxLogitRecorder, scaled_dot_product_attention
+from muonclip.attention import MaxLogitRecorder, scaled_dot_product_attention, set_max_logit_backend
 from muonclip.models import GPT, GPTConfig
 
 
@@ -39,19 +40,43 @@ def timeit(fn, repeat: int, device: str, *args, **kwargs) -> float:
 
 
 def bench_capture(device: str) -> None:
-    print(f"attention forward, causal, float32, B=2, H=8, D=64 ({device}, {torch.get_num_threads()} threads)")
-    print(f"{'T':>6} {'Hkv':>4} {'sdpa ms':>9} {'drop-in ms':>11} {'ratio':>6}")
+    """Drop-in SDPA with a recorder vs plain SDPA; on CUDA also the FlexAttention backend vs
+    plain compiled FlexAttention (the issue's "capture within 3% of attention"), in bf16."""
+    cuda = device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    print(f"attention forward, causal, {dtype}, B=2, H=8, D=64 ({device}, {torch.get_num_threads()} threads)")
+    head = f"{'T':>6} {'Hkv':>4} {'sdpa ms':>9} {'drop-in ms':>11} {'ratio':>6}"
+    if cuda:
+        head += f" {'flex ms':>8} {'flex+max ms':>12} {'/ flex':>7} {'/ sdpa':>7}"
+    print(head)
     for T in (256, 512, 1024, 2048):
         for hkv in (8, 2):
-            q = torch.randn(2, 8, T, 64, device=device)
-            k = torch.randn(2, hkv, T, 64, device=device)
-            v = torch.randn(2, hkv, T, 64, device=device)
+            q = torch.randn(2, 8, T, 64, device=device, dtype=dtype)
+            k = torch.randn(2, hkv, T, 64, device=device, dtype=dtype)
+            v = torch.randn(2, hkv, T, 64, device=device, dtype=dtype)
             rec = MaxLogitRecorder(8)
-            repeat = max(1, 2048 // T)
+            repeat = max(1, 2048 // T) * (20 if cuda else 1)
             kw = dict(is_causal=True, enable_gqa=hkv != 8)
             t0 = timeit(F.scaled_dot_product_attention, repeat, device, q, k, v, **kw)
             t1 = timeit(scaled_dot_product_attention, repeat, device, q, k, v, **kw, recorder=rec)
-            print(f"{T:>6} {hkv:>4} {1e3 * t0:>9.2f} {1e3 * t1:>11.2f} {t1 / t0:>6.2f}")
+            line = f"{T:>6} {hkv:>4} {1e3 * t0:>9.2f} {1e3 * t1:>11.2f} {t1 / t0:>6.2f}"
+            if cuda:
+                t_flex = timeit(plain_flex, repeat, device, q, k, v, hkv != 8)
+                set_max_logit_backend("flex")
+                try:
+                    t_max = timeit(scaled_dot_product_attention, repeat, device, q, k, v, **kw, recorder=rec)
+                finally:
+                    set_max_logit_backend("chunked")
+                line += f" {1e3 * t_flex:>8.3f} {1e3 * t_max:>12.3f} {t_max / t_flex:>7.3f} {t_max / t0:>7.3f}"
+            print(line, flush=True)
+
+
+def plain_flex(q, k, v, enable_gqa: bool):
+    """Compiled causal FlexAttention without auxiliary outputs: the baseline of the flex capture."""
+    from muonclip.attention.max_logits import _causal_block_mask, _compiled_flex
+
+    block_mask = _causal_block_mask(q.shape[2], k.shape[2], str(q.device))
+    return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
 
 def _fwd_bwd(model, idx):

@@ -15,7 +15,8 @@ Batched vs looped: the same E matrices as one batched call and as E calls, and
 torch.optim.Muon's per-matrix Newton–Schulz looped.
 
 Usage: ``python benchmarks/bench_ortho.py [--threads 2] [--rounds 7] [--clock wall|process]
-[--big] [--compiled] [--device cpu|cuda]``. ``--big`` adds 4096 x 4096 and 4096 x 14336 (slow on CPU).
+[--big] [--compiled] [--device cpu|cuda]``. ``--big`` adds 4096 x 4096, 4096 x 14336 and 64
+experts of 2048 x 1408 (the GPU goals; slow on CPU).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ SHAPES = [
     ("gpt 6 mlp batched", 6, 384, 1536),
     ("64 experts (2048x1408 / 8)", 64, 256, 176),
 ]
-BIG = [("4096 sq", 1, 4096, 4096), ("4096 x 14336", 1, 4096, 14336)]
+BIG = [("4096 sq", 1, 4096, 4096), ("4096 x 14336", 1, 4096, 14336), ("64 experts 2048x1408", 64, 2048, 1408)]
 # (method, dtype) pairs benchmarked
 CONTENDERS = [
     ("ns5", torch.bfloat16),
@@ -140,7 +141,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--clock", choices=("wall", "process"), default="wall")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--big", action="store_true", help="add 4096 x 4096 and 4096 x 14336")
+    parser.add_argument("--big", action="store_true", help="add 4096 x 4096, 4096 x 14336, 64 x 2048 x 1408")
     parser.add_argument("--compiled", action="store_true", help="add ns5_compiled (torch.compile)")
     parser.add_argument("--only", default=None, help="run only shapes whose label contains this")
     args = parser.parse_args()

@@ -20,7 +20,9 @@ Then Newton–Schulz's achieved GFLOP/s against the plain matmul rate on the GPT
 bench_ortho.py for the full table).
 
 Usage: ``python benchmarks/bench_step.py [--threads 2] [--rounds 9] [--clock wall|process]
-[--device cpu|cuda]`` (``make bench`` runs it with the defaults).
+[--device cpu|cuda] [--d 384] [--layers 6]`` (``make bench`` runs it with the defaults; the
+GPU goal's GPT-2-small hidden set is ``--device cuda --d 768 --layers 12``, where the AdamW
+baseline is ``fused=True``).
 """
 
 from __future__ import annotations
@@ -74,11 +76,17 @@ def contenders(shapes, grads, device, torch_shapes=None, torch_grads=None):
             torch.optim.Muon(make_params(ts, tg, device), lr=LR, weight_decay=WD, ns_coefficients=NS5),
             None if torch_ns is None else lambda V: torch.stack([torch_ns(v, NS5, 5, 1e-7) for v in V]),
         )
-    out["torch.optim.AdamW(foreach=True)"] = (
-        torch.optim.AdamW(make_params(shapes, grads, device), lr=LR, weight_decay=WD, foreach=True),
+    fused = torch.device(device).type == "cuda"  # fused AdamW is the GPU users' baseline
+    out[adamw_name(device)] = (
+        torch.optim.AdamW(make_params(shapes, grads, device), lr=LR, weight_decay=WD,
+                          **({"fused": True} if fused else {"foreach": True})),
         None,
     )
     return out
+
+
+def adamw_name(device: str) -> str:
+    return "torch.optim.AdamW(fused=True)" if torch.device(device).type == "cuda" else "torch.optim.AdamW(foreach=True)"
 
 
 def accuracy(orth, mats: list[torch.Tensor]) -> float:
@@ -96,7 +104,7 @@ def run_set(title, shapes, grads, args, torch_shapes=None, torch_grads=None) -> 
         rounds=args.rounds, warmup=2, clock=args.clock, device=args.device,
     )
     ref = times.get("torch.optim.Muon")
-    adamw = times["torch.optim.AdamW(foreach=True)"]
+    adamw = times[adamw_name(args.device)]
     print(f"\n## {title}\n")
     print("| optimizer | step ms | / torch.optim.Muon | / AdamW | max abs(sigma-1), cond 100 |")
     print("|---|---|---|---|---|")
@@ -112,7 +120,8 @@ def ns_rate(args) -> None:
     print("\n## Newton–Schulz rate on the GPT buckets (bf16)\n")
     print("| bucket | method | ms | equiv GFLOP/s | matmul floor GFLOP/s | ratio |")
     print("|---|---|---|---|---|---|")
-    for E, A, B in [(24, 384, 384), (6, 1536, 384), (6, 384, 1536)]:
+    L, d = args.layers, args.d
+    for E, A, B in [(4 * L, d, d), (L, 4 * d, d), (L, d, 4 * d)]:
         V = conditioned((E, A, B)).to(args.device)
         t = round_robin(
             {m: (lambda m=m, V=V: orthogonalize(V, m)) for m in ("ns5", "gram")},
@@ -131,12 +140,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--clock", choices=("wall", "process"), default="wall")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--d", type=int, default=384, help="GPT width (default 384; GPT-2 small: 768)")
+    parser.add_argument("--layers", type=int, default=6, help="GPT layers (default 6; GPT-2 small: 12)")
     args = parser.parse_args()
     setup_threads(args.threads)
     print(f"# bench_step: {machine()}; clock={args.clock}, median of {args.rounds} interleaved rounds")
-    shapes = gpt_shapes()
+    shapes = gpt_shapes(args.d, args.layers)
     grads = [conditioned(s, seed=i) for i, s in enumerate(shapes)]
-    run_set("GPT set: 6 layers, d=384 (36 matrices)", shapes, grads, args)
+    run_set(f"GPT set: {args.layers} layers, d={args.d} ({len(shapes)} matrices)", shapes, grads, args)
     experts = conditioned((64, 256, 176), seed=99)
     run_set(
         "64 experts, one (64, 256, 176) weight (torch.optim.Muon: 64 2-D params, looped)",

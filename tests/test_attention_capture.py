@@ -194,3 +194,34 @@ def test_property_chunked_max_equals_explicit(B, hkv, groups, tq, tk, d, causal_
     allowed = keep & causal(tq, tk) if causal_ else keep
     got = chunked_max_logits(q, k, attn_mask=keep, is_causal=causal_, enable_gqa=True, chunk_size=chunk)
     torch.testing.assert_close(got, reference_max(q, k, allowed), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: FlexAttention's max_scores has no CPU kernel")
+@pytest.mark.parametrize(("case", "dtype"), [("causal", torch.float32), ("gqa", torch.float32),
+                                             ("padding", torch.float32), ("none", torch.float32),
+                                             ("causal", torch.bfloat16)])
+def test_flex_backend_max_equals_explicit_on_cuda(case, dtype):
+    """FlexAttention's in-kernel max (``set_max_logit_backend("flex")``) equals the explicit
+    masked float64 max per query head, and the output equals SDPA's, for causal, GQA, a
+    padding mask and no mask. Tolerances: TF32/bf16 logits (|logit| up to ~10)."""
+    B, hq, T, d = 2, 4, 256, 64
+    hkv = 2 if case == "gqa" else hq
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = (3 * torch.randn(B, hq, T, d, device="cuda", generator=g)).to(dtype)
+    k = torch.randn(B, hkv, T, d, device="cuda", generator=g).to(dtype)
+    v = torch.randn(B, hkv, T, d, device="cuda", generator=g).to(dtype)
+    is_causal = case in ("causal", "gqa")
+    mask = padding(B, T, [T, T // 3]).cuda() if case == "padding" else None
+    allowed = causal(T, T).cuda() if is_causal else mask
+    rec = MaxLogitRecorder(hq)
+    set_max_logit_backend("flex")
+    try:
+        out = scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=hkv != hq,
+                                           recorder=rec)
+    finally:
+        set_max_logit_backend("chunked")
+    ref = reference_max(q.float(), k.float(), allowed)
+    tol = 5e-2 if dtype == torch.bfloat16 else 1e-2
+    torch.testing.assert_close(rec.value.float(), ref, rtol=tol, atol=tol)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=hkv != hq)
+    torch.testing.assert_close(out.float(), want.float(), rtol=tol, atol=tol)

@@ -348,3 +348,21 @@ def test_mask_mode_no_cuda_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert opt.steps_skipped == 1
+
+
+def test_compiled_method_does_not_recompile_when_hyperparameters_change():
+    """method="ns5_compiled" compiles the orthogonalisation only: lr, weight decay and momentum
+    are not graph inputs, so changing them between steps never recompiles (dynamo is told to
+    raise on any recompile)."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(16, 40))
+    opt = muonclip.Muon([p], lr=0.02, method="ns5_compiled")
+    p.grad = torch.randn_like(p)
+    opt.step()  # compiles once for (1, 16, 40) bf16
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for lr, wd, mu in [(0.01, 0.1, 0.9), (0.003, 0.0, 0.5), (0.05, 0.01, 0.95)]:
+            opt.param_groups[0].update(lr=lr, weight_decay=wd, momentum=mu)
+            before = p.detach().clone()
+            p.grad = torch.randn_like(p)
+            opt.step()
+            assert not torch.equal(p.detach(), before)

@@ -4,8 +4,9 @@ Phases (every rank runs all of them; collectives only when the group has > 1 ran
 
 1. **Agree** (multi-rank only): one small all-reduce checks that every rank has the same
    Muon parameters and the same gradients present (`exchange.agree`).
-2. **Momentum** on what each rank holds: ``M = mu M + G``, ``V = G + mu M`` (or ``M``).
-   Under FSDP2 ``M``, ``G`` and ``V`` are row shards: momentum stays sharded.
+2. **Momentum** on what each rank holds: ``M = mu M + G``, ``V = G + mu M`` (or ``M``),
+   each item's just before its V is formed. Under FSDP2 ``M``, ``G`` and ``V`` are row
+   shards: momentum stays sharded.
 3. **Plan**: every parameter gets one owner rank, balanced by Newton–Schulz flops
    (`plan.assign_owners`); the same on every rank, no communication.
 4. **Gather**: owners get whole V: row-sharded ones by one all-to-all (`gather_rows`);
@@ -17,8 +18,9 @@ Phases (every rank runs all of them; collectives only when the group has > 1 ran
 7. **Apply**: per matrix block ``U = scale(A, B) * O``; ``W = W (1 - lr wd) - lr U`` on each
    rank's own rows.
 
-With one process every parameter is owned by rank 0, phases 1, 4 and 6 are no-ops, and the
-buckets are exactly those of a plain loop, so results are bit-identical to the
+With one process every parameter is owned by rank 0, phases 1, 4 and 6 are no-ops, phase 7
+runs for each item as soon as its bucket is orthogonalised (its result still in cache), and
+the buckets are exactly those of a plain loop, so results are bit-identical to the
 non-distributed algorithm.
 """
 
@@ -101,24 +103,34 @@ def muon_step(
     if not live:
         return stats
 
-    # 2. momentum, on the rows this rank holds: M = G + mu M in one pass. The Nesterov
-    #    V = G + mu M is formed only where it is used (every row shard, and the replicated
-    #    matrices this rank owns), by `v_into` straight into the orthogonaliser's input.
+    # 2. momentum, on the rows this rank holds: M = G + mu M in one pass, done for each item
+    #    just before its V is formed (so G and M are still in cache when V reads them; the
+    #    order of these independent updates does not change a bit), and for every item left
+    #    over at the end of the step. The Nesterov V = G + mu M is formed only where it is used
+    #    (every row shard, and the replicated matrices this rank owns), by `v_into` straight
+    #    into the orthogonaliser's input.
     bufs: list[Tensor] = []
-    for g, p in live:
+    for _, p in live:
         st = state[p]
         if "momentum_buffer" not in st:
             st["momentum_buffer"] = new_buffer(p)
-        buf = local(st["momentum_buffer"])
-        torch.add(local(p.grad), buf, alpha=g["momentum"], out=buf)
-        bufs.append(buf)
+        bufs.append(local(st["momentum_buffer"]))
+    pending = set(range(len(live)))
+
+    def momentum(k: int) -> Tensor:
+        """Item k's momentum buffer, updated (once per step) on first use."""
+        if k in pending:
+            pending.discard(k)
+            torch.add(local(live[k][1].grad), bufs[k], alpha=live[k][0]["momentum"], out=bufs[k])
+        return bufs[k]
 
     def v_into(k: int, out: Tensor | None = None) -> Tensor:
         """V of item k, written into ``out`` (any dtype, the item's local shape) if given."""
         g, p = live[k]
+        buf = momentum(k)
         if not g["nesterov"]:
-            return bufs[k] if out is None else out.copy_(bufs[k])
-        return torch.add(local(p.grad), bufs[k], alpha=g["momentum"], out=out)
+            return buf if out is None else out.copy_(buf)
+        return torch.add(local(p.grad), buf, alpha=g["momentum"], out=out)
 
     # 3. plan
     shapes = [p.shape for _, p in live]
@@ -134,6 +146,15 @@ def muon_step(
     dtype, device = bufs[0].dtype, bufs[0].device
     wire = comm_dtype or dtype
 
+    def apply(k: int, res: Tensor) -> None:
+        """7. ``W = W (1 - lr wd) - lr scale * O`` on this rank's rows of item k."""
+        g, p = live[k]
+        offset = shard_rows(shapes[k][0], ctx.world_size, ctx.rank)[0] if layouts[k] == ROWS else 0
+        w, lr, wd = local(p), g["lr"], g["weight_decay"]
+        if wd != 0.0:
+            w.mul_(1.0 - lr * wd)
+        _add_scaled_(w, res, shapes[k], g, offset, -lr)
+
     # 4. whole V on the owner (None: this rank holds it whole, formed in phase 5)
     whole: dict[int, Tensor | None] = {k: None for k in rep_idx if plan.owners[k] == ctx.rank}
     if rows_idx:
@@ -141,16 +162,18 @@ def muon_step(
                           [plan.owners[k] for k in rows_idx], wire, stats.comm)
         whole.update({rows_idx[j]: t for j, t in got.items()})
 
-    # 5. orthogonalise owned matrices, one call per bucket
-    O = _orthogonalize_owned(live, whole, v_into, stats, orthogonalize)
+    # 5. orthogonalise owned matrices, one call per bucket. With one process each item is
+    #    updated (phase 7) as soon as its result is complete, while the result is in cache.
+    O: dict[int, Tensor] = {}
+    _orthogonalize_owned(live, whole, v_into, stats, orthogonalize,
+                         done=apply if ctx.world_size == 1 else O.__setitem__)
     stats.ns_flops = plan.flops[ctx.rank]
+    for k in sorted(pending):  # momentum of the items this rank neither owns nor sends
+        momentum(k)
 
     # 6. results back to every rank that holds rows
-    result: list[Tensor | None] = [None] * len(live)
-    if ctx.world_size == 1:
-        for k in rep_idx:
-            result[k] = O[k]
-    else:
+    if ctx.world_size > 1:
+        result: list[Tensor | None] = [None] * len(live)
         if rep_idx:
             got = all_gather_owned(ctx, {rep_idx.index(k): O[k] for k in rep_idx if k in O},
                                    [shapes[k] for k in rep_idx], [plan.owners[k] for k in rep_idx],
@@ -163,28 +186,23 @@ def muon_step(
                                wire, dtype, device, stats.comm)
             for j, k in enumerate(rows_idx):
                 result[k] = got[j]
-
-    # 7. scale per block and apply to this rank's rows
-    for k, (g, p) in enumerate(live):
-        offset = shard_rows(shapes[k][0], ctx.world_size, ctx.rank)[0] if layouts[k] == ROWS else 0
-        w, lr, wd = local(p), g["lr"], g["weight_decay"]
-        if wd != 0.0:
-            w.mul_(1.0 - lr * wd)
-        _add_scaled_(w, result[k], shapes[k], g, offset, -lr)
+        for k, res in enumerate(result):
+            apply(k, res)
     return stats
 
 
 def _orthogonalize_owned(live: list[tuple[dict[str, Any], Tensor]], whole: dict[int, Tensor | None],
                          v_into: Callable[..., Tensor], stats: StepStats,
-                         orthogonalize: Callable[..., Tensor]) -> dict[int, Tensor]:
-    """``{k: orth(V_k)}`` (each of V_k's shape, in the compute dtype) for the owned items.
+                         orthogonalize: Callable[..., Tensor], done: Callable[[int, Tensor], None]) -> None:
+    """Orthogonalise the owned items; ``done(k, orth(V_k))`` (V_k's shape, compute dtype) as
+    soon as item k's result is complete.
 
     Blocks of equal shape and settings are batched into one ``orthogonalize`` call per bucket.
     Each bucket's input is allocated once in the compute dtype and filled in place: by
     ``v_into(k, out)`` for an item held whole here (``whole[k] is None``), else from the
     gathered ``whole[k]``, so V is never materialised in float32 and then concatenated. A
     result that is one block is a view into its bucket's output (no copy); only items cut
-    into several blocks (``split_sizes``) are assembled.
+    into several blocks (``split_sizes``) are assembled, after their last block's bucket.
     """
     buckets: dict[tuple, list[tuple[int, int, torch.Size]]] = defaultdict(list)
     n_blocks: dict[int, int] = {}
@@ -198,6 +216,7 @@ def _orthogonalize_owned(live: list[tuple[dict[str, Any], Tensor]], whole: dict[
             key = (A, B, local(p).device, g["method"], g["steps"], g["orth_dtype"], g["eps"], g["ns_coefficients"])
             buckets[key].append((k, b, vb.shape))
     pieces: dict[int, list[Tensor | None]] = {k: [None] * n for k, n in n_blocks.items()}
+    missing = dict(n_blocks)
     for key, entries in buckets.items():
         A, B, device, method, steps, dtype, eps, coeffs = key
         cdtype = dtype or METHODS[method].default_dtype
@@ -213,15 +232,20 @@ def _orthogonalize_owned(live: list[tuple[dict[str, Any], Tensor]], whole: dict[
         Ob = orthogonalize(Vb, method, steps, dtype, eps=eps, coefficients=coeffs, out_dtype=cdtype)
         for (k, b, _), r in zip(entries, Ob.split([s[0] for _, _, s in entries])):
             pieces[k][b] = r
-    out: dict[int, Tensor] = {}
-    for k, parts in pieces.items():
-        shape = live[k][1].shape if whole[k] is None else whole[k].shape
-        if len(parts) == 1:
-            out[k] = _as_stored(parts[0], shape, live[k][0])
-        else:
-            out[k] = torch.empty(shape, dtype=parts[0].dtype, device=parts[0].device)
-            for dst, r in zip(matrix_blocks(out[k], **_opts(live[k][0])), parts):
-                dst.copy_(r)
+            missing[k] -= 1
+            if missing[k] == 0:
+                done(k, _assemble(pieces.pop(k), live[k][1].shape if whole[k] is None else whole[k].shape,
+                                  live[k][0]))
+
+
+def _assemble(parts: list[Tensor | None], shape: torch.Size, group: dict[str, Any]) -> Tensor:
+    """An item's result from its blocks' results: the one block viewed in the stored layout,
+    or several blocks copied into a new tensor of ``shape``."""
+    if len(parts) == 1:
+        return _as_stored(parts[0], shape, group)
+    out = torch.empty(shape, dtype=parts[0].dtype, device=parts[0].device)
+    for dst, r in zip(matrix_blocks(out, **_opts(group)), parts):
+        dst.copy_(r)
     return out
 
 
