@@ -44,6 +44,8 @@ def bench_capture(device: str) -> None:
     plain compiled FlexAttention (the issue's "capture within 3% of attention"), in bf16."""
     cuda = device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
+    if cuda:  # 8 shapes x (plain, with max) graphs: past dynamo's default limit of 8 it would run eager
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     print(f"attention forward, causal, {dtype}, B=2, H=8, D=64 ({device}, {torch.get_num_threads()} threads)")
     head = f"{'T':>6} {'Hkv':>4} {'sdpa ms':>9} {'drop-in ms':>11} {'ratio':>6}"
     if cuda:

@@ -1,21 +1,38 @@
 #!/usr/bin/env bash
-# Every GPU item of the project in one command, for a machine with one CUDA GPU whose python3
-# already has a CUDA build of PyTorch (nothing is installed; the package runs from src/):
-#   1. the CUDA-only tests (FlexAttention max_scores backend, no host sync in step());
-#   2. bench_attention.py: capture with the flex backend vs plain FlexAttention and SDPA;
-#   3. bench_step.py on the GPT-2-small hidden set (d=768, 12 layers) vs fused AdamW;
-#   4. bench_ortho.py --big: 4096 x 4096, 4096 x 14336, 64 x 2048 x 1408 vs the matmul floor.
-# Usage: bash benchmarks/gpu_check.sh   (or make gpu-check). The log is also written to
+# Every GPU item of the project, for a machine with one CUDA GPU whose python3 already has a
+# CUDA build of PyTorch (nothing is installed; the package runs from src/). Parts:
+#   tests      the CUDA-only tests (FlexAttention max_scores backend, no host sync in step());
+#   attention  bench_attention.py: capture with the flex backend vs plain FlexAttention and SDPA;
+#   step       bench_step.py on the GPT-2-small hidden set (d=768, 12 layers) vs fused AdamW;
+#   ortho      bench_ortho.py --big: 4096 x 4096, 4096 x 14336, 64 x 2048 x 1408 vs the matmul floor.
+# Usage: bash benchmarks/gpu_check.sh [PART ...]   (default: all four, in this order; make
+# gpu-check runs all). Each part takes a few minutes (FlexAttention compiles once per shape), so
+# under a per-command time limit run them one or two at a time. The output is also appended to
 # ${OUT:-out}/gpu_check.log. PYTHON overrides the interpreter (default python3).
 set -o pipefail
 PY=${PYTHON:-python3}
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 log="${OUT:-out}/gpu_check.log"
 mkdir -p "$(dirname "$log")"
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests attention step ortho)
+status=0
 {
-  "$PY" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))" || exit 1
-  "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_attention_capture.py tests/test_ortho_fast.py -k cuda
-  "$PY" benchmarks/bench_attention.py --device cuda
-  "$PY" benchmarks/bench_step.py --device cuda --d 768 --layers 12
-  "$PY" benchmarks/bench_ortho.py --device cuda --big
-} 2>&1 | tee "$log"
+  "$PY" -c "
+import sys, torch
+if not torch.cuda.is_available():
+    sys.exit(f'gpu_check needs a CUDA GPU and a CUDA build of PyTorch; {sys.executable} has torch '
+             f'{torch.__version__} without one (set PYTHON to the interpreter that has it)')
+print('torch', torch.__version__, torch.cuda.get_device_name(0))" || exit 1
+  for part in "${parts[@]}"; do
+    echo "## gpu_check: $part"
+    case "$part" in
+      tests) "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_attention_capture.py tests/test_ortho_fast.py -k cuda ;;
+      attention) "$PY" benchmarks/bench_attention.py --device cuda ;;
+      step) "$PY" benchmarks/bench_step.py --device cuda --d 768 --layers 12 ;;
+      ortho) "$PY" benchmarks/bench_ortho.py --device cuda --big ;;
+      *) echo "unknown part '$part': choose from tests attention step ortho"; false ;;
+    esac || status=1
+  done
+  exit $status
+} 2>&1 | tee -a "$log"

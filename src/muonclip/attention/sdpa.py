@@ -9,8 +9,12 @@ of ``scale * q.k`` over allowed pairs and over the batch is computed by
 
 On CUDA, ``set_max_logit_backend("flex")`` switches eligible calls (no dropout, no mask or a
 boolean mask) to FlexAttention, which returns output and row maxima from one fused kernel.
-That path is opt-in and untested on GPU in this project; the default ``"chunked"`` works on
-every device.
+FlexAttention is compiled with ``dynamic=False``: each new (shape, dtype, mask kind) compiles
+once, and past dynamo's ``recompile_limit`` (8 by default) it runs unfused, still correct
+(raise ``torch._dynamo.config.recompile_limit`` for many sequence lengths). The output is the
+FlexAttention kernel's, equal to SDPA's within kernel round-off, not bit-identical. That path
+is opt-in and has not yet run on a GPU in this project (`benchmarks/gpu_check.sh` runs its
+test); the default ``"chunked"`` works on every device.
 """
 
 from __future__ import annotations
