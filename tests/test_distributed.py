@@ -24,7 +24,9 @@ import muonclip
 import muonclip.optim.muon as muon_mod
 from muonclip import Muon, param_groups
 from muonclip.distributed import assign_owners, checkpoint, local_rows, ns_flops, shard_rows
+from muonclip.distributed.plan import matrix_rows
 from muonclip.models import GPT, GPTConfig
+from muonclip.optim.matrices import matrix_blocks
 from muonclip.qkclip.muonclip import MuonClip
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=3, n_embd=24)  # 3 heads of 8 rows: head 1 straddles 2 ranks
@@ -579,6 +581,23 @@ def test_plan_is_balanced_deterministic_and_total():
         assert sum(plan.flops) == sum(costs)
         assert max(plan.flops) <= sum(costs) / world + max(costs)  # LPT bound
     assert ns_flops([(3, 16, 32)], 5) == 3 * 5 * (4 * 16 * 16 * 32 + 2 * 16**3)
+
+
+@pytest.mark.parametrize(("shape", "opts"), [
+    ((6, 4), {}), ((6, 4), {"split_sizes": [2, 4]}), ((4, 6), {"transposed": True}),
+    ((6, 4), {"transposed": True, "split_sizes": [1, 3]}), ((3, 6, 4), {}), ((3, 6, 4), {"split_sizes": [5, 1]}),
+    ((5, 2, 3, 3), {}), ((5, 2, 3), {"flatten": True}), ((8, 2, 3), {"flatten": True, "split_sizes": [3, 5]}),
+])
+def test_matrix_rows_states_the_shapes_of_matrix_blocks(shape, opts):
+    """The step buckets by `matrix_rows` (no tensor made); it must describe exactly the blocks
+    that `matrix_blocks` cuts (their shapes, and their rows along ``axis``)."""
+    t = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
+    blocks = matrix_blocks(t, **opts)
+    axis, ranges, cols, batch = matrix_rows(shape, **opts)
+    assert [tuple(b.shape) for b in blocks] == [(batch, r1 - r0, cols) for r0, r1 in ranges]
+    whole = matrix_blocks(t, **{k: v for k, v in opts.items() if k != "split_sizes"})[0]
+    for b, (r0, r1) in zip(blocks, ranges):
+        assert torch.equal(b, whole[:, r0:r1])
 
 
 @pytest.mark.parametrize("rows, world", [(24, 2), (7, 2), (5, 4), (3, 4)])

@@ -34,15 +34,21 @@ ROWS = "rows"
 LOCAL = "local"  # the value of Muon(process_group=...) that turns communication off
 
 
+_DTENSOR: list[type] = []
+
+
 def is_dtensor(t: Any) -> bool:
     """True for a `torch.distributed.tensor.DTensor` (an FSDP2 / tensor-parallel parameter).
 
     Without importing ``torch.distributed.tensor`` (about 1 s): if nobody imported it, no
     DTensor can exist.
     """
-    mod = sys.modules.get("torch.distributed.tensor")
-    cls = getattr(mod, "DTensor", None)
-    return cls is not None and isinstance(t, cls)
+    if not _DTENSOR:
+        cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+        if cls is None:
+            return False
+        _DTENSOR.append(cls)  # found once imported; looked up once per process after that
+    return isinstance(t, _DTENSOR[0])
 
 
 def local(t: Tensor) -> Tensor:

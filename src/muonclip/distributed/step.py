@@ -204,17 +204,17 @@ def _orthogonalize_owned(live: list[tuple[dict[str, Any], Tensor]], whole: dict[
     result that is one block is a view into its bucket's output (no copy); only items cut
     into several blocks (``split_sizes``) are assembled, after their last block's bucket.
     """
-    buckets: dict[tuple, list[tuple[int, int, torch.Size]]] = defaultdict(list)
+    buckets: dict[tuple, list[tuple[int, int, tuple[int, int, int]]]] = defaultdict(list)
     n_blocks: dict[int, int] = {}
     for k in sorted(whole):
         g, p = live[k]
         shape = p.shape if whole[k] is None else whole[k].shape
-        blocks = matrix_blocks(torch.empty(shape, device="meta"), **_opts(g))
-        n_blocks[k] = len(blocks)
-        for b, vb in enumerate(blocks):
-            E, A, B = vb.shape
-            key = (A, B, local(p).device, g["method"], g["steps"], g["orth_dtype"], g["eps"], g["ns_coefficients"])
-            buckets[key].append((k, b, vb.shape))
+        _, ranges, cols, batch = matrix_rows(shape, **_opts(g))  # the shapes of matrix_blocks, no tensor made
+        n_blocks[k] = len(ranges)
+        device = local(p).device
+        for b, (r0, r1) in enumerate(ranges):
+            key = (r1 - r0, cols, device, g["method"], g["steps"], g["orth_dtype"], g["eps"], g["ns_coefficients"])
+            buckets[key].append((k, b, (batch, r1 - r0, cols)))
     pieces: dict[int, list[Tensor | None]] = {k: [None] * n for k, n in n_blocks.items()}
     missing = dict(n_blocks)
     for key, entries in buckets.items():
