@@ -153,6 +153,67 @@ def test_zero_and_rank_one_stay_finite(method):
     assert 0.6 < s[0] < 1.2 and s[1:].max() < 1e-3
 
 
+@pytest.mark.parametrize("method", ["ns5", "gram", "ns5_sym", "polar_express"])
+@pytest.mark.parametrize("shape", [(7, 24, 72), (7, 72, 24), (24, 24)])
+@pytest.mark.parametrize("chunk_bytes", [None, 1])
+def test_result_buffer_holds_the_same_result(monkeypatch, method, shape, chunk_bytes):
+    """``buffer=``: the result is a view of the caller's buffer with the very same values
+    (bit for bit), in one call and in CPU chunks, wide and tall; the input is untouched."""
+    ns = importlib.import_module("muonclip.ortho.newton_schulz")
+    if chunk_bytes is not None:
+        monkeypatch.setattr(ns, "CPU_CHUNK_BYTES", chunk_bytes)
+    V = conditioned(shape).to(torch.bfloat16)
+    V0 = V.clone()
+    want = orthogonalize(V, method)
+    buffer = torch.full((V.numel() + 5,), float("nan"), dtype=torch.bfloat16)
+    got = orthogonalize(V, method, buffer=buffer)
+    assert torch.equal(got, want) and torch.equal(V, V0)
+    start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel() * buffer.element_size()
+    assert start <= got.data_ptr() < end and torch.isnan(buffer[V.numel():]).all()
+
+
+def test_result_buffer_ignored_or_refused():
+    V = conditioned((24, 40)).float()
+    buffer = torch.zeros(V.numel(), dtype=torch.float32)
+    # svd cannot write there, and a float32 result from a bf16 computation is a cast: ignored
+    for method, kw in [("svd", {"dtype": torch.float32}), ("ns5", {})]:
+        got = orthogonalize(V, method, buffer=buffer, **kw)
+        assert torch.equal(got, orthogonalize(V, method, **kw)) and not buffer.any()
+    for bad in (torch.zeros(V.numel() - 1, dtype=torch.bfloat16), torch.zeros(V.numel(), dtype=torch.float16),
+                torch.zeros(2 * V.numel(), dtype=torch.bfloat16)[::2]):
+        with pytest.raises(ValueError, match="buffer must be a contiguous"):
+            orthogonalize(V, "ns5", out_dtype=torch.bfloat16, buffer=bad)
+
+
+def test_muon_reuses_its_cpu_buffers_across_steps_and_buckets():
+    """One process on CPU: every bucket's input and result come from the same two buffers,
+    step after step (no multi-MB allocation per step); they are scratch, not state: a deepcopy
+    starts without them, and results equal a step without them."""
+    torch.manual_seed(0)
+    shapes = [(32, 32)] * 3 + [(64, 32), (32, 64), (48, 32)]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    split = [{"params": params[:5]}, {"params": params[5:], "split_sizes": [16, 8, 24]}]
+    opt = muonclip.Muon(split, lr=0.02, weight_decay=0.1)
+    ref = muonclip.Muon([{"params": twin[:5]}, {"params": twin[5:], "split_sizes": [16, 8, 24]}],
+                        lr=0.02, weight_decay=0.1)
+    ref._workspace = None  # no reuse: fresh buffers every bucket
+    ptrs = None
+    for _ in range(3):
+        for p, q in zip(params, twin):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+        now = {k: v.data_ptr() for k, v in opt._workspace.items()}
+        assert set(k[0] for k in now) == {"input", "result"}
+        assert ptrs is None or now == ptrs
+        ptrs = now
+    for p, q in zip(params, twin):
+        assert torch.equal(p, q)
+    assert copy.deepcopy(opt)._workspace == {}
+
+
 @pytest.mark.parametrize("method", ["gram", "ns5_sym"])
 def test_batched_equals_looped(method):
     V = conditioned((5, 24, 72)).float()

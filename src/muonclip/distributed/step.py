@@ -77,6 +77,7 @@ def muon_step(
     process_group: Any = None,
     comm_dtype: torch.dtype | None = None,
     orthogonalize: Callable[..., Tensor] = orthogonalize,
+    workspace: dict[Any, Tensor] | None = None,
 ) -> StepStats:
     """Apply one Muon update to every parameter of ``params`` that has a gradient.
 
@@ -89,6 +90,11 @@ def muon_step(
         comm_dtype: wire dtype of the exchanges (None: the momentum dtype).
         orthogonalize: the function called once per bucket (default
             `muonclip.orthogonalize`; `Muon` passes its module's name so it can be wrapped).
+        workspace: a dict the caller keeps between steps (default None: none). With one
+            process on CPU each bucket's input and result are then cut from two buffers kept
+            there, reused by every bucket and step: fresh multi-MB buffers cost thousands of
+            page faults a step on CPU (glibc returns them to the OS); GPUs have a caching
+            allocator and never use it.
     """
     stats = StepStats()
     if not params:
@@ -166,7 +172,8 @@ def muon_step(
     #    updated (phase 7) as soon as its result is complete, while the result is in cache.
     O: dict[int, Tensor] = {}
     _orthogonalize_owned(live, whole, v_into, stats, orthogonalize,
-                         done=apply if ctx.world_size == 1 else O.__setitem__)
+                         done=apply if ctx.world_size == 1 else O.__setitem__,
+                         workspace=workspace if ctx.world_size == 1 else None)
     stats.ns_flops = plan.flops[ctx.rank]
     for k in sorted(pending):  # momentum of the items this rank neither owns nor sends
         momentum(k)
@@ -193,7 +200,8 @@ def muon_step(
 
 def _orthogonalize_owned(live: list[tuple[dict[str, Any], Tensor]], whole: dict[int, Tensor | None],
                          v_into: Callable[..., Tensor], stats: StepStats,
-                         orthogonalize: Callable[..., Tensor], done: Callable[[int, Tensor], None]) -> None:
+                         orthogonalize: Callable[..., Tensor], done: Callable[[int, Tensor], None],
+                         workspace: dict[Any, Tensor] | None = None) -> None:
     """Orthogonalise the owned items; ``done(k, orth(V_k))`` (V_k's shape, compute dtype) as
     soon as item k's result is complete.
 
@@ -203,6 +211,9 @@ def _orthogonalize_owned(live: list[tuple[dict[str, Any], Tensor]], whole: dict[
     gathered ``whole[k]``, so V is never materialised in float32 and then concatenated. A
     result that is one block is a view into its bucket's output (no copy); only items cut
     into several blocks (``split_sizes``) are assembled, after their last block's bucket.
+
+    ``workspace`` (only where ``done`` has used every result before the next bucket starts,
+    i.e. one process): on CPU each bucket's input and result live in two reused buffers.
     """
     buckets: dict[tuple, list[tuple[int, int, tuple[int, int, int]]]] = defaultdict(list)
     n_blocks: dict[int, int] = {}
@@ -220,7 +231,8 @@ def _orthogonalize_owned(live: list[tuple[dict[str, Any], Tensor]], whole: dict[
     for key, entries in buckets.items():
         A, B, device, method, steps, dtype, eps, coeffs = key
         cdtype = dtype or METHODS[method].default_dtype
-        Vb = torch.empty(sum(s[0] for _, _, s in entries), A, B, dtype=cdtype, device=device)
+        shape = (sum(s[0] for _, _, s in entries), A, B)
+        Vb = _reused(workspace, "input", shape, cdtype, device)
         for (k, b, _), dst in zip(entries, Vb.split([s[0] for _, _, s in entries])):
             g = live[k][0]
             if whole[k] is None and n_blocks[k] == 1:
@@ -229,13 +241,29 @@ def _orthogonalize_owned(live: list[tuple[dict[str, Any], Tensor]], whole: dict[
                 src = v_into(k) if whole[k] is None else whole[k]
                 dst.copy_(matrix_blocks(src.contiguous(), **_opts(g))[b])
         stats.matrices += Vb.shape[0]
-        Ob = orthogonalize(Vb, method, steps, dtype, eps=eps, coefficients=coeffs, out_dtype=cdtype)
+        buffer = _reused(workspace, "result", shape, cdtype, device)
+        Ob = orthogonalize(Vb, method, steps, dtype, eps=eps, coefficients=coeffs, out_dtype=cdtype,
+                           **({} if buffer is None else {"buffer": buffer}))
         for (k, b, _), r in zip(entries, Ob.split([s[0] for _, _, s in entries])):
-            pieces[k][b] = r
             missing[k] -= 1
+            # a block of an item still incomplete outlives this bucket: off the reused buffer
+            pieces[k][b] = r.clone() if buffer is not None and missing[k] else r
             if missing[k] == 0:
                 done(k, _assemble(pieces.pop(k), live[k][1].shape if whole[k] is None else whole[k].shape,
                                   live[k][0]))
+
+
+def _reused(workspace: dict[Any, Tensor] | None, role: str, shape: tuple[int, int, int], dtype: torch.dtype,
+            device: torch.device) -> Tensor | None:
+    """A ``shape`` view of the workspace's CPU buffer for (``role``, ``dtype``), grown when too
+    small; without a workspace or on a GPU: a fresh tensor for the input, None for the result."""
+    if workspace is None or device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device) if role == "input" else None
+    need = shape[0] * shape[1] * shape[2]
+    buf = workspace.get((role, dtype))
+    if buf is None or buf.numel() < need:
+        buf = workspace[(role, dtype)] = torch.empty(need, dtype=dtype, device=device)
+    return buf[:need].view(shape)
 
 
 def _assemble(parts: list[Tensor | None], shape: torch.Size, group: dict[str, Any]) -> Tensor:

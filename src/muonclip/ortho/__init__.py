@@ -35,6 +35,8 @@ class Method:
         dtypes: compute dtypes the method accepts.
         takes_coefficients: whether ``coefficients`` (the quintic's (a, b, c)) applies
             (default False: passing them is an error).
+        takes_buffer: whether ``run`` also takes ``buffer=`` (storage for its result, see
+            `orthogonalize`; default False: never passed one).
     """
 
     run: Callable[..., Tensor]
@@ -42,21 +44,22 @@ class Method:
     default_dtype: torch.dtype
     dtypes: tuple[torch.dtype, ...]
     takes_coefficients: bool = False
+    takes_buffer: bool = False
 
 
-def _ns5(V, steps, dtype, eps, coefficients):
+def _ns5(V, steps, dtype, eps, coefficients, buffer=None):
     coeffs = [tuple(coefficients or NS5_COEFFICIENTS)] * steps
-    return newton_schulz(V, coeffs, dtype=dtype, eps=eps)
+    return newton_schulz(V, coeffs, dtype=dtype, eps=eps, buffer=buffer)
 
 
-def _polar_express(V, steps, dtype, eps, coefficients):
+def _polar_express(V, steps, dtype, eps, coefficients, buffer=None):
     coeffs = polar_express_coefficients(steps)
-    return newton_schulz(V, coeffs, dtype=dtype, eps=eps, norm_scale=POLAR_EXPRESS_SAFETY)
+    return newton_schulz(V, coeffs, dtype=dtype, eps=eps, norm_scale=POLAR_EXPRESS_SAFETY, buffer=buffer)
 
 
-def _gram(V, steps, dtype, eps, coefficients):
+def _gram(V, steps, dtype, eps, coefficients, buffer=None):
     coeffs = [tuple(coefficients or NS5_COEFFICIENTS)] * steps
-    return gram_newton_schulz(V, coeffs, dtype=dtype, eps=eps)
+    return gram_newton_schulz(V, coeffs, dtype=dtype, eps=eps, buffer=buffer)
 
 
 def _ns5_compiled(V, steps, dtype, eps, coefficients):
@@ -64,9 +67,9 @@ def _ns5_compiled(V, steps, dtype, eps, coefficients):
     return compiled_newton_schulz(V, coeffs, dtype=dtype, eps=eps)
 
 
-def _ns5_sym(V, steps, dtype, eps, coefficients):
+def _ns5_sym(V, steps, dtype, eps, coefficients, buffer=None):
     coeffs = [tuple(coefficients or NS5_COEFFICIENTS)] * steps
-    return symmetric_newton_schulz(V, coeffs, dtype=dtype, eps=eps)
+    return symmetric_newton_schulz(V, coeffs, dtype=dtype, eps=eps, buffer=buffer)
 
 
 def _svd(V, steps, dtype, eps, coefficients):
@@ -76,11 +79,11 @@ def _svd(V, steps, dtype, eps, coefficients):
 _ITERATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 METHODS: dict[str, Method] = {
-    "ns5": Method(_ns5, 5, torch.bfloat16, _ITERATIVE_DTYPES, takes_coefficients=True),
-    "polar_express": Method(_polar_express, 5, torch.bfloat16, _ITERATIVE_DTYPES),
+    "ns5": Method(_ns5, 5, torch.bfloat16, _ITERATIVE_DTYPES, takes_coefficients=True, takes_buffer=True),
+    "polar_express": Method(_polar_express, 5, torch.bfloat16, _ITERATIVE_DTYPES, takes_buffer=True),
     "svd": Method(_svd, 0, torch.float64, (torch.float32, torch.float64)),
-    "gram": Method(_gram, 5, torch.bfloat16, _ITERATIVE_DTYPES, takes_coefficients=True),
-    "ns5_sym": Method(_ns5_sym, 5, torch.bfloat16, _ITERATIVE_DTYPES, takes_coefficients=True),
+    "gram": Method(_gram, 5, torch.bfloat16, _ITERATIVE_DTYPES, takes_coefficients=True, takes_buffer=True),
+    "ns5_sym": Method(_ns5_sym, 5, torch.bfloat16, _ITERATIVE_DTYPES, takes_coefficients=True, takes_buffer=True),
     "ns5_compiled": Method(_ns5_compiled, 5, torch.bfloat16, _ITERATIVE_DTYPES, takes_coefficients=True),
 }
 
@@ -114,6 +117,7 @@ def orthogonalize(
     eps: float = 1e-7,
     coefficients: Sequence[float] | None = None,
     out_dtype: torch.dtype | None = None,
+    buffer: Tensor | None = None,
 ) -> Tensor:
     """Approximate the polar factor ``U V^T`` of every matrix in ``V``.
 
@@ -138,6 +142,12 @@ def orthogonalize(
         out_dtype: dtype of the result (default None: ``V``'s dtype). Pass the compute dtype
             to skip the final cast when the caller casts anyway (Muon adds the bf16 result
             straight into the weight).
+        buffer: storage for the result (default None: a new tensor), for a caller that
+            orthogonalises every step and wants to reuse one: a contiguous tensor in the
+            compute dtype, on ``V``'s device, with at least ``V.numel()`` elements, not
+            overlapping ``V``. When the method can write there (``Method.takes_buffer``: ns5,
+            polar_express, gram, ns5_sym) and ``out_dtype`` is the compute dtype, the result
+            is a view of it, valid until the buffer is reused; otherwise it is ignored.
 
     Returns:
         A tensor of ``V``'s shape, in ``out_dtype`` (default ``V``'s dtype).
@@ -153,8 +163,11 @@ def orthogonalize(
         raise TypeError("orthogonalize works on real matrices; got a complex tensor")
     if V.numel() == 0:
         return V.to(out_dtype or V.dtype, copy=True)
-    out = m.run(V, m.default_steps if steps is None else steps, dtype or m.default_dtype, eps, coefficients)
-    return out.to(out_dtype or V.dtype)
+    dtype = dtype or m.default_dtype
+    steps = m.default_steps if steps is None else steps
+    if buffer is not None and m.takes_buffer and (out_dtype or V.dtype) == dtype:
+        return m.run(V, steps, dtype, eps, coefficients, buffer=buffer)
+    return m.run(V, steps, dtype, eps, coefficients).to(out_dtype or V.dtype)
 
 
 __all__ = ["METHODS", "Method", "check_method", "orthogonalize", "svd_polar", "newton_schulz"]

@@ -103,6 +103,7 @@ def gram_newton_schulz(
     norm_scale: float = 1.0,
     restarts: Collection[int] | None = None,
     min_aspect: float = GRAM_MIN_ASPECT,
+    buffer: Tensor | None = None,
 ) -> Tensor:
     """Approximate the polar factor of each matrix in ``V`` by Gram Newton–Schulz.
 
@@ -121,6 +122,8 @@ def gram_newton_schulz(
         restarts: step indices before which X and R are recomputed (default None:
             `default_restarts`, i.e. (3,) for 5 steps).
         min_aspect: smallest ``max(A, B) / min(A, B)`` that uses the Gram form (default 1.5).
+        buffer: storage for the result (default None), as in
+            `muonclip.ortho.newton_schulz.newton_schulz`.
 
     Returns:
         A tensor of ``V``'s shape, in ``dtype``.
@@ -130,7 +133,8 @@ def gram_newton_schulz(
         iteration = partial(gram_iteration, restarts=restarts)
     else:
         iteration = quintic_iteration
-    return newton_schulz(V, coefficients, dtype=dtype, eps=eps, norm_scale=norm_scale, iteration=iteration)
+    return newton_schulz(V, coefficients, dtype=dtype, eps=eps, norm_scale=norm_scale, iteration=iteration,
+                         buffer=buffer)
 
 
 def gram_flops(m: int, n: int, steps: int, restarts: Collection[int] | None = None) -> int:

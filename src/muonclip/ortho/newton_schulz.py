@@ -88,6 +88,19 @@ def batch_chunk(batch: int, m: int, n: int, dtype: torch.dtype, device: torch.de
     return max(1, min(batch, CPU_CHUNK_BYTES // working_set))
 
 
+def result_view(buffer: Tensor, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The first ``prod(shape)`` elements of ``buffer`` viewed as ``shape``; ValueError if unfit."""
+    n = 1
+    for d in shape:
+        n *= d
+    if buffer.dtype != dtype or buffer.device != device or not buffer.is_contiguous() or buffer.numel() < n:
+        raise ValueError(
+            f"buffer must be a contiguous {dtype} tensor on {device} with at least {n} elements; got "
+            f"{buffer.dtype} on {buffer.device}, {buffer.numel()} elements, contiguous={buffer.is_contiguous()}"
+        )
+    return buffer.view(-1)[:n].view(*shape)
+
+
 def newton_schulz(
     V: Tensor,  # (..., A, B)
     coefficients: Sequence[tuple[float, float, float]],
@@ -96,6 +109,7 @@ def newton_schulz(
     eps: float = 1e-7,
     norm_scale: float = 1.0,
     iteration: Callable[..., Tensor] | None = None,
+    buffer: Tensor | None = None,
 ) -> Tensor:
     """Approximate the polar factor of each matrix in ``V`` by a quintic Newton–Schulz run.
 
@@ -115,9 +129,14 @@ def newton_schulz(
             ``(batch, m, n)`` batch, m <= n, writing the result into ``out`` when given
             (default None: `quintic_iteration`; the Gram and symmetric forms in
             `muonclip.ortho.gram` / `.symmetric` plug in here).
+        buffer: storage for the result (default None: a new tensor): a contiguous tensor of
+            ``dtype`` on ``V``'s device with at least ``V.numel()`` elements, of any shape, not
+            overlapping ``V``; the result is a view of its first ``V.numel()`` elements. A
+            caller that orthogonalises every step keeps one (on CPU a fresh multi-MB result is
+            page-faulted in again each time).
 
     Returns:
-        A tensor of ``V``'s shape, in ``dtype``.
+        A tensor of ``V``'s shape, in ``dtype`` (a view of ``buffer`` when given).
     """
     *batch, A, B = V.shape
     X = V.reshape(-1, A, B).to(dtype)
@@ -128,10 +147,12 @@ def newton_schulz(
     run = iteration or quintic_iteration
     N = X.shape[0]
     k = batch_chunk(N, X.shape[1], X.shape[2], X.dtype, X.device)
+    out = None if buffer is None else result_view(buffer, X.shape, X.dtype, X.device)
     if k >= N:
-        X = run(X / denom, coefficients)
+        X = run(X / denom, coefficients, out=out)
     else:  # each chunk normalised just before its steps (still in cache), result written in place
-        out = torch.empty(X.shape, dtype=X.dtype, device=X.device)
+        if out is None:
+            out = torch.empty(X.shape, dtype=X.dtype, device=X.device)
         for i in range(0, N, k):
             run(X[i : i + k] / denom[i : i + k], coefficients, out=out[i : i + k])
         X = out

@@ -78,14 +78,16 @@ def symmetric_newton_schulz(
     eps: float = 1e-7,
     norm_scale: float = 1.0,
     blocks: int = SYM_BLOCKS,
+    buffer: Tensor | None = None,
 ) -> Tensor:
     """`muonclip.ortho.newton_schulz.newton_schulz` with the symmetric products of `sym_gram`.
 
-    Same arguments and result (``V``'s shape, in ``dtype``); ``blocks`` row strips per
-    symmetric product (default 2).
+    Same arguments (``buffer`` included) and result (``V``'s shape, in ``dtype``); ``blocks``
+    row strips per symmetric product (default 2).
     """
     iteration = partial(symmetric_quintic_iteration, blocks=blocks)
-    return newton_schulz(V, coefficients, dtype=dtype, eps=eps, norm_scale=norm_scale, iteration=iteration)
+    return newton_schulz(V, coefficients, dtype=dtype, eps=eps, norm_scale=norm_scale, iteration=iteration,
+                         buffer=buffer)
 
 
 def symmetric_flops(m: int, n: int, steps: int, blocks: int = SYM_BLOCKS) -> int:
