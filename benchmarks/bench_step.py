@@ -76,17 +76,21 @@ def contenders(shapes, grads, device, torch_shapes=None, torch_grads=None):
             torch.optim.Muon(make_params(ts, tg, device), lr=LR, weight_decay=WD, ns_coefficients=NS5),
             None if torch_ns is None else lambda V: torch.stack([torch_ns(v, NS5, 5, 1e-7) for v in V]),
         )
-    fused = torch.device(device).type == "cuda"  # fused AdamW is the GPU users' baseline
     out[adamw_name(device)] = (
-        torch.optim.AdamW(make_params(shapes, grads, device), lr=LR, weight_decay=WD,
-                          **({"fused": True} if fused else {"foreach": True})),
+        torch.optim.AdamW(make_params(shapes, grads, device), lr=LR, weight_decay=WD, **adamw_kwargs(device)),
         None,
     )
     return out
 
 
+def adamw_kwargs(device: str) -> dict[str, bool]:
+    """The AdamW baseline: fused on CUDA (what GPU users run), foreach elsewhere."""
+    return {"fused": True} if torch.device(device).type == "cuda" else {"foreach": True}
+
+
 def adamw_name(device: str) -> str:
-    return "torch.optim.AdamW(fused=True)" if torch.device(device).type == "cuda" else "torch.optim.AdamW(foreach=True)"
+    (kind,) = adamw_kwargs(device)
+    return f"torch.optim.AdamW({kind}=True)"
 
 
 def accuracy(orth, mats: list[torch.Tensor]) -> float:

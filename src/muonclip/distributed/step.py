@@ -130,13 +130,16 @@ def muon_step(
             torch.add(local(live[k][1].grad), bufs[k], alpha=live[k][0]["momentum"], out=bufs[k])
         return bufs[k]
 
-    def v_into(k: int, out: Tensor | None = None) -> Tensor:
-        """V of item k, written into ``out`` (any dtype, the item's local shape) if given."""
+    def v_into(k: int, out: Tensor | None = None, block: int | None = None) -> Tensor:
+        """V of item k (or of its matrix block ``block``, as `matrix_blocks` cuts it), written
+        into ``out`` (any dtype, that shape: the item's local shape for the whole item) if given."""
         g, p = live[k]
-        buf = momentum(k)
+        buf, grad = momentum(k), local(p.grad)
+        if block is not None:
+            buf, grad = (matrix_blocks(t, **_opts(g))[block] for t in (buf, grad))
         if not g["nesterov"]:
             return buf if out is None else out.copy_(buf)
-        return torch.add(local(p.grad), buf, alpha=g["momentum"], out=out)
+        return torch.add(grad, buf, alpha=g["momentum"], out=out)
 
     # 3. plan
     shapes = [p.shape for _, p in live]
@@ -207,8 +210,9 @@ def _orthogonalize_owned(live: list[tuple[dict[str, Any], Tensor]], whole: dict[
 
     Blocks of equal shape and settings are batched into one ``orthogonalize`` call per bucket.
     Each bucket's input is allocated once in the compute dtype and filled in place: by
-    ``v_into(k, out)`` for an item held whole here (``whole[k] is None``), else from the
-    gathered ``whole[k]``, so V is never materialised in float32 and then concatenated. A
+    ``v_into(k, out[, block])`` for an item held whole here (``whole[k] is None``; a split
+    item's V block by block), else from the gathered ``whole[k]``, so V is never
+    materialised in float32 and then concatenated. A
     result that is one block is a view into its bucket's output (no copy); only items cut
     into several blocks (``split_sizes``) are assembled, after their last block's bucket.
 
@@ -232,18 +236,20 @@ def _orthogonalize_owned(live: list[tuple[dict[str, Any], Tensor]], whole: dict[
         A, B, device, method, steps, dtype, eps, coeffs = key
         cdtype = dtype or METHODS[method].default_dtype
         shape = (sum(s[0] for _, _, s in entries), A, B)
-        Vb = _reused(workspace, "input", shape, cdtype, device)
+        Vb = _scratch(workspace, "input", shape, cdtype, device)
+        if Vb is None:
+            Vb = torch.empty(shape, dtype=cdtype, device=device)
         for (k, b, _), dst in zip(entries, Vb.split([s[0] for _, _, s in entries])):
             g = live[k][0]
-            if whole[k] is None and n_blocks[k] == 1:
+            if whole[k] is not None:  # gathered from the row shards
+                dst.copy_(matrix_blocks(whole[k], **_opts(g))[b])
+            elif n_blocks[k] == 1:
                 v_into(k, _as_stored(dst, live[k][1].shape, g))
-            else:
-                src = v_into(k) if whole[k] is None else whole[k]
-                dst.copy_(matrix_blocks(src.contiguous(), **_opts(g))[b])
+            else:  # only this block's V, straight into the bucket
+                v_into(k, dst, block=b)
         stats.matrices += Vb.shape[0]
-        buffer = _reused(workspace, "result", shape, cdtype, device)
-        Ob = orthogonalize(Vb, method, steps, dtype, eps=eps, coefficients=coeffs, out_dtype=cdtype,
-                           **({} if buffer is None else {"buffer": buffer}))
+        buffer = _scratch(workspace, "result", shape, cdtype, device)
+        Ob = orthogonalize(Vb, method, steps, dtype, eps=eps, coefficients=coeffs, out_dtype=cdtype, buffer=buffer)
         for (k, b, _), r in zip(entries, Ob.split([s[0] for _, _, s in entries])):
             missing[k] -= 1
             # a block of an item still incomplete outlives this bucket: off the reused buffer
@@ -253,12 +259,12 @@ def _orthogonalize_owned(live: list[tuple[dict[str, Any], Tensor]], whole: dict[
                                   live[k][0]))
 
 
-def _reused(workspace: dict[Any, Tensor] | None, role: str, shape: tuple[int, int, int], dtype: torch.dtype,
-            device: torch.device) -> Tensor | None:
+def _scratch(workspace: dict[Any, Tensor] | None, role: str, shape: tuple[int, int, int], dtype: torch.dtype,
+             device: torch.device) -> Tensor | None:
     """A ``shape`` view of the workspace's CPU buffer for (``role``, ``dtype``), grown when too
-    small; without a workspace or on a GPU: a fresh tensor for the input, None for the result."""
+    small; None without a workspace or off the CPU (GPUs' caching allocator reuses memory)."""
     if workspace is None or device.type != "cpu":
-        return torch.empty(shape, dtype=dtype, device=device) if role == "input" else None
+        return None
     need = shape[0] * shape[1] * shape[2]
     buf = workspace.get((role, dtype))
     if buf is None or buf.numel() < need:

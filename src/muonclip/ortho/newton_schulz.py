@@ -12,6 +12,7 @@ Every function takes a batch ``X`` of shape ``(..., A, B)`` and returns the same
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -90,9 +91,7 @@ def batch_chunk(batch: int, m: int, n: int, dtype: torch.dtype, device: torch.de
 
 def result_view(buffer: Tensor, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
     """The first ``prod(shape)`` elements of ``buffer`` viewed as ``shape``; ValueError if unfit."""
-    n = 1
-    for d in shape:
-        n *= d
+    n = math.prod(shape)
     if buffer.dtype != dtype or buffer.device != device or not buffer.is_contiguous() or buffer.numel() < n:
         raise ValueError(
             f"buffer must be a contiguous {dtype} tensor on {device} with at least {n} elements; got "
