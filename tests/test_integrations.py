@@ -34,8 +34,8 @@ def _spy_clips(opt: MuonClip) -> list[tuple[dict, dict]]:
     clips: list[tuple[dict, dict]] = []
     clip = opt.clip
 
-    def spy() -> None:
-        clip()
+    def spy(*args, **kwargs) -> None:
+        clip(*args, **kwargs)
         clips.append(({k: v.clone() for k, v in opt.last_max_logits.items()},
                       {k: v.clone() for k, v in opt.last_clipped.items()}))
 

@@ -281,3 +281,53 @@ def test_short_training_run_plain_muon_passes_tau_muonclip_holds_it():
     first = next(i for i, (_, n) in enumerate(clipped) if n > 0)
     after = [m for m, _ in clipped[first + 1:]]
     assert len(after) >= 10 and max(after) <= 1.4 * tau and sum(after) / len(after) <= 1.25 * tau
+
+
+def _poison(model):
+    """A NaN in one gradient (the first Muon matrix's)."""
+    w = model.blocks[0].mlp.c_fc.weight
+    w.grad[0, 0] = float("nan")
+
+
+@pytest.mark.parametrize("policy", ["skip", "mask"])
+def test_nonfinite_step_skips_the_clip_too_and_resets_the_recorders(policy, monkeypatch):
+    """A step with a NaN gradient changes no weight, not even by the clip, though the recorded
+    max logits are far above tau; in "mask" mode nothing is read on the host (the clip is
+    gated on the device). The next finite step updates and clips exactly as
+    on_nonfinite="raise" does (in "mask" mode: the Muon matrices, q/k included; AdamW's
+    bias-correction step number advances on a masked step, as documented)."""
+    from test_ortho_fast import _HostReads
+
+    model, ref = tiny(), tiny()
+    opt = MuonClip(model, lr=0.02, tau=0.05, on_nonfinite=policy)
+    ref_opt = MuonClip(ref, lr=0.02, tau=0.05)
+    x = batch()
+    _, loss = model(x, x)
+    loss.backward()
+    _poison(model)
+    before = copy.deepcopy(model.state_dict())
+    reads = _HostReads(monkeypatch) if policy == "mask" else None
+    opt.step()
+    if reads is not None:
+        assert reads.calls == []
+        monkeypatch.undo()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert all(layer.recorder.value is None for layer in opt.layers)
+    if policy == "mask":
+        assert opt.last_max_logits and not any(c.any() for c in opt.last_clipped.values())
+    else:
+        assert opt.last_max_logits == {}
+    assert opt.steps_skipped == 1
+    for m, o in ((model, opt), (ref, ref_opt)):  # a finite step: the same update and clip as "raise"
+        o.zero_grad()
+        _, loss = m(x, x)
+        loss.backward()
+        o.step()
+    assert sum(int(c.sum()) for c in ref_opt.last_clipped.values()) > 0
+    compared = [(g["param_names"] if "param_names" in g else [None] * len(g["params"]), g["params"], r["params"])
+                for g, r in zip(opt.param_groups, ref_opt.param_groups)
+                if policy == "skip" or g["algorithm"] == "muon"]
+    assert sum(len(ps) for _, ps, _ in compared) >= 2 * len(model.blocks)
+    for names, ps, rs in compared:
+        for name, a, b in zip(names, ps, rs):
+            assert torch.equal(a, b), name

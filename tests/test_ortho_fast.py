@@ -14,7 +14,7 @@ import torch
 
 import muonclip
 from muonclip import orthogonalize
-from muonclip.optim.nonfinite import MaskedStep, nonfinite_flag, nonfinite_indices
+from muonclip.optim.nonfinite import MaskedStep, StepGate, nonfinite_flag, nonfinite_indices
 from muonclip.ortho import svd_polar
 from muonclip.ortho.gram import default_restarts, gram_flops, gram_newton_schulz
 from muonclip.ortho.newton_schulz import NS5_COEFFICIENTS, newton_schulz, polar_express_coefficients
@@ -427,3 +427,43 @@ def test_compiled_method_does_not_recompile_when_hyperparameters_change():
             p.grad = torch.randn_like(p)
             opt.step()
             assert not torch.equal(p.detach(), before)
+
+
+def test_mask_mode_copies_only_the_adamw_branch():
+    """Mask mode gates the Muon update on the device instead of copying: the guard's copies
+    are the AdamW parameters and their state only (no snapshot of the Muon matrices or their
+    momentum), and a masked step still leaves the Muon matrices and momentum bit-identical."""
+    params = _model()
+    opt = _opt(params, "mask")
+    _set(params, _grads(params, 0))
+    opt.step()
+    adamw = [p for g in opt.param_groups if g["algorithm"] == "adamw" for p in g["params"]]
+    expected = sorted(t.numel() for p in adamw for t in [p, *(v for v in opt.state[p].values()
+                                                              if isinstance(v, torch.Tensor))])
+    _set(params, _grads(params, 1))
+    opt.step()
+    assert sorted(c.numel() for c in opt._mask_cache) == expected
+    muon = [p for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"]]
+    before = [(p.detach().clone(), opt.state[p]["momentum_buffer"].clone()) for p in muon]
+    _set(params, _grads(params, 2, bad=True))
+    opt.step()
+    for p, (w, m) in zip(muon, before):
+        assert torch.equal(p, w) and torch.equal(opt.state[p]["momentum_buffer"], m)
+
+
+def test_step_gate_rounds_like_the_plain_scalars():
+    """StepGate's 0-D coefficients give bit-identical results to Python scalars when the flag is
+    clear (addcmul vs add with alpha, mul by a 0-D tensor vs a float), and exact no-ops when set."""
+    g = torch.Generator().manual_seed(0)
+    G, M, W = (torch.randn(64, 48, generator=g) for _ in range(3))
+    O = torch.randn(64, 48, generator=g).bfloat16()
+    mu, decay, alpha = 0.95, 1 - 0.02 * 0.1, -0.02 * 0.2 * 48**0.5
+    clear, set_ = StepGate(torch.tensor(False)), StepGate(torch.tensor(True))
+    assert torch.equal(torch.addcmul(G, M, clear.where(mu, 1.0, M)), torch.add(G, M, alpha=mu))
+    assert torch.equal(W * clear.where(decay, 1.0, W), W * decay)
+    assert torch.equal(W.clone().addcmul_(O, clear.where(alpha, 0.0, W)), W.clone().add_(O, alpha=alpha))
+    assert torch.equal(torch.addcmul(torch.zeros_like(M), M, set_.where(mu, 1.0, M)), M)
+    assert torch.equal(W * set_.where(decay, 1.0, W), W)
+    assert torch.equal(W.clone().addcmul_(O, set_.where(alpha, 0.0, W)), W)
+    assert set_.where(mu, 1.0, W) is set_.where(mu, 1.0, W)  # cached per value, dtype, device
+    assert clear.where(torch.tensor(0.5), 0.0, W.double()).dtype == torch.float64

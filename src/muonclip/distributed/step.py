@@ -18,6 +18,11 @@ Phases (every rank runs all of them; collectives only when the group has > 1 ran
 7. **Apply**: per matrix block ``U = scale(A, B) * O``; ``W = W (1 - lr wd) - lr U`` on each
    rank's own rows.
 
+With a ``gate`` (``on_nonfinite="mask"``), momentum, weight decay and update take their
+coefficients from it as 0-D device tensors (``mu`` -> 1, ``1 - lr wd`` -> 1, ``-lr scale`` ->
+0 where the step is masked), so a masked step leaves weights and momentum bit-identical with no
+host sync and no copy, and an unmasked one computes exactly the ungated arithmetic.
+
 With one process every parameter is owned by rank 0, phases 1, 4 and 6 are no-ops, phase 7
 runs for each item as soon as its bucket is orthogonalised (its result still in cache), and
 the buckets are exactly those of a plain loop, so results are bit-identical to the
@@ -35,6 +40,7 @@ import torch
 from torch import Tensor
 
 from ..optim.matrices import matrix_blocks
+from ..optim.nonfinite import StepGate
 from ..optim.scale import update_scale
 from ..ortho import METHODS, orthogonalize
 from .context import ROWS, GroupContext, item_layout, local, resolve_group, shard_rows
@@ -78,6 +84,7 @@ def muon_step(
     comm_dtype: torch.dtype | None = None,
     orthogonalize: Callable[..., Tensor] = orthogonalize,
     workspace: dict[Any, Tensor] | None = None,
+    gate: StepGate | None = None,
 ) -> StepStats:
     """Apply one Muon update to every parameter of ``params`` that has a gradient.
 
@@ -95,6 +102,9 @@ def muon_step(
             there, reused by every bucket and step: fresh multi-MB buffers cost thousands of
             page faults a step on CPU (glibc returns them to the OS); GPUs have a caching
             allocator and never use it.
+        gate: `muonclip.optim.nonfinite.StepGate` of a masked step (default None: none), the
+            gradients already zeroed where its flag is set (`MaskedStep` does both); where it
+            is set the step leaves every weight and momentum buffer exactly as it was.
     """
     stats = StepStats()
     if not params:
@@ -127,7 +137,11 @@ def muon_step(
         """Item k's momentum buffer, updated (once per step) on first use."""
         if k in pending:
             pending.discard(k)
-            torch.add(local(live[k][1].grad), bufs[k], alpha=live[k][0]["momentum"], out=bufs[k])
+            mu, grad = live[k][0]["momentum"], local(live[k][1].grad)
+            if gate is None:
+                torch.add(grad, bufs[k], alpha=mu, out=bufs[k])
+            else:  # mu -> 1 on a masked step (grad zeroed): M unchanged
+                torch.addcmul(grad, bufs[k], gate.where(mu, 1.0, bufs[k]), out=bufs[k])
         return bufs[k]
 
     def v_into(k: int, out: Tensor | None = None, block: int | None = None) -> Tensor:
@@ -161,8 +175,8 @@ def muon_step(
         offset = shard_rows(shapes[k][0], ctx.world_size, ctx.rank)[0] if layouts[k] == ROWS else 0
         w, lr, wd = local(p), g["lr"], g["weight_decay"]
         if wd != 0.0:
-            w.mul_(1.0 - lr * wd)
-        _add_scaled_(w, res, shapes[k], g, offset, -lr)
+            w.mul_(1.0 - lr * wd if gate is None else gate.where(1.0 - lr * wd, 1.0, w))
+        _add_scaled_(w, res, shapes[k], g, offset, -lr, gate)
 
     # 4. whole V on the owner (None: this rank holds it whole, formed in phase 5)
     whole: dict[int, Tensor | None] = {k: None for k in rep_idx if plan.owners[k] == ctx.rank}
@@ -291,25 +305,33 @@ def _as_stored(block: Tensor, shape: torch.Size, group: dict[str, Any]) -> Tenso
     return block.view(shape)
 
 
-def _add_scaled_(w: Tensor, res: Tensor, shape: torch.Size, group: dict[str, Any], offset: int, alpha: float) -> None:
+def _add_scaled_(w: Tensor, res: Tensor, shape: torch.Size, group: dict[str, Any], offset: int, alpha: float,
+                 gate: StepGate | None = None) -> None:
     """``w += alpha * scale(A_i, B) * O`` per matrix block, ``w``/``res`` holding the rows
     ``[offset, offset + len(res))`` of the parameter (all of them without sharding).
 
     The orthogonalised result is added as it is (e.g. bf16 into a float32 weight, as
-    torch.optim.Muon does): no scaled copy is made.
+    torch.optim.Muon does): no scaled copy is made. With a ``gate`` the coefficient is a 0-D
+    tensor, 0 on a masked step (``addcmul_`` rounds exactly as ``add_`` with ``alpha``).
     """
     axis, ranges, cols, _ = matrix_rows(shape, **_opts(group))
     rule = group["update_scale"]
+
+    def add_(dst: Tensor, src: Tensor, coefficient: float) -> None:
+        if gate is None:
+            dst.add_(src, alpha=coefficient)
+        else:
+            dst.addcmul_(src, gate.where(coefficient, 0.0, dst))
+
     if axis == 1:  # stacked experts, transposed 2-D: every local expert / stored row has every block
         for a, b in ranges:
-            w[:, a:b].add_(res[:, a:b], alpha=alpha * update_scale(rule, b - a, cols))
+            add_(w[:, a:b], res[:, a:b], alpha * update_scale(rule, b - a, cols))
         return
     n = res.shape[0]
     for a, b in ranges:
         lo, hi = max(a, offset), min(b, offset + n)
         if lo < hi:
-            s = update_scale(rule, b - a, cols)
-            w[lo - offset : hi - offset].add_(res[lo - offset : hi - offset], alpha=alpha * s)
+            add_(w[lo - offset : hi - offset], res[lo - offset : hi - offset], alpha * update_scale(rule, b - a, cols))
 
 
 __all__ = ["StepStats", "muon_step", "Plan", "GroupContext"]

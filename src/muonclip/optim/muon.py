@@ -19,7 +19,7 @@ from ..distributed.step import StepStats, muon_step
 from ..ortho import METHODS, check_method, orthogonalize
 from .adamw import adamw_update
 from .matrices import check_matrix_options
-from .nonfinite import ON_NONFINITE, MaskedStep, NonFiniteGradError, nonfinite_indices
+from .nonfinite import ON_NONFINITE, MaskedStep, NonFiniteGradError, StepGate, nonfinite_indices
 from .scale import SCALES, TORCH_ADJUST_LR_FN
 
 ALGORITHMS = ("muon", "adamw")
@@ -58,10 +58,12 @@ class Muon(torch.optim.Optimizer):
     and the step; ``"skip"`` skips the whole step for every parameter and counts it in
     ``steps_skipped``. ``"mask"`` does what ``"skip"`` does without the host sync (for GPUs:
     the step never waits for the device): the flag stays on the device, the gradients are
-    zeroed where it is set, the step is computed, and every parameter and state tensor is
-    restored where it is set (`muonclip.optim.nonfinite.MaskedStep`; costs a copy and a
-    masked write-back of the parameters and their state per step, and memory for the copy,
-    kept between steps). In that mode ``steps_taken`` counts masked steps
+    zeroed where it is set, and the step is computed: the Muon update takes its momentum,
+    weight-decay and lr coefficients as 0-D device tensors that make it an exact no-op where
+    the flag is set (`muonclip.optim.nonfinite.StepGate`; no copy), and the AdamW branch's
+    parameters and state are copied before and restored after where it is set
+    (`muonclip.optim.nonfinite.MaskedStep`; a copy and a masked write-back per step, and
+    memory for the copy, kept between steps). In that mode ``steps_taken`` counts masked steps
     too, AdamW's bias-correction step number advances on them, the zeroed gradients stay
     zeroed, and reading ``steps_skipped`` syncs. Either way no weight and no buffer sees a
     non-finite value.
@@ -197,6 +199,8 @@ class Muon(torch.optim.Optimizer):
         self.last_step_stats = StepStats()
         self.steps_taken = 0
         self.steps_skipped = 0
+        # on_nonfinite="mask": the last step's device flag (True: masked), for what runs after it
+        self.last_masked: Tensor | None = None
         super().__init__(params, defaults)
 
     # ----------------------------------------------------------------------------------------
@@ -239,8 +243,10 @@ class Muon(torch.optim.Optimizer):
         # distributed: a clear error (no process group, mixed meshes, bad placement) before any collective
         resolve_group([p for _, _, p in live], lambda k: _name(self, live[k][0], live[k][1]), self.process_group)
         guard = None
-        if self.on_nonfinite == "mask":  # sync-free: decided and undone on the device
-            guard = MaskedStep([p for _, _, p in live], [self.state[p] for _, _, p in live], self._mask_cache)
+        if self.on_nonfinite == "mask":  # sync-free: decided on the device; Muon's update gated, AdamW's undone
+            guard = MaskedStep([p for _, _, p in live], [self.state[p] for _, _, p in live], self._mask_cache,
+                               gated=[p for g, _, p in live if g["algorithm"] == "muon"])
+        self.last_masked = None if guard is None else guard.found
         bad = [] if guard is not None else nonfinite_indices([p.grad for _, _, p in live])
         if bad:
             names = ", ".join(_name(self, live[k][0], live[k][1]) for k in bad[:5])
@@ -253,7 +259,7 @@ class Muon(torch.optim.Optimizer):
                 "or pass on_nonfinite='skip' to skip such steps."
             )
         self.steps_taken += 1
-        self._muon_step()  # on every rank, even one without grads: it runs collectives
+        self._muon_step(None if guard is None else guard.gate)  # every rank, even without grads: collectives
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
                 self._adamw_group(group)
@@ -280,14 +286,15 @@ class Muon(torch.optim.Optimizer):
             self._masked_count = torch.zeros((), dtype=torch.int64, device=found.device)
         self._masked_count.add_(found)
 
-    def _muon_step(self) -> None:
+    def _muon_step(self, gate: StepGate | None = None) -> None:
         """Momentum, orthogonalisation and update of every Muon parameter with a grad.
 
         One code path for one process, DDP and FSDP2: `muonclip.distributed.step.muon_step`
         (phases: agree across ranks, momentum on local rows, plan owners by flops, gather
         whole V to owners, one ``orthogonalize`` per bucket of same-shape blocks, exchange
         results, scale and apply). Every Muon parameter takes part, with or without a
-        gradient, so that all ranks enter the same collectives.
+        gradient, so that all ranks enter the same collectives. ``gate``: the masked step's
+        `muonclip.optim.nonfinite.StepGate` (``on_nonfinite="mask"``).
         """
         params = [
             (g, p, _name(self, g, i))
@@ -296,7 +303,7 @@ class Muon(torch.optim.Optimizer):
         ]
         self.last_step_stats = muon_step(
             params, self.state, _zeros_fp32, self.process_group, self.comm_dtype, orthogonalize=orthogonalize,
-            workspace=self.__dict__.setdefault("_workspace", {}),
+            workspace=self.__dict__.setdefault("_workspace", {}), gate=gate,
         )
 
     def _adamw_group(self, group: dict[str, Any]) -> None:

@@ -6,14 +6,16 @@ Three policies (``Muon(on_nonfinite=...)``):
   `nonfinite_indices`: one host sync per step (the answer decides a Python branch). ``raise``
   names the bad parameters; ``skip`` returns without touching anything.
 * ``"mask"`` decides on the device, with no host sync (`MaskedStep`): the step is always
-  computed, and every tensor it may write is restored afterwards where the flag is set. It
-  costs a copy of the parameters and their state per step (memory and bandwidth), and buys
+  computed on zeroed gradients, and made an exact no-op where the flag is set. The Muon
+  update does that in its own arithmetic (`StepGate`: its hyperparameters become 0-D device
+  tensors that are 1 or 0 where the flag is set), at no extra memory traffic; the AdamW
+  branch's parameters and state are copied before the step and restored afterwards. It buys
   a step that never waits for the device (CUDA graphs, overlapped launches).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -83,9 +85,10 @@ class MaskedStep:
     Algorithm: ``found = any(!isfinite(g))`` as a device tensor (`nonfinite_flag`); every
     gradient is zeroed where ``found`` (``masked_fill_``; so the step computes on finite
     numbers only and state created during it, e.g. a first momentum buffer, is zeros, its
-    fresh value); every parameter and every tensor already in its state is copied; after the
-    step each is set to ``where(found, copy, new)``, which is bit-exact either way. ``found``
-    is kept in ``self.found`` for counting. The host never reads a tensor value.
+    fresh value); every parameter not in ``gated`` and every tensor already in its state is
+    copied; after the step each is set to ``where(found, copy, new)``, which is bit-exact
+    either way. ``found`` is kept in ``self.found``, and ``self.gate`` is a `StepGate` on it
+    for the ``gated`` parameters' update. The host never reads a tensor value.
 
     Side effects on a non-finite step: the gradients are left zeroed; Python-side counters
     of the step (e.g. AdamW's bias-correction step number) still advance.
@@ -98,18 +101,28 @@ class MaskedStep:
             while shapes, dtypes and devices match (default None: fresh copies every step).
             On CPU fresh multi-MB allocations cost page faults: reusing them made the guard
             ~3x cheaper on the GPT benchmark set.
+        gated: parameters whose update applies ``self.gate`` itself, so that it is already an
+            exact no-op where ``found`` (default none): they and their state are neither
+            copied nor restored. `Muon` passes its Muon parameters (`muon_step`'s ``gate``).
     """
 
     def __init__(
-        self, params: list[Tensor], states: Iterable[Mapping[str, Any]], cache: list[Tensor] | None = None
+        self,
+        params: list[Tensor],
+        states: Iterable[Mapping[str, Any]],
+        cache: list[Tensor] | None = None,
+        gated: Collection[Tensor] = (),
     ) -> None:
         grads = [p.grad for p in params if p.grad is not None]
         self.found = nonfinite_flag(grads)
+        self.gate = StepGate(self.found)
         flags: dict[torch.device, Tensor] = {}
         for g in grads:
             g.masked_fill_(self._flag_on(g.device, flags), 0.0)
-        protected = [p.detach() for p in params]
-        protected += [v for s in states for v in s.values() if isinstance(v, Tensor)]
+        skip = {id(p) for p in gated}
+        protected = [p.detach() for p in params if id(p) not in skip]
+        protected += [v for p, s in zip(params, states) if id(p) not in skip for v in s.values()
+                      if isinstance(v, Tensor)]
         self._flags = flags
         self._tensors = protected
         if cache is not None and _same_layout(cache, protected):
@@ -133,6 +146,43 @@ class MaskedStep:
         for t, saved in zip(self._tensors, self._copies):
             torch.where(self._flag_on(t.device, self._flags), saved, t, out=t)
         self._copies = []
+
+
+class StepGate:
+    """Hyperparameters as 0-D device tensors that make an update an exact no-op where a flag is set.
+
+    ``gate.where(value, if_found, like)`` is ``if_found`` where ``found`` else ``value``, as a
+    0-D tensor of ``like``'s dtype on its device (cached per value, dtype and device; no host
+    sync). An update written as ``M = G + gate.where(mu, 1) * M`` with zeroed gradients, or
+    ``W += gate.where(alpha, 0) * U``, then leaves M and W bit-identical where ``found`` and
+    computes exactly what the plain scalar would elsewhere (``torch.addcmul`` with a 0-D
+    tensor rounds like ``torch.add`` with ``alpha``; `muonclip.distributed.step` relies on it,
+    and tests/test_ortho_fast.py checks it bit for bit against ``on_nonfinite="skip"``).
+
+    Args:
+        found: 0-D bool tensor (any device), True where the step must leave everything as it was.
+    """
+
+    def __init__(self, found: Tensor) -> None:
+        self.found = found
+        self._cache: dict[tuple[Any, ...], Tensor] = {}
+
+    def where(self, value: float | Tensor, if_found: float, like: Tensor) -> Tensor:
+        """``if_found`` where the flag is set, else ``value``: a 0-D tensor of ``like``'s dtype and device."""
+        key = (value, if_found, like.dtype, like.device) if not isinstance(value, Tensor) else None
+        if key is not None and key in self._cache:
+            return self._cache[key]
+        flag = self._cache.get(("flag", like.device))
+        if flag is None:
+            flag = self._cache[("flag", like.device)] = self.found.to(like.device, non_blocking=True)
+        if isinstance(value, Tensor):
+            v = value.detach().to(device=like.device, dtype=like.dtype)
+        else:
+            v = torch.full((), value, dtype=like.dtype, device=like.device)
+        out = torch.where(flag, torch.full((), if_found, dtype=like.dtype, device=like.device), v)
+        if key is not None:
+            self._cache[key] = out
+        return out
 
 
 def _same_layout(a: list[Tensor], b: list[Tensor]) -> bool:

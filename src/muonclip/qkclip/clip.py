@@ -86,12 +86,16 @@ def all_reduce_max_(layers: Sequence[AttentionLayer], group: dist.ProcessGroup |
 
 
 @torch.no_grad()
-def apply_qk_clip(layers: Sequence[AttentionLayer], tau: float) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+def apply_qk_clip(
+    layers: Sequence[AttentionLayer], tau: float, masked: Tensor | None = None
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """Clip every layer with recorded maxima, then reset every recorder.
 
     Args:
         layers: the attention layers.
         tau: threshold, > 0.
+        masked: 0-D bool tensor (default None): where True every gamma is exactly 1, so no
+            weight changes, decided on the device (a step masked by ``on_nonfinite="mask"``).
 
     Returns:
         ``(max_logits, clipped)``: per layer name that had something recorded, the ``(n_heads,)``
@@ -108,6 +112,8 @@ def apply_qk_clip(layers: Sequence[AttentionLayer], tau: float) -> tuple[dict[st
         if s is None:
             continue
         gamma = compute_gamma(s, tau)
+        if masked is not None:
+            gamma = torch.where(masked.to(gamma.device, non_blocking=True), torch.ones_like(gamma), gamma)
         layer.layout.clip(gamma)
         max_logits[layer.name] = s
         clipped[layer.name] = gamma < 1.0

@@ -29,7 +29,10 @@ class MuonClip(Muon):
     The max logits are recorded by the forward passes since the last step (all micro-batches
     of gradient accumulation) through `muonclip.scaled_dot_product_attention`. If the Muon
     step is skipped (``on_nonfinite="skip"``), the clip is skipped too and the recorders are
-    reset. The optimizer state (momentum, Adam moments) is never touched by the clip.
+    reset. If it is masked (``on_nonfinite="mask"``), the clip runs with every gamma 1 on the
+    device, so no weight changes and nothing waits for the device (``last_clipped`` is all
+    False; ``last_max_logits`` holds the maxima recorded); the recorders are reset. The
+    optimizer state (momentum, Adam moments) is never touched by the clip.
 
     Args:
         model: the model; used for the default ``groups`` and ``layers``.
@@ -76,21 +79,28 @@ class MuonClip(Muon):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Optimizer update, then QK-Clip with the maxima recorded since the last step."""
-        skipped = self.steps_skipped
+        skipped = self._skipped_host  # host counter: reading steps_skipped would sync in "mask" mode
         loss = super().step(closure)
-        if self.steps_skipped != skipped:
+        if self._skipped_host != skipped:
             for layer in self.layers:
                 layer.recorder.reset()
             self.last_max_logits, self.last_clipped = {}, {}
             return loss
-        self.clip()
+        if self.last_masked is None:
+            self.clip()
+        else:
+            self.clip(masked=self.last_masked)
         return loss
 
     @torch.no_grad()
-    def clip(self) -> None:
-        """Only the QK-Clip part of ``step()`` (all-reduce, clip, reset); normally called by ``step``."""
+    def clip(self, masked: Tensor | None = None) -> None:
+        """Only the QK-Clip part of ``step()`` (all-reduce, clip, reset); normally called by ``step``.
+
+        ``masked``: 0-D bool device flag of a masked step (``on_nonfinite="mask"``; default
+        None): where set, every gamma is 1, so no weight changes (no host sync).
+        """
         all_reduce_max_(self.layers)
-        self.last_max_logits, self.last_clipped = apply_qk_clip(self.layers, self.tau)
+        self.last_max_logits, self.last_clipped = apply_qk_clip(self.layers, self.tau, masked=masked)
 
     def clip_stats(self) -> dict[str, float]:
         """Numbers for loggers about the last clip (one host sync).
