@@ -205,13 +205,52 @@ def test_muon_reuses_its_cpu_buffers_across_steps_and_buckets():
             q.grad = p.grad.clone()
         opt.step()
         ref.step()
-        now = {k: v.data_ptr() for k, v in opt._workspace.items()}
+        now = {k: v.data_ptr() for k, v in opt._workspace.items() if k != "structure"}
         assert set(k[0] for k in now) == {"input", "result"}
         assert ptrs is None or now == ptrs
         ptrs = now
     for p, q in zip(params, twin):
         assert torch.equal(p, q)
     assert copy.deepcopy(opt)._workspace == {}
+
+
+def test_step_structure_is_cached_and_rebuilt_when_an_option_changes():
+    """The plan, buckets and update scales are built once and reused while shapes and options
+    stay; lr, weight decay and momentum are read every step; changing a structural option
+    (method, update_scale, split_sizes) rebuilds them. Every step equals, bit for bit, an
+    optimizer that rebuilds everything each step."""
+    torch.manual_seed(0)
+    shapes = [(32, 32), (32, 32), (64, 32), (48, 32)]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = muonclip.Muon([{"params": params[:3]}, {"params": params[3:]}], lr=0.02, weight_decay=0.1)
+    ref = muonclip.Muon([{"params": twin[:3]}, {"params": twin[3:]}], lr=0.02, weight_decay=0.1)
+    ref._workspace = None  # nothing cached
+    changes = [
+        None, None,
+        lambda o: o.param_groups[0].update(lr=0.05, weight_decay=0.3, momentum=0.8),
+        lambda o: o.param_groups[0].update(method="gram"),
+        lambda o: o.param_groups[1].update(update_scale="shape"),
+        lambda o: o.param_groups[1].update(split_sizes=[16, 32]),
+    ]
+    seen = []
+    for change in changes:
+        if change is not None:
+            change(opt)
+            change(ref)
+        for p, q in zip(params, twin):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+        seen.append(opt._workspace["structure"][1])
+        for p, q in zip(params, twin):
+            assert torch.equal(p, q)
+    assert seen[1] is seen[0] and seen[2] is seen[0]  # same structure; lr/wd/momentum still applied
+    assert len({id(s) for s in seen[2:]}) == 4  # each structural change rebuilt it
+    assert [len(b.entries) for b in seen[-1].buckets] == [2, 1, 1, 1]  # 32x32 x2, 64x32, 16x32, 32x32 block
+    assert seen[-1].scaled[2] == (0, [(0, 64, pytest.approx(0.2 * 64**0.5))])  # "rms": 0.2 sqrt(max(A, B))
+    assert seen[-1].scaled[3] == (0, [(0, 16, 1.0), (16, 48, 1.0)])  # "shape": sqrt(max(1, A / B)) per block
 
 
 @pytest.mark.parametrize("method", ["gram", "ns5_sym"])

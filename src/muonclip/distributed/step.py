@@ -31,7 +31,6 @@ non-distributed algorithm.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,32 +75,39 @@ def _opts(group: dict[str, Any]) -> dict[str, Any]:
     return dict(flatten=group["flatten"], split_sizes=group["split_sizes"], transposed=group.get("transposed", False))
 
 
+def _label(name: str | Callable[[], str]) -> str:
+    return name() if callable(name) else name
+
+
 def muon_step(
-    params: Sequence[tuple[dict[str, Any], Tensor, str]],
+    params: Sequence[tuple[dict[str, Any], Tensor, str | Callable[[], str]]],
     state: dict[Tensor, dict[str, Any]],
     new_buffer: Callable[[Tensor], Tensor],
     process_group: Any = None,
     comm_dtype: torch.dtype | None = None,
     orthogonalize: Callable[..., Tensor] = orthogonalize,
-    workspace: dict[Any, Tensor] | None = None,
+    workspace: dict[Any, Any] | None = None,
     gate: StepGate | None = None,
 ) -> StepStats:
     """Apply one Muon update to every parameter of ``params`` that has a gradient.
 
     Args:
         params: every parameter of the optimizer's Muon groups, with or without a gradient,
-            as ``(group, param, name)`` in optimizer order (the order fixes the plan).
+            as ``(group, param, name)`` in optimizer order (the order fixes the plan); ``name``
+            (for errors) is a string or a function returning one, called only when needed.
         state: the optimizer's per-parameter state; ``"momentum_buffer"`` is created with
             ``new_buffer(param)`` (a DTensor for a DTensor parameter, so checkpoints reshard).
         process_group: see `muonclip.Muon` (None: automatic; ``"local"``: no communication).
         comm_dtype: wire dtype of the exchanges (None: the momentum dtype).
         orthogonalize: the function called once per bucket (default
             `muonclip.orthogonalize`; `Muon` passes its module's name so it can be wrapped).
-        workspace: a dict the caller keeps between steps (default None: none). With one
-            process on CPU each bucket's input and result are then cut from two buffers kept
-            there, reused by every bucket and step: fresh multi-MB buffers cost thousands of
-            page faults a step on CPU (glibc returns them to the OS); GPUs have a caching
-            allocator and never use it.
+        workspace: a dict the caller keeps between steps (default None: none). The step's
+            plan, buckets and update scales are kept there and reused while the items'
+            shapes, options and layouts stay the same (`_structure`; half of the fixed cost
+            per step). With one process on CPU each bucket's input and result are also cut
+            from two buffers kept there, reused by every bucket and step: fresh multi-MB
+            buffers cost thousands of page faults a step on CPU (glibc returns them to the
+            OS); GPUs have a caching allocator and never use them.
         gate: `muonclip.optim.nonfinite.StepGate` of a masked step (default None: none), the
             gradients already zeroed where its flag is set (`MaskedStep` does both); where it
             is set the step leaves every weight and momentum buffer exactly as it was.
@@ -109,11 +115,11 @@ def muon_step(
     stats = StepStats()
     if not params:
         return stats
-    ctx = resolve_group([p for _, p, _ in params], lambda i: params[i][2], process_group)
+    ctx = resolve_group([p for _, p, _ in params], lambda i: _label(params[i][2]), process_group)
     stats.world_size = ctx.world_size
     if ctx.world_size > 1:
         sig = signature([(tuple(p.shape), p.dtype, g["method"], *_opts(g).values()) for g, p, _ in params])
-        agree(ctx, sig, [p.grad is not None for _, p, _ in params], [n for _, _, n in params],
+        agree(ctx, sig, [p.grad is not None for _, p, _ in params], [_label(n) for _, _, n in params],
               local(params[0][1]).device, stats.comm)
     live = [(g, p) for g, p, _ in params if p.grad is not None]
     if not live:
@@ -155,28 +161,22 @@ def muon_step(
             return buf if out is None else out.copy_(buf)
         return torch.add(grad, buf, alpha=g["momentum"], out=out)
 
-    # 3. plan
-    shapes = [p.shape for _, p in live]
-    costs = []
-    for (g, _), shape in zip(live, shapes):
-        _, ranges, cols, batch = matrix_rows(shape, **_opts(g))
-        costs.append(ns_flops([(batch, b - a, cols) for a, b in ranges], max(_steps(g), 1)))
-    plan = assign_owners(costs, ctx.world_size)
+    # 3. plan (and buckets, layouts, update scales): cached while the items' shapes, options
+    #    and layouts stay the same, which is every step of a normal run
+    st = _structure(live, ctx, workspace)
+    plan, rows_idx, rep_idx = st.plan, st.rows_idx, st.rep_idx
     stats.total_ns_flops = sum(plan.flops)
-    layouts = [item_layout(p, ctx) for _, p in live]
-    rows_idx = [k for k, kind in enumerate(layouts) if kind == ROWS]
-    rep_idx = [k for k, kind in enumerate(layouts) if kind != ROWS]
+    shapes = [p.shape for _, p in live]
     dtype, device = bufs[0].dtype, bufs[0].device
     wire = comm_dtype or dtype
 
     def apply(k: int, res: Tensor) -> None:
         """7. ``W = W (1 - lr wd) - lr scale * O`` on this rank's rows of item k."""
         g, p = live[k]
-        offset = shard_rows(shapes[k][0], ctx.world_size, ctx.rank)[0] if layouts[k] == ROWS else 0
         w, lr, wd = local(p), g["lr"], g["weight_decay"]
         if wd != 0.0:
             w.mul_(1.0 - lr * wd if gate is None else gate.where(1.0 - lr * wd, 1.0, w))
-        _add_scaled_(w, res, shapes[k], g, offset, -lr, gate)
+        _add_scaled_(w, res, *st.scaled[k], st.offsets[k], -lr, gate)
 
     # 4. whole V on the owner (None: this rank holds it whole, formed in phase 5)
     whole: dict[int, Tensor | None] = {k: None for k in rep_idx if plan.owners[k] == ctx.rank}
@@ -188,7 +188,7 @@ def muon_step(
     # 5. orthogonalise owned matrices, one call per bucket. With one process each item is
     #    updated (phase 7) as soon as its result is complete, while the result is in cache.
     O: dict[int, Tensor] = {}
-    _orthogonalize_owned(live, whole, v_into, stats, orthogonalize,
+    _orthogonalize_owned(live, whole, st, v_into, stats, orthogonalize,
                          done=apply if ctx.world_size == 1 else O.__setitem__,
                          workspace=workspace if ctx.world_size == 1 else None)
     stats.ns_flops = plan.flops[ctx.rank]
@@ -215,45 +215,127 @@ def muon_step(
     return stats
 
 
-def _orthogonalize_owned(live: list[tuple[dict[str, Any], Tensor]], whole: dict[int, Tensor | None],
-                         v_into: Callable[..., Tensor], stats: StepStats,
-                         orthogonalize: Callable[..., Tensor], done: Callable[[int, Tensor], None],
-                         workspace: dict[Any, Tensor] | None = None) -> None:
-    """Orthogonalise the owned items; ``done(k, orth(V_k))`` (V_k's shape, compute dtype) as
-    soon as item k's result is complete.
+@dataclass
+class _Bucket:
+    """Same-shape matrix blocks with the same settings: one ``orthogonalize`` call."""
 
-    Blocks of equal shape and settings are batched into one ``orthogonalize`` call per bucket.
-    Each bucket's input is allocated once in the compute dtype and filled in place: by
-    ``v_into(k, out[, block])`` for an item held whole here (``whole[k] is None``; a split
-    item's V block by block), else from the gathered ``whole[k]``, so V is never
-    materialised in float32 and then concatenated. A
-    result that is one block is a view into its bucket's output (no copy); only items cut
-    into several blocks (``split_sizes``) are assembled, after their last block's bucket.
+    A: int
+    B: int
+    device: torch.device
+    method: str
+    steps: int | None
+    dtype: torch.dtype | None
+    eps: float
+    coefficients: tuple[float, float, float] | None
+    entries: list[tuple[int, int]] = field(default_factory=list)  # (item, block)
+    sizes: list[int] = field(default_factory=list)  # matrices of each entry (E for stacked experts)
+
+
+@dataclass
+class _Structure:
+    """What a step does that depends only on its items' shapes, options and layouts.
+
+    Attributes:
+        plan: owner rank of each item (`plan.assign_owners`).
+        layouts, rows_idx, rep_idx: each item's layout (`context.item_layout`), and the items
+            held as row shards / replicated.
+        offsets: global index of this rank's first row of each item (0 unless row-sharded).
+        scaled: per item ``(axis, [(a, b, update scale)])``: its matrix blocks as row ranges
+            along ``axis`` (`plan.matrix_rows`) and each block's update scale.
+        n_blocks: blocks of each item this rank orthogonalises.
+        buckets: those blocks grouped by shape and settings.
+    """
+
+    plan: Plan
+    layouts: list[str]
+    rows_idx: list[int]
+    rep_idx: list[int]
+    offsets: list[int]
+    scaled: list[tuple[int, list[tuple[int, int, float]]]]
+    n_blocks: dict[int, int]
+    buckets: list[_Bucket]
+
+
+_KEY_OPTIONS = ("method", "steps", "orth_dtype", "eps", "ns_coefficients", "flatten", "split_sizes", "transposed",
+                "update_scale")
+
+
+def _frozen(v: Any) -> Any:
+    return tuple(_frozen(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+
+def _structure(live: list[tuple[dict[str, Any], Tensor]], ctx: GroupContext,
+               cache: dict[Any, Any] | None = None) -> _Structure:
+    """The step's `_Structure`, from ``cache["structure"]`` when its key still matches (the
+    items' global shapes, layouts, devices and structural options, the rank and world size;
+    not lr, weight decay, momentum or Nesterov, which are read every step)."""
+    options: dict[int, tuple] = {}  # per group, once
+    for g, _ in live:
+        if id(g) not in options:
+            options[id(g)] = tuple(_frozen(g.get(o)) for o in _KEY_OPTIONS)
+    key = (ctx.world_size, ctx.rank,
+           tuple((options[id(g)], tuple(p.shape), item_layout(p, ctx), p.device) for g, p in live))
+    if cache is not None:
+        hit = cache.get("structure")
+        if hit is not None and hit[0] == key:
+            return hit[1]
+    costs, scaled, offsets = [], [], []
+    layouts = [item_layout(p, ctx) for _, p in live]
+    for (g, p), kind in zip(live, layouts):
+        axis, ranges, cols, batch = matrix_rows(p.shape, **_opts(g))
+        costs.append(ns_flops([(batch, b - a, cols) for a, b in ranges], max(_steps(g), 1)))
+        scaled.append((axis, [(a, b, update_scale(g["update_scale"], b - a, cols)) for a, b in ranges]))
+        offsets.append(shard_rows(p.shape[0], ctx.world_size, ctx.rank)[0] if kind == ROWS else 0)
+    plan = assign_owners(costs, ctx.world_size)
+    buckets: dict[tuple, _Bucket] = {}
+    n_blocks: dict[int, int] = {}
+    for k, ((g, p), owner) in enumerate(zip(live, plan.owners)):
+        if owner != ctx.rank:
+            continue
+        _, ranges, cols, batch = matrix_rows(p.shape, **_opts(g))  # the shapes of matrix_blocks, no tensor made
+        n_blocks[k] = len(ranges)
+        device = local(p).device
+        for b, (r0, r1) in enumerate(ranges):
+            fields = (r1 - r0, cols, device, g["method"], g["steps"], g["orth_dtype"], g["eps"], g["ns_coefficients"])
+            bucket = buckets.setdefault(_frozen(fields), _Bucket(*fields))
+            bucket.entries.append((k, b))
+            bucket.sizes.append(batch)
+    st = _Structure(plan, layouts, [k for k, kind in enumerate(layouts) if kind == ROWS],
+                    [k for k, kind in enumerate(layouts) if kind != ROWS], offsets, scaled, n_blocks,
+                    list(buckets.values()))
+    if cache is not None:
+        cache["structure"] = (key, st)
+    return st
+
+
+def _orthogonalize_owned(live: list[tuple[dict[str, Any], Tensor]], whole: dict[int, Tensor | None],
+                         st: _Structure, v_into: Callable[..., Tensor], stats: StepStats,
+                         orthogonalize: Callable[..., Tensor], done: Callable[[int, Tensor], None],
+                         workspace: dict[Any, Any] | None = None) -> None:
+    """Orthogonalise the owned items (``whole``'s keys, ``st.n_blocks``); ``done(k, orth(V_k))``
+    (V_k's shape, compute dtype) as soon as item k's result is complete.
+
+    Blocks of equal shape and settings are batched into one ``orthogonalize`` call per bucket
+    (``st.buckets``). Each bucket's input is allocated once in the compute dtype and filled in
+    place: by ``v_into(k, out[, block])`` for an item held whole here (``whole[k] is None``; a
+    split item's V block by block), else from the gathered ``whole[k]``, so V is never
+    materialised in float32 and then concatenated. A result that is one block is a view into
+    its bucket's output (no copy); only items cut into several blocks (``split_sizes``) are
+    assembled, after their last block's bucket.
 
     ``workspace`` (only where ``done`` has used every result before the next bucket starts,
     i.e. one process): on CPU each bucket's input and result live in two reused buffers.
     """
-    buckets: dict[tuple, list[tuple[int, int, tuple[int, int, int]]]] = defaultdict(list)
-    n_blocks: dict[int, int] = {}
-    for k in sorted(whole):
-        g, p = live[k]
-        shape = p.shape if whole[k] is None else whole[k].shape
-        _, ranges, cols, batch = matrix_rows(shape, **_opts(g))  # the shapes of matrix_blocks, no tensor made
-        n_blocks[k] = len(ranges)
-        device = local(p).device
-        for b, (r0, r1) in enumerate(ranges):
-            key = (r1 - r0, cols, device, g["method"], g["steps"], g["orth_dtype"], g["eps"], g["ns_coefficients"])
-            buckets[key].append((k, b, (batch, r1 - r0, cols)))
+    n_blocks = st.n_blocks
     pieces: dict[int, list[Tensor | None]] = {k: [None] * n for k, n in n_blocks.items()}
     missing = dict(n_blocks)
-    for key, entries in buckets.items():
-        A, B, device, method, steps, dtype, eps, coeffs = key
-        cdtype = dtype or METHODS[method].default_dtype
-        shape = (sum(s[0] for _, _, s in entries), A, B)
-        Vb = _scratch(workspace, "input", shape, cdtype, device)
+    for bk in st.buckets:
+        cdtype = bk.dtype or METHODS[bk.method].default_dtype
+        shape = (sum(bk.sizes), bk.A, bk.B)
+        Vb = _scratch(workspace, "input", shape, cdtype, bk.device)
         if Vb is None:
-            Vb = torch.empty(shape, dtype=cdtype, device=device)
-        for (k, b, _), dst in zip(entries, Vb.split([s[0] for _, _, s in entries])):
+            Vb = torch.empty(shape, dtype=cdtype, device=bk.device)
+        for (k, b), dst in zip(bk.entries, Vb.split(bk.sizes)):
             g = live[k][0]
             if whole[k] is not None:  # gathered from the row shards
                 dst.copy_(matrix_blocks(whole[k], **_opts(g))[b])
@@ -262,9 +344,10 @@ def _orthogonalize_owned(live: list[tuple[dict[str, Any], Tensor]], whole: dict[
             else:  # only this block's V, straight into the bucket
                 v_into(k, dst, block=b)
         stats.matrices += Vb.shape[0]
-        buffer = _scratch(workspace, "result", shape, cdtype, device)
-        Ob = orthogonalize(Vb, method, steps, dtype, eps=eps, coefficients=coeffs, out_dtype=cdtype, buffer=buffer)
-        for (k, b, _), r in zip(entries, Ob.split([s[0] for _, _, s in entries])):
+        buffer = _scratch(workspace, "result", shape, cdtype, bk.device)
+        Ob = orthogonalize(Vb, bk.method, bk.steps, bk.dtype, eps=bk.eps, coefficients=bk.coefficients,
+                           out_dtype=cdtype, buffer=buffer)
+        for (k, b), r in zip(bk.entries, Ob.split(bk.sizes)):
             missing[k] -= 1
             # a block of an item still incomplete outlives this bucket: off the reused buffer
             pieces[k][b] = r.clone() if buffer is not None and missing[k] else r
@@ -273,7 +356,7 @@ def _orthogonalize_owned(live: list[tuple[dict[str, Any], Tensor]], whole: dict[
                                   live[k][0]))
 
 
-def _scratch(workspace: dict[Any, Tensor] | None, role: str, shape: tuple[int, int, int], dtype: torch.dtype,
+def _scratch(workspace: dict[Any, Any] | None, role: str, shape: tuple[int, int, int], dtype: torch.dtype,
              device: torch.device) -> Tensor | None:
     """A ``shape`` view of the workspace's CPU buffer for (``role``, ``dtype``), grown when too
     small; None without a workspace or off the CPU (GPUs' caching allocator reuses memory)."""
@@ -305,17 +388,16 @@ def _as_stored(block: Tensor, shape: torch.Size, group: dict[str, Any]) -> Tenso
     return block.view(shape)
 
 
-def _add_scaled_(w: Tensor, res: Tensor, shape: torch.Size, group: dict[str, Any], offset: int, alpha: float,
-                 gate: StepGate | None = None) -> None:
-    """``w += alpha * scale(A_i, B) * O`` per matrix block, ``w``/``res`` holding the rows
+def _add_scaled_(w: Tensor, res: Tensor, axis: int, blocks: list[tuple[int, int, float]], offset: int,
+                 alpha: float, gate: StepGate | None = None) -> None:
+    """``w += alpha * scale_i * O`` per matrix block ``(a_i, b_i, scale_i)`` (rows ``[a_i, b_i)``
+    along ``axis``, as `plan.matrix_rows` states them), ``w``/``res`` holding the rows
     ``[offset, offset + len(res))`` of the parameter (all of them without sharding).
 
     The orthogonalised result is added as it is (e.g. bf16 into a float32 weight, as
     torch.optim.Muon does): no scaled copy is made. With a ``gate`` the coefficient is a 0-D
     tensor, 0 on a masked step (``addcmul_`` rounds exactly as ``add_`` with ``alpha``).
     """
-    axis, ranges, cols, _ = matrix_rows(shape, **_opts(group))
-    rule = group["update_scale"]
 
     def add_(dst: Tensor, src: Tensor, coefficient: float) -> None:
         if gate is None:
@@ -324,14 +406,17 @@ def _add_scaled_(w: Tensor, res: Tensor, shape: torch.Size, group: dict[str, Any
             dst.addcmul_(src, gate.where(coefficient, 0.0, dst))
 
     if axis == 1:  # stacked experts, transposed 2-D: every local expert / stored row has every block
-        for a, b in ranges:
-            add_(w[:, a:b], res[:, a:b], alpha * update_scale(rule, b - a, cols))
+        for a, b, s in blocks:
+            add_(w[:, a:b], res[:, a:b], alpha * s)
         return
     n = res.shape[0]
-    for a, b in ranges:
+    if len(blocks) == 1 and offset == 0 and blocks[0][0] == 0 and blocks[0][1] == n == w.shape[0]:
+        add_(w, res, alpha * blocks[0][2])  # the usual case: one block, all rows here (no views)
+        return
+    for a, b, s in blocks:
         lo, hi = max(a, offset), min(b, offset + n)
         if lo < hi:
-            add_(w[lo - offset : hi - offset], res[lo - offset : hi - offset], alpha * update_scale(rule, b - a, cols))
+            add_(w[lo - offset : hi - offset], res[lo - offset : hi - offset], alpha * s)
 
 
 __all__ = ["StepStats", "muon_step", "Plan", "GroupContext"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -193,7 +194,7 @@ class Muon(torch.optim.Optimizer):
         self.adamw_eps = adamw_eps
         self.on_nonfinite = on_nonfinite
         self._mask_cache: list[Tensor] = []  # on_nonfinite="mask": copies reused between steps
-        self._workspace: dict[Any, Tensor] = {}  # one process on CPU: bucket buffers reused between steps
+        self._workspace: dict[Any, Any] = {}  # step structure (cached) and, on CPU, bucket buffers reused between steps
         self.process_group = process_group
         self.comm_dtype = comm_dtype
         self.last_step_stats = StepStats()
@@ -297,7 +298,7 @@ class Muon(torch.optim.Optimizer):
         `muonclip.optim.nonfinite.StepGate` (``on_nonfinite="mask"``).
         """
         params = [
-            (g, p, _name(self, g, i))
+            (g, p, partial(_name, self, g, i))  # the name is only formatted for an error
             for g in self.param_groups if g["algorithm"] == "muon"
             for i, p in enumerate(g["params"])
         ]

@@ -40,12 +40,18 @@ def _finite_per_tensor(grads: list[Tensor]) -> Tensor:
     """
     grads, group = locals_and_group(grads)  # FSDP2: local shards, then ONE all-reduce below
     device = grads[0].device
+    def on_device(t: Tensor) -> Tensor:
+        t = t.float()
+        return t if t.device == device else t.to(device, non_blocking=True)
+
     if device.type == "cuda":
         stats = torch._foreach_norm(grads, ord=float("inf"))  # max |g|: inf for an inf, NaN for a NaN
+        finite = torch.stack([on_device(s) for s in stats]).isfinite()
     else:
-        # (min, max): non-finite iff g is; an empty tensor is finite
-        stats = [torch.stack(torch.aminmax(g)) if g.numel() else g.new_zeros(2) for g in grads]
-    finite = torch.stack([s.float().to(device, non_blocking=True).reshape(-1) for s in stats]).isfinite().all(dim=1)
+        # (min, max): non-finite iff g is; an empty tensor is finite. One stack for all of them.
+        ends = [torch.aminmax(g) if g.numel() else (g.new_zeros(()), g.new_zeros(())) for g in grads]
+        both = torch.stack([on_device(e[0]) for e in ends] + [on_device(e[1]) for e in ends])
+        finite = both.isfinite().view(2, len(grads)).all(dim=0)
     if group is not None:
         finite = finite.to(torch.int32)
         torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN, group=group)
