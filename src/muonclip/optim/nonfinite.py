@@ -40,6 +40,7 @@ def _finite_per_tensor(grads: list[Tensor]) -> Tensor:
     """
     grads, group = locals_and_group(grads)  # FSDP2: local shards, then ONE all-reduce below
     device = grads[0].device
+
     def on_device(t: Tensor) -> Tensor:
         t = t.float()
         return t if t.device == device else t.to(device, non_blocking=True)
