@@ -12,9 +12,13 @@ Moments are kept in float32 whatever the parameter dtype.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from .nonfinite import StepGate
 
 
 def adamw_update(
@@ -28,25 +32,48 @@ def adamw_update(
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
+    gate: StepGate | None = None,
 ) -> None:
-    """Apply one AdamW update in place to ``params`` and the moment buffers."""
+    """Apply one AdamW update in place to ``params`` and the moment buffers.
+
+    ``gate`` (`muonclip.optim.nonfinite.StepGate`, default None): for ``on_nonfinite="mask"``,
+    with the gradients already zeroed where its flag is set. The coefficients ``1 - beta1``,
+    ``beta2``, ``1 - lr wd`` and ``-lr / bc1`` then become 0-D device tensors (0, 1, 1 and 0
+    where the flag is set), so a masked step leaves parameters and moments bit-identical and an
+    unmasked one rounds exactly as with the Python scalars (tests/test_ortho_fast.py).
+    """
     if not params:
         return
     beta1, beta2 = betas
     bc1 = 1.0 - beta1**step
     bc2_sqrt = math.sqrt(1.0 - beta2**step)
     grads32 = [g if g.dtype == torch.float32 else g.float() for g in grads]
-    torch._foreach_lerp_(exp_avgs, grads32, 1.0 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads32, grads32, value=1.0 - beta2)
+
+    def coefficient(value: float, if_found: float, like: Tensor) -> float | Tensor:
+        return value if gate is None else gate.where(value, if_found, like)
+
+    moment = exp_avgs[0]
+    torch._foreach_lerp_(exp_avgs, grads32, coefficient(1.0 - beta1, 0.0, moment))
+    torch._foreach_mul_(exp_avg_sqs, coefficient(beta2, 1.0, moment))
+    torch._foreach_addcmul_(exp_avg_sqs, grads32, grads32, value=1.0 - beta2)  # adds 0 on a masked step
+    fp32 = all(p.dtype == torch.float32 for p in params)
     if weight_decay != 0.0:
-        torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+        if fp32 or gate is None:
+            torch._foreach_mul_(params, coefficient(1.0 - lr * weight_decay, 1.0, moment))
+        else:
+            for p in params:
+                p.mul_(coefficient(1.0 - lr * weight_decay, 1.0, p))
     denom = torch._foreach_sqrt(exp_avg_sqs)
     torch._foreach_div_(denom, bc2_sqrt)
     torch._foreach_add_(denom, eps)
     updates = torch._foreach_div(exp_avgs, denom)
-    if all(p.dtype == torch.float32 for p in params):
+    if fp32 and gate is None:
         torch._foreach_add_(params, updates, alpha=-lr / bc1)
+    elif fp32:  # addcmul with a 0-D coefficient rounds like add with alpha
+        torch._foreach_addcmul_(params, updates, [coefficient(-lr / bc1, 0.0, moment)] * len(params))
     else:
         for p, u in zip(params, updates):
-            p.add_(u, alpha=-lr / bc1)
+            if gate is None:
+                p.add_(u, alpha=-lr / bc1)
+            else:
+                p.addcmul_(u, coefficient(-lr / bc1, 0.0, u))

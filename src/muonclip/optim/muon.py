@@ -59,12 +59,11 @@ class Muon(torch.optim.Optimizer):
     and the step; ``"skip"`` skips the whole step for every parameter and counts it in
     ``steps_skipped``. ``"mask"`` does what ``"skip"`` does without the host sync (for GPUs:
     the step never waits for the device): the flag stays on the device, the gradients are
-    zeroed where it is set, and the step is computed: the Muon update takes its momentum,
-    weight-decay and lr coefficients as 0-D device tensors that make it an exact no-op where
-    the flag is set (`muonclip.optim.nonfinite.StepGate`; no copy), and the AdamW branch's
-    parameters and state are copied before and restored after where it is set
-    (`muonclip.optim.nonfinite.MaskedStep`; a copy and a masked write-back per step, and
-    memory for the copy, kept between steps). In that mode ``steps_taken`` counts masked steps
+    zeroed where it is set, and the step is computed with its coefficients (Muon's momentum,
+    AdamW's betas, the weight decay and lr factors) as 0-D device tensors that make it an
+    exact no-op where the flag is set (`muonclip.optim.nonfinite.StepGate`: no copy of any
+    parameter or state, no extra memory traffic; with float32 weights an unmasked step is
+    bit-identical to the default mode's). In that mode ``steps_taken`` counts masked steps
     too, AdamW's bias-correction step number advances on them, the zeroed gradients stay
     zeroed, and reading ``steps_skipped`` syncs. Either way no weight and no buffer sees a
     non-finite value.
@@ -244,9 +243,9 @@ class Muon(torch.optim.Optimizer):
         # distributed: a clear error (no process group, mixed meshes, bad placement) before any collective
         resolve_group([p for _, _, p in live], lambda k: _name(self, live[k][0], live[k][1]), self.process_group)
         guard = None
-        if self.on_nonfinite == "mask":  # sync-free: decided on the device; Muon's update gated, AdamW's undone
+        if self.on_nonfinite == "mask":  # sync-free: decided on the device, every update gated (no copies)
             guard = MaskedStep([p for _, _, p in live], [self.state[p] for _, _, p in live], self._mask_cache,
-                               gated=[p for g, _, p in live if g["algorithm"] == "muon"])
+                               gated=[p for _, _, p in live])
         self.last_masked = None if guard is None else guard.found
         bad = [] if guard is not None else nonfinite_indices([p.grad for _, _, p in live])
         if bad:
@@ -260,10 +259,11 @@ class Muon(torch.optim.Optimizer):
                 "or pass on_nonfinite='skip' to skip such steps."
             )
         self.steps_taken += 1
-        self._muon_step(None if guard is None else guard.gate)  # every rank, even without grads: collectives
+        gate = None if guard is None else guard.gate
+        self._muon_step(gate)  # on every rank, even one without grads: it runs collectives
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
-                self._adamw_group(group)
+                self._adamw_group(group, gate)
         if guard is not None:
             guard.restore()
             self._count_masked(guard.found)
@@ -307,7 +307,7 @@ class Muon(torch.optim.Optimizer):
             workspace=self.__dict__.setdefault("_workspace", {}), gate=gate,
         )
 
-    def _adamw_group(self, group: dict[str, Any]) -> None:
+    def _adamw_group(self, group: dict[str, Any], gate: StepGate | None = None) -> None:
         params, grads, avgs, sqs = [], [], [], []
         for p in group["params"]:
             if p.grad is None:
@@ -331,7 +331,7 @@ class Muon(torch.optim.Optimizer):
             adamw_update(
                 [params[k] for k in idx], [grads[k] for k in idx], [avgs[k] for k in idx],
                 [sqs[k] for k in idx], step, lr=group["lr"], betas=group["betas"],
-                eps=group["eps"], weight_decay=group["weight_decay"],
+                eps=group["eps"], weight_decay=group["weight_decay"], gate=gate,
             )
 
     # ----------------------------------------------------------------------------------------

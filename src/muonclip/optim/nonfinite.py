@@ -6,11 +6,11 @@ Three policies (``Muon(on_nonfinite=...)``):
   `nonfinite_indices`: one host sync per step (the answer decides a Python branch). ``raise``
   names the bad parameters; ``skip`` returns without touching anything.
 * ``"mask"`` decides on the device, with no host sync (`MaskedStep`): the step is always
-  computed on zeroed gradients, and made an exact no-op where the flag is set. The Muon
-  update does that in its own arithmetic (`StepGate`: its hyperparameters become 0-D device
-  tensors that are 1 or 0 where the flag is set), at no extra memory traffic; the AdamW
-  branch's parameters and state are copied before the step and restored afterwards. It buys
-  a step that never waits for the device (CUDA graphs, overlapped launches).
+  computed on zeroed gradients, and made an exact no-op where the flag is set. `Muon`'s
+  updates (Muon and AdamW branches) do that in their own arithmetic (`StepGate`: their
+  coefficients become 0-D device tensors that are 1 or 0 where the flag is set), at no extra
+  memory traffic; `MaskedStep` can also copy and restore tensors whose update is not gated.
+  It buys a step that never waits for the device (CUDA graphs, overlapped launches).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class MaskedStep:
             ~3x cheaper on the GPT benchmark set.
         gated: parameters whose update applies ``self.gate`` itself, so that it is already an
             exact no-op where ``found`` (default none): they and their state are neither
-            copied nor restored. `Muon` passes its Muon parameters (`muon_step`'s ``gate``).
+            copied nor restored. `Muon` passes all its parameters (its updates take ``gate``).
     """
 
     def __init__(
@@ -159,12 +159,15 @@ class StepGate:
     """Hyperparameters as 0-D device tensors that make an update an exact no-op where a flag is set.
 
     ``gate.where(value, if_found, like)`` is ``if_found`` where ``found`` else ``value``, as a
-    0-D tensor of ``like``'s dtype on its device (cached per value, dtype and device; no host
-    sync). An update written as ``M = G + gate.where(mu, 1) * M`` with zeroed gradients, or
-    ``W += gate.where(alpha, 0) * U``, then leaves M and W bit-identical where ``found`` and
-    computes exactly what the plain scalar would elsewhere (``torch.addcmul`` with a 0-D
-    tensor rounds like ``torch.add`` with ``alpha``; `muonclip.distributed.step` relies on it,
-    and tests/test_ortho_fast.py checks it bit for bit against ``on_nonfinite="skip"``).
+    0-D tensor on ``like``'s device, in ``like``'s dtype or float32 if that is wider (a Python
+    scalar multiplies a bf16 tensor in float32, and so does a 0-D float32 tensor; a 0-D bf16
+    one would round the coefficient itself). Cached per value, dtype and device; no host sync.
+    An update written as ``M = G + gate.where(mu, 1) * M`` with zeroed gradients, or
+    ``W += gate.where(alpha, 0) * U``, then leaves M and W bit-identical where ``found`` and,
+    for float32 (and float64) M and W, computes exactly what the plain scalar would elsewhere
+    (``torch.addcmul`` with a 0-D tensor rounds like ``torch.add`` with ``alpha``;
+    tests/test_ortho_fast.py checks it bit for bit against ``on_nonfinite="skip"``). For
+    bf16 weights the gated update may differ from the plain one in the last bit.
 
     Args:
         found: 0-D bool tensor (any device), True where the step must leave everything as it was.
@@ -175,18 +178,19 @@ class StepGate:
         self._cache: dict[tuple[Any, ...], Tensor] = {}
 
     def where(self, value: float | Tensor, if_found: float, like: Tensor) -> Tensor:
-        """``if_found`` where the flag is set, else ``value``: a 0-D tensor of ``like``'s dtype and device."""
-        key = (value, if_found, like.dtype, like.device) if not isinstance(value, Tensor) else None
+        """``if_found`` where the flag is set, else ``value``: a 0-D tensor on ``like``'s device."""
+        dtype = torch.promote_types(like.dtype, torch.float32)
+        key = (value, if_found, dtype, like.device) if not isinstance(value, Tensor) else None
         if key is not None and key in self._cache:
             return self._cache[key]
         flag = self._cache.get(("flag", like.device))
         if flag is None:
             flag = self._cache[("flag", like.device)] = self.found.to(like.device, non_blocking=True)
         if isinstance(value, Tensor):
-            v = value.detach().to(device=like.device, dtype=like.dtype)
+            v = value.detach().to(device=like.device, dtype=dtype)
         else:
-            v = torch.full((), value, dtype=like.dtype, device=like.device)
-        out = torch.where(flag, torch.full((), if_found, dtype=like.dtype, device=like.device), v)
+            v = torch.full((), value, dtype=dtype, device=like.device)
+        out = torch.where(flag, torch.full((), if_found, dtype=dtype, device=like.device), v)
         if key is not None:
             self._cache[key] = out
         return out
