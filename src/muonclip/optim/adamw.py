@@ -53,7 +53,12 @@ def adamw_update(
         return value if gate is None else gate.where(value, if_found, like)
 
     moment = exp_avgs[0]
-    torch._foreach_lerp_(exp_avgs, grads32, coefficient(1.0 - beta1, 0.0, moment))
+    if gate is None:
+        torch._foreach_lerp_(exp_avgs, grads32, 1.0 - beta1)
+    else:  # per tensor: lerp_ with a 0-D weight exists in every supported torch (the foreach one is newer)
+        w1 = coefficient(1.0 - beta1, 0.0, moment)
+        for m, g in zip(exp_avgs, grads32):
+            m.lerp_(g, w1)
     torch._foreach_mul_(exp_avg_sqs, coefficient(beta2, 1.0, moment))
     torch._foreach_addcmul_(exp_avg_sqs, grads32, grads32, value=1.0 - beta2)  # adds 0 on a masked step
     fp32 = all(p.dtype == torch.float32 for p in params)
