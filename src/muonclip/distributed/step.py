@@ -237,8 +237,7 @@ class _Structure:
 
     Attributes:
         plan: owner rank of each item (`plan.assign_owners`).
-        layouts, rows_idx, rep_idx: each item's layout (`context.item_layout`), and the items
-            held as row shards / replicated.
+        rows_idx, rep_idx: the items held as row shards / replicated (`context.item_layout`).
         offsets: global index of this rank's first row of each item (0 unless row-sharded).
         scaled: per item ``(axis, [(a, b, update scale)])``: its matrix blocks as row ranges
             along ``axis`` (`plan.matrix_rows`) and each block's update scale.
@@ -247,7 +246,6 @@ class _Structure:
     """
 
     plan: Plan
-    layouts: list[str]
     rows_idx: list[int]
     rep_idx: list[int]
     offsets: list[int]
@@ -300,7 +298,7 @@ def _structure(live: list[tuple[dict[str, Any], Tensor]], ctx: GroupContext,
             bucket = buckets.setdefault(_frozen(fields), _Bucket(*fields))
             bucket.entries.append((k, b))
             bucket.sizes.append(batch)
-    st = _Structure(plan, layouts, [k for k, kind in enumerate(layouts) if kind == ROWS],
+    st = _Structure(plan, [k for k, kind in enumerate(layouts) if kind == ROWS],
                     [k for k, kind in enumerate(layouts) if kind != ROWS], offsets, scaled, n_blocks,
                     list(buckets.values()))
     if cache is not None:

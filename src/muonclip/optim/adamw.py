@@ -48,37 +48,34 @@ def adamw_update(
     bc1 = 1.0 - beta1**step
     bc2_sqrt = math.sqrt(1.0 - beta2**step)
     grads32 = [g if g.dtype == torch.float32 else g.float() for g in grads]
-
-    def coefficient(value: float, if_found: float, like: Tensor) -> float | Tensor:
-        return value if gate is None else gate.where(value, if_found, like)
-
-    moment = exp_avgs[0]
+    moment = exp_avgs[0]  # float32 (float64 for float64 params): the dtype gate coefficients take
     if gate is None:
         torch._foreach_lerp_(exp_avgs, grads32, 1.0 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
     else:  # per tensor: lerp_ with a 0-D weight exists in every supported torch (the foreach one is newer)
-        w1 = coefficient(1.0 - beta1, 0.0, moment)
+        w1 = gate.where(1.0 - beta1, 0.0, moment)
         for m, g in zip(exp_avgs, grads32):
             m.lerp_(g, w1)
-    torch._foreach_mul_(exp_avg_sqs, coefficient(beta2, 1.0, moment))
+        torch._foreach_mul_(exp_avg_sqs, gate.where(beta2, 1.0, moment))
     torch._foreach_addcmul_(exp_avg_sqs, grads32, grads32, value=1.0 - beta2)  # adds 0 on a masked step
     fp32 = all(p.dtype == torch.float32 for p in params)
     if weight_decay != 0.0:
-        if fp32 or gate is None:
-            torch._foreach_mul_(params, coefficient(1.0 - lr * weight_decay, 1.0, moment))
-        else:
+        decay = 1.0 - lr * weight_decay
+        if gate is None:
+            torch._foreach_mul_(params, decay)
+        elif fp32:
+            torch._foreach_mul_(params, gate.where(decay, 1.0, moment))
+        else:  # _foreach_mul_ would round a 0-D coefficient to a bf16 parameter's dtype; mul_ does not
             for p in params:
-                p.mul_(coefficient(1.0 - lr * weight_decay, 1.0, p))
+                p.mul_(gate.where(decay, 1.0, p))
     denom = torch._foreach_sqrt(exp_avg_sqs)
     torch._foreach_div_(denom, bc2_sqrt)
     torch._foreach_add_(denom, eps)
     updates = torch._foreach_div(exp_avgs, denom)
-    if fp32 and gate is None:
+    if gate is not None:  # addcmul with a 0-D coefficient rounds like add with alpha (any param dtype)
+        torch._foreach_addcmul_(params, updates, [gate.where(-lr / bc1, 0.0, moment)] * len(params))
+    elif fp32:
         torch._foreach_add_(params, updates, alpha=-lr / bc1)
-    elif fp32:  # addcmul with a 0-D coefficient rounds like add with alpha
-        torch._foreach_addcmul_(params, updates, [coefficient(-lr / bc1, 0.0, moment)] * len(params))
     else:
         for p, u in zip(params, updates):
-            if gate is None:
-                p.add_(u, alpha=-lr / bc1)
-            else:
-                p.addcmul_(u, coefficient(-lr / bc1, 0.0, u))
+            p.add_(u, alpha=-lr / bc1)

@@ -192,7 +192,6 @@ class Muon(torch.optim.Optimizer):
         )
         self.adamw_eps = adamw_eps
         self.on_nonfinite = on_nonfinite
-        self._mask_cache: list[Tensor] = []  # on_nonfinite="mask": copies reused between steps
         self._workspace: dict[Any, Any] = {}  # step structure (cached) and, on CPU, bucket buffers reused between steps
         self.process_group = process_group
         self.comm_dtype = comm_dtype
@@ -244,7 +243,7 @@ class Muon(torch.optim.Optimizer):
         resolve_group([p for _, _, p in live], lambda k: _name(self, live[k][0], live[k][1]), self.process_group)
         guard = None
         if self.on_nonfinite == "mask":  # sync-free: decided on the device, every update gated (no copies)
-            guard = MaskedStep([p for _, _, p in live], [self.state[p] for _, _, p in live], self._mask_cache,
+            guard = MaskedStep([p for _, _, p in live], [self.state[p] for _, _, p in live],
                                gated=[p for _, _, p in live])
         self.last_masked = None if guard is None else guard.found
         bad = [] if guard is not None else nonfinite_indices([p.grad for _, _, p in live])
