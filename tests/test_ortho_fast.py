@@ -7,7 +7,6 @@ the host while keeping non-finite gradients away from weights and state.
 """
 
 import copy
-import importlib
 
 import pytest
 import torch
@@ -15,13 +14,13 @@ import torch
 import muonclip
 from muonclip import orthogonalize
 from muonclip.optim.nonfinite import MaskedStep, StepGate, nonfinite_flag, nonfinite_indices
-from muonclip.ortho import svd_polar
+from muonclip.ortho import chunks, svd_polar
 from muonclip.ortho.gram import default_restarts, gram_flops, gram_newton_schulz
 from muonclip.ortho.newton_schulz import NS5_COEFFICIENTS, newton_schulz, polar_express_coefficients
 from muonclip.ortho.symmetric import sym_gram
 
 NS5 = [NS5_COEFFICIENTS] * 5
-# wide, tall (transposed inside), batched, square (Gram falls back to the quintic), aspect 1.5
+# wide, tall (run from the right), batched, square (Gram falls back to the quintic), aspect 1.5
 SHAPES = [(24, 96), (96, 24), (3, 16, 64), (2, 2, 40, 24), (32, 32), (20, 30)]
 
 
@@ -155,13 +154,11 @@ def test_zero_and_rank_one_stay_finite(method):
 
 @pytest.mark.parametrize("method", ["ns5", "gram", "ns5_sym", "polar_express"])
 @pytest.mark.parametrize("shape", [(7, 24, 72), (7, 72, 24), (24, 24)])
-@pytest.mark.parametrize("chunk_bytes", [None, 1])
-def test_result_buffer_holds_the_same_result(monkeypatch, method, shape, chunk_bytes):
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_result_buffer_holds_the_same_result(monkeypatch, method, shape, chunk):
     """``buffer=``: the result is a view of the caller's buffer with the very same values
     (bit for bit), in one call and in CPU chunks, wide and tall; the input is untouched."""
-    ns = importlib.import_module("muonclip.ortho.newton_schulz")
-    if chunk_bytes is not None:
-        monkeypatch.setattr(ns, "CPU_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(chunks, "CPU_CHUNK", chunk)
     V = conditioned(shape).to(torch.bfloat16)
     V0 = V.clone()
     want = orthogonalize(V, method)
@@ -264,18 +261,87 @@ def test_batched_equals_looped(method):
 @pytest.mark.parametrize("method", ["ns5", "gram", "ns5_sym", "polar_express"])
 @pytest.mark.parametrize("shape", [(7, 24, 72), (7, 72, 24), (7, 24, 24)])
 def test_cpu_chunks_equal_one_call(monkeypatch, method, shape):
-    """CPU batches run in cache-sized chunks written into one result: same values as one call."""
-    ns = importlib.import_module("muonclip.ortho.newton_schulz")  # the module, not the function
+    """CPU batches run in chunks written into one result: same values as one call."""
     V = conditioned(shape).float()
+    monkeypatch.setattr(chunks, "CPU_CHUNK", 7)  # the whole batch
     whole = orthogonalize(V, method, dtype=torch.float32)
-    monkeypatch.setattr(ns, "CPU_CHUNK_BYTES", 1)  # one matrix per chunk
-    assert ns.batch_chunk(7, 24, 72, torch.float32, V.device) == 1
-    chunked = orthogonalize(V, method, dtype=torch.float32)
-    monkeypatch.setattr(ns, "CPU_CHUNK_BYTES", 3 * (2 * 24 * 72 + 2 * 24 * 24) * 4)  # 3, 3, 1
-    uneven = orthogonalize(V, method, dtype=torch.float32)
-    for got in (chunked, uneven):
+    results = []
+    for k in (1, 3, None):  # one matrix per chunk; 3, 3, 1; the timed choice
+        monkeypatch.setattr(chunks, "CPU_CHUNK", k)
+        results.append(orthogonalize(V, method, dtype=torch.float32))
+    for got in results:
         assert got.shape == V.shape
         torch.testing.assert_close(got, whole, atol=1e-6, rtol=0)
+    assert torch.equal(results[-1], whole)  # the timed choice only takes bit-identical chunkings
+
+
+def test_chunk_candidates():
+    """The whole batch first, then the cache-sized chunk and multiples of the thread count."""
+    # (2 * 24 * 72 + 2 * 24 * 24) * 4 bytes = 18432 a matrix: 227 fit in 4 MiB
+    assert chunks.candidates(7, 24, 72, torch.float32, threads=2) == [7, 2, 4]
+    assert chunks.candidates(24, 384, 384, torch.bfloat16, threads=2) == [24, 2, 3, 4, 8, 16]
+    assert chunks.candidates(24, 384, 384, torch.bfloat16, threads=1) == [24, 1, 2, 3, 4, 8, 16]
+    assert chunks.candidates(6, 384, 1536, torch.bfloat16, threads=2) == [6, 1, 2, 4]
+    assert chunks.candidates(2, 384, 1536, torch.bfloat16, threads=4) == [2, 1]
+
+
+class _FakeRuns:
+    """``attempt`` for `chunks.choose_chunk` with a fake clock: candidate k costs ``cost[k]``
+    seconds (default 0.01) and returns ``result[k]`` (default: the whole batch's value)."""
+
+    def __init__(self, monkeypatch, cost, result=None):
+        self.now, self.calls, self.cost, self.result = 0.0, [], cost, result or {}
+        monkeypatch.setattr(chunks, "_clock", lambda: self.now)
+        monkeypatch.setattr(chunks, "_CHOSEN", {})
+
+    def __call__(self, k):
+        self.calls.append(k)
+        self.now += self.cost.get(k, 0.01)
+        return self.result.get(k, torch.zeros(3))
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_chunk_choice_is_the_fastest_equal_result_and_is_kept(monkeypatch, two_threads):
+    X = torch.zeros(24, 384, 384, dtype=torch.bfloat16)
+    cands = chunks.candidates(24, 384, 384, torch.bfloat16, threads=2)  # [24, 2, 3, 4, 8, 16]
+    cost = {k: 0.01 for k in cands}
+    fastest, different = cands[-1], cands[-2]
+    cost[fastest], cost[different] = 0.004, 0.001  # `different` is faster still, but its result differs
+    runs = _FakeRuns(monkeypatch, cost, {different: torch.ones(3)})
+    from muonclip.ortho.newton_schulz import quintic_iteration
+
+    assert chunks.choose_chunk(X, quintic_iteration, 5, runs) == fastest
+    assert runs.calls == cands + [k for k in cands if k != different]  # two rounds, the odd one dropped
+    n = len(runs.calls)
+    assert chunks.choose_chunk(X, quintic_iteration, 5, runs) == fastest and len(runs.calls) == n  # kept
+    # another step count, thread count or iteration is another choice
+    assert chunks.choose_chunk(X, quintic_iteration, 6, runs) == fastest and len(runs.calls) == 2 * n
+    torch.set_num_threads(1)
+    chunks.choose_chunk(X, quintic_iteration, 6, runs)
+    assert len(runs.calls) > 2 * n
+
+
+def test_chunk_choice_skips_timing_where_it_cannot_matter(monkeypatch):
+    from muonclip.ortho.newton_schulz import quintic_iteration
+
+    runs = _FakeRuns(monkeypatch, {k: 1.0 for k in range(1, 25)})
+    # a whole-batch run slower than TUNE_SECONDS: the whole batch, nothing else timed
+    assert chunks.choose_chunk(torch.zeros(24, 384, 384), quintic_iteration, 5, runs) == 24
+    assert runs.calls == [24]
+    # one matrix, a fixed CPU_CHUNK, and a GPU batch (meta stands in for it) are never timed
+    assert chunks.choose_chunk(torch.zeros(1, 8, 8), quintic_iteration, 5, runs) == 1
+    monkeypatch.setattr(chunks, "CPU_CHUNK", 5)
+    assert chunks.choose_chunk(torch.zeros(24, 8, 8), quintic_iteration, 5, runs) == 5
+    monkeypatch.setattr(chunks, "CPU_CHUNK", None)
+    assert chunks.choose_chunk(torch.zeros(24, 8, 8, device="meta"), quintic_iteration, 5, runs) == 24
+    assert runs.calls == [24]
 
 
 def test_compiled_equals_eager():

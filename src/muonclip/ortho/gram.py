@@ -45,7 +45,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from .newton_schulz import into, newton_schulz, quintic_iteration
+from .newton_schulz import gram, into, newton_schulz, quintic_iteration, small_side
 
 GRAM_MIN_ASPECT = 1.5
 
@@ -59,12 +59,13 @@ def default_restarts(steps: int) -> tuple[int, ...]:
 
 
 def gram_iteration(
-    X: Tensor,  # (batch, m, n), m <= n, normalised so that ||X||_2 <= 1
+    X: Tensor,  # (batch, p, q), wide or tall, normalised so that ||X||_2 <= 1
     coefficients: Sequence[tuple[float, float, float]],
     restarts: Collection[int] | None = None,
     out: Tensor | None = None,
 ) -> Tensor:
-    """The quintic steps of ``coefficients`` on X, done on the Gram matrix; returns ``(batch, m, n)``.
+    """The quintic steps of ``coefficients`` on X, done on its small Gram matrix (`gram`: ``X X^T``
+    wide, ``X^T X`` tall; Q applied on that side by `small_side`); returns X's shape.
 
     ``restarts``: step indices before which X and its Gram matrix are recomputed (index 0 is
     ignored: step 0 always starts from X); None means `default_restarts`. ``out``: as in
@@ -72,13 +73,13 @@ def gram_iteration(
     """
     if restarts is None:
         restarts = default_restarts(len(coefficients))
-    R = torch.bmm(X, X.mT)  # (batch, m, m)
+    R = gram(X)  # (batch, m, m)
     Q: Tensor | None = None
     last = len(coefficients) - 1
     for i, (a, b, c) in enumerate(coefficients):
         if i != 0 and i in restarts and Q is not None:
-            X = torch.bmm(Q, X)
-            R = torch.bmm(X, X.mT)
+            X = small_side(Q, X)
+            R = gram(X)
             Q = None
         Z = torch.baddbmm(R, R, R, beta=b, alpha=c)  # b R + c R^2
         if Q is None:
@@ -91,7 +92,7 @@ def gram_iteration(
             R = torch.baddbmm(RZ, Z, RZ, beta=a)  # (a I + Z) R (a I + Z)
     if Q is None:
         return into(out, X)
-    return torch.bmm(Q, X, out=out)
+    return small_side(Q, X, out=out)
 
 
 def gram_newton_schulz(
@@ -108,9 +109,9 @@ def gram_newton_schulz(
     """Approximate the polar factor of each matrix in ``V`` by Gram Newton–Schulz.
 
     Same contract and pre-processing as `muonclip.ortho.newton_schulz.newton_schulz` (cast,
-    transpose so that the Gram matrix is the small one, divide by ``||X||_F * norm_scale +
-    eps``); the steps run on the Gram matrix when ``max(A, B) >= min_aspect * min(A, B)``,
-    otherwise as the plain quintic (no flops to save on squarish matrices).
+    divide by ``||X||_F * norm_scale + eps``, work on the small Gram matrix's side); the steps
+    run on the Gram matrix when ``max(A, B) >= min_aspect * min(A, B)``, otherwise as the
+    plain quintic (no flops to save on squarish matrices).
 
     Args:
         V: matrices of shape ``(..., A, B)``; leading dimensions are a batch.

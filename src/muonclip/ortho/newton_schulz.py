@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from .chunks import choose_chunk
+
 NS5_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
 
 # Polar Express coefficients for degree-5 polynomials, as published (before the bf16 safety
@@ -33,11 +35,6 @@ _POLAR_EXPRESS_RAW: tuple[tuple[float, float, float], ...] = (
     (1.875, -1.25, 0.375),
 )
 POLAR_EXPRESS_SAFETY = 1.01
-# On CPU a batch is iterated in chunks whose working set (X, the new X, S and P) fits in
-# about this many bytes (the L2 caches of the 2-core test machine): 2 threads, bf16, measured
-# 0.68x the time of one whole batch at 24 x 384 x 384 (4 per chunk) and 0.81x at 6 x 384 x 1536
-# (1 per chunk) (benchmarks/RESULTS.md). GPUs take the whole batch at once.
-CPU_CHUNK_BYTES = 4 * 2**20
 
 
 def polar_express_coefficients(steps: int) -> list[tuple[float, float, float]]:
@@ -55,22 +52,42 @@ def polar_express_coefficients(steps: int) -> list[tuple[float, float, float]]:
     return [table[min(i, len(table) - 1)] for i in range(steps)]
 
 
+def gram(X: Tensor) -> Tensor:  # X: (batch, p, q)
+    """The small Gram matrix ``(batch, m, m)``, m = min(p, q): ``X X^T`` for a wide or square X,
+    ``X^T X`` for a tall one."""
+    return torch.bmm(X.mT, X) if X.shape[-2] > X.shape[-1] else torch.bmm(X, X.mT)
+
+
+def small_side(P: Tensor, X: Tensor, beta: float | None = None, out: Tensor | None = None) -> Tensor:
+    """``P`` (batch, m, m), symmetric, applied to ``X`` on its small side: ``P X`` for a wide or
+    square X, ``X P`` for a tall one (the transpose of ``P X^T``); with ``beta``, ``beta X`` is
+    added in the same product (one rounding)."""
+    tall = X.shape[-2] > X.shape[-1]
+    left, right = (X, P) if tall else (P, X)
+    if beta is None:
+        return torch.bmm(left, right, out=out)
+    return torch.baddbmm(X, left, right, beta=beta, out=out)
+
+
 def quintic_iteration(
-    X: Tensor,  # (batch, m, n), m <= n, already normalised so that ||X||_2 <= 1
+    X: Tensor,  # (batch, p, q), wide or tall, already normalised so that ||X||_2 <= 1
     coefficients: Sequence[tuple[float, float, float]],
     out: Tensor | None = None,
 ) -> Tensor:
     """Run ``X <- a X + (b S + c S S) X`` with ``S = X X^T`` once per (a, b, c).
 
-    Costs 4 m^2 n + 2 m^3 flops a step. ``X`` is consumed (may be overwritten). ``out``
-    (optional, X's shape and dtype, not aliasing X) receives the last step's product, so a
-    chunked caller needs no concatenation; the result is returned either way.
+    A tall X runs the same polynomial from the right, ``X <- a X + X (b S + c S S)`` with
+    ``S = X^T X`` (`gram`, `small_side`): the transpose of the wide form, with every operand in
+    its stored layout (no transposed copies). Costs 4 m^2 n + 2 m^3 flops a step, m <= n the
+    sides. ``X`` is consumed (may be overwritten). ``out`` (optional, X's shape and dtype, not
+    aliasing X) receives the last step's product, so a chunked caller needs no concatenation;
+    the result is returned either way.
     """
     last = len(coefficients) - 1
     for i, (a, b, c) in enumerate(coefficients):
-        S = torch.bmm(X, X.mT)  # (batch, m, m)
+        S = gram(X)  # (batch, m, m)
         P = torch.baddbmm(S, S, S, beta=b, alpha=c)  # b S + c S S
-        X = torch.baddbmm(X, P, X, beta=a, out=out if i == last else None)  # a X + P X
+        X = small_side(P, X, beta=a, out=out if i == last else None)  # a X + P X
     return into(out, X)
 
 
@@ -79,14 +96,6 @@ def into(out: Tensor | None, X: Tensor) -> Tensor:
     if out is None or out is X:
         return X
     return out.copy_(X)
-
-
-def batch_chunk(batch: int, m: int, n: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Matrices per chunk for a ``(batch, m, n)`` iteration: all on GPU, cache-sized on CPU."""
-    if device.type != "cpu":
-        return batch
-    working_set = (2 * m * n + 2 * m * m) * torch.empty((), dtype=dtype).element_size()
-    return max(1, min(batch, CPU_CHUNK_BYTES // working_set))
 
 
 def result_view(buffer: Tensor, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -112,10 +121,12 @@ def newton_schulz(
 ) -> Tensor:
     """Approximate the polar factor of each matrix in ``V`` by a quintic Newton–Schulz run.
 
-    Algorithm (per matrix): cast to ``dtype``; transpose if A > B so that the Gram matrix is
-    the small one; divide by ``||X||_F * norm_scale + eps`` (a zero matrix stays zero, never
-    NaN); run one quintic step per triple in ``coefficients``; transpose back. On CPU the
-    batch is run in chunks of `batch_chunk` matrices (cache-sized; same result as one call),
+    Algorithm (per matrix): cast to ``dtype``; divide by ``||X||_F * norm_scale + eps`` (a zero
+    matrix stays zero, never NaN); run one quintic step per triple in ``coefficients``, on the
+    small Gram matrix's side (a tall matrix from the right: the transpose of the wide form,
+    with no transposed copy). On CPU the
+    batch may run in chunks of matrices (`muonclip.ortho.chunks`: the fastest chunk on this
+    machine, timed on the first call for a shape; the same result, bit for bit, as one call),
     each normalised just before its steps and written into one preallocated result.
 
     Args:
@@ -125,7 +136,8 @@ def newton_schulz(
         eps: added to the Frobenius norm before the division (default 1e-7).
         norm_scale: the Frobenius norm is multiplied by this first (Polar Express uses 1.01).
         iteration: ``iteration(X, coefficients, out=None)`` runs the steps on the normalised
-            ``(batch, m, n)`` batch, m <= n, writing the result into ``out`` when given
+            ``(batch, A, B)`` batch (wide or tall: `gram` and `small_side` take either), writing
+            the result into ``out`` when given
             (default None: `quintic_iteration`; the Gram and symmetric forms in
             `muonclip.ortho.gram` / `.symmetric` plug in here).
         buffer: storage for the result (default None: a new tensor): a contiguous tensor of
@@ -139,22 +151,20 @@ def newton_schulz(
     """
     *batch, A, B = V.shape
     X = V.reshape(-1, A, B).to(dtype)
-    transposed = A > B
-    if transposed:
-        X = X.mT
     denom = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) * norm_scale + eps
     run = iteration or quintic_iteration
     N = X.shape[0]
-    k = batch_chunk(N, X.shape[1], X.shape[2], X.dtype, X.device)
     out = None if buffer is None else result_view(buffer, X.shape, X.dtype, X.device)
-    if k >= N:
-        X = run(X / denom, coefficients, out=out)
-    else:  # each chunk normalised just before its steps (still in cache), result written in place
+
+    def chunked(k: int, out: Tensor | None = None) -> Tensor:
+        """The batch's result, run ``k`` matrices at a time, written into ``out`` if given."""
+        if k >= N:
+            return run(X / denom, coefficients, out=out)
         if out is None:
             out = torch.empty(X.shape, dtype=X.dtype, device=X.device)
-        for i in range(0, N, k):
+        for i in range(0, N, k):  # each chunk normalised just before its steps (still in cache)
             run(X[i : i + k] / denom[i : i + k], coefficients, out=out[i : i + k])
-        X = out
-    if transposed:
-        X = X.mT
+        return out
+
+    X = chunked(choose_chunk(X, run, len(coefficients), chunked), out)
     return X.reshape(*batch, A, B)

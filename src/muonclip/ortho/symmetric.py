@@ -27,7 +27,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from .newton_schulz import into, newton_schulz
+from .newton_schulz import into, newton_schulz, small_side
 
 SYM_BLOCKS = 2
 
@@ -53,20 +53,21 @@ def sym_gram(X: Tensor, blocks: int = SYM_BLOCKS) -> Tensor:  # X: (batch, m, n)
 
 
 def symmetric_quintic_iteration(
-    X: Tensor,  # (batch, m, n), m <= n, normalised so that ||X||_2 <= 1
+    X: Tensor,  # (batch, p, q), wide or tall, normalised so that ||X||_2 <= 1
     coefficients: Sequence[tuple[float, float, float]],
     blocks: int = SYM_BLOCKS,
     out: Tensor | None = None,
 ) -> Tensor:
-    """`quintic_iteration` with ``X X^T`` and ``S S`` from `sym_gram`; returns (batch, m, n).
+    """`quintic_iteration` with ``X X^T`` and ``S S`` from `sym_gram` (of ``X^T`` for a tall X);
+    returns X's shape.
 
     ``out``: as in `muonclip.ortho.newton_schulz.quintic_iteration`.
     """
     last = len(coefficients) - 1
     for i, (a, b, c) in enumerate(coefficients):
-        S = sym_gram(X, blocks)  # (batch, m, m)
+        S = sym_gram(X.mT if X.shape[-2] > X.shape[-1] else X, blocks)  # (batch, m, m)
         P = sym_gram(S, blocks).mul_(c).add_(S, alpha=b)  # b S + c S S
-        X = torch.baddbmm(X, P, X, beta=a, out=out if i == last else None)  # a X + P X
+        X = small_side(P, X, beta=a, out=out if i == last else None)  # a X + P X
     return into(out, X)
 
 
