@@ -9,7 +9,8 @@ Two parameter sets (float32 weights, fixed gradients):
   (looped); muonclip.Muon takes the 3-D weight and orthogonalises the 64 as one batch.
 
 Contenders: ``muonclip.Muon`` with its defaults (ns5, bf16), with ``method="gram"`` (Gram
-Newton–Schulz for the rectangular matrices), with ``on_nonfinite="mask"`` (no host sync),
+Newton–Schulz for the rectangular matrices), with ``method="polar_express"`` (the same flops
+as ns5, a tighter band), with ``on_nonfinite="mask"`` (no host sync),
 torch.optim.Muon (same lr, weight decay, ns5 coefficients, 5 steps) and
 ``torch.optim.AdamW(foreach=True)``. Times are medians of interleaved rounds (timing.py)
 after warm-up steps. Beside each Muon time: the orthogonality error max |sigma_i - 1| of
@@ -63,6 +64,10 @@ def contenders(shapes, grads, device, torch_shapes=None, torch_grads=None):
         "muonclip.Muon method=gram": (
             muonclip.Muon(make_params(shapes, grads, device), lr=LR, weight_decay=WD, method="gram"),
             lambda V: orthogonalize(V, "gram"),
+        ),
+        "muonclip.Muon method=polar_express": (
+            muonclip.Muon(make_params(shapes, grads, device), lr=LR, weight_decay=WD, method="polar_express"),
+            lambda V: orthogonalize(V, "polar_express"),
         ),
         "muonclip.Muon method=gram on_nonfinite=mask": (
             muonclip.Muon(
@@ -120,13 +125,17 @@ def run_set(title, shapes, grads, args, torch_shapes=None, torch_grads=None) -> 
 
 
 def ns_rate(args) -> None:
-    """Newton–Schulz GFLOP/s (ns5 and gram, bf16) vs the bare matmul rate on the GPT buckets."""
+    """Newton–Schulz GFLOP/s (ns5 and gram, bf16) vs the bare matmul rate on the GPT buckets.
+
+    The input is a bf16 bucket, as `muonclip.Muon` hands it over (V written in the compute
+    dtype); the time includes the normalisation, not a cast.
+    """
     print("\n## Newton–Schulz rate on the GPT buckets (bf16)\n")
     print("| bucket | method | ms | equiv GFLOP/s | matmul floor GFLOP/s | ratio |")
     print("|---|---|---|---|---|---|")
     L, d = args.layers, args.d
     for E, A, B in [(4 * L, d, d), (L, 4 * d, d), (L, d, 4 * d)]:
-        V = conditioned((E, A, B)).to(args.device)
+        V = conditioned((E, A, B)).to(args.device, torch.bfloat16)
         t = round_robin(
             {m: (lambda m=m, V=V: orthogonalize(V, m)) for m in ("ns5", "gram")},
             rounds=args.rounds, clock=args.clock, device=args.device,

@@ -17,6 +17,7 @@ from muonclip.optim.nonfinite import MaskedStep, StepGate, nonfinite_flag, nonfi
 from muonclip.ortho import chunks, svd_polar
 from muonclip.ortho.gram import default_restarts, gram_flops, gram_newton_schulz
 from muonclip.ortho.newton_schulz import NS5_COEFFICIENTS, newton_schulz, polar_express_coefficients
+from muonclip.ortho.scratch import kept
 from muonclip.ortho.symmetric import sym_gram
 
 NS5 = [NS5_COEFFICIENTS] * 5
@@ -169,6 +170,38 @@ def test_result_buffer_holds_the_same_result(monkeypatch, method, shape, chunk):
     assert start <= got.data_ptr() < end and torch.isnan(buffer[V.numel():]).all()
 
 
+@pytest.mark.parametrize("method", ["ns5", "gram", "polar_express"])
+@pytest.mark.parametrize("shape", [(7, 24, 72), (7, 72, 24), (7, 24, 24)])
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_scratch_keeps_temporaries_and_changes_nothing(monkeypatch, method, shape, chunk):
+    """``scratch=``: the same result bit for bit; its buffers hold the temporaries and are
+    reused (not reallocated) by the next call of the same shape; a smaller call reuses them."""
+    monkeypatch.setattr(chunks, "CPU_CHUNK", chunk)
+    V = conditioned(shape).to(torch.bfloat16)
+    want = orthogonalize(V, method)
+    scratch = {}
+    assert torch.equal(orthogonalize(V, method, scratch=scratch), want)
+    roles = {role for role, _ in scratch}
+    assert {"ns.in", "ns.S" if method != "gram" or shape[-1] == shape[-2] else "ns.R"} <= roles
+    ptrs = {k: v.data_ptr() for k, v in scratch.items()}
+    assert torch.equal(orthogonalize(V, method, scratch=scratch), want)
+    assert torch.equal(orthogonalize(V[:2], method, scratch=scratch), orthogonalize(V[:2], method))
+    assert {k: v.data_ptr() for k, v in scratch.items()} == ptrs
+
+
+def test_kept_buffers():
+    scratch = {}
+    a = kept(scratch, "x", (2, 3), torch.float32, torch.device("cpu"))
+    assert a.shape == (2, 3) and scratch[("x", torch.float32)].numel() == 6
+    b = kept(scratch, "x", (2, 3), torch.float32, torch.device("cpu"), avoid=a)  # the role's second buffer
+    assert b.data_ptr() != a.data_ptr() and ("x'", torch.float32) in scratch
+    assert kept(scratch, "x", (2, 3), torch.float32, torch.device("cpu"), avoid=b).data_ptr() == a.data_ptr()
+    assert kept(scratch, "x", (4, 3), torch.float32, torch.device("cpu")).numel() == 12  # grown
+    assert kept(scratch, "x", (2,), torch.bfloat16, torch.device("cpu")).dtype == torch.bfloat16  # per dtype
+    assert kept(None, "x", (2,), torch.float32, torch.device("cpu")) is None
+    assert kept(scratch, "y", (2,), torch.float32, torch.device("meta")) is None  # off the CPU: allocate as usual
+
+
 def test_result_buffer_ignored_or_refused():
     V = conditioned((24, 40)).float()
     buffer = torch.zeros(V.numel(), dtype=torch.float32)
@@ -183,9 +216,10 @@ def test_result_buffer_ignored_or_refused():
 
 
 def test_muon_reuses_its_cpu_buffers_across_steps_and_buckets():
-    """One process on CPU: every bucket's input and result come from the same two buffers,
-    step after step (no multi-MB allocation per step); they are scratch, not state: a deepcopy
-    starts without them, and results equal a step without them."""
+    """One process on CPU: every bucket's input and result come from the same two buffers, and
+    Newton–Schulz's temporaries from buffers of their own, step after step (no multi-MB
+    allocation per step); they are scratch, not state: a deepcopy starts without them, and
+    results equal a step without them."""
     torch.manual_seed(0)
     shapes = [(32, 32)] * 3 + [(64, 32), (32, 64), (48, 32)]
     params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
@@ -203,7 +237,7 @@ def test_muon_reuses_its_cpu_buffers_across_steps_and_buckets():
         opt.step()
         ref.step()
         now = {k: v.data_ptr() for k, v in opt._workspace.items() if k != "structure"}
-        assert set(k[0] for k in now) == {"input", "result"}
+        assert set(k[0] for k in now) == {"input", "result", "ns.in", "ns.S", "ns.P", "ns.X", "ns.X'"}
         assert ptrs is None or now == ptrs
         ptrs = now
     for p, q in zip(params, twin):
@@ -312,13 +346,14 @@ def test_chunk_choice_is_the_fastest_equal_result_and_is_kept(monkeypatch, two_t
     X = torch.zeros(24, 384, 384, dtype=torch.bfloat16)
     cands = chunks.candidates(24, 384, 384, torch.bfloat16, threads=2)  # [24, 2, 3, 4, 8, 16]
     cost = {k: 0.01 for k in cands}
-    fastest, different = cands[-1], cands[-2]
+    fastest, different, close = cands[-1], cands[-2], cands[-3]
     cost[fastest], cost[different] = 0.004, 0.001  # `different` is faster still, but its result differs
     runs = _FakeRuns(monkeypatch, cost, {different: torch.ones(3)})
     from muonclip.ortho.newton_schulz import quintic_iteration
 
     assert chunks.choose_chunk(X, quintic_iteration, 5, runs) == fastest
-    assert runs.calls == cands + [k for k in cands if k != different]  # two rounds, the odd one dropped
+    eligible = [k for k in cands if k != different]
+    assert runs.calls == cands + eligible * (chunks.TUNE_ROUNDS - 1)  # the odd one timed once, then dropped
     n = len(runs.calls)
     assert chunks.choose_chunk(X, quintic_iteration, 5, runs) == fastest and len(runs.calls) == n  # kept
     # another step count, thread count or iteration is another choice
@@ -326,6 +361,11 @@ def test_chunk_choice_is_the_fastest_equal_result_and_is_kept(monkeypatch, two_t
     torch.set_num_threads(1)
     chunks.choose_chunk(X, quintic_iteration, 6, runs)
     assert len(runs.calls) > 2 * n
+    # a chunking is taken over the whole batch only when clearly faster
+    cost = {k: 0.01 for k in cands} | {close: 0.01 * chunks.TUNE_MARGIN * 1.01}
+    assert chunks.choose_chunk(X, quintic_iteration, 5, _FakeRuns(monkeypatch, cost)) == 24
+    cost[close] = 0.01 * chunks.TUNE_MARGIN * 0.99
+    assert chunks.choose_chunk(X, quintic_iteration, 5, _FakeRuns(monkeypatch, cost)) == close
 
 
 def test_chunk_choice_skips_timing_where_it_cannot_matter(monkeypatch):

@@ -42,6 +42,7 @@ from ..optim.matrices import matrix_blocks
 from ..optim.nonfinite import StepGate
 from ..optim.scale import update_scale
 from ..ortho import METHODS, orthogonalize
+from ..ortho.scratch import kept
 from .context import ROWS, GroupContext, item_layout, local, resolve_group, shard_rows
 from .exchange import CommStats, agree, all_gather_owned, gather_rows, scatter_rows, signature
 from .plan import Plan, assign_owners, matrix_rows, ns_flops
@@ -105,9 +106,10 @@ def muon_step(
             plan, buckets and update scales are kept there and reused while the items'
             shapes, options and layouts stay the same (`_structure`; half of the fixed cost
             per step). With one process on CPU each bucket's input and result are also cut
-            from two buffers kept there, reused by every bucket and step: fresh multi-MB
-            buffers cost thousands of page faults a step on CPU (glibc returns them to the
-            OS); GPUs have a caching allocator and never use them.
+            from two buffers kept there, reused by every bucket and step, and with any number
+            of processes Newton–Schulz keeps its temporaries there (``orthogonalize``'s
+            ``scratch``): fresh multi-MB buffers cost thousands of page faults a step on CPU
+            (glibc returns them to the OS); GPUs have a caching allocator and never use them.
         gate: `muonclip.optim.nonfinite.StepGate` of a masked step (default None: none), the
             gradients already zeroed where its flag is set (`MaskedStep` does both); where it
             is set the step leaves every weight and momentum buffer exactly as it was.
@@ -190,7 +192,7 @@ def muon_step(
     O: dict[int, Tensor] = {}
     _orthogonalize_owned(live, whole, st, v_into, stats, orthogonalize,
                          done=apply if ctx.world_size == 1 else O.__setitem__,
-                         workspace=workspace if ctx.world_size == 1 else None)
+                         workspace=workspace if ctx.world_size == 1 else None, scratch=workspace)
     stats.ns_flops = plan.flops[ctx.rank]
     for k in sorted(pending):  # momentum of the items this rank neither owns nor sends
         momentum(k)
@@ -309,7 +311,7 @@ def _structure(live: list[tuple[dict[str, Any], Tensor]], ctx: GroupContext,
 def _orthogonalize_owned(live: list[tuple[dict[str, Any], Tensor]], whole: dict[int, Tensor | None],
                          st: _Structure, v_into: Callable[..., Tensor], stats: StepStats,
                          orthogonalize: Callable[..., Tensor], done: Callable[[int, Tensor], None],
-                         workspace: dict[Any, Any] | None = None) -> None:
+                         workspace: dict[Any, Any] | None = None, scratch: dict[Any, Any] | None = None) -> None:
     """Orthogonalise the owned items (``whole``'s keys, ``st.n_blocks``); ``done(k, orth(V_k))``
     (V_k's shape, compute dtype) as soon as item k's result is complete.
 
@@ -322,7 +324,9 @@ def _orthogonalize_owned(live: list[tuple[dict[str, Any], Tensor]], whole: dict[
     assembled, after their last block's bucket.
 
     ``workspace`` (only where ``done`` has used every result before the next bucket starts,
-    i.e. one process): on CPU each bucket's input and result live in two reused buffers.
+    i.e. one process): on CPU each bucket's input and result live in two reused buffers
+    (`muonclip.ortho.scratch.kept`). ``scratch``: passed to ``orthogonalize`` for its
+    temporaries (any number of processes: they die within the call).
     """
     n_blocks = st.n_blocks
     pieces: dict[int, list[Tensor | None]] = {k: [None] * n for k, n in n_blocks.items()}
@@ -330,7 +334,7 @@ def _orthogonalize_owned(live: list[tuple[dict[str, Any], Tensor]], whole: dict[
     for bk in st.buckets:
         cdtype = bk.dtype or METHODS[bk.method].default_dtype
         shape = (sum(bk.sizes), bk.A, bk.B)
-        Vb = _scratch(workspace, "input", shape, cdtype, bk.device)
+        Vb = kept(workspace, "input", shape, cdtype, bk.device)
         if Vb is None:
             Vb = torch.empty(shape, dtype=cdtype, device=bk.device)
         for (k, b), dst in zip(bk.entries, Vb.split(bk.sizes)):
@@ -342,9 +346,9 @@ def _orthogonalize_owned(live: list[tuple[dict[str, Any], Tensor]], whole: dict[
             else:  # only this block's V, straight into the bucket
                 v_into(k, dst, block=b)
         stats.matrices += Vb.shape[0]
-        buffer = _scratch(workspace, "result", shape, cdtype, bk.device)
+        buffer = kept(workspace, "result", shape, cdtype, bk.device)
         Ob = orthogonalize(Vb, bk.method, bk.steps, bk.dtype, eps=bk.eps, coefficients=bk.coefficients,
-                           out_dtype=cdtype, buffer=buffer)
+                           out_dtype=cdtype, buffer=buffer, scratch=scratch)
         for (k, b), r in zip(bk.entries, Ob.split(bk.sizes)):
             missing[k] -= 1
             # a block of an item still incomplete outlives this bucket: off the reused buffer
@@ -352,19 +356,6 @@ def _orthogonalize_owned(live: list[tuple[dict[str, Any], Tensor]], whole: dict[
             if missing[k] == 0:
                 done(k, _assemble(pieces.pop(k), live[k][1].shape if whole[k] is None else whole[k].shape,
                                   live[k][0]))
-
-
-def _scratch(workspace: dict[Any, Any] | None, role: str, shape: tuple[int, int, int], dtype: torch.dtype,
-             device: torch.device) -> Tensor | None:
-    """A ``shape`` view of the workspace's CPU buffer for (``role``, ``dtype``), grown when too
-    small; None without a workspace or off the CPU (GPUs' caching allocator reuses memory)."""
-    if workspace is None or device.type != "cpu":
-        return None
-    need = shape[0] * shape[1] * shape[2]
-    buf = workspace.get((role, dtype))
-    if buf is None or buf.numel() < need:
-        buf = workspace[(role, dtype)] = torch.empty(need, dtype=dtype, device=device)
-    return buf[:need].view(shape)
 
 
 def _assemble(parts: list[Tensor | None], shape: torch.Size, group: dict[str, Any]) -> Tensor:

@@ -35,8 +35,8 @@ class Method:
         dtypes: compute dtypes the method accepts.
         takes_coefficients: whether ``coefficients`` (the quintic's (a, b, c)) applies
             (default False: passing them is an error).
-        takes_buffer: whether ``run`` also takes ``buffer=`` (storage for its result, see
-            `orthogonalize`; default False: never passed one).
+        takes_buffer: whether ``run`` also takes ``buffer=`` and ``scratch=`` (storage for its
+            result and its temporaries, see `orthogonalize`; default False: never passed them).
     """
 
     run: Callable[..., Tensor]
@@ -47,19 +47,20 @@ class Method:
     takes_buffer: bool = False
 
 
-def _ns5(V, steps, dtype, eps, coefficients, buffer=None):
+def _ns5(V, steps, dtype, eps, coefficients, buffer=None, scratch=None):
     coeffs = [tuple(coefficients or NS5_COEFFICIENTS)] * steps
-    return newton_schulz(V, coeffs, dtype=dtype, eps=eps, buffer=buffer)
+    return newton_schulz(V, coeffs, dtype=dtype, eps=eps, buffer=buffer, scratch=scratch)
 
 
-def _polar_express(V, steps, dtype, eps, coefficients, buffer=None):
+def _polar_express(V, steps, dtype, eps, coefficients, buffer=None, scratch=None):
     coeffs = polar_express_coefficients(steps)
-    return newton_schulz(V, coeffs, dtype=dtype, eps=eps, norm_scale=POLAR_EXPRESS_SAFETY, buffer=buffer)
+    return newton_schulz(V, coeffs, dtype=dtype, eps=eps, norm_scale=POLAR_EXPRESS_SAFETY, buffer=buffer,
+                         scratch=scratch)
 
 
-def _gram(V, steps, dtype, eps, coefficients, buffer=None):
+def _gram(V, steps, dtype, eps, coefficients, buffer=None, scratch=None):
     coeffs = [tuple(coefficients or NS5_COEFFICIENTS)] * steps
-    return gram_newton_schulz(V, coeffs, dtype=dtype, eps=eps, buffer=buffer)
+    return gram_newton_schulz(V, coeffs, dtype=dtype, eps=eps, buffer=buffer, scratch=scratch)
 
 
 def _ns5_compiled(V, steps, dtype, eps, coefficients):
@@ -67,9 +68,9 @@ def _ns5_compiled(V, steps, dtype, eps, coefficients):
     return compiled_newton_schulz(V, coeffs, dtype=dtype, eps=eps)
 
 
-def _ns5_sym(V, steps, dtype, eps, coefficients, buffer=None):
+def _ns5_sym(V, steps, dtype, eps, coefficients, buffer=None, scratch=None):
     coeffs = [tuple(coefficients or NS5_COEFFICIENTS)] * steps
-    return symmetric_newton_schulz(V, coeffs, dtype=dtype, eps=eps, buffer=buffer)
+    return symmetric_newton_schulz(V, coeffs, dtype=dtype, eps=eps, buffer=buffer, scratch=scratch)
 
 
 def _svd(V, steps, dtype, eps, coefficients):
@@ -118,6 +119,7 @@ def orthogonalize(
     coefficients: Sequence[float] | None = None,
     out_dtype: torch.dtype | None = None,
     buffer: Tensor | None = None,
+    scratch: dict | None = None,
 ) -> Tensor:
     """Approximate the polar factor ``U V^T`` of every matrix in ``V``.
 
@@ -148,6 +150,10 @@ def orthogonalize(
             overlapping ``V``. When the method can write there (``Method.takes_buffer``: ns5,
             polar_express, gram, ns5_sym) and ``out_dtype`` is the compute dtype, the result
             is a view of it, valid until the buffer is reused; otherwise it is ignored.
+        scratch: a dict the caller keeps between calls (default None: none), where the
+            methods that take ``buffer`` keep their temporaries on CPU instead of allocating
+            them each call (`muonclip.ortho.scratch`: fresh multi-MB temporaries are page-faulted
+            in on every call). It holds about four times the largest batch's size.
 
     Returns:
         A tensor of ``V``'s shape, in ``out_dtype`` (default ``V``'s dtype).
@@ -165,9 +171,10 @@ def orthogonalize(
         return V.to(out_dtype or V.dtype, copy=True)
     dtype = dtype or m.default_dtype
     steps = m.default_steps if steps is None else steps
+    kept = {"scratch": scratch} if scratch is not None and m.takes_buffer else {}
     if buffer is not None and m.takes_buffer and (out_dtype or V.dtype) == dtype:
-        return m.run(V, steps, dtype, eps, coefficients, buffer=buffer)
-    return m.run(V, steps, dtype, eps, coefficients).to(out_dtype or V.dtype)
+        return m.run(V, steps, dtype, eps, coefficients, buffer=buffer, **kept)
+    return m.run(V, steps, dtype, eps, coefficients, **kept).to(out_dtype or V.dtype)
 
 
 __all__ = ["METHODS", "Method", "check_method", "orthogonalize", "svd_polar", "newton_schulz"]

@@ -14,9 +14,11 @@ the two CPUs this project has been measured on want opposite things (bf16, ns5, 
 So the chunk is chosen by timing, once per process for each (batch, m, n, dtype, steps,
 iteration, thread count): the first call runs the batch with each candidate (`candidates`:
 the whole batch, the cache-sized chunk of `CPU_CHUNK_BYTES`, and multiples of the thread
-count) twice and keeps the fastest. A whole-batch run slower than `TUNE_SECONDS` is not tuned
-(large matrices keep the matrix units busy in any chunking). Set `CPU_CHUNK` to fix the chunk
-instead.
+count) `TUNE_ROUNDS` times and keeps the fastest, the whole batch unless a chunking takes
+less than `TUNE_MARGIN` of its time (timings on a busy machine wobble by several percent, and
+the chunkings that lose here lose by more); later calls reuse the choice. A
+whole-batch run slower than `TUNE_SECONDS` is not tuned (large matrices keep the matrix
+units busy in any chunking). Set `CPU_CHUNK` to fix the chunk instead.
 
 Chunking never changes the result: a candidate is eligible only if its result equals the
 whole batch's bit for bit, so the choice, which depends on timings, cannot make a run differ
@@ -38,6 +40,8 @@ CPU_CHUNK: int | None = None
 CPU_CHUNK_BYTES = 4 * 2**20
 # A whole-batch run slower than this (seconds) is taken as the choice without timing others.
 TUNE_SECONDS = 0.25
+TUNE_ROUNDS = 3  # timings of each candidate (the least counts)
+TUNE_MARGIN = 0.9  # a chunking is chosen over the whole batch only below this share of its time
 _CHOSEN: dict[tuple, int] = {}
 _clock = time.perf_counter  # what the choice is timed with
 
@@ -86,11 +90,13 @@ def choose_chunk(X: Tensor, iteration: Callable[..., Tensor], steps: int,
 
 
 def _fastest(cands: list[int], attempt: Callable[[int], Tensor]) -> int:
-    """The candidate with the least time over two rounds, among those whose result equals the
-    first (whole-batch) candidate's bit for bit."""
+    """The candidate with the least time over `TUNE_ROUNDS` rounds among those whose result
+    equals the first (whole-batch) candidate's bit for bit; the whole batch unless that time is
+    below `TUNE_MARGIN` of the whole batch's."""
+    whole = cands[0]
     best: dict[int, float] = {}
     reference: Tensor | None = None
-    for _ in range(2):
+    for _ in range(TUNE_ROUNDS):
         for k in cands:
             t0 = _clock()
             result = attempt(k)
@@ -98,12 +104,13 @@ def _fastest(cands: list[int], attempt: Callable[[int], Tensor]) -> int:
             if reference is None:
                 reference = result
                 if seconds > TUNE_SECONDS:
-                    return k
+                    return whole
             elif k not in best and not torch.equal(result, reference):
                 continue  # a different result: never chosen
             best[k] = min(seconds, best.get(k, seconds))
         cands = list(best)
-    return min(best, key=best.__getitem__)
+    fastest = min(best, key=best.__getitem__)
+    return fastest if best[fastest] < TUNE_MARGIN * best[whole] else whole
 
 
 def _iteration_key(iteration: Callable[..., Tensor]) -> tuple:

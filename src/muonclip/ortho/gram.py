@@ -45,7 +45,8 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from .newton_schulz import gram, into, newton_schulz, quintic_iteration, small_side
+from .newton_schulz import gram, gram_shape, into, newton_schulz, quintic_iteration, small_side
+from .scratch import kept
 
 GRAM_MIN_ASPECT = 1.5
 
@@ -63,33 +64,40 @@ def gram_iteration(
     coefficients: Sequence[tuple[float, float, float]],
     restarts: Collection[int] | None = None,
     out: Tensor | None = None,
+    scratch: dict | None = None,
 ) -> Tensor:
     """The quintic steps of ``coefficients`` on X, done on its small Gram matrix (`gram`: ``X X^T``
     wide, ``X^T X`` tall; Q applied on that side by `small_side`); returns X's shape.
 
     ``restarts``: step indices before which X and its Gram matrix are recomputed (index 0 is
-    ignored: step 0 always starts from X); None means `default_restarts`. ``out``: as in
-    `muonclip.ortho.newton_schulz.quintic_iteration`.
+    ignored: step 0 always starts from X); None means `default_restarts`. ``out`` and
+    ``scratch``: as in `muonclip.ortho.newton_schulz.quintic_iteration`.
     """
     if restarts is None:
         restarts = default_restarts(len(coefficients))
-    R = gram(X)  # (batch, m, m)
+    dtype, device, shape = X.dtype, X.device, gram_shape(X)
+
+    def keep(role: str, avoid: Tensor | None = None) -> Tensor | None:
+        return kept(scratch, role, shape, dtype, device, avoid)
+
+    R = gram(X, out=keep("ns.R"))  # (batch, m, m)
     Q: Tensor | None = None
     last = len(coefficients) - 1
     for i, (a, b, c) in enumerate(coefficients):
         if i != 0 and i in restarts and Q is not None:
-            X = small_side(Q, X)
-            R = gram(X)
+            X = small_side(Q, X, out=kept(scratch, "ns.X", X.shape, dtype, device, avoid=X))
+            R = gram(X, out=R)
             Q = None
-        Z = torch.baddbmm(R, R, R, beta=b, alpha=c)  # b R + c R^2
+        Z = torch.baddbmm(R, R, R, beta=b, alpha=c, out=keep("ns.Z"))  # b R + c R^2
         if Q is None:
-            Q = Z.clone()
+            q = keep("ns.Q")
+            Q = Z.clone() if q is None else q.copy_(Z)
             Q.diagonal(dim1=-2, dim2=-1).add_(a)  # a I + Z
         else:
-            Q = torch.baddbmm(Q, Q, Z, beta=a)  # Q (a I + Z)
+            Q = torch.baddbmm(Q, Q, Z, beta=a, out=keep("ns.Q", avoid=Q))  # Q (a I + Z)
         if i < last and (i + 1) not in restarts:
-            RZ = torch.baddbmm(R, R, Z, beta=a)  # a R + R Z
-            R = torch.baddbmm(RZ, Z, RZ, beta=a)  # (a I + Z) R (a I + Z)
+            RZ = torch.baddbmm(R, R, Z, beta=a, out=keep("ns.RZ"))  # a R + R Z
+            R = torch.baddbmm(RZ, Z, RZ, beta=a, out=R)  # (a I + Z) R (a I + Z), over the old R
     if Q is None:
         return into(out, X)
     return small_side(Q, X, out=out)
@@ -105,6 +113,7 @@ def gram_newton_schulz(
     restarts: Collection[int] | None = None,
     min_aspect: float = GRAM_MIN_ASPECT,
     buffer: Tensor | None = None,
+    scratch: dict | None = None,
 ) -> Tensor:
     """Approximate the polar factor of each matrix in ``V`` by Gram Newton–Schulz.
 
@@ -123,8 +132,8 @@ def gram_newton_schulz(
         restarts: step indices before which X and R are recomputed (default None:
             `default_restarts`, i.e. (3,) for 5 steps).
         min_aspect: smallest ``max(A, B) / min(A, B)`` that uses the Gram form (default 1.5).
-        buffer: storage for the result (default None), as in
-            `muonclip.ortho.newton_schulz.newton_schulz`.
+        buffer, scratch: storage for the result and for the temporaries (default None), as
+            in `muonclip.ortho.newton_schulz.newton_schulz`.
 
     Returns:
         A tensor of ``V``'s shape, in ``dtype``.
@@ -135,7 +144,7 @@ def gram_newton_schulz(
     else:
         iteration = quintic_iteration
     return newton_schulz(V, coefficients, dtype=dtype, eps=eps, norm_scale=norm_scale, iteration=iteration,
-                         buffer=buffer)
+                         buffer=buffer, scratch=scratch)
 
 
 def gram_flops(m: int, n: int, steps: int, restarts: Collection[int] | None = None) -> int:

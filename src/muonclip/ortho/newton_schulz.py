@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .chunks import choose_chunk
+from .scratch import kept
 
 NS5_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
 
@@ -52,10 +53,16 @@ def polar_express_coefficients(steps: int) -> list[tuple[float, float, float]]:
     return [table[min(i, len(table) - 1)] for i in range(steps)]
 
 
-def gram(X: Tensor) -> Tensor:  # X: (batch, p, q)
+def gram(X: Tensor, out: Tensor | None = None) -> Tensor:  # X: (batch, p, q)
     """The small Gram matrix ``(batch, m, m)``, m = min(p, q): ``X X^T`` for a wide or square X,
-    ``X^T X`` for a tall one."""
-    return torch.bmm(X.mT, X) if X.shape[-2] > X.shape[-1] else torch.bmm(X, X.mT)
+    ``X^T X`` for a tall one (into ``out`` if given)."""
+    return torch.bmm(X.mT, X, out=out) if X.shape[-2] > X.shape[-1] else torch.bmm(X, X.mT, out=out)
+
+
+def gram_shape(X: Tensor) -> tuple[int, int, int]:
+    """The shape of `gram` of ``X`` (batch, p, q): ``(batch, m, m)``, m = min(p, q)."""
+    m = min(X.shape[-2:])
+    return X.shape[0], m, m
 
 
 def small_side(P: Tensor, X: Tensor, beta: float | None = None, out: Tensor | None = None) -> Tensor:
@@ -73,6 +80,7 @@ def quintic_iteration(
     X: Tensor,  # (batch, p, q), wide or tall, already normalised so that ||X||_2 <= 1
     coefficients: Sequence[tuple[float, float, float]],
     out: Tensor | None = None,
+    scratch: dict | None = None,
 ) -> Tensor:
     """Run ``X <- a X + (b S + c S S) X`` with ``S = X X^T`` once per (a, b, c).
 
@@ -81,13 +89,16 @@ def quintic_iteration(
     its stored layout (no transposed copies). Costs 4 m^2 n + 2 m^3 flops a step, m <= n the
     sides. ``X`` is consumed (may be overwritten). ``out`` (optional, X's shape and dtype, not
     aliasing X) receives the last step's product, so a chunked caller needs no concatenation;
-    the result is returned either way.
+    the result is returned either way. ``scratch``: where S, P and the intermediate X are kept
+    between calls (`muonclip.ortho.scratch`; default None: allocated per step).
     """
     last = len(coefficients) - 1
+    dtype, device = X.dtype, X.device
     for i, (a, b, c) in enumerate(coefficients):
-        S = gram(X)  # (batch, m, m)
-        P = torch.baddbmm(S, S, S, beta=b, alpha=c)  # b S + c S S
-        X = small_side(P, X, beta=a, out=out if i == last else None)  # a X + P X
+        S = gram(X, out=kept(scratch, "ns.S", gram_shape(X), dtype, device))  # (batch, m, m)
+        P = torch.baddbmm(S, S, S, beta=b, alpha=c, out=kept(scratch, "ns.P", S.shape, dtype, device))  # b S + c S S
+        nxt = out if i == last else kept(scratch, "ns.X", X.shape, dtype, device, avoid=X)
+        X = small_side(P, X, beta=a, out=nxt)  # a X + P X
     return into(out, X)
 
 
@@ -118,16 +129,17 @@ def newton_schulz(
     norm_scale: float = 1.0,
     iteration: Callable[..., Tensor] | None = None,
     buffer: Tensor | None = None,
+    scratch: dict | None = None,
 ) -> Tensor:
     """Approximate the polar factor of each matrix in ``V`` by a quintic Newton–Schulz run.
 
     Algorithm (per matrix): cast to ``dtype``; divide by ``||X||_F * norm_scale + eps`` (a zero
     matrix stays zero, never NaN); run one quintic step per triple in ``coefficients``, on the
     small Gram matrix's side (a tall matrix from the right: the transpose of the wide form,
-    with no transposed copy). On CPU the
-    batch may run in chunks of matrices (`muonclip.ortho.chunks`: the fastest chunk on this
-    machine, timed on the first call for a shape; the same result, bit for bit, as one call),
-    each normalised just before its steps and written into one preallocated result.
+    with no transposed copy). On CPU the batch may run in chunks of matrices
+    (`muonclip.ortho.chunks`: the fastest chunk on this machine, timed on the first call for a
+    shape; the same result, bit for bit, as one call), each normalised just before its steps
+    and written into one preallocated result.
 
     Args:
         V: matrices of shape ``(..., A, B)``; leading dimensions are a batch.
@@ -135,16 +147,19 @@ def newton_schulz(
         dtype: compute dtype (default bf16).
         eps: added to the Frobenius norm before the division (default 1e-7).
         norm_scale: the Frobenius norm is multiplied by this first (Polar Express uses 1.01).
-        iteration: ``iteration(X, coefficients, out=None)`` runs the steps on the normalised
-            ``(batch, A, B)`` batch (wide or tall: `gram` and `small_side` take either), writing
-            the result into ``out`` when given
-            (default None: `quintic_iteration`; the Gram and symmetric forms in
+        iteration: ``iteration(X, coefficients, out=None, scratch=None)`` runs the steps on
+            the normalised ``(batch, A, B)`` batch (wide or tall: `gram` and `small_side` take
+            either), writing the result into ``out`` when given and keeping its temporaries in
+            ``scratch`` (default None: `quintic_iteration`; the Gram and symmetric forms in
             `muonclip.ortho.gram` / `.symmetric` plug in here).
         buffer: storage for the result (default None: a new tensor): a contiguous tensor of
             ``dtype`` on ``V``'s device with at least ``V.numel()`` elements, of any shape, not
             overlapping ``V``; the result is a view of its first ``V.numel()`` elements. A
             caller that orthogonalises every step keeps one (on CPU a fresh multi-MB result is
             page-faulted in again each time).
+        scratch: a dict the caller keeps between calls, where the normalised input and the
+            iteration's temporaries are kept on CPU (`muonclip.ortho.scratch`; default None:
+            allocated per call).
 
     Returns:
         A tensor of ``V``'s shape, in ``dtype`` (a view of ``buffer`` when given).
@@ -156,14 +171,18 @@ def newton_schulz(
     N = X.shape[0]
     out = None if buffer is None else result_view(buffer, X.shape, X.dtype, X.device)
 
+    def normalised(i: int, j: int) -> Tensor:
+        """Matrices i..j-1 divided by their norms."""
+        return torch.div(X[i:j], denom[i:j], out=kept(scratch, "ns.in", (j - i, A, B), X.dtype, X.device))
+
     def chunked(k: int, out: Tensor | None = None) -> Tensor:
         """The batch's result, run ``k`` matrices at a time, written into ``out`` if given."""
         if k >= N:
-            return run(X / denom, coefficients, out=out)
+            return run(normalised(0, N), coefficients, out=out, scratch=scratch)
         if out is None:
             out = torch.empty(X.shape, dtype=X.dtype, device=X.device)
         for i in range(0, N, k):  # each chunk normalised just before its steps (still in cache)
-            run(X[i : i + k] / denom[i : i + k], coefficients, out=out[i : i + k])
+            run(normalised(i, min(i + k, N)), coefficients, out=out[i : i + k], scratch=scratch)
         return out
 
     X = chunked(choose_chunk(X, run, len(coefficients), chunked), out)

@@ -57,11 +57,13 @@ def symmetric_quintic_iteration(
     coefficients: Sequence[tuple[float, float, float]],
     blocks: int = SYM_BLOCKS,
     out: Tensor | None = None,
+    scratch: dict | None = None,
 ) -> Tensor:
     """`quintic_iteration` with ``X X^T`` and ``S S`` from `sym_gram` (of ``X^T`` for a tall X);
     returns X's shape.
 
-    ``out``: as in `muonclip.ortho.newton_schulz.quintic_iteration`.
+    ``out``: as in `muonclip.ortho.newton_schulz.quintic_iteration`; ``scratch`` is accepted
+    and unused (this opt-in form allocates its strips per step).
     """
     last = len(coefficients) - 1
     for i, (a, b, c) in enumerate(coefficients):
@@ -80,15 +82,16 @@ def symmetric_newton_schulz(
     norm_scale: float = 1.0,
     blocks: int = SYM_BLOCKS,
     buffer: Tensor | None = None,
+    scratch: dict | None = None,
 ) -> Tensor:
     """`muonclip.ortho.newton_schulz.newton_schulz` with the symmetric products of `sym_gram`.
 
-    Same arguments (``buffer`` included) and result (``V``'s shape, in ``dtype``); ``blocks``
+    Same arguments (``buffer`` and ``scratch`` included) and result (``V``'s shape, in ``dtype``); ``blocks``
     row strips per symmetric product (default 2).
     """
     iteration = partial(symmetric_quintic_iteration, blocks=blocks)
     return newton_schulz(V, coefficients, dtype=dtype, eps=eps, norm_scale=norm_scale, iteration=iteration,
-                         buffer=buffer)
+                         buffer=buffer, scratch=scratch)
 
 
 def symmetric_flops(m: int, n: int, steps: int, blocks: int = SYM_BLOCKS) -> int:
