@@ -70,10 +70,13 @@ class Muon(torch.optim.Optimizer):
 
     In one process on CPU, two buffers the size of the largest Newton–Schulz bucket (its
     same-shape matrices in the compute dtype: 7 MB for 24 matrices of 384 x 384 in bf16), one
-    for the input and one for the result, are kept between steps and reused by every bucket.
-    Fresh buffers each step cost thousands of page faults a step (glibc gives them back to
-    the OS), about 7% of the step on the benchmark GPT set. They are scratch, not state (not
-    in ``state_dict``, not copied).
+    for the input and one for the result, are kept between steps and reused by every bucket,
+    and on CPU Newton–Schulz keeps its temporaries (3–5 times that size) there too. Fresh
+    buffers each step cost thousands of page faults a step (glibc gives them back to the OS),
+    7–10% of the step on the benchmark GPT set. They are scratch, not state (not in
+    ``state_dict``, not copied). On CPU the first step also times how to feed each bucket to
+    the matrix units (`muonclip.ortho.chunks`: about 1.3 s once on the benchmark GPT set); the
+    choice never changes a result.
 
     Args:
         params: parameters or param groups. A group may set any option below, plus

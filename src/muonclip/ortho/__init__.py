@@ -153,7 +153,7 @@ def orthogonalize(
         scratch: a dict the caller keeps between calls (default None: none), where the
             methods that take ``buffer`` keep their temporaries on CPU instead of allocating
             them each call (`muonclip.ortho.scratch`: fresh multi-MB temporaries are page-faulted
-            in on every call). It holds about four times the largest batch's size.
+            in on every call). It grows to 3–5 times the largest batch's size.
 
     Returns:
         A tensor of ``V``'s shape, in ``out_dtype`` (default ``V``'s dtype).

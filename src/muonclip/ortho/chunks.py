@@ -18,7 +18,9 @@ count) `TUNE_ROUNDS` times and keeps the fastest, the whole batch unless a chunk
 less than `TUNE_MARGIN` of its time (timings on a busy machine wobble by several percent, and
 the chunkings that lose here lose by more); later calls reuse the choice. A
 whole-batch run slower than `TUNE_SECONDS` is not tuned (large matrices keep the matrix
-units busy in any chunking). Set `CPU_CHUNK` to fix the chunk instead.
+units busy in any chunking). The first call thus costs up to ``len(candidates) *
+TUNE_ROUNDS`` runs (1.3 s once for the benchmark GPT set's three buckets on the AMX Xeon). Set
+`CPU_CHUNK` to fix the chunk instead.
 
 Chunking never changes the result: a candidate is eligible only if its result equals the
 whole batch's bit for bit, so the choice, which depends on timings, cannot make a run differ
@@ -114,10 +116,10 @@ def _fastest(cands: list[int], attempt: Callable[[int], Tensor]) -> int:
 
 
 def _iteration_key(iteration: Callable[..., Tensor]) -> tuple:
-    """What identifies an iteration across calls (a `functools.partial` by its function and
-    keywords; any function by its qualified name, so a lambda made per call is one key)."""
+    """What identifies an iteration across calls: a `functools.partial` by its function and
+    keywords, a function by its code (a lambda made anew at each call is still one key)."""
     keywords: tuple = ()
     if isinstance(iteration, partial):
         keywords = tuple(sorted((k, repr(v)) for k, v in iteration.keywords.items()))
         iteration = iteration.func
-    return getattr(iteration, "__module__", None), getattr(iteration, "__qualname__", repr(type(iteration))), keywords
+    return getattr(iteration, "__code__", None) or repr(type(iteration)), keywords

@@ -86,8 +86,8 @@ def symmetric_newton_schulz(
 ) -> Tensor:
     """`muonclip.ortho.newton_schulz.newton_schulz` with the symmetric products of `sym_gram`.
 
-    Same arguments (``buffer`` and ``scratch`` included) and result (``V``'s shape, in ``dtype``); ``blocks``
-    row strips per symmetric product (default 2).
+    Same arguments (``buffer`` and ``scratch`` included) and result (``V``'s shape, in
+    ``dtype``); ``blocks`` row strips per symmetric product (default 2).
     """
     iteration = partial(symmetric_quintic_iteration, blocks=blocks)
     return newton_schulz(V, coefficients, dtype=dtype, eps=eps, norm_scale=norm_scale, iteration=iteration,
