@@ -15,6 +15,7 @@ import muonclip
 from muonclip import orthogonalize
 from muonclip.optim.nonfinite import MaskedStep, StepGate, nonfinite_flag, nonfinite_indices
 from muonclip.ortho import chunks, svd_polar
+from muonclip.ortho import scratch as scratch_buffers
 from muonclip.ortho.gram import default_restarts, gram_flops, gram_newton_schulz
 from muonclip.ortho.newton_schulz import NS5_COEFFICIENTS, newton_schulz, polar_express_coefficients
 from muonclip.ortho.scratch import kept
@@ -177,6 +178,7 @@ def test_scratch_keeps_temporaries_and_changes_nothing(monkeypatch, method, shap
     """``scratch=``: the same result bit for bit; its buffers hold the temporaries and are
     reused (not reallocated) by the next call of the same shape; a smaller call reuses them."""
     monkeypatch.setattr(chunks, "CPU_CHUNK", chunk)
+    monkeypatch.setattr(scratch_buffers, "KEEP_BYTES", 0)  # keep even these small temporaries
     V = conditioned(shape).to(torch.bfloat16)
     want = orthogonalize(V, method)
     scratch = {}
@@ -189,7 +191,8 @@ def test_scratch_keeps_temporaries_and_changes_nothing(monkeypatch, method, shap
     assert {k: v.data_ptr() for k, v in scratch.items()} == ptrs
 
 
-def test_kept_buffers():
+def test_kept_buffers(monkeypatch):
+    monkeypatch.setattr(scratch_buffers, "KEEP_BYTES", 0)
     scratch = {}
     a = kept(scratch, "x", (2, 3), torch.float32, torch.device("cpu"))
     assert a.shape == (2, 3) and scratch[("x", torch.float32)].numel() == 6
@@ -200,6 +203,9 @@ def test_kept_buffers():
     assert kept(scratch, "x", (2,), torch.bfloat16, torch.device("cpu")).dtype == torch.bfloat16  # per dtype
     assert kept(None, "x", (2,), torch.float32, torch.device("cpu")) is None
     assert kept(scratch, "y", (2,), torch.float32, torch.device("meta")) is None  # off the CPU: allocate as usual
+    monkeypatch.setattr(scratch_buffers, "KEEP_BYTES", 1024)
+    assert kept(scratch, "z", (255,), torch.float32, torch.device("cpu")) is None  # small: allocate as usual
+    assert kept(scratch, "z", (256,), torch.float32, torch.device("cpu")).numel() == 256
 
 
 def test_result_buffer_ignored_or_refused():
@@ -215,11 +221,12 @@ def test_result_buffer_ignored_or_refused():
             orthogonalize(V, "ns5", out_dtype=torch.bfloat16, buffer=bad)
 
 
-def test_muon_reuses_its_cpu_buffers_across_steps_and_buckets():
+def test_muon_reuses_its_cpu_buffers_across_steps_and_buckets(monkeypatch):
     """One process on CPU: every bucket's input and result come from the same two buffers, and
     Newton–Schulz's temporaries from buffers of their own, step after step (no multi-MB
     allocation per step); they are scratch, not state: a deepcopy starts without them, and
     results equal a step without them."""
+    monkeypatch.setattr(scratch_buffers, "KEEP_BYTES", 0)  # small matrices: keep them all the same
     torch.manual_seed(0)
     shapes = [(32, 32)] * 3 + [(64, 32), (32, 64), (48, 32)]
     params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
@@ -306,7 +313,13 @@ def test_cpu_chunks_equal_one_call(monkeypatch, method, shape):
     for got in results:
         assert got.shape == V.shape
         torch.testing.assert_close(got, whole, atol=1e-6, rtol=0)
-    assert torch.equal(results[-1], whole)  # the timed choice only takes bit-identical chunkings
+    # the timed choice, made for real (a budget of 3 matrices, so that this batch is timed),
+    # only takes chunkings that are bit-identical to the whole batch
+    m, n = sorted(shape[1:])
+    monkeypatch.setattr(chunks, "CPU_CHUNK_BYTES", 3 * chunks.working_set(m, n, torch.float32))
+    monkeypatch.setattr(chunks, "_CHOSEN", {})
+    assert torch.equal(orthogonalize(V, method, dtype=torch.float32), whole)
+    assert len(chunks._CHOSEN) == 1
 
 
 def test_chunk_candidates():
@@ -381,6 +394,8 @@ def test_chunk_choice_skips_timing_where_it_cannot_matter(monkeypatch):
     assert chunks.choose_chunk(torch.zeros(24, 8, 8), quintic_iteration, 5, runs) == 5
     monkeypatch.setattr(chunks, "CPU_CHUNK", None)
     assert chunks.choose_chunk(torch.zeros(24, 8, 8, device="meta"), quintic_iteration, 5, runs) == 24
+    # a batch whose working set fits in CPU_CHUNK_BYTES: the whole batch, untimed
+    assert chunks.choose_chunk(torch.zeros(24, 64, 64), quintic_iteration, 5, runs) == 24
     assert runs.calls == [24]
 
 

@@ -48,14 +48,18 @@ _CHOSEN: dict[tuple, int] = {}
 _clock = time.perf_counter  # what the choice is timed with
 
 
+def working_set(m: int, n: int, dtype: torch.dtype) -> int:
+    """Bytes one m x n matrix (m <= n) occupies in a quintic step: X, the new X, S and P."""
+    return (2 * m * n + 2 * m * m) * dtype.itemsize
+
+
 def candidates(batch: int, m: int, n: int, dtype: torch.dtype, threads: int) -> list[int]:
     """Matrices per chunk worth timing for a batch of m x n matrices (m <= n), the whole batch first.
 
     The whole batch; the most matrices whose working set (X, the new X, S and P) fits in
     `CPU_CHUNK_BYTES`; and ``threads * 2**j`` below ``batch``.
     """
-    working_set = (2 * m * n + 2 * m * m) * torch.empty((), dtype=dtype).element_size()
-    found = {max(1, min(batch, CPU_CHUNK_BYTES // working_set))}
+    found = {max(1, min(batch, CPU_CHUNK_BYTES // working_set(m, n, dtype)))}
     c = max(1, threads)
     while c < batch:
         found.add(c)
@@ -77,13 +81,17 @@ def choose_chunk(X: Tensor, iteration: Callable[..., Tensor], steps: int,
 
     Returns:
         ``X.shape[0]`` off the CPU, for one matrix and while compiling; `CPU_CHUNK` if set;
-        otherwise the timed choice, kept for the process.
+        ``X.shape[0]`` for a batch whose working set fits in `CPU_CHUNK_BYTES` (nothing for
+        chunks to gain, and no per-call cost for small matrices); otherwise the timed choice,
+        kept for the process.
     """
     N, p, q = X.shape
     if X.device.type != "cpu" or N == 1 or torch.compiler.is_compiling():
         return N
     if CPU_CHUNK is not None:
         return max(1, min(N, CPU_CHUNK))
+    if N * working_set(min(p, q), max(p, q), X.dtype) <= CPU_CHUNK_BYTES:
+        return N
     threads = torch.get_num_threads()
     key = (N, p, q, X.dtype, steps, _iteration_key(iteration), threads)
     if key not in _CHOSEN:

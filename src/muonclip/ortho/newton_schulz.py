@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from . import scratch as scratch_buffers
 from .chunks import choose_chunk
 from .scratch import kept
 
@@ -93,10 +94,10 @@ def quintic_iteration(
     between calls (`muonclip.ortho.scratch`; default None: allocated per step).
     """
     last = len(coefficients) - 1
-    dtype, device = X.dtype, X.device
+    dtype, device, small = X.dtype, X.device, gram_shape(X)
     for i, (a, b, c) in enumerate(coefficients):
-        S = gram(X, out=kept(scratch, "ns.S", gram_shape(X), dtype, device))  # (batch, m, m)
-        P = torch.baddbmm(S, S, S, beta=b, alpha=c, out=kept(scratch, "ns.P", S.shape, dtype, device))  # b S + c S S
+        S = gram(X, out=kept(scratch, "ns.S", small, dtype, device))  # (batch, m, m)
+        P = torch.baddbmm(S, S, S, beta=b, alpha=c, out=kept(scratch, "ns.P", small, dtype, device))  # b S + c S S
         nxt = out if i == last else kept(scratch, "ns.X", X.shape, dtype, device, avoid=X)
         X = small_side(P, X, beta=a, out=nxt)  # a X + P X
     return into(out, X)
@@ -169,11 +170,14 @@ def newton_schulz(
     denom = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) * norm_scale + eps
     run = iteration or quintic_iteration
     N = X.shape[0]
+    if X.numel() * X.element_size() < scratch_buffers.KEEP_BYTES:
+        scratch = None  # small temporaries: nothing to keep (`kept` would say None to each)
     out = None if buffer is None else result_view(buffer, X.shape, X.dtype, X.device)
 
     def normalised(i: int, j: int) -> Tensor:
         """Matrices i..j-1 divided by their norms."""
-        return torch.div(X[i:j], denom[i:j], out=kept(scratch, "ns.in", (j - i, A, B), X.dtype, X.device))
+        Xs, ds = (X, denom) if j - i == N else (X[i:j], denom[i:j])
+        return torch.div(Xs, ds, out=kept(scratch, "ns.in", Xs.shape, X.dtype, X.device))
 
     def chunked(k: int, out: Tensor | None = None) -> Tensor:
         """The batch's result, run ``k`` matrices at a time, written into ``out`` if given."""

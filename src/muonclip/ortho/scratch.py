@@ -7,8 +7,9 @@ again on every call (the kernel zeroes each 4 KiB page). Newton–Schulz on the 
 minor page faults, and ran 7–10% slower than with them kept (benchmarks/RESULTS.md, fifth
 session). A caller that runs the same shapes every step keeps a dict (the *scratch*) and
 passes it down; `kept` cuts each temporary from a buffer held there for its role and dtype,
-grown when too small. GPUs have a caching allocator: there the temporaries are allocated as
-usual.
+grown when too small. Tensors under `KEEP_BYTES` are allocated as usual (glibc serves them
+from its heap without faults, and a lookup would cost more than it saves), and so is everything
+on a GPU (its caching allocator reuses memory).
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+KEEP_BYTES = 128 * 1024  # glibc's default mmap threshold: smaller blocks come from its heap
+
 
 def kept(scratch: dict[Any, Tensor] | None, role: str, shape: Sequence[int], dtype: torch.dtype,
          device: torch.device, avoid: Tensor | None = None) -> Tensor | None:
-    """A ``shape`` view of the scratch buffer for (``role``, ``dtype``), or None (no scratch, or
-    not on the CPU: the caller allocates as usual, e.g. by passing ``out=None``).
+    """A ``shape`` view of the scratch buffer for (``role``, ``dtype``), or None (no scratch, not
+    on the CPU, or under `KEEP_BYTES`: the caller allocates as usual, e.g. by passing
+    ``out=None``).
 
     Args:
         scratch: the caller's dict of buffers (None: none kept).
@@ -40,10 +44,13 @@ def kept(scratch: dict[Any, Tensor] | None, role: str, shape: Sequence[int], dty
     """
     if scratch is None or device.type != "cpu":
         return None
-    buf = _grown(scratch, (role, dtype), math.prod(shape), dtype, device)
+    n = math.prod(shape)
+    if n * dtype.itemsize < KEEP_BYTES:
+        return None
+    buf = _grown(scratch, (role, dtype), n, dtype, device)
     if avoid is not None and buf.untyped_storage().data_ptr() == avoid.untyped_storage().data_ptr():
-        buf = _grown(scratch, (role + "'", dtype), math.prod(shape), dtype, device)
-    return buf[: math.prod(shape)].view(*shape)
+        buf = _grown(scratch, (role + "'", dtype), n, dtype, device)
+    return buf[:n].view(*shape)
 
 
 def _grown(scratch: dict[Any, Tensor], key: tuple[str, torch.dtype], n: int, dtype: torch.dtype,
