@@ -18,7 +18,8 @@ count) `TUNE_ROUNDS` times and keeps the fastest, the whole batch unless a chunk
 less than `TUNE_MARGIN` of its time (timings on a busy machine wobble by several percent, and
 the chunkings that lose here lose by more); later calls reuse the choice. A
 whole-batch run slower than `TUNE_SECONDS` is not tuned (large matrices keep the matrix
-units busy in any chunking). The first call thus costs up to ``len(candidates) *
+units busy in any chunking), nor is a batch whose working set fits in `CPU_CHUNK_BYTES`
+(nothing to gain, and small matrices pay no per-call lookup). The first call thus costs up to ``len(candidates) *
 TUNE_ROUNDS`` runs (1.3 s once for the benchmark GPT set's three buckets on the AMX Xeon). Set
 `CPU_CHUNK` to fix the chunk instead.
 
