@@ -16,12 +16,12 @@ iteration, thread count): the first call runs the batch with each candidate (`ca
 the whole batch, the cache-sized chunk of `CPU_CHUNK_BYTES`, and multiples of the thread
 count) `TUNE_ROUNDS` times and keeps the fastest, the whole batch unless a chunking takes
 less than `TUNE_MARGIN` of its time (timings on a busy machine wobble by several percent, and
-the chunkings that lose here lose by more); later calls reuse the choice. A
-whole-batch run slower than `TUNE_SECONDS` is not tuned (large matrices keep the matrix
-units busy in any chunking), nor is a batch whose working set fits in `CPU_CHUNK_BYTES`
-(nothing to gain, and small matrices pay no per-call lookup). The first call thus costs up to ``len(candidates) *
-TUNE_ROUNDS`` runs (1.3 s once for the benchmark GPT set's three buckets on the AMX Xeon). Set
-`CPU_CHUNK` to fix the chunk instead.
+the chunkings that lose here lose by more); later calls reuse the choice. A whole-batch run
+slower than `TUNE_SECONDS` is not tuned (large matrices keep the matrix units busy in any
+chunking), nor is a batch whose working set fits in `CPU_CHUNK_BYTES` (nothing to gain, and
+small matrices pay no per-call lookup). The first call thus costs up to
+``len(candidates) * TUNE_ROUNDS`` runs (1.3 s once for the benchmark GPT set's three buckets
+on the AMX Xeon). Set `CPU_CHUNK` to fix the chunk instead.
 
 Chunking never changes the result: a candidate is eligible only if its result equals the
 whole batch's bit for bit, so the choice, which depends on timings, cannot make a run differ
