@@ -17,7 +17,12 @@ from muonclip.optim.nonfinite import MaskedStep, StepGate, nonfinite_flag, nonfi
 from muonclip.ortho import chunks, svd_polar
 from muonclip.ortho import scratch as scratch_buffers
 from muonclip.ortho.gram import default_restarts, gram_flops, gram_newton_schulz
-from muonclip.ortho.newton_schulz import NS5_COEFFICIENTS, newton_schulz, polar_express_coefficients
+from muonclip.ortho.newton_schulz import (
+    NS5_COEFFICIENTS,
+    newton_schulz,
+    polar_express_coefficients,
+    quintic_iteration,
+)
 from muonclip.ortho.scratch import kept
 from muonclip.ortho.symmetric import sym_gram
 
@@ -362,8 +367,6 @@ def test_chunk_choice_is_the_fastest_equal_result_and_is_kept(monkeypatch, two_t
     fastest, different, close = cands[-1], cands[-2], cands[-3]
     cost[fastest], cost[different] = 0.004, 0.001  # `different` is faster still, but its result differs
     runs = _FakeRuns(monkeypatch, cost, {different: torch.ones(3)})
-    from muonclip.ortho.newton_schulz import quintic_iteration
-
     assert chunks.choose_chunk(X, quintic_iteration, 5, runs) == fastest
     eligible = [k for k in cands if k != different]
     assert runs.calls == cands + eligible * (chunks.TUNE_ROUNDS - 1)  # the odd one timed once, then dropped
@@ -382,8 +385,6 @@ def test_chunk_choice_is_the_fastest_equal_result_and_is_kept(monkeypatch, two_t
 
 
 def test_chunk_choice_skips_timing_where_it_cannot_matter(monkeypatch):
-    from muonclip.ortho.newton_schulz import quintic_iteration
-
     runs = _FakeRuns(monkeypatch, {k: 1.0 for k in range(1, 25)})
     # a whole-batch run slower than TUNE_SECONDS: the whole batch, nothing else timed
     assert chunks.choose_chunk(torch.zeros(24, 384, 384), quintic_iteration, 5, runs) == 24
