@@ -88,17 +88,29 @@ def quintic_iteration(
     A tall X runs the same polynomial from the right, ``X <- a X + X (b S + c S S)`` with
     ``S = X^T X`` (`gram`, `small_side`): the transpose of the wide form, with every operand in
     its stored layout (no transposed copies). Costs 4 m^2 n + 2 m^3 flops a step, m <= n the
-    sides. ``X`` is consumed (may be overwritten). ``out`` (optional, X's shape and dtype, not
+    sides. ``X`` is consumed: it is overwritten. ``out`` (optional, X's shape and dtype, not
     aliasing X) receives the last step's product, so a chunked caller needs no concatenation;
-    the result is returned either way. ``scratch``: where S, P and the intermediate X are kept
-    between calls (`muonclip.ortho.scratch`; default None: allocated per step).
+    the result is returned either way. ``scratch``: where S and P are kept between calls
+    (`muonclip.ortho.scratch`; default None: allocated per step).
+
+    The steps alternate between two X-shaped tensors, the result (``out``, or one new tensor)
+    and ``X`` itself, free once step 0 has read it; only step 0 of an even number of steps needs
+    a third (kept in ``scratch`` as ``"ns.X"``). The result is thus written on every second
+    step and is still in cache when the last step writes it, and the iteration touches two
+    X-sized buffers instead of four (measured on 24 x 384 x 384 bf16, 2 cores: 3 ms of 25).
     """
     last = len(coefficients) - 1
     dtype, device, small = X.dtype, X.device, gram_shape(X)
+    spare = X
+    if out is None:
+        out = torch.empty_like(X)
     for i, (a, b, c) in enumerate(coefficients):
         S = gram(X, out=kept(scratch, "ns.S", small, dtype, device))  # (batch, m, m)
         P = torch.baddbmm(S, S, S, beta=b, alpha=c, out=kept(scratch, "ns.P", small, dtype, device))  # b S + c S S
-        nxt = out if i == last else kept(scratch, "ns.X", X.shape, dtype, device, avoid=X)
+        if (last - i) % 2 == 0:
+            nxt = out
+        else:
+            nxt = spare if i > 0 else kept(scratch, "ns.X", X.shape, dtype, device)
         X = small_side(P, X, beta=a, out=nxt)  # a X + P X
     return into(out, X)
 
