@@ -29,6 +29,7 @@ from timing import machine, round_robin, setup_threads
 from muonclip.ortho import METHODS, orthogonalize
 from muonclip.ortho.gram import GRAM_MIN_ASPECT, gram_flops
 from muonclip.ortho.symmetric import symmetric_flops
+from muonclip.ortho.triton_syrk import triton_available
 
 try:  # private in torch; only used as the comparison point
     from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
@@ -73,13 +74,13 @@ def quintic_flops(m: int, n: int, steps: int = 5) -> int:
     return steps * (4 * m * m * n + 2 * m**3)
 
 
-def method_flops(method: str, A: int, B: int, steps: int = 5) -> int:
-    """Flops one matrix costs under ``method`` (the products it actually makes)."""
+def method_flops(method: str, A: int, B: int, steps: int = 5, device: str = "cpu") -> int:
+    """Flops one matrix costs under ``method`` (the products it actually makes) on ``device``."""
     m, n = min(A, B), max(A, B)
     if method.startswith("gram") and n >= GRAM_MIN_ASPECT * m:
         return gram_flops(m, n, steps)
-    if method == "ns5_sym":
-        return symmetric_flops(m, n, steps)
+    if method == "ns5_sym":  # on CUDA with Triton: the kernel's upper-triangle tiles
+        return symmetric_flops(m, n, steps, kernel=device.startswith("cuda") and triton_available())
     return quintic_flops(m, n, steps)
 
 
@@ -108,7 +109,7 @@ def bench_shape(label: str, E: int, A: int, B: int, args: argparse.Namespace) ->
         name = f"{method} {str(dtype).removeprefix('torch.')}"
         fns[name] = lambda method=method, dtype=dtype: orthogonalize(V, method, dtype=dtype)
         errs[name] = ortho_error(fns[name]())
-        flops[name] = E * method_flops(method, A, B)
+        flops[name] = E * method_flops(method, A, B, device=args.device)
     if torch_ns is not None:
         name = "torch.optim.Muon NS (looped)"
         fns[name] = lambda: [torch_ns(v, NS5, 5, 1e-7) for v in V]

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Every GPU item of the project, for a machine with one CUDA GPU whose python3 already has a
 # CUDA build of PyTorch (nothing is installed; the package runs from src/). Parts:
-#   tests      the CUDA-only tests (FlexAttention max_scores backend, no host sync in step());
+#   tests      the CUDA-only tests (FlexAttention max_scores backend, no host sync in step(),
+#              the Triton symmetric kernel against cuBLAS);
 #   attention  bench_attention.py: capture with the flex backend vs plain FlexAttention and SDPA;
 #   step       bench_step.py on the GPT-2-small hidden set (d=768, 12 layers) vs fused AdamW, and
 #              bench_overhead.py on CUDA (the launch-bound fixed cost per step, NS stubbed);
-#   ortho      bench_ortho.py --big: 4096 x 4096, 4096 x 14336, 64 x 2048 x 1408 vs the matmul floor.
+#   ortho      bench_ortho.py --big: 4096 x 4096, 4096 x 14336, 64 x 2048 x 1408 vs the matmul floor
+#              (ns5_sym there is the Triton kernel: does it beat cuBLAS's ns5?).
 # Usage: bash benchmarks/gpu_check.sh [PART ...]   (default: all four, in this order; make
 # gpu-check runs all). Each part takes a few minutes (FlexAttention compiles once per shape), so
 # under a per-command time limit run them one or two at a time. The output is also appended to
@@ -28,7 +30,7 @@ print('torch', torch.__version__, torch.cuda.get_device_name(0))" || exit 1
   for part in "${parts[@]}"; do
     echo "## gpu_check: $part"
     case "$part" in
-      tests) "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_attention_capture.py tests/test_ortho_fast.py -k cuda ;;
+      tests) "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_attention_capture.py tests/test_ortho_fast.py tests/test_triton_syrk.py -k cuda ;;
       attention) "$PY" benchmarks/bench_attention.py --device cuda ;;
       step) "$PY" benchmarks/bench_step.py --device cuda --d 768 --layers 12 &&
             "$PY" benchmarks/bench_overhead.py --device cuda --rounds 100 ;;

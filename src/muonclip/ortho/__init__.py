@@ -131,7 +131,8 @@ def orthogonalize(
             the reference), ``"gram"`` (ns5's polynomial run on the small Gram matrix, with one
             restart: 0.67x the flops at 384 x 1536, same band as ns5 in bf16; see
             `muonclip.ortho.gram`), ``"ns5_sym"`` (ns5 computing only half of the symmetric
-            products; see `muonclip.ortho.symmetric`), ``"ns5_compiled"`` (ns5 through
+            products: row strips on CPU, a Triton kernel on CUDA; see
+            `muonclip.ortho.symmetric` and `muonclip.ortho.triton_syrk`), ``"ns5_compiled"`` (ns5 through
             ``torch.compile``; see `muonclip.ortho.compiled`), or any other name registered in
             ``muonclip.ortho.METHODS``.
         steps: iterations; None picks the method's default (5 for ns5 and polar_express).

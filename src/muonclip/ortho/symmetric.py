@@ -14,9 +14,11 @@ Measured on a 2-core AMD EPYC (Zen 5, avx512_bf16), torch 2.13, one thread, bf16
 (benchmarks/RESULTS.md): the strips run at a lower rate than one big product and the mirror
 copies cost more than the saved flops, so ``ns5_sym`` is 1.1-1.5x *slower* than plain ns5 at
 every GPT/expert shape (384 x 384, 384 x 1536, 64 x 256 x 176); only at 1536 x 1536 did 2
-strips gain (0.92x). It is kept as a user option (``method="ns5_sym"``), not a default. On a
-GPU the saving needs a real symmetric kernel (e.g. quack's ``gemm_symmetric``), which this
-pure-PyTorch code is not.
+strips gain (0.92x). It is kept as a user option (``method="ns5_sym"``), not a default.
+
+On a CUDA device with Triton, both symmetric products run in the Triton kernel of
+`muonclip.ortho.triton_syrk` instead (upper-triangle tiles only, ``P = b S + c S S`` fused into
+its epilogue); the product with X stays with cuBLAS.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from torch import Tensor
 
 from .newton_schulz import into, newton_schulz, small_side
+from .triton_syrk import syrk, triangle_fraction, usable
 
 SYM_BLOCKS = 2
 
@@ -59,16 +62,23 @@ def symmetric_quintic_iteration(
     out: Tensor | None = None,
     scratch: dict | None = None,
 ) -> Tensor:
-    """`quintic_iteration` with ``X X^T`` and ``S S`` from `sym_gram` (of ``X^T`` for a tall X);
-    returns X's shape.
+    """`quintic_iteration` with ``X X^T`` and ``S S`` from `sym_gram` (of ``X^T`` for a tall X),
+    or, where `muonclip.ortho.triton_syrk.usable` (CUDA and Triton), from its kernel with
+    ``b S + c S S`` in one rounding; returns X's shape.
 
     ``out``: as in `muonclip.ortho.newton_schulz.quintic_iteration`; ``scratch`` is accepted
     and unused (this opt-in form allocates its strips per step).
     """
     last = len(coefficients) - 1
+    kernel = usable(X)
     for i, (a, b, c) in enumerate(coefficients):
-        S = sym_gram(X.mT if X.shape[-2] > X.shape[-1] else X, blocks)  # (batch, m, m)
-        P = sym_gram(S, blocks).mul_(c).add_(S, alpha=b)  # b S + c S S
+        G = X.mT if X.shape[-2] > X.shape[-1] else X
+        if kernel:
+            S = syrk(G)  # (batch, m, m)
+            P = syrk(S, alpha=c, beta=b, add=S)  # b S + c S S
+        else:
+            S = sym_gram(G, blocks)
+            P = sym_gram(S, blocks).mul_(c).add_(S, alpha=b)
         X = small_side(P, X, beta=a, out=out if i == last else None)  # a X + P X
     return into(out, X)
 
@@ -94,7 +104,11 @@ def symmetric_newton_schulz(
                          buffer=buffer, scratch=scratch)
 
 
-def symmetric_flops(m: int, n: int, steps: int, blocks: int = SYM_BLOCKS) -> int:
-    """Flops of `symmetric_quintic_iteration` on one m x n matrix (m <= n), 2 per multiply-add."""
-    f = (blocks + 1) / (2 * blocks) if blocks > 1 and m >= 2 * blocks else 1.0
+def symmetric_flops(m: int, n: int, steps: int, blocks: int = SYM_BLOCKS, kernel: bool = False) -> int:
+    """Flops of `symmetric_quintic_iteration` on one m x n matrix (m <= n), 2 per multiply-add:
+    with ``blocks`` row strips, or with the Triton kernel's tiles when ``kernel``."""
+    if kernel:
+        f = triangle_fraction(m)
+    else:
+        f = (blocks + 1) / (2 * blocks) if blocks > 1 and m >= 2 * blocks else 1.0
     return int(steps * (f * 2 * m * m * n + f * 2 * m**3 + 2 * m * m * n))

@@ -1,0 +1,140 @@
+"""The Triton symmetric-product kernel (`muonclip.ortho.triton_syrk`).
+
+Without a GPU the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``): the tiling,
+the upper-triangle selection, the mirrored stores, the masks of partial tiles and the fused
+epilogue are the code a GPU runs. The ``cuda`` tests compare the compiled kernel with cuBLAS.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_ortho_fast import conditioned, sigma
+
+from muonclip import orthogonalize
+from muonclip.ortho import triton_syrk
+from muonclip.ortho.newton_schulz import NS5_COEFFICIENTS
+from muonclip.ortho.symmetric import symmetric_flops, symmetric_quintic_iteration
+from muonclip.ortho.triton_syrk import syrk, usable
+
+# imported before any test switches the interpreter on, as a program that compiled something
+# first would have it (the kernel must not call Triton's own jit functions then)
+triton = pytest.importorskip("triton")
+
+# float32 accumulation, one rounding to the output dtype: relative error of that dtype
+RTOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 40, 72), (1, 130, 30), (3, 64, 64), (1, 200, 9)])
+def test_syrk_is_a_at_in_every_tile(interpreter, dtype, shape):
+    """A A^T from upper-triangle tiles only: right in every tile (m = 130, 200: 3-4 tiles of 64
+    with a partial last one), and exactly symmetric (each mirror holds the same rounding)."""
+    torch.manual_seed(0)
+    A = torch.randn(shape).to(dtype)
+    C = syrk(A)
+    assert C.dtype == dtype and C.shape == (shape[0], shape[1], shape[1])
+    assert _rel(C, A.double() @ A.double().mT) < RTOL[dtype]
+    assert torch.equal(C, C.mT)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_syrk_reads_strided_input(interpreter, dtype):
+    """A transposed view (the Gram matrix X^T X of a tall X) is read through its strides."""
+    torch.manual_seed(1)
+    X = torch.randn(2, 150, 70).to(dtype)  # tall
+    assert _rel(syrk(X.mT), X.double().mT @ X.double()) < RTOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_syrk_epilogue_is_the_quintic_polynomial(interpreter, dtype):
+    """``alpha S S + beta S`` (the quintic's b S + c S S) in one kernel, also written over S's
+    own storage: against float64, and the in-place result equals the out-of-place one."""
+    torch.manual_seed(2)
+    X = torch.randn(2, 100, 160)
+    S = (X @ X.mT / 160).to(dtype)
+    a, b, c = NS5_COEFFICIENTS
+    P = syrk(S, alpha=c, beta=b, add=S)
+    want = c * (S.double() @ S.double()) + b * S.double()
+    assert _rel(P, want) < 2 * RTOL[dtype]
+    assert torch.equal(P, P.mT)
+    into = S.clone()
+    assert torch.equal(syrk(S, alpha=c, beta=b, add=into, out=into), P)
+
+
+def test_ns5_sym_through_the_kernel_equals_ns5(interpreter):
+    """ns5_sym with the kernel (on while the interpreter is) is ns5 up to float32 round-off,
+    wide, tall and square; in bf16 it stays in ns5's band."""
+    for shape in [(2, 48, 96), (96, 48), (64, 64)]:
+        V = conditioned(shape).float()
+        assert usable(V)
+        got = orthogonalize(V, "ns5_sym", dtype=torch.float32)
+        torch.testing.assert_close(got, orthogonalize(V, "ns5", dtype=torch.float32), atol=2e-5, rtol=0)
+    V = conditioned((96, 192)).float()
+    s = sigma(orthogonalize(V, "ns5_sym"))
+    assert s.min() > 0.6 and s.max() < 1.2
+
+
+def test_iteration_uses_the_kernel_only_where_usable(monkeypatch):
+    """Off the interpreter a CPU tensor takes the row strips; with it, the kernel."""
+    calls = []
+    real = triton_syrk.syrk
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("muonclip.ortho.symmetric.syrk", counting)
+    X = conditioned((2, 16, 40)).float()
+    X = X / torch.linalg.matrix_norm(X, keepdim=True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    strips = symmetric_quintic_iteration(X.clone(), [NS5_COEFFICIENTS] * 2)
+    assert calls == []
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kernel = symmetric_quintic_iteration(X.clone(), [NS5_COEFFICIENTS] * 2)
+    assert len(calls) == 4  # S and P, each of 2 steps
+    torch.testing.assert_close(kernel, strips, atol=1e-5, rtol=0)
+
+
+def test_syrk_refuses_bad_input(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="CUDA device"):
+        syrk(torch.zeros(1, 4, 4))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match="batch"):
+        syrk(torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="out and add"):
+        syrk(torch.zeros(1, 4, 6), out=torch.zeros(1, 6, 6))
+    assert syrk(torch.zeros(0, 4, 6)).shape == (0, 4, 4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", [(1, 2048, 2048), (2, 1024, 4096), (8, 384, 1536)])
+def test_syrk_matches_cublas_on_cuda(monkeypatch, shape):
+    """The compiled kernel (bf16, tensor cores) against cuBLAS's product, and ns5_sym in ns5's
+    band."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    torch.manual_seed(3)
+    A = (torch.randn(shape, device="cuda") / shape[-1] ** 0.5).bfloat16()
+    assert _rel(syrk(A), A.double() @ A.double().mT) < RTOL[torch.bfloat16]
+    V = conditioned(shape[1:]).cuda()
+    s = sigma(orthogonalize(V, "ns5_sym").cpu())
+    assert s.min() > 0.6 and s.max() < 1.2
+
+
+def test_flops_count_the_tiles_computed():
+    """m = 130 in tiles of 64: 3 x 3 tiles, 6 computed; m = 4096 in tiles of 128: 528 of 1024."""
+    assert triton_syrk.triangle_fraction(130) == 6 / 9 and triton_syrk.block_for(130) == 64
+    assert triton_syrk.triangle_fraction(4096) == 528 / 1024
+    m, n = 4096, 14336
+    f = 528 / 1024
+    assert symmetric_flops(m, n, 5, kernel=True) == int(5 * (f * 2 * m * m * n + f * 2 * m**3 + 2 * m * m * n))
