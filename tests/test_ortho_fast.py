@@ -276,8 +276,9 @@ def test_muon_reuses_its_cpu_buffers_across_steps_and_buckets(monkeypatch):
         opt.step()
         ref.step()
         now = {k: v.data_ptr() for k, v in opt._workspace.items() if k != "structure"}
-        # ns5's 5 steps ping-pong between the normalised input and the result: no third X buffer
-        assert set(k[0] for k in now) == {"input", "result", "ns.in", "ns.S", "ns.P"}
+        # ns5's 5 steps ping-pong between the normalised input and the result: no third X
+        # buffer; "v": Nesterov's V in float32, cast into the bf16 input
+        assert set(k[0] for k in now) == {"input", "result", "v", "ns.in", "ns.S", "ns.P"}
         assert ptrs is None or now == ptrs
         ptrs = now
     for p, q in zip(params, twin):
