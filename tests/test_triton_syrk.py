@@ -115,6 +115,20 @@ def test_syrk_refuses_bad_input(monkeypatch):
     with pytest.raises(ValueError, match="out and add"):
         syrk(torch.zeros(1, 4, 6), out=torch.zeros(1, 6, 6))
     assert syrk(torch.zeros(0, 4, 6)).shape == (0, 4, 4)
+    with pytest.raises(ValueError, match="computes in one of"):
+        syrk(torch.zeros(1, 4, 6, dtype=torch.float64))
+    assert not usable(torch.zeros(1, 4, 6, dtype=torch.float64))  # float64 keeps the row strips
+
+
+def test_float32_tiles_follow_torchs_matmul_precision():
+    """Full float32 products under torch's default ("highest"), TF32 only where torch allows it."""
+    before = torch.get_float32_matmul_precision()
+    try:
+        assert triton_syrk._precision(torch.float32) == "ieee"
+        torch.set_float32_matmul_precision("high")
+        assert triton_syrk._precision(torch.float32) == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

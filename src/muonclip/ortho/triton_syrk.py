@@ -8,15 +8,18 @@ tiles (T = m / BLOCK): close to half the flops of the product for m >> BLOCK. Wi
 quintic's ``P = b S + c S S`` fused into the kernel's epilogue (``alpha = c``, ``beta = b``,
 ``add = S``: one rounding of the float32 accumulator, as cuBLAS's ``baddbmm``), a step costs
 ``m^2 n + m^3`` symmetric flops plus the ``2 m^2 n`` of ``P X`` (cuBLAS), against
-``4 m^2 n + 2 m^3`` for the plain step (design.md 1.2): 0.67x at m = n, 0.6x at n = 4 m.
+``4 m^2 n + 2 m^3`` for the plain step (design.md 1.2): 0.67x at m = n, 0.72x at n = 4 m.
 
 Every result is exactly symmetric (both triangles hold the same rounded values).
 
 Tiling: one program per (tile row i, tile column j, matrix); programs with ``j < i`` do
 nothing. ``BLOCK`` x ``BLOCK`` tiles (64 for m < 1024, else 128), ``BLOCK_K`` = 64 along the
-shared dimension, float32 accumulation. These are untuned first choices: whether the kernel
-beats cuBLAS at the shapes users have (m >= 2048) is measured by ``benchmarks/bench_ortho.py
---device cuda --big`` (``ns5_sym`` against ``ns5``), which needs a GPU.
+shared dimension, float32 accumulation; float32 tiles multiply in full float32 unless torch's
+float32 matmul precision allows TF32 (as cuBLAS does for torch). bfloat16, float16 and
+float32 only (float64 matrices keep `muonclip.ortho.symmetric`'s row strips). The tile sizes
+are untuned first choices: whether the kernel beats cuBLAS at the shapes users have (m >= 2048)
+is measured by ``benchmarks/bench_ortho.py --device cuda --big`` (``ns5_sym`` against
+``ns5``), which needs a GPU.
 
 On CPU the kernel runs only under Triton's interpreter (``TRITON_INTERPRET=1``, set before
 the first call), which is how the tests check it without a GPU. The interpreter's ``tl.dot``
@@ -50,10 +53,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def usable(X: Tensor) -> bool:
-    """True when `syrk` can run on ``X``: Triton importable, and ``X`` on a CUDA device or the
-    interpreter on."""
-    return triton_available() and (X.is_cuda or interpreting())
+    """True when `syrk` can run on ``X``: Triton importable, ``X`` on a CUDA device (or the
+    interpreter on) and in one of `DTYPES` (float64 keeps the row strips)."""
+    return triton_available() and (X.is_cuda or interpreting()) and X.dtype in DTYPES
 
 
 @functools.cache
@@ -68,7 +74,8 @@ def _kernel(interpret: bool):  # noqa: ANN202 - a Triton JIT function
     def syrk_kernel(a_ptr, d_ptr, c_ptr, M, K,
                     s_ab, s_am, s_ak, s_db, s_dm, s_dn, s_cb, s_cm, s_cn,
                     alpha, beta,
-                    HAS_D: tl.constexpr, WIDEN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+                    HAS_D: tl.constexpr, WIDEN: tl.constexpr, PRECISION: tl.constexpr,
+                    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
         i = tl.program_id(0)
         j = tl.program_id(1)
         if j >= i:  # the upper triangle of tiles only
@@ -87,7 +94,7 @@ def _kernel(interpret: bool):  # noqa: ANN202 - a Triton JIT function
                 if WIDEN:
                     ti = ti.to(tl.float32)
                     tj = tj.to(tl.float32)
-                acc += tl.dot(ti, tl.trans(tj))
+                acc += tl.dot(ti, tl.trans(tj), input_precision=PRECISION)
             acc = acc * alpha
             inside = (ri[:, None] < M) & (rj[None, :] < M)
             if HAS_D:
@@ -112,6 +119,15 @@ def triangle_fraction(m: int) -> float:
     T = ceil(m / block)."""
     tiles = -(-m // block_for(m))
     return (tiles + 1) / (2 * tiles)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s input precision for float32 tiles, as torch's own float32 products on CUDA:
+    full float32 ("ieee") under ``torch.get_float32_matmul_precision() == "highest"`` (torch's
+    default), TF32 otherwise (bf16 and fp16 tiles ignore it)."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
 
 
 def syrk(A: Tensor, *, alpha: float = 1.0, beta: float = 0.0, add: Tensor | None = None,
@@ -142,6 +158,8 @@ def syrk(A: Tensor, *, alpha: float = 1.0, beta: float = 0.0, add: Tensor | None
         raise RuntimeError(f"syrk runs on a CUDA device (or on the CPU under TRITON_INTERPRET=1); A is on {A.device}")
     if A.ndim != 3:
         raise ValueError(f"syrk takes a batch (batch, m, k); got shape {tuple(A.shape)}")
+    if A.dtype not in DTYPES:
+        raise ValueError(f"syrk computes in one of {DTYPES}; got {A.dtype}")
     batch, m, k = A.shape
     if out is None:
         out = torch.empty(batch, m, m, dtype=A.dtype, device=A.device)
@@ -156,6 +174,7 @@ def syrk(A: Tensor, *, alpha: float = 1.0, beta: float = 0.0, add: Tensor | None
     interpret = interpreting()
     _kernel(interpret)[(tiles, tiles, batch)](
         A, d, out, m, k, *A.stride(), *d.stride(), *out.stride(), float(alpha), float(beta),
-        HAS_D=add is not None, WIDEN=interpret and A.dtype == torch.bfloat16, BLOCK=block, BLOCK_K=BLOCK_K,
+        HAS_D=add is not None, WIDEN=interpret and A.dtype == torch.bfloat16, PRECISION=_precision(A.dtype),
+        BLOCK=block, BLOCK_K=BLOCK_K,
     )
     return out
