@@ -47,6 +47,17 @@ def test_syrk_is_a_at_in_every_tile(interpreter, dtype, shape):
     assert torch.equal(C, C.mT)
 
 
+def test_syrk_launches_batches_past_the_grid_limit(interpreter, monkeypatch):
+    """More matrices than one launch's grid holds: several launches, every matrix right."""
+    monkeypatch.setattr(triton_syrk, "MAX_GRID_Z", 2)
+    torch.manual_seed(4)
+    A = torch.randn(5, 8, 12)
+    D = torch.randn(5, 8, 8)
+    D = D + D.mT
+    got = syrk(A, alpha=2.0, beta=0.5, add=D)
+    torch.testing.assert_close(got, 2.0 * A @ A.mT + 0.5 * D, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_syrk_reads_strided_input(interpreter, dtype):
     """A transposed view (the Gram matrix X^T X of a tall X) is read through its strides."""

@@ -36,11 +36,13 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from typing import Any
 
 import torch
 from torch import Tensor
 
 SMALL_BLOCK, LARGE_BLOCK, LARGE_FROM, BLOCK_K = 64, 128, 1024, 64
+MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension (the matrices of one launch)
 
 
 def triton_available() -> bool:
@@ -63,7 +65,7 @@ def usable(X: Tensor) -> bool:
 
 
 @functools.cache
-def _kernel(interpret: bool):  # noqa: ANN202 - a Triton JIT function
+def _kernel(interpret: bool) -> Any:  # a triton JITFunction (or InterpretedFunction)
     """The kernel, built on first use (and again if the interpreter is switched on or off:
     ``triton.jit`` reads ``TRITON_INTERPRET`` when it wraps the function)."""
     del interpret  # part of the cache key only
@@ -172,9 +174,12 @@ def syrk(A: Tensor, *, alpha: float = 1.0, beta: float = 0.0, add: Tensor | None
     tiles = -(-m // block)
     d = add if add is not None else out  # an unused pointer when there is nothing to add
     interpret = interpreting()
-    _kernel(interpret)[(tiles, tiles, batch)](
-        A, d, out, m, k, *A.stride(), *d.stride(), *out.stride(), float(alpha), float(beta),
-        HAS_D=add is not None, WIDEN=interpret and A.dtype == torch.bfloat16, PRECISION=_precision(A.dtype),
-        BLOCK=block, BLOCK_K=BLOCK_K,
-    )
+    kernel = _kernel(interpret)
+    for b0 in range(0, batch, MAX_GRID_Z):  # one launch unless there are more matrices than that
+        b1 = min(batch, b0 + MAX_GRID_Z)
+        kernel[(tiles, tiles, b1 - b0)](
+            A[b0:b1], d[b0:b1], out[b0:b1], m, k, *A.stride(), *d.stride(), *out.stride(), float(alpha), float(beta),
+            HAS_D=add is not None, WIDEN=interpret and A.dtype == torch.bfloat16, PRECISION=_precision(A.dtype),
+            BLOCK=block, BLOCK_K=BLOCK_K,
+        )
     return out
