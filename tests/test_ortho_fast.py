@@ -223,6 +223,38 @@ def test_quintic_ping_pong_equals_the_plain_loop(monkeypatch, steps, shape, give
         assert (("ns.X", torch.bfloat16) in scratch) == (steps % 2 == 0)
 
 
+@pytest.mark.parametrize("method", ["ns5", "gram", "polar_express"])
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_overwrite_changes_only_the_input(monkeypatch, method, chunk):
+    """``overwrite=True``: the same result bit for bit, with V's storage used as a working
+    buffer; without it a bf16 V is left as it was, and so is a float32 V (its bf16 copy is the
+    one normalised in place)."""
+    monkeypatch.setattr(chunks, "CPU_CHUNK", chunk)
+    V32 = conditioned((7, 24, 72)).float()
+    V = V32.to(torch.bfloat16)
+    keep, keep32 = V.clone(), V32.clone()
+    want = orthogonalize(V, method, scratch={})
+    assert torch.equal(V, keep)
+    assert torch.equal(orthogonalize(V32, method, scratch={}, out_dtype=torch.bfloat16), want)
+    assert torch.equal(V32, keep32)
+    got = orthogonalize(V, method, scratch={}, overwrite=True)
+    assert torch.equal(got, want) and not torch.equal(V, keep)
+
+
+def test_overwrite_survives_the_timed_chunk_choice(monkeypatch):
+    """The chunk choice runs the batch several times: with ``overwrite=True`` those runs still
+    leave V intact (only the final run normalises it in place), so the result is unchanged."""
+    V = conditioned((6, 24, 72)).to(torch.bfloat16)
+    monkeypatch.setattr(chunks, "CPU_CHUNK", 6)
+    want = orthogonalize(V, "ns5")
+    monkeypatch.setattr(chunks, "CPU_CHUNK", None)
+    monkeypatch.setattr(chunks, "CPU_CHUNK_BYTES", 1)  # time even this small batch
+    monkeypatch.setattr(chunks, "_CHOSEN", {})
+    got = orthogonalize(V.clone(), "ns5", overwrite=True)
+    assert len(chunks._CHOSEN) == 1  # a choice was timed
+    assert torch.equal(got, want)
+
+
 def test_kept_buffers(monkeypatch):
     monkeypatch.setattr(scratch_buffers, "KEEP_BYTES", 0)
     scratch = {}
@@ -278,7 +310,8 @@ def test_muon_reuses_its_cpu_buffers_across_steps_and_buckets(monkeypatch):
         now = {k: v.data_ptr() for k, v in opt._workspace.items() if k != "structure"}
         # ns5's 5 steps ping-pong between the normalised input and the result: no third X
         # buffer; "v": Nesterov's V in float32, cast into the bf16 input
-        assert set(k[0] for k in now) == {"input", "result", "v", "ns.in", "ns.S", "ns.P"}
+        # and the bucket is normalised in place (overwrite=True): no "ns.in" either
+        assert set(k[0] for k in now) == {"input", "result", "v", "ns.S", "ns.P"}
         assert ptrs is None or now == ptrs
         ptrs = now
     for p, q in zip(params, twin):

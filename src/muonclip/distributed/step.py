@@ -354,7 +354,7 @@ def _orthogonalize_owned(live: list[tuple[dict[str, Any], Tensor]], whole: dict[
         stats.matrices += Vb.shape[0]
         buffer = kept(workspace, "result", shape, cdtype, bk.device)
         Ob = orthogonalize(Vb, bk.method, bk.steps, bk.dtype, eps=bk.eps, coefficients=bk.coefficients,
-                           out_dtype=cdtype, buffer=buffer, scratch=scratch)
+                           out_dtype=cdtype, buffer=buffer, scratch=scratch, overwrite=True)  # Vb: not read again
         for (k, b), r in zip(bk.entries, Ob.split(bk.sizes)):
             missing[k] -= 1
             # a block of an item still incomplete outlives this bucket: off the reused buffer

@@ -35,8 +35,9 @@ class Method:
         dtypes: compute dtypes the method accepts.
         takes_coefficients: whether ``coefficients`` (the quintic's (a, b, c)) applies
             (default False: passing them is an error).
-        takes_buffer: whether ``run`` also takes ``buffer=`` and ``scratch=`` (storage for its
-            result and its temporaries, see `orthogonalize`; default False: never passed them).
+        takes_buffer: whether ``run`` also takes ``buffer=``, ``scratch=`` and ``overwrite=``
+            (storage for its result and its temporaries, and leave to overwrite its input; see
+            `orthogonalize`; default False: never passed them).
     """
 
     run: Callable[..., Tensor]
@@ -47,20 +48,20 @@ class Method:
     takes_buffer: bool = False
 
 
-def _ns5(V, steps, dtype, eps, coefficients, buffer=None, scratch=None):
+def _ns5(V, steps, dtype, eps, coefficients, buffer=None, scratch=None, overwrite=False):
     coeffs = [tuple(coefficients or NS5_COEFFICIENTS)] * steps
-    return newton_schulz(V, coeffs, dtype=dtype, eps=eps, buffer=buffer, scratch=scratch)
+    return newton_schulz(V, coeffs, dtype=dtype, eps=eps, buffer=buffer, scratch=scratch, overwrite=overwrite)
 
 
-def _polar_express(V, steps, dtype, eps, coefficients, buffer=None, scratch=None):
+def _polar_express(V, steps, dtype, eps, coefficients, buffer=None, scratch=None, overwrite=False):
     coeffs = polar_express_coefficients(steps)
     return newton_schulz(V, coeffs, dtype=dtype, eps=eps, norm_scale=POLAR_EXPRESS_SAFETY, buffer=buffer,
-                         scratch=scratch)
+                         scratch=scratch, overwrite=overwrite)
 
 
-def _gram(V, steps, dtype, eps, coefficients, buffer=None, scratch=None):
+def _gram(V, steps, dtype, eps, coefficients, buffer=None, scratch=None, overwrite=False):
     coeffs = [tuple(coefficients or NS5_COEFFICIENTS)] * steps
-    return gram_newton_schulz(V, coeffs, dtype=dtype, eps=eps, buffer=buffer, scratch=scratch)
+    return gram_newton_schulz(V, coeffs, dtype=dtype, eps=eps, buffer=buffer, scratch=scratch, overwrite=overwrite)
 
 
 def _ns5_compiled(V, steps, dtype, eps, coefficients):
@@ -68,9 +69,9 @@ def _ns5_compiled(V, steps, dtype, eps, coefficients):
     return compiled_newton_schulz(V, coeffs, dtype=dtype, eps=eps)
 
 
-def _ns5_sym(V, steps, dtype, eps, coefficients, buffer=None, scratch=None):
+def _ns5_sym(V, steps, dtype, eps, coefficients, buffer=None, scratch=None, overwrite=False):
     coeffs = [tuple(coefficients or NS5_COEFFICIENTS)] * steps
-    return symmetric_newton_schulz(V, coeffs, dtype=dtype, eps=eps, buffer=buffer, scratch=scratch)
+    return symmetric_newton_schulz(V, coeffs, dtype=dtype, eps=eps, buffer=buffer, scratch=scratch, overwrite=overwrite)
 
 
 def _svd(V, steps, dtype, eps, coefficients):
@@ -120,6 +121,7 @@ def orthogonalize(
     out_dtype: torch.dtype | None = None,
     buffer: Tensor | None = None,
     scratch: dict | None = None,
+    overwrite: bool = False,
 ) -> Tensor:
     """Approximate the polar factor ``U V^T`` of every matrix in ``V``.
 
@@ -155,6 +157,11 @@ def orthogonalize(
             methods that take ``buffer`` keep their temporaries on CPU instead of allocating
             them each call (`muonclip.ortho.scratch`: fresh multi-MB temporaries are page-faulted
             in on every call). It grows to 3–5 times the largest batch's size.
+        overwrite: whether ``V`` may be overwritten (default False: it is left as it was),
+            for a caller that discards its input: the methods that take ``buffer`` then
+            normalise ``V`` in place and use it as a working buffer (one matrix-sized buffer
+            less; `muonclip.Muon` hands its bucket over this way). ``V``'s contents afterwards
+            are unspecified.
 
     Returns:
         A tensor of ``V``'s shape, in ``out_dtype`` (default ``V``'s dtype).
@@ -172,10 +179,10 @@ def orthogonalize(
         return V.to(out_dtype or V.dtype, copy=True)
     dtype = dtype or m.default_dtype
     steps = m.default_steps if steps is None else steps
-    kept = {"scratch": scratch} if scratch is not None and m.takes_buffer else {}
+    extra = {"scratch": scratch, "overwrite": overwrite} if m.takes_buffer else {}
     if buffer is not None and m.takes_buffer and (out_dtype or V.dtype) == dtype:
-        return m.run(V, steps, dtype, eps, coefficients, buffer=buffer, **kept)
-    return m.run(V, steps, dtype, eps, coefficients, **kept).to(out_dtype or V.dtype)
+        return m.run(V, steps, dtype, eps, coefficients, buffer=buffer, **extra)
+    return m.run(V, steps, dtype, eps, coefficients, **extra).to(out_dtype or V.dtype)
 
 
 __all__ = ["METHODS", "Method", "check_method", "orthogonalize", "svd_polar", "newton_schulz"]

@@ -114,6 +114,7 @@ def gram_newton_schulz(
     min_aspect: float = GRAM_MIN_ASPECT,
     buffer: Tensor | None = None,
     scratch: dict | None = None,
+    overwrite: bool = False,
 ) -> Tensor:
     """Approximate the polar factor of each matrix in ``V`` by Gram Newton–Schulz.
 
@@ -132,8 +133,9 @@ def gram_newton_schulz(
         restarts: step indices before which X and R are recomputed (default None:
             `default_restarts`, i.e. (3,) for 5 steps).
         min_aspect: smallest ``max(A, B) / min(A, B)`` that uses the Gram form (default 1.5).
-        buffer, scratch: storage for the result and for the temporaries (default None), as
-            in `muonclip.ortho.newton_schulz.newton_schulz`.
+        buffer, scratch, overwrite: storage for the result and for the temporaries (default
+            None), and whether ``V`` may be overwritten (default False), as in
+            `muonclip.ortho.newton_schulz.newton_schulz`.
 
     Returns:
         A tensor of ``V``'s shape, in ``dtype``.
@@ -144,7 +146,7 @@ def gram_newton_schulz(
     else:
         iteration = quintic_iteration
     return newton_schulz(V, coefficients, dtype=dtype, eps=eps, norm_scale=norm_scale, iteration=iteration,
-                         buffer=buffer, scratch=scratch)
+                         buffer=buffer, scratch=scratch, overwrite=overwrite)
 
 
 def gram_flops(m: int, n: int, steps: int, restarts: Collection[int] | None = None) -> int:

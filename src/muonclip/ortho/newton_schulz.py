@@ -143,6 +143,7 @@ def newton_schulz(
     iteration: Callable[..., Tensor] | None = None,
     buffer: Tensor | None = None,
     scratch: dict | None = None,
+    overwrite: bool = False,
 ) -> Tensor:
     """Approximate the polar factor of each matrix in ``V`` by a quintic Newton–Schulz run.
 
@@ -173,12 +174,21 @@ def newton_schulz(
         scratch: a dict the caller keeps between calls, where the normalised input and the
             iteration's temporaries are kept on CPU (`muonclip.ortho.scratch`; default None:
             allocated per call).
+        overwrite: whether ``V`` may be overwritten (default False: ``V`` is left as it was).
+            The normalised input is then written over the ``dtype`` copy of ``V`` in place, and
+            the iteration uses it as a working buffer: one matrix-sized buffer less, and no
+            pass to a cold one. A ``V`` that must be cast or copied to ``dtype`` anyway (e.g.
+            float32 in, bf16 computed) is always normalised in its own copy, which is not ``V``.
 
     Returns:
         A tensor of ``V``'s shape, in ``dtype`` (a view of ``buffer`` when given).
     """
     *batch, A, B = V.shape
     X = V.reshape(-1, A, B).to(dtype)
+    # X is ours to overwrite when allowed, or when the cast made it a copy (not traced when compiling)
+    in_place = overwrite or (
+        not torch.compiler.is_compiling() and X.untyped_storage().data_ptr() != V.untyped_storage().data_ptr()
+    )
     denom = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) * norm_scale + eps
     run = iteration or quintic_iteration
     N = X.shape[0]
@@ -186,20 +196,21 @@ def newton_schulz(
         scratch = None  # small temporaries: nothing to keep (`kept` would say None to each)
     out = None if buffer is None else result_view(buffer, X.shape, X.dtype, X.device)
 
-    def normalised(i: int, j: int) -> Tensor:
-        """Matrices i..j-1 divided by their norms."""
+    def normalised(i: int, j: int, in_place: bool) -> Tensor:
+        """Matrices i..j-1 divided by their norms (over themselves when ``in_place``)."""
         Xs, ds = (X, denom) if j - i == N else (X[i:j], denom[i:j])
-        return torch.div(Xs, ds, out=kept(scratch, "ns.in", Xs.shape, X.dtype, X.device))
+        return torch.div(Xs, ds, out=Xs if in_place else kept(scratch, "ns.in", Xs.shape, X.dtype, X.device))
 
-    def chunked(k: int, out: Tensor | None = None) -> Tensor:
-        """The batch's result, run ``k`` matrices at a time, written into ``out`` if given."""
+    def chunked(k: int, out: Tensor | None = None, in_place: bool = False) -> Tensor:
+        """The batch's result, run ``k`` matrices at a time, written into ``out`` if given
+        (X left intact unless ``in_place``: the chunk choice runs this several times)."""
         if k >= N:
-            return run(normalised(0, N), coefficients, out=out, scratch=scratch)
+            return run(normalised(0, N, in_place), coefficients, out=out, scratch=scratch)
         if out is None:
             out = torch.empty(X.shape, dtype=X.dtype, device=X.device)
         for i in range(0, N, k):  # each chunk normalised just before its steps (still in cache)
-            run(normalised(i, min(i + k, N)), coefficients, out=out[i : i + k], scratch=scratch)
+            run(normalised(i, min(i + k, N), in_place), coefficients, out=out[i : i + k], scratch=scratch)
         return out
 
-    X = chunked(choose_chunk(X, run, len(coefficients), chunked), out)
+    X = chunked(choose_chunk(X, run, len(coefficients), chunked), out, in_place=in_place)
     return X.reshape(*batch, A, B)

@@ -93,15 +93,16 @@ def symmetric_newton_schulz(
     blocks: int = SYM_BLOCKS,
     buffer: Tensor | None = None,
     scratch: dict | None = None,
+    overwrite: bool = False,
 ) -> Tensor:
     """`muonclip.ortho.newton_schulz.newton_schulz` with the symmetric products of `sym_gram`.
 
-    Same arguments (``buffer`` and ``scratch`` included) and result (``V``'s shape, in
+    Same arguments (``buffer``, ``scratch`` and ``overwrite`` included) and result (``V``'s shape, in
     ``dtype``); ``blocks`` row strips per symmetric product (default 2).
     """
     iteration = partial(symmetric_quintic_iteration, blocks=blocks)
     return newton_schulz(V, coefficients, dtype=dtype, eps=eps, norm_scale=norm_scale, iteration=iteration,
-                         buffer=buffer, scratch=scratch)
+                         buffer=buffer, scratch=scratch, overwrite=overwrite)
 
 
 def symmetric_flops(m: int, n: int, steps: int, blocks: int = SYM_BLOCKS, kernel: bool = False) -> int:
