@@ -71,7 +71,8 @@ class Muon(torch.optim.Optimizer):
     In one process on CPU, two buffers the size of the largest Newton–Schulz bucket (its
     same-shape matrices in the compute dtype: 7 MB for 24 matrices of 384 x 384 in bf16), one
     for the input and one for the result, are kept between steps and reused by every bucket,
-    and on CPU Newton–Schulz keeps its temporaries (3–5 times that size) there too. Fresh
+    and on CPU Newton–Schulz keeps its temporaries there too (two more of that size, S and P;
+    it normalises the input in place and alternates between it and the result). Fresh
     buffers each step cost thousands of page faults a step (glibc gives them back to the OS),
     7–10% of the step on the benchmark GPT set. They are scratch, not state (not in
     ``state_dict``, not copied). On CPU the first step also times how to feed each bucket to

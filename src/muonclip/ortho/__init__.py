@@ -156,7 +156,7 @@ def orthogonalize(
         scratch: a dict the caller keeps between calls (default None: none), where the
             methods that take ``buffer`` keep their temporaries on CPU instead of allocating
             them each call (`muonclip.ortho.scratch`: fresh multi-MB temporaries are page-faulted
-            in on every call). It grows to 3–5 times the largest batch's size.
+            in on every call). It grows to 2–5 times the largest batch's size.
         overwrite: whether ``V`` may be overwritten (default False: it is left as it was),
             for a caller that discards its input: the methods that take ``buffer`` then
             normalise ``V`` in place and use it as a working buffer (one matrix-sized buffer
