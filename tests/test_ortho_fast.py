@@ -255,6 +255,18 @@ def test_overwrite_survives_the_timed_chunk_choice(monkeypatch):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("method", ["ns5", "gram", "polar_express", "ns5_sym"])
+def test_orthogonalize_stays_differentiable(method):
+    """A V that requires grad (outside no_grad): no out= or in-place step, so backward works,
+    and the result is the no-grad result bit for bit."""
+    V = conditioned((2, 16, 40)).float().requires_grad_()
+    O = orthogonalize(V, method)
+    O.square().sum().backward()
+    assert V.grad is not None and torch.isfinite(V.grad).all() and V.grad.abs().sum() > 0
+    with torch.no_grad():
+        assert torch.equal(O.detach(), orthogonalize(V, method))
+
+
 def test_kept_buffers(monkeypatch):
     monkeypatch.setattr(scratch_buffers, "KEEP_BYTES", 0)
     scratch = {}

@@ -91,7 +91,8 @@ def quintic_iteration(
     sides. ``X`` is consumed: it is overwritten. ``out`` (optional, X's shape and dtype, not
     aliasing X) receives the last step's product, so a chunked caller needs no concatenation;
     the result is returned either way. ``scratch``: where S and P are kept between calls
-    (`muonclip.ortho.scratch`; default None: allocated per step).
+    (`muonclip.ortho.scratch`; default None: allocated per step). Under autograd (X requires
+    grad) every step makes new tensors instead, so the result can be differentiated.
 
     The steps alternate between two X-shaped tensors, the result (``out``, or one new tensor)
     and ``X`` itself, free once step 0 has read it; only step 0 of an even number of steps needs
@@ -101,13 +102,16 @@ def quintic_iteration(
     """
     last = len(coefficients) - 1
     dtype, device, small = X.dtype, X.device, gram_shape(X)
+    tracked = torch.is_grad_enabled() and X.requires_grad  # autograd: new tensors (no out=), as plain torch
     spare = X
-    if out is None:
+    if out is None and not tracked:
         out = torch.empty_like(X)
     for i, (a, b, c) in enumerate(coefficients):
         S = gram(X, out=kept(scratch, "ns.S", small, dtype, device))  # (batch, m, m)
         P = torch.baddbmm(S, S, S, beta=b, alpha=c, out=kept(scratch, "ns.P", small, dtype, device))  # b S + c S S
-        if (last - i) % 2 == 0:
+        if tracked:
+            nxt = out if i == last else None
+        elif (last - i) % 2 == 0:
             nxt = out
         else:
             nxt = spare if i > 0 else kept(scratch, "ns.X", X.shape, dtype, device)
@@ -185,10 +189,13 @@ def newton_schulz(
     """
     *batch, A, B = V.shape
     X = V.reshape(-1, A, B).to(dtype)
-    # X is ours to overwrite when allowed, or when the cast made it a copy (not traced when compiling)
+    # X is ours to overwrite when allowed, or when the cast made it a copy (not traced when compiling);
+    # never under autograd, where every step makes new tensors (orthogonalize stays differentiable)
     in_place = overwrite or (
         not torch.compiler.is_compiling() and X.untyped_storage().data_ptr() != V.untyped_storage().data_ptr()
     )
+    if torch.is_grad_enabled() and X.requires_grad:
+        in_place, scratch = False, None
     denom = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) * norm_scale + eps
     run = iteration or quintic_iteration
     N = X.shape[0]
