@@ -45,7 +45,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from .newton_schulz import gram, gram_shape, into, newton_schulz, quintic_iteration, small_side
+from .newton_schulz import gram, gram_shape, into, newton_schulz, quintic_iteration, small_side, tracked
 from .scratch import kept
 
 GRAM_MIN_ASPECT = 1.5
@@ -80,14 +80,14 @@ def gram_iteration(
     def keep(role: str, avoid: Tensor | None = None) -> Tensor | None:
         return kept(scratch, role, shape, dtype, device, avoid)
 
-    tracked = torch.is_grad_enabled() and X.requires_grad  # autograd: new tensors, no out=
+    differentiable = tracked(X)  # autograd: new tensors, no out=
     R = gram(X, out=keep("ns.R"))  # (batch, m, m)
     Q: Tensor | None = None
     last = len(coefficients) - 1
     for i, (a, b, c) in enumerate(coefficients):
         if i != 0 and i in restarts and Q is not None:
             X = small_side(Q, X, out=kept(scratch, "ns.X", X.shape, dtype, device, avoid=X))
-            R = gram(X, out=None if tracked else R)
+            R = gram(X, out=None if differentiable else R)
             Q = None
         Z = torch.baddbmm(R, R, R, beta=b, alpha=c, out=keep("ns.Z"))  # b R + c R^2
         if Q is None:
@@ -98,7 +98,7 @@ def gram_iteration(
             Q = torch.baddbmm(Q, Q, Z, beta=a, out=keep("ns.Q", avoid=Q))  # Q (a I + Z)
         if i < last and (i + 1) not in restarts:
             RZ = torch.baddbmm(R, R, Z, beta=a, out=keep("ns.RZ"))  # a R + R Z
-            R = torch.baddbmm(RZ, Z, RZ, beta=a, out=None if tracked else R)  # (a I + Z) R (a I + Z), over the old R
+            R = torch.baddbmm(RZ, Z, RZ, beta=a, out=None if differentiable else R)  # (a I + Z) R (a I + Z)
     if Q is None:
         return into(out, X)
     return small_side(Q, X, out=out)

@@ -77,6 +77,12 @@ def small_side(P: Tensor, X: Tensor, beta: float | None = None, out: Tensor | No
     return torch.baddbmm(X, left, right, beta=beta, out=out)
 
 
+def tracked(X: Tensor) -> bool:
+    """True when autograd records operations on ``X``: the iterations then make new tensors
+    (``out=`` and in-place writes would refuse or break differentiation), as plain torch does."""
+    return torch.is_grad_enabled() and X.requires_grad
+
+
 def quintic_iteration(
     X: Tensor,  # (batch, p, q), wide or tall, already normalised so that ||X||_2 <= 1
     coefficients: Sequence[tuple[float, float, float]],
@@ -102,14 +108,14 @@ def quintic_iteration(
     """
     last = len(coefficients) - 1
     dtype, device, small = X.dtype, X.device, gram_shape(X)
-    tracked = torch.is_grad_enabled() and X.requires_grad  # autograd: new tensors (no out=), as plain torch
+    differentiable = tracked(X)
     spare = X
-    if out is None and not tracked:
+    if out is None and not differentiable:
         out = torch.empty_like(X)
     for i, (a, b, c) in enumerate(coefficients):
         S = gram(X, out=kept(scratch, "ns.S", small, dtype, device))  # (batch, m, m)
         P = torch.baddbmm(S, S, S, beta=b, alpha=c, out=kept(scratch, "ns.P", small, dtype, device))  # b S + c S S
-        if tracked:
+        if differentiable:
             nxt = out if i == last else None
         elif (last - i) % 2 == 0:
             nxt = out
@@ -191,11 +197,12 @@ def newton_schulz(
     X = V.reshape(-1, A, B).to(dtype)
     # X is ours to overwrite when allowed, or when the cast made it a copy (not traced when compiling);
     # never under autograd, where every step makes new tensors (orthogonalize stays differentiable)
-    in_place = overwrite or (
-        not torch.compiler.is_compiling() and X.untyped_storage().data_ptr() != V.untyped_storage().data_ptr()
-    )
-    if torch.is_grad_enabled() and X.requires_grad:
+    if tracked(X):
         in_place, scratch = False, None
+    else:
+        in_place = overwrite or (
+            not torch.compiler.is_compiling() and X.untyped_storage().data_ptr() != V.untyped_storage().data_ptr()
+        )
     denom = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) * norm_scale + eps
     run = iteration or quintic_iteration
     N = X.shape[0]
