@@ -137,9 +137,27 @@ def test_float32_tiles_follow_torchs_matmul_precision():
     try:
         assert triton_syrk._precision(torch.float32) == "ieee"
         torch.set_float32_matmul_precision("high")
-        assert triton_syrk._precision(torch.float32) == "tf32"
+        assert triton_syrk._precision(torch.float32) == ("ieee" if torch.version.hip else "tf32")
+        assert triton_syrk._precision(torch.bfloat16) == "ieee"  # exact products; every backend takes it
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [9, 130, 1023, 1024, 4096, 14336])
+def test_launch_config_fits_shared_memory(dtype, m):
+    """The pipelined operand tiles plus the transposed output tile of the epilogue within 96 KiB
+    (a consumer GPU allows 99 KiB a block), 16-bit operands within the 48 KiB every CUDA GPU
+    allows by default; tile sides that tl.dot takes (powers of two, >= 16); 8 warps for the
+    128-wide accumulator; at least 2 stages (the loads of one step overlap the other's products)."""
+    block, block_k, warps, stages = triton_syrk.launch_config(m, dtype)
+    operands = stages * 2 * block * block_k * dtype.itemsize
+    assert operands + block * block * dtype.itemsize <= 96 * 2**10
+    assert dtype == torch.float32 or operands <= 48 * 2**10
+    assert block_k >= 16 and block_k & (block_k - 1) == 0 and block == triton_syrk.block_for(m)
+    assert warps == (8 if block == 128 else 4) and 2 <= stages <= triton_syrk.STAGES
+    if dtype != torch.float32 and block == 64:
+        assert (block_k, stages) == (64, 3)  # 16-bit operands at the small tile: the widest step
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

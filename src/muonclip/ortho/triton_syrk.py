@@ -12,14 +12,21 @@ quintic's ``P = b S + c S S`` fused into the kernel's epilogue (``alpha = c``, `
 
 Every result is exactly symmetric (both triangles hold the same rounded values).
 
-Tiling: one program per (tile row i, tile column j, matrix); programs with ``j < i`` do
-nothing. ``BLOCK`` x ``BLOCK`` tiles (64 for m < 1024, else 128), ``BLOCK_K`` = 64 along the
-shared dimension, float32 accumulation; float32 tiles multiply in full float32 unless torch's
-float32 matmul precision allows TF32 (as cuBLAS does for torch). bfloat16, float16 and
-float32 only (float64 matrices keep `muonclip.ortho.symmetric`'s row strips). The tile sizes
-are untuned first choices: whether the kernel beats cuBLAS at the shapes users have (m >= 2048)
-is measured by ``benchmarks/bench_ortho.py --device cuda --big`` (``ns5_sym`` against
-``ns5``), which needs a GPU.
+Tiling (`launch_config`): one program per (tile row i, tile column j, matrix); programs with
+``j < i`` do nothing. ``BLOCK`` x ``BLOCK`` tiles (64 for m < 1024, else 128, with 8 warps so
+the float32 accumulator stays in registers), float32 accumulation, and along the shared
+dimension the widest ``BLOCK_K`` (64, 32 or 16) whose two operand tiles fit `STAGE_BYTES`,
+with up to `STAGES` pipeline stages, as many as fit `SHARED_BYTES` beside the epilogue's
+transposed output tile: 48 KiB of operands for 16-bit tiles, 32 KiB + a 64 KiB output tile
+for float32 at BLOCK 128 (2 stages), within a consumer GPU's 99 KiB a block. BLOCK_K = 64
+throughout, the first choice, would have asked 192 KiB for float32 at BLOCK 128: more than an
+A100 (164 KiB) has.
+Float32 tiles multiply in full float32 unless torch's float32 matmul
+precision allows TF32 (as cuBLAS does for torch). bfloat16, float16 and float32 only (float64
+matrices keep `muonclip.ortho.symmetric`'s row strips). The sizes are untuned first choices:
+whether the kernel beats cuBLAS at the shapes users have (m >= 2048) is measured by
+``benchmarks/bench_ortho.py --device cuda --big`` (``ns5_sym`` against ``ns5``), which needs
+a GPU.
 
 On CPU the kernel runs only under Triton's interpreter (``TRITON_INTERPRET=1``, set before
 the first call), which is how the tests check it without a GPU. The interpreter's ``tl.dot``
@@ -41,7 +48,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-SMALL_BLOCK, LARGE_BLOCK, LARGE_FROM, BLOCK_K = 64, 128, 1024, 64
+SMALL_BLOCK, LARGE_BLOCK, LARGE_FROM = 64, 128, 1024
+STAGE_BYTES = 16 * 2**10  # the two operand tiles of one pipeline stage, at most
+STAGES = 3  # pipeline stages of the k loop, at most
+SHARED_BYTES = 96 * 2**10  # shared memory a program may use (consumer GPUs allow 99 KiB a block)
 MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension (the matrices of one launch)
 
 
@@ -116,6 +126,19 @@ def block_for(m: int) -> int:
     return LARGE_BLOCK if m >= LARGE_FROM else SMALL_BLOCK
 
 
+def launch_config(m: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """``(BLOCK, BLOCK_K, num_warps, num_stages)`` of `syrk` for an m x m result of ``dtype``
+    operands: the tile side (`block_for`); the widest of 64, 32, 16 along the shared dimension
+    whose two ``BLOCK x BLOCK_K`` operand tiles fit `STAGE_BYTES`; 8 warps for 128-wide tiles
+    (4 below); and up to `STAGES` stages, as many as fit `SHARED_BYTES` beside the transposed
+    ``BLOCK x BLOCK`` output tile of the epilogue."""
+    block = block_for(m)
+    block_k = max(16, min(64, STAGE_BYTES // (2 * block * dtype.itemsize)))
+    stage = 2 * block * block_k * dtype.itemsize
+    stages = max(1, min(STAGES, (SHARED_BYTES - block * block * dtype.itemsize) // stage))
+    return block, block_k, 8 if block >= LARGE_BLOCK else 4, stages
+
+
 def triangle_fraction(m: int) -> float:
     """The share of a full m x m product's tiles that `syrk` computes: ``(T + 1) / (2 T)``,
     T = ceil(m / block)."""
@@ -124,10 +147,11 @@ def triangle_fraction(m: int) -> float:
 
 
 def _precision(dtype: torch.dtype) -> str:
-    """``tl.dot``'s input precision for float32 tiles, as torch's own float32 products on CUDA:
+    """``tl.dot``'s input precision, as torch's own float32 products on CUDA: for float32 tiles
     full float32 ("ieee") under ``torch.get_float32_matmul_precision() == "highest"`` (torch's
-    default), TF32 otherwise (bf16 and fp16 tiles ignore it)."""
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+    default), TF32 otherwise, except on ROCm (not every AMD GPU has TF32); "ieee" for bf16
+    and fp16 tiles, whose products are exact in float32 (the one value every backend takes)."""
+    if dtype != torch.float32 or torch.get_float32_matmul_precision() == "highest" or torch.version.hip:
         return "ieee"
     return "tf32"
 
@@ -170,7 +194,7 @@ def syrk(A: Tensor, *, alpha: float = 1.0, beta: float = 0.0, add: Tensor | None
                          f"{tuple(out.shape)} and {None if add is None else tuple(add.shape)}")
     if batch == 0 or m == 0:
         return out
-    block = block_for(m)
+    block, block_k, warps, stages = launch_config(m, A.dtype)
     tiles = -(-m // block)
     d = add if add is not None else out  # an unused pointer when there is nothing to add
     interpret = interpreting()
@@ -180,6 +204,6 @@ def syrk(A: Tensor, *, alpha: float = 1.0, beta: float = 0.0, add: Tensor | None
         kernel[(tiles, tiles, b1 - b0)](
             A[b0:b1], d[b0:b1], out[b0:b1], m, k, *A.stride(), *d.stride(), *out.stride(), float(alpha), float(beta),
             HAS_D=add is not None, WIDEN=interpret and A.dtype == torch.bfloat16, PRECISION=_precision(A.dtype),
-            BLOCK=block, BLOCK_K=BLOCK_K,
+            BLOCK=block, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         )
     return out
