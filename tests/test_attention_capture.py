@@ -225,3 +225,83 @@ def test_flex_backend_max_equals_explicit_on_cuda(case, dtype):
     torch.testing.assert_close(rec.value.float(), ref, rtol=tol, atol=tol)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=hkv != hq)
     torch.testing.assert_close(out.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.fixture
+def flex_on_cpu(monkeypatch):
+    """`flex_attention_with_max` and the ``"flex"`` backend run on the CPU through
+    FlexAttention's own dense reference implementation (its compile-debug mode), with torch's
+    CPU refusal of ``max_scores`` lifted: the wrapper's masks, causal rule, GQA, scale and
+    reduction are then the code a GPU runs; only the fused kernel is not (the CUDA test above)."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    if not all(hasattr(fa, n) for n in ("AuxRequest", "_apply_kernel_options", "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG")):
+        pytest.skip("this torch's FlexAttention has no max_scores or a different debug mode")
+    import muonclip.attention.max_logits as max_logits
+    import muonclip.attention.sdpa as sdpa
+
+    real = fa._apply_kernel_options
+
+    def allow_max_on_cpu(query, key, value, return_lse, kernel_options, return_aux=None):
+        options = real(query, key, value, return_lse, kernel_options, None)
+        options["OUTPUT_MAX"] = bool(return_aux is not None and return_aux.max_scores)
+        return options
+
+    monkeypatch.setattr(fa, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
+    monkeypatch.setattr(fa, "_apply_kernel_options", allow_max_on_cpu)
+    monkeypatch.setattr(max_logits, "_compiled_flex", lambda: fa.flex_attention)
+    monkeypatch.setattr(sdpa, "flex_available", lambda query: True)
+    max_logits._causal_block_mask.cache_clear()
+    set_max_logit_backend("flex")
+    yield
+    set_max_logit_backend("chunked")
+    max_logits._causal_block_mask.cache_clear()
+
+
+@pytest.mark.parametrize("case", ["none", "causal", "gqa", "padding", "causal_padding", "wide_causal", "scale",
+                                  "empty_row"])
+def test_flex_backend_wrapper_on_cpu(flex_on_cpu, case):
+    """The flex path's recorded max equals the explicit float64 max per query head and its
+    output equals SDPA's, for no mask, causal, GQA, a padding mask (alone and with causal),
+    Tq != Tk, a custom scale, and a query row with no allowed key (max -inf there, output row
+    0)."""
+    hkv = 2 if case == "gqa" else 4
+    tq, tk = (5, 9) if case == "wide_causal" else (7, 7)
+    q, k, v = qkv(hkv=hkv, tq=tq, tk=tk, seed=3)
+    q = 3 * q
+    is_causal = case in ("causal", "gqa", "causal_padding", "wide_causal")
+    mask = None
+    if case in ("padding", "causal_padding"):
+        mask = padding(2, tk, [tk, 3])
+    if case == "empty_row":
+        mask = torch.ones(2, 1, tq, tk, dtype=torch.bool)
+        mask[1, :, 4] = False  # query 4 of batch 1 sees nothing
+    scale = 0.3 if case == "scale" else None
+    allowed = mask
+    if is_causal:
+        allowed = causal(tq, tk) if mask is None else mask & causal(tq, tk)
+    rec = MaxLogitRecorder(4)
+    out = scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                       enable_gqa=hkv != 4, recorder=rec)
+    torch.testing.assert_close(rec.value, reference_max(q, k, allowed, scale), rtol=1e-5, atol=1e-5)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                          enable_gqa=hkv != 4)
+    if case == "empty_row":  # 0, never NaN (torch 2.13's CPU SDPA agrees; older SDPA kernels gave NaN)
+        assert torch.equal(out[1, :, 4], torch.zeros_like(out[1, :, 4]))
+        want = want.nan_to_num(0.0)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_flex_backend_keeps_chunked_for_additive_masks_and_dropout(flex_on_cpu, monkeypatch):
+    """An additive float mask (its bias would enter FlexAttention's max) and dropout keep the
+    chunked max even with the flex backend on."""
+    import muonclip.attention.sdpa as sdpa
+
+    calls = []
+    monkeypatch.setattr(sdpa, "flex_attention_with_max", lambda *a, **kw: calls.append(1))
+    q, k, v = qkv()
+    rec = MaxLogitRecorder(4)
+    bias = torch.zeros(7, 7).masked_fill(~causal(7, 7), -math.inf)
+    scaled_dot_product_attention(q, k, v, attn_mask=bias, recorder=rec)
+    torch.testing.assert_close(rec.value, reference_max(q, k, causal(7, 7)))
+    scaled_dot_product_attention(q, k, v, dropout_p=0.5, is_causal=True, recorder=MaxLogitRecorder(4))
+    assert calls == []

@@ -21,7 +21,9 @@ Two ways to get it:
   the causal ``Q K^T`` matmul of attention again.
 * `flex_attention_with_max` (CUDA only, opt-in): PyTorch FlexAttention computes the output
   and, with ``return_aux=AuxRequest(max_scores=True)``, each query row's max score in the same
-  fused kernel. Not supported on CPU in torch 2.13; UNTESTED on GPU in this project so far.
+  fused kernel. torch 2.13 refuses ``max_scores`` on CPU; the tests run this wrapper (masks,
+  causal rule, GQA, scale, reduction) on CPU through FlexAttention's dense reference
+  implementation, and the fused kernel only where a GPU is present (not yet in this project).
 """
 
 from __future__ import annotations
@@ -197,7 +199,9 @@ def flex_attention_with_max(
 
     Only ``attn_mask=None`` or a boolean mask (an additive float mask's bias would enter
     FlexAttention's ``max_scores``, so the caller uses `chunked_max_logits` for those), no
-    dropout. Fully masked rows give output 0 (SDPA gives NaN) and max ``-inf``. UNTESTED on GPU.
+    dropout. Fully masked rows give output 0 (as torch 2.13's CPU SDPA; some SDPA kernels give
+    NaN) and max ``-inf``. Tested on CPU through FlexAttention's dense reference implementation
+    (``tests/test_attention_capture.py``); the fused CUDA kernel is tested only on a GPU.
     """
     from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
 
