@@ -18,15 +18,15 @@ the float32 accumulator stays in registers), float32 accumulation, and along the
 dimension the widest ``BLOCK_K`` (64, 32 or 16) whose two operand tiles fit `STAGE_BYTES`,
 with up to `STAGES` pipeline stages, as many as fit `SHARED_BYTES` beside the epilogue's
 transposed output tile: 48 KiB of operands for 16-bit tiles, 32 KiB + a 64 KiB output tile
-for float32 at BLOCK 128 (2 stages), within a consumer GPU's 99 KiB a block. BLOCK_K = 64
+for float32 at BLOCK 128 (2 stages), within a consumer GPU's 99 KiB a block. (That budget is
+our count of the tiles; Triton's own allocation is seen only on a GPU.) BLOCK_K = 64
 throughout, the first choice, would have asked 192 KiB for float32 at BLOCK 128: more than an
-A100 (164 KiB) has.
-Float32 tiles multiply in full float32 unless torch's float32 matmul
-precision allows TF32 (as cuBLAS does for torch). bfloat16, float16 and float32 only (float64
-matrices keep `muonclip.ortho.symmetric`'s row strips). The sizes are untuned first choices:
-whether the kernel beats cuBLAS at the shapes users have (m >= 2048) is measured by
-``benchmarks/bench_ortho.py --device cuda --big`` (``ns5_sym`` against ``ns5``), which needs
-a GPU.
+A100 (164 KiB) has. Float32 tiles multiply in full float32 unless torch's float32 matmul
+precision allows TF32 (as cuBLAS does for torch; never on ROCm). bfloat16, float16 and
+float32 only (float64 matrices keep `muonclip.ortho.symmetric`'s row strips). The sizes are
+untuned first choices: whether the kernel beats cuBLAS at the shapes users have (m >= 2048)
+is measured by ``benchmarks/bench_ortho.py --device cuda --big`` (``ns5_sym`` against
+``ns5``), which needs a GPU.
 
 On CPU the kernel runs only under Triton's interpreter (``TRITON_INTERPRET=1``, set before
 the first call), which is how the tests check it without a GPU. The interpreter's ``tl.dot``
