@@ -632,9 +632,15 @@ def test_masked_step_guard_alone():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_mask_mode_no_cuda_sync():
+@pytest.mark.parametrize("lr", ["float", "cpu tensor"])
+def test_mask_mode_no_cuda_sync(lr):
+    """A masked step on CUDA, with lr a float or a 0-D CPU tensor (as for compiled steps), makes
+    no host sync."""
     params = [torch.nn.Parameter(t.cuda()) for t in _model()]
     opt = _opt(params, "mask")
+    if lr == "cpu tensor":
+        for g in opt.param_groups:
+            g["lr"] = torch.tensor(g["lr"])
     _set(params, [g.cuda() for g in _grads(params, 0)])
     opt.step()
     _set(params, [g.cuda() for g in _grads(params, 1, bad=True)])

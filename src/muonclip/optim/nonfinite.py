@@ -186,8 +186,8 @@ class StepGate:
         flag = self._cache.get(("flag", like.device))
         if flag is None:
             flag = self._cache[("flag", like.device)] = self.found.to(like.device, non_blocking=True)
-        if isinstance(value, Tensor):
-            v = value.detach().to(device=like.device, dtype=dtype)
+        if isinstance(value, Tensor):  # e.g. lr as a 0-D CPU tensor: copied without a stream sync
+            v = value.detach().to(device=like.device, dtype=dtype, non_blocking=True)
         else:
             v = torch.full((), value, dtype=dtype, device=like.device)
         out = torch.where(flag, torch.full((), if_found, dtype=dtype, device=like.device), v)
