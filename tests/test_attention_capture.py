@@ -292,7 +292,7 @@ def test_flex_backend_wrapper_on_cpu(flex_on_cpu, case):
     torch.testing.assert_close(rec.value, reference_max(q, k, allowed, scale), rtol=1e-5, atol=1e-5)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
                                           enable_gqa=hkv != 4)
-    if case == "empty_row":  # 0, never NaN (torch 2.13's CPU SDPA agrees; older SDPA kernels gave NaN)
+    if case == "empty_row":  # 0, never NaN (torch 2.13's CPU SDPA agrees)
         assert torch.equal(out[1, :, 4], torch.zeros_like(out[1, :, 4]))
         want = want.nan_to_num(0.0)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)

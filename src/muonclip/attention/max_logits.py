@@ -199,8 +199,8 @@ def flex_attention_with_max(
 
     Only ``attn_mask=None`` or a boolean mask (an additive float mask's bias would enter
     FlexAttention's ``max_scores``, so the caller uses `chunked_max_logits` for those), no
-    dropout. Fully masked rows give output 0 (as torch 2.13's CPU SDPA; some SDPA kernels give
-    NaN) and max ``-inf``. Tested on CPU through FlexAttention's dense reference implementation
+    dropout. Fully masked rows give output 0 (as torch 2.13's CPU SDPA does) and max
+    ``-inf``. Tested on CPU through FlexAttention's dense reference implementation
     (``tests/test_attention_capture.py``); the fused CUDA kernel is tested only on a GPU.
     """
     from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
