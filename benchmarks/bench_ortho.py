@@ -55,7 +55,7 @@ CONTENDERS = [
     ("ns5_sym", torch.bfloat16),
     ("polar_express", torch.bfloat16),
 ]
-COMPILED = [("ns5_compiled", torch.bfloat16)]  # --compiled: about 20 s of compiling per shape on CPU
+COMPILED = [("ns5_compiled", torch.bfloat16)]  # --compiled: 7–20 s of compiling per shape on CPU
 
 
 def conditioned(shape: tuple[int, ...], cond: float = 100.0, seed: int = 0) -> torch.Tensor:
