@@ -14,8 +14,8 @@ and about the eager time on the GPT set's MLP bucket and the 64 experts. The mat
 dominate and inductor only fuses the normalisation and the casts; its C++ GEMM template
 (``max_autotune``), which could fuse the quintic's additions into the products, ran those
 products slower than eager ``baddbmm`` there (`benchmarks/bench_accumulate.py`). It does not
-pay for short CPU runs; on GPU it removes launch overhead and is CUDA-graph friendly. Results differ from eager by
-bf16 round-off (different fusion): tests compare at bf16 tolerance.
+pay for short CPU runs; on GPU it removes launch overhead and is CUDA-graph friendly. Results
+differ from eager by bf16 round-off (different fusion): tests compare at bf16 tolerance.
 """
 
 from __future__ import annotations
