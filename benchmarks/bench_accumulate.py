@@ -16,8 +16,9 @@ the bare ``bmm`` step (the flop floor of `bench_ortho.py` and `bench_step.py`):
   template (``max_autotune``, backend "CPP"), the addition fused into the product's epilogue;
   compile failures are printed, not raised.
 
-The best form's ratio is the most a single-rounding quintic can reach on this machine
-(accumulation of the extra matrix included), whatever else is done around the products.
+The ratio of ``baddbmm out=`` (or of the inductor form, when faster) is the most an eager
+single-rounding quintic step can reach on this machine, whatever else is done around the
+products; ``baddbmm in place`` bounds any kernel that still reads and writes one accumulator.
 
 Usage: ``python benchmarks/bench_accumulate.py [--threads 2] [--rounds 15] [--dtype
 bfloat16|float32] [--inductor]``.
