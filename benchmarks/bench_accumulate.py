@@ -30,9 +30,11 @@ import argparse
 from collections.abc import Callable
 
 import torch
+from bench_ortho import quintic_flops
 from timing import machine, round_robin, setup_threads
 
-NS5 = (3.4445, -4.7750, 2.0315)
+from muonclip.ortho.newton_schulz import NS5_COEFFICIENTS as NS5
+
 # (label, E, m, n), m <= n: the GPT set's buckets (6 layers, d=384; the tall c_fc runs from the
 # right with the same products) and the 64 experts
 SHAPES = [
@@ -118,7 +120,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for label, E, m, n in SHAPES:
         t = round_robin(step_forms(E, m, n, dtype, args.inductor), rounds=args.rounds, clock=args.clock)
-        flops = E * (4 * m * m * n + 2 * m**3)
+        flops = E * quintic_flops(m, n, steps=1)
         for name, s in t.items():
             print(f"| {label} {E}x{m}x{n} | {name} | {s * 1e3:.2f} | {flops / s / 1e9:.0f} | {t['bare'] / s:.2f} |")
 
