@@ -319,3 +319,32 @@ def test_flex_backend_keeps_chunked_for_additive_masks_and_dropout(flex_on_cpu, 
     torch.testing.assert_close(rec.value, reference_max(q, k, causal(7, 7)))
     scaled_dot_product_attention(q, k, v, dropout_p=0.5, is_causal=True, recorder=MaxLogitRecorder(4))
     assert calls == []
+
+
+def test_flex_backend_follows_the_recording_rule(flex_on_cpu, monkeypatch):
+    """With the flex backend on, a call that is not a training forward (no_grad) feeds no recorder
+    and runs plain SDPA; inside a `MaxLogitMonitor` it computes the flex max for the monitor only."""
+    import muonclip.attention.sdpa as sdpa
+    from muonclip.attention import MaxLogitMonitor
+
+    calls = []
+    real = sdpa.flex_attention_with_max
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sdpa, "flex_attention_with_max", counted)
+    q, k, v = qkv(seed=3)
+    rec = MaxLogitRecorder(4)
+    with torch.no_grad():
+        out = scaled_dot_product_attention(q, k, v, is_causal=True, recorder=rec)
+        assert rec.value is None and calls == []
+        assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        with MaxLogitMonitor({"layer": rec}) as monitor:
+            scaled_dot_product_attention(q, k, v, is_causal=True, recorder=rec)
+    assert rec.value is None and calls == [1]
+    torch.testing.assert_close(monitor.max_logits["layer"], reference_max(q, k, causal(7, 7)), rtol=1e-5, atol=1e-5)
+    scaled_dot_product_attention(q, k, v, is_causal=True, recorder=rec)  # a training call: flex, recorded
+    assert calls == [1, 1]
+    torch.testing.assert_close(rec.value, reference_max(q, k, causal(7, 7)), rtol=1e-5, atol=1e-5)
