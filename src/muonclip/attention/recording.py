@@ -56,8 +56,14 @@ _active: list[MaxLogitMonitor] = []  # monitors inside their ``with`` block, pro
 
 
 def is_training_forward(training: bool) -> bool:
-    """True when an attention call made by a module with ``module.training == training`` feeds the
-    clip: ``training`` and ``torch.is_grad_enabled()`` (see the module docstring)."""
+    """Whether an attention call feeds the clip (see the module docstring).
+
+    Args:
+        training: the calling module's ``module.training``.
+
+    Returns:
+        ``training and torch.is_grad_enabled()``.
+    """
     return bool(training) and torch.is_grad_enabled()
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -100,7 +102,7 @@ class MuonClip(Muon):
                 "MuonClip.step: no attention max logit was recorded since the last step, so QK-Clip did nothing. "
                 "Only training forwards feed the clip: the model in training mode (model.train()) with grad enabled "
                 "(not under torch.no_grad() or torch.inference_mode()). Forwards in eval mode never count.",
-                stacklevel=2,
+                stacklevel=_outside_frames(),
             )
         return loss
 
@@ -151,6 +153,16 @@ class MuonClip(Muon):
         if tau is not None:
             _check_tau(tau)
             self.tau = float(tau)
+
+
+def _outside_frames() -> int:
+    """``stacklevel`` of the nearest caller outside muonclip and torch (the user's ``opt.step()``,
+    past torch's optimizer-hook and no_grad wrappers), for warnings."""
+    inside = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _check_tau(tau: float) -> None:
