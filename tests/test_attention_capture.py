@@ -1,4 +1,5 @@
-"""The drop-in SDPA: same output as F.scaled_dot_product_attention, exact recorded max logits."""
+"""The drop-in SDPA: same output as F.scaled_dot_product_attention, exact recorded max logits, recorded on
+training calls only (grad enabled, ``training=True``)."""
 
 from __future__ import annotations
 
