@@ -275,8 +275,8 @@ def _router(module: nn.Module, experts: nn.Module, config: Any) -> Iterable[tupl
         if isinstance(p, Tensor) and p.ndim == 2 and n is not None and p.shape[0] == n:
             yield p, Layout(
                 "router",
-                f"E={n} x {p.shape[1]}: one matrix on Muon, as Moonlight/Kimi K2, Megatron-LM and torchtitan train "
-                "it (adamw=['*.gate.weight'] moves it)",
+                f"E={n} x {p.shape[1]}, one matrix on Muon, as Moonlight/Kimi K2, Megatron-LM and torchtitan train "
+                f"routers (adamw=['*.{attr}.weight'] moves it)",
             )
 
 

@@ -48,7 +48,7 @@ class Route:
     shape: tuple[int, ...]
     algorithm: str  # "muon" or "adamw"
     reason: str  # "hidden matrix", "conv", "conv1d (in, out)", "experts", "embedding", "lm head", "vector",
-    #              "override", "split=", or a `muonclip.optim.fused.Layout` reason ("fused qkv", "router", ...)
+    #              "override", or a `muonclip.optim.fused.Layout` reason ("fused qkv", "router", "per-head", ...)
     detail: str = ""  # how a Muon weight is cut into matrices, and from what (config sizes, split= pattern)
 
 
@@ -211,13 +211,13 @@ def param_groups(
                 extra["flatten"] = True
             if _is_hf_conv1d(module, p):
                 extra["transposed"] = True
-            given = next((opts for pat, opts in split.items() if fnmatch.fnmatchcase(name, pat)), None)
-            if given is not None:
-                extra.update(given)
+            pat = next((pat for pat in split if fnmatch.fnmatchcase(name, pat)), None)
+            if pat is not None:
+                extra.update(split[pat])
                 if layout is not None and layout.transposed:
                     extra["transposed"] = True
-                groups = f" x {given['split_groups']} groups" if "split_groups" in given else ""
-                reason, detail = "split=", f"rows {given['split_sizes']}{groups} as given"
+                groups = f" x {split[pat]['split_groups']}, interleaved" if "split_groups" in split[pat] else ""
+                detail = f"rows {split[pat]['split_sizes']}{groups}, as split={{{pat!r}: ...}} gives"
             elif layout is not None:
                 extra.update(layout.options())
                 reason, detail = (reason if reason == "override" else layout.reason), layout.detail
