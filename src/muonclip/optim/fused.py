@@ -179,23 +179,25 @@ def _fused(p: Tensor, reason: str, parts: dict[str, int], why: str, split_fused:
     return Layout(reason, text, sizes, groups, transposed=transposed)
 
 
+def _with_heads(module: nn.Module, attr: str, config: Any) -> tuple[Tensor, tuple[int, int, int]] | None:
+    """The weight of child ``attr`` and the module's (heads, key/value heads, head dim), or None."""
+    p, heads = _weight(module, attr), _heads(module, config)
+    return None if p is None or heads is None else (p, heads)
+
+
 def _sectioned_qkv(module: nn.Module, config: Any, per_head: bool, split_fused: bool) -> Iterable[tuple]:
-    p = _weight(module, "qkv_proj")
-    heads = _heads(module, config)
-    if p is None or heads is None:
+    if (found := _with_heads(module, "qkv_proj", config)) is None:
         return
-    nh, nkv, d = heads
+    p, (nh, nkv, d) = found
     yield p, _fused(p, "fused qkv", {"q": nh * d, "k": nkv * d, "v": nkv * d},
                     f"num_attention_heads={nh}, num_key_value_heads={nkv}, head_dim={d}", split_fused,
                     per_head=(d,) * (nh + 2 * nkv) if per_head else None)
 
 
 def _gpt2_attention(module: nn.Module, config: Any, per_head: bool, split_fused: bool) -> Iterable[tuple]:
-    p = _weight(module, "c_attn")
-    heads = _heads(module, config)
-    if p is None or heads is None:
+    if (found := _with_heads(module, "c_attn", config)) is None:
         return
-    nh, _, d = heads
+    p, (nh, _, d) = found
     transposed = _is_conv1d(module.c_attn)
     why = f"n_head={nh}, head_dim={d}" + ("; stored (in, out)" if transposed else "")
     if getattr(module, "is_cross_attention", False):  # c_attn = [k | v]; queries in q_attn
@@ -211,11 +213,9 @@ def _gpt2_attention(module: nn.Module, config: Any, per_head: bool, split_fused:
 
 
 def _neox_attention(module: nn.Module, config: Any, per_head: bool, split_fused: bool) -> Iterable[tuple]:
-    p = _weight(module, "query_key_value")
-    heads = _heads(module, config)
-    if p is None or heads is None:
+    if (found := _with_heads(module, "query_key_value", config)) is None:
         return
-    nh, _, d = heads
+    p, (nh, _, d) = found
     yield p, _fused(p, "fused qkv", {"q": d, "k": d, "v": d}, f"num_attention_heads={nh}, head_size={d}",
                     split_fused, groups=nh, per_head=(d,) * (3 * nh) if per_head else None)
 
