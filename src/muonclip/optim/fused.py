@@ -281,13 +281,12 @@ def _router(module: nn.Module, experts: nn.Module, config: Any) -> Iterable[tupl
 
 
 def _mla(module: nn.Module, config: Any, per_head: bool) -> Iterable[tuple]:
-    heads = _heads(module, config)
+    nh = _n_heads(module, config)
     nope = _first_int(module, ("qk_nope_head_dim", "nope"), config, ("qk_nope_head_dim",))
     rope = _first_int(module, ("qk_rope_head_dim", "rope"), config, ("qk_rope_head_dim",))
     v = _first_int(module, ("v_head_dim", "v_dim"), config, ("v_head_dim",))
-    if heads is None or None in (nope, rope, v):
+    if None in (nh, nope, rope, v):
         return
-    nh = heads[0]
     kv_a = _weight(module, "kv_a_proj_with_mqa")
     if kv_a is not None:
         yield kv_a, Layout("MLA", f"[c_kv {kv_a.shape[0] - rope} | shared rotary key {rope}]: one matrix, as "
@@ -361,9 +360,13 @@ def _first_int(module: nn.Module, attrs: tuple[str, ...], config: Any, keys: tup
     return None
 
 
+def _n_heads(module: nn.Module, config: Any) -> int | None:
+    return _first_int(module, ("num_heads", "n_head", "num_attention_heads"), config, ("num_attention_heads",))
+
+
 def _heads(module: nn.Module, config: Any) -> tuple[int, int, int] | None:
     """(query heads, key/value heads, head dim) from the module's attributes or its config."""
-    nh = _first_int(module, ("num_heads", "n_head", "num_attention_heads"), config, ("num_attention_heads",))
+    nh = _n_heads(module, config)
     if nh is None:
         return None
     nkv = _first_int(module, ("num_key_value_heads", "n_kv_head"), config, ("num_key_value_heads",)) or nh
