@@ -8,7 +8,8 @@ Rules (design.md 1.1), first match wins:
    module named ``lm_head``/``head``/``output``/``unembed``/``classifier``/``score``, or a
    Linear whose out_features equals an embedding's vocabulary size. A weight tied to an
    embedding is one parameter and is routed once, as an embedding.
-4. 0-D and 1-D tensors (norm gains, biases, scalars) -> AdamW with weight_decay 0 ("vector").
+4. 0-D and 1-D tensors (norm gains, biases, scalars), and the per-expert biases ``(E, n)`` of
+   transformers' stacked experts -> AdamW with weight_decay 0 ("vector").
 5. Everything else with ndim >= 2 -> Muon: attention projections, MLP, stacked experts
    (3-D), routers; convolution weights in a group with ``flatten=True`` ("conv"); the weights
    of transformers' ``Conv1D`` (GPT-2; a linear layer stored ``(in, out)``, recognised by its
@@ -130,8 +131,8 @@ def param_groups(
             True; `muonclip.optim.fused`): Phi-3's ``qkv_proj`` and ``gate_up_proj``, GPT-2's
             ``c_attn``, GPT-NeoX's interleaved ``query_key_value``, ``nn.MultiheadAttention``'s
             ``in_proj_weight``, transformers' stacked experts' ``gate_up_proj`` (sizes from the
-            config, checked against the weight). False keeps them whole (today's behaviour
-            before this option existed); the report still names them.
+            config, checked against the weight). False keeps each of them one matrix, as
+            routing did before fused layouts were known; the report still names them.
         per_head: orthogonalise each attention head's rows of q, k and v (separate or fused)
             and of the MLA up-projections as its own matrix, with its own update scale
             (default False; Kimi K3's per-head Muon, GLM's "Muon Split"; see the algorithm
