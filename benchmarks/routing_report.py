@@ -1,7 +1,8 @@
 """Print ``muonclip.param_groups(model).report()`` for tiny transformers models built from configs.
 
 Not a benchmark and not a test: a record of how each model's weights are routed and cut into
-matrices (Phi-3, Mixtral, DeepSeek-V3, Qwen2-MoE, GPT-2, GPT-NeoX, Llama; nothing downloaded).
+matrices (Phi-3, Mixtral, DeepSeek-V3, Qwen2-MoE, GPT-2, GPT-NeoX, gpt-oss, Llama; nothing
+downloaded).
 It uses only ``param_groups(model)`` and ``.report()``, so it runs against older versions of the
 library too (to compare routings before and after a change); ``--per-head`` adds the reports
 with ``per_head=True`` where the installed version has that option.
@@ -38,6 +39,9 @@ def configs() -> dict:
         "gpt2": T.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=16),
         "gpt_neox": T.GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                     num_attention_heads=4),
+        "gpt_oss": T.GptOssConfig(vocab_size=64, hidden_size=24, intermediate_size=12, num_hidden_layers=1,
+                                  num_attention_heads=3, num_key_value_heads=1, head_dim=8, num_local_experts=3,
+                                  num_experts_per_tok=2),
         "llama": T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                num_attention_heads=4, num_key_value_heads=2),
     }
