@@ -40,8 +40,17 @@ Kept whole, and said so in the report:
 Per-head orthogonalisation (``per_head=True``, off by default): each attention head's rows of
 q, k and v (separate or fused projections) and of the MLA up-projections ``q_b_proj`` (or
 ``q_proj``) and ``kv_b_proj`` are their own matrix, with their own update scale (Kimi K3's
-per-head Muon, GLM-4.5/GLM-5's "Muon Split"). Output projections (heads along columns) are not
-split.
+per-head Muon, GLM-5's "Muon Split"). Output projections (heads along columns) are not split.
+The algorithm page of the documentation says when it helps.
+
+References:
+    Megatron-LM ``megatron/core/optimizer`` (Muon splits fused QKV by default,
+    ``--muon-split-qkv``; every 2-D non-embedding weight, the router included, on Muon).
+    microsoft/dion (``split_sizes``; per-head ``num_heads``). pytorch/torchtitan
+    ``torchtitan/models/kimi_k2_7/config_registry.py`` (Moonlight/Kimi K2.5 Muon recipes:
+    per-head MLA up-projections, router on Muon). MoonshotAI/Moonlight
+    ``examples/toy_train.py``. Kimi K3, arXiv 2607.24653, section 2.5 (per-head Muon). GLM-5,
+    arXiv 2602.15763 (Muon Split).
 """
 
 from __future__ import annotations
