@@ -587,17 +587,22 @@ def test_plan_is_balanced_deterministic_and_total():
     ((6, 4), {}), ((6, 4), {"split_sizes": [2, 4]}), ((4, 6), {"transposed": True}),
     ((6, 4), {"transposed": True, "split_sizes": [1, 3]}), ((3, 6, 4), {}), ((3, 6, 4), {"split_sizes": [5, 1]}),
     ((5, 2, 3, 3), {}), ((5, 2, 3), {"flatten": True}), ((8, 2, 3), {"flatten": True, "split_sizes": [3, 5]}),
+    ((12, 4), {"split_sizes": [1, 2, 1], "split_groups": 3}),  # interleaved per group: [a b b c | a b b c | ...]
+    ((3, 4, 6), {"transposed": True, "split_sizes": [1, 1], "split_groups": 3}),  # gpt-oss experts (E, in, out)
 ])
 def test_matrix_rows_states_the_shapes_of_matrix_blocks(shape, opts):
     """The step buckets by `matrix_rows` (no tensor made); it must describe exactly the blocks
-    that `matrix_blocks` cuts (their shapes, and their rows along ``axis``)."""
+    that `matrix_blocks` cuts (their shapes, and their rows along ``axis``, in group order)."""
     t = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
     blocks = matrix_blocks(t, **opts)
-    axis, ranges, cols, batch = matrix_rows(shape, **opts)
-    assert [tuple(b.shape) for b in blocks] == [(batch, r1 - r0, cols) for r0, r1 in ranges]
-    whole = matrix_blocks(t, **{k: v for k, v in opts.items() if k != "split_sizes"})[0]
-    for b, (r0, r1) in zip(blocks, ranges):
-        assert torch.equal(b, whole[:, r0:r1])
+    axis, rows, cols, batch = matrix_rows(shape, **opts)
+    assert [tuple(b.shape) for b in blocks] == [(batch, sum(r1 - r0 for r0, r1 in segs), cols) for segs in rows]
+    whole = matrix_blocks(t, **{k: v for k, v in opts.items() if k not in ("split_sizes", "split_groups")})[0]
+    for b, segs in zip(blocks, rows):
+        assert torch.equal(b, torch.cat([whole[:, r0:r1] for r0, r1 in segs], dim=1))
+        stored = torch.cat([t.narrow(axis, r0, r1 - r0) for r0, r1 in segs], dim=axis)  # the same rows, stored
+        assert torch.equal(matrix_blocks(stored, **{k: v for k, v in opts.items()
+                                                    if k not in ("split_sizes", "split_groups")})[0], b)
 
 
 @pytest.mark.parametrize("rows, world", [(24, 2), (7, 2), (5, 4), (3, 4)])

@@ -68,29 +68,32 @@ def test_ns_coefficients_and_steps_are_used():
 
 @pytest.mark.parametrize("update_scale", ["shape", "rms"])
 @pytest.mark.parametrize("split_sizes", [None, [4, 12, 8]])
-def test_transposed_weight_steps_exactly_as_its_transpose(update_scale, split_sizes):
-    """A weight stored (in, out) with transposed=True (transformers' Conv1D) gets, bit for bit,
-    the transpose of what the (out, in) weight gets: same scale (asymmetric "shape" included),
-    same row blocks of the (out, in) matrix, same batch."""
-    (w,) = make_params([(24, 10)])  # (out, in)
+@pytest.mark.parametrize("experts", [None, 3])
+def test_transposed_weight_steps_exactly_as_its_transpose(update_scale, split_sizes, experts):
+    """A weight stored (in, out) with transposed=True (transformers' Conv1D; stacked (E, in, out)
+    for experts declared is_transposed) gets, bit for bit, the transpose of what the (out, in)
+    weight gets: same scale (asymmetric "shape" included), same row blocks of the (out, in)
+    matrix, same batch (the same kernels on the same values: only the memory layout differs)."""
+    shape = (24, 10) if experts is None else (experts, 24, 10)
+    (w,) = make_params([shape])  # (out, in)
     plain = torch.nn.Parameter(w.detach().clone())
-    stored = torch.nn.Parameter(w.detach().T.contiguous())  # (in, out)
+    stored = torch.nn.Parameter(w.detach().mT.contiguous())  # (in, out)
     opt = muonclip.Muon([{"params": [plain]}, {"params": [stored], "transposed": True}], lr=0.05,
                         weight_decay=0.1, update_scale=update_scale, split_sizes=split_sizes)
     g = torch.Generator().manual_seed(3)
     for _ in range(3):
-        grad = torch.randn(24, 10, generator=g)
-        plain.grad, stored.grad = grad.clone(), grad.T.contiguous()
+        grad = torch.randn(shape, generator=g)
+        plain.grad, stored.grad = grad.clone(), grad.mT.contiguous()
         opt.step()
-        assert opt.last_step_stats.matrices == 2 * (1 if split_sizes is None else 3)
-        assert torch.equal(stored.detach(), plain.detach().T)
-        assert torch.equal(opt.state[stored]["momentum_buffer"], opt.state[plain]["momentum_buffer"].T)
+        assert opt.last_step_stats.matrices == 2 * (experts or 1) * (1 if split_sizes is None else 3)
+        assert torch.equal(stored.detach(), plain.detach().mT)
+        assert torch.equal(opt.state[stored]["momentum_buffer"], opt.state[plain]["momentum_buffer"].mT)
     # the (out, in) path itself is checked against the slow reference in CASES; the weights moved
     assert not torch.equal(plain.detach(), w.detach())
 
 
-def test_transposed_needs_a_2d_weight():
-    (p,) = make_params([(3, 4, 5)])
+def test_transposed_needs_a_2d_or_stacked_weight():
+    (p,) = make_params([(3, 4, 5, 2)])
     with pytest.raises(ValueError, match="transposed=True is for 2-D weights"):
         muonclip.Muon([p], transposed=True)
     (q,) = make_params([(10, 24)])

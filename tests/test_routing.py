@@ -150,3 +150,23 @@ def test_gpt2_from_transformers_routes_conv1d_transposed_and_tied_head_to_adamw(
     expected = before - 0.01 * 2.0 * muonclip.orthogonalize(w.grad.double(), "svd").float()
     opt.step()
     torch.testing.assert_close(w.detach(), expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+def test_reference_gpt_has_no_fused_weights_and_per_head_splits_its_projections(attention):
+    """The reference GPT stores q, k, v apart and has a plain MLP: nothing is split by default.
+    per_head=True cuts q/k/v (GQA: 4 query, 2 key/value heads of 8 rows) or MLA's up-projections
+    (per head [q_nope 16 | q_rope 8] and [k_nope 16 | v 16]) into one block per head."""
+    from muonclip.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=4, n_embd=32, attention=attention,
+                          n_kv_head=2 if attention == "mha" else None))
+    assert not any("split_sizes" in g for g in muonclip.param_groups(model))
+    groups = muonclip.param_groups(model, per_head=True)
+    if attention == "mha":
+        expected = {"q_proj": [8] * 4, "k_proj": [8] * 2, "v_proj": [8] * 2, "o_proj": None}
+    else:
+        expected = {"q_proj": [24] * 4, "kv_b_proj": [32] * 4, "kv_a_proj_with_mqa": None, "o_proj": None}
+    r = routed(groups)
+    for attr, sizes in expected.items():
+        assert r[f"blocks.0.attn.{attr}.weight"][1].get("split_sizes") == sizes, attr

@@ -12,14 +12,16 @@ largest first (ties: optimizer order), and each goes to the rank with the least 
 one matrix.
 
 The unit is a parameter: a stacked-expert weight ``(E, A, B)`` or a fused QKV weight with
-``split_sizes`` goes to one owner whole, because FSDP2 shards it by rows and the owner needs
-all its rows.
+``split_sizes`` (contiguous or interleaved blocks) goes to one owner whole, because FSDP2 shards
+it by rows and the owner needs all its rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from ..optim.matrices import block_rows
 
 
 def ns_flops(blocks: Sequence[tuple[int, int, int]], steps: int) -> int:
@@ -37,22 +39,25 @@ def ns_flops(blocks: Sequence[tuple[int, int, int]], steps: int) -> int:
 
 def matrix_rows(
     shape: Sequence[int], flatten: bool = False, split_sizes: Sequence[int] | None = None,
-    transposed: bool = False,
-) -> tuple[int, list[tuple[int, int]], int, int]:
+    transposed: bool = False, split_groups: int = 1,
+) -> tuple[int, list[list[tuple[int, int]]], int, int]:
     """How a parameter of global ``shape`` is cut into matrices, stated as row ranges.
 
     Mirrors `muonclip.optim.matrices.matrix_blocks` without touching data, so that a rank
     holding only some rows (FSDP2) knows which matrix block each of its rows belongs to.
 
     Returns:
-        ``(axis, ranges, cols, batch)``: the rows of block k are ``[a_k, b_k)`` along ``axis``
-        of the parameter (0 for 2-D and flattened weights, 1 for stacked experts
-        ``(E, A, B)`` and for ``transposed`` 2-D weights stored ``(in, out)``, whose matrix
-        rows are the stored columns), each block has ``cols`` columns, and ``batch``
-        matrices of each block (E for stacked experts, else 1).
+        ``(axis, blocks, cols, batch)``: block k is the rows ``blocks[k]`` (half-open ranges
+        ``[a, b)``, one per group of an interleaved layout, in group order; one range
+        otherwise) along ``axis`` of the parameter (0 for 2-D and flattened weights, 1 for
+        stacked experts ``(E, A, B)`` and for ``transposed`` 2-D weights stored ``(in, out)``,
+        whose matrix rows are the stored columns, 2 for ``transposed`` stacked experts
+        ``(E, in, out)``); each block has ``cols`` columns and ``batch`` matrices (E for
+        stacked experts, else 1).
     """
     if transposed:
-        axis, batch, rows, cols = 1, 1, shape[1], shape[0]
+        axis, rows, cols = len(shape) - 1, shape[-1], shape[-2]
+        batch = shape[0] if len(shape) == 3 else 1
     elif flatten or len(shape) >= 4 or len(shape) == 2:
         axis, rows, batch = 0, shape[0], 1
         cols = 1
@@ -60,12 +65,7 @@ def matrix_rows(
             cols *= s
     else:
         axis, batch, rows, cols = 1, shape[0], shape[1], shape[2]
-    sizes = [rows] if split_sizes is None else list(split_sizes)
-    ranges, a = [], 0
-    for n in sizes:
-        ranges.append((a, a + n))
-        a += n
-    return axis, ranges, cols, batch
+    return axis, block_rows(rows, split_sizes, split_groups), cols, batch
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..optim.matrices import matrix_blocks
+from ..optim.matrices import block_views
 from ..optim.nonfinite import StepGate
 from ..optim.scale import update_scale
 from ..ortho import METHODS, orthogonalize
@@ -73,7 +73,13 @@ def _steps(group: dict[str, Any]) -> int:
 
 
 def _opts(group: dict[str, Any]) -> dict[str, Any]:
-    return dict(flatten=group["flatten"], split_sizes=group["split_sizes"], transposed=group.get("transposed", False))
+    return dict(flatten=group["flatten"], split_sizes=group["split_sizes"], transposed=group.get("transposed", False),
+                split_groups=group.get("split_groups", 1))
+
+
+def _slot(dst: Tensor, view: Tensor) -> Tensor:
+    """A bucket slot ``(E, G * s, B)`` seen as ``(E, G, s, B)``, the shape of `block_views`' block ``view``."""
+    return dst.view(view.shape)
 
 
 def _label(name: str | Callable[[], str]) -> str:
@@ -156,12 +162,14 @@ def muon_step(
         return bufs[k]
 
     def v_into(k: int, out: Tensor | None = None, block: int | None = None) -> Tensor:
-        """V of item k (or of its matrix block ``block``, as `matrix_blocks` cuts it), written
-        into ``out`` (any dtype, that shape: the item's local shape for the whole item) if given."""
+        """V of item k (or of its matrix block ``block``, as `block_views` cuts it, into the
+        bucket slot ``out``), written into ``out`` (any dtype, that shape: the item's local shape
+        for the whole item) if given."""
         g, p = live[k]
         buf, grad = momentum(k), local(p.grad)
         if block is not None:
-            buf, grad = (matrix_blocks(t, **_opts(g))[block] for t in (buf, grad))
+            buf, grad = (block_views(t, **_opts(g))[block] for t in (buf, grad))
+            out = _slot(out, buf)
         if not g["nesterov"]:
             return buf if out is None else out.copy_(buf)
         wide = None if out is None or out.dtype == buf.dtype else kept(workspace, "v", out.shape, buf.dtype, buf.device)
@@ -263,7 +271,7 @@ class _Structure:
 
 
 _KEY_OPTIONS = ("method", "steps", "orth_dtype", "eps", "ns_coefficients", "flatten", "split_sizes", "transposed",
-                "update_scale")
+                "split_groups", "update_scale")
 
 
 def _frozen(v: Any) -> Any:
@@ -288,9 +296,11 @@ def _structure(live: list[tuple[dict[str, Any], Tensor]], ctx: GroupContext,
     costs, scaled, offsets = [], [], []
     layouts = [item_layout(p, ctx) for _, p in live]
     for (g, p), kind in zip(live, layouts):
-        axis, ranges, cols, batch = matrix_rows(p.shape, **_opts(g))
-        costs.append(ns_flops([(batch, b - a, cols) for a, b in ranges], max(_steps(g), 1)))
-        scaled.append((axis, [(a, b, update_scale(g["update_scale"], b - a, cols)) for a, b in ranges]))
+        axis, blocks, cols, batch = matrix_rows(p.shape, **_opts(g))
+        sizes = [sum(b - a for a, b in segs) for segs in blocks]
+        costs.append(ns_flops([(batch, n, cols) for n in sizes], max(_steps(g), 1)))
+        scales = [update_scale(g["update_scale"], n, cols) for n in sizes]
+        scaled.append((axis, _row_scales(blocks, scales)))
         offsets.append(shard_rows(p.shape[0], ctx.world_size, ctx.rank)[0] if kind == ROWS else 0)
     plan = assign_owners(costs, ctx.world_size)
     buckets: dict[tuple, _Bucket] = {}
@@ -298,11 +308,12 @@ def _structure(live: list[tuple[dict[str, Any], Tensor]], ctx: GroupContext,
     for k, ((g, p), owner) in enumerate(zip(live, plan.owners)):
         if owner != ctx.rank:
             continue
-        _, ranges, cols, batch = matrix_rows(p.shape, **_opts(g))  # the shapes of matrix_blocks, no tensor made
-        n_blocks[k] = len(ranges)
+        _, blocks, cols, batch = matrix_rows(p.shape, **_opts(g))  # the shapes of block_views, no tensor made
+        n_blocks[k] = len(blocks)
         device = local(p).device
-        for b, (r0, r1) in enumerate(ranges):
-            fields = (r1 - r0, cols, device, g["method"], g["steps"], g["orth_dtype"], g["eps"], g["ns_coefficients"])
+        for b, segs in enumerate(blocks):
+            rows = sum(r1 - r0 for r0, r1 in segs)
+            fields = (rows, cols, device, g["method"], g["steps"], g["orth_dtype"], g["eps"], g["ns_coefficients"])
             bucket = buckets.setdefault(_frozen(fields), _Bucket(*fields))
             bucket.entries.append((k, b))
             bucket.sizes.append(batch)
@@ -346,7 +357,8 @@ def _orthogonalize_owned(live: list[tuple[dict[str, Any], Tensor]], whole: dict[
         for (k, b), dst in zip(bk.entries, Vb.split(bk.sizes)):
             g = live[k][0]
             if whole[k] is not None:  # gathered from the row shards
-                dst.copy_(matrix_blocks(whole[k], **_opts(g))[b])
+                src = block_views(whole[k], **_opts(g))[b]
+                _slot(dst, src).copy_(src)
             elif n_blocks[k] == 1:
                 v_into(k, _as_stored(dst, live[k][1].shape, g))
             else:  # only this block's V, straight into the bucket
@@ -370,8 +382,8 @@ def _assemble(parts: list[Tensor | None], shape: torch.Size, group: dict[str, An
     if len(parts) == 1:
         return _as_stored(parts[0], shape, group)
     out = torch.empty(shape, dtype=parts[0].dtype, device=parts[0].device)
-    for dst, r in zip(matrix_blocks(out, **_opts(group)), parts):
-        dst.copy_(r)
+    for dst, r in zip(block_views(out, **_opts(group)), parts):
+        dst.copy_(r.view(dst.shape))
     return out
 
 
@@ -379,15 +391,30 @@ def _as_stored(block: Tensor, shape: torch.Size, group: dict[str, Any]) -> Tenso
     """A bucket slot ``(E, A, B)`` that holds a whole parameter, viewed in the parameter's stored
     layout (for ``transposed`` weights the strided transpose, so writes still land in the slot)."""
     if group.get("transposed", False):
-        return block[0].mT
+        return block.mT if len(shape) == 3 else block[0].mT
     return block.view(shape)
+
+
+def _row_scales(blocks: list[list[tuple[int, int]]], scales: list[float]) -> list[tuple[int, int, float]]:
+    """Row ranges ``(a, b, scale)`` in row order, from each block's ranges and update scale:
+    adjacent ranges with the same scale merged (every head of a per-head split, or q, k and v
+    of equal shape, become one range: one add for the item)."""
+    ranges = sorted((a, b, s) for segs, s in zip(blocks, scales) for a, b in segs)
+    merged: list[tuple[int, int, float]] = []
+    for a, b, s in ranges:
+        if merged and merged[-1][1] == a and merged[-1][2] == s:
+            merged[-1] = (merged[-1][0], b, s)
+        else:
+            merged.append((a, b, s))
+    return merged
 
 
 def _add_scaled_(w: Tensor, res: Tensor, axis: int, blocks: list[tuple[int, int, float]], offset: int,
                  alpha: float, gate: StepGate | None = None) -> None:
-    """``w += alpha * scale_i * O`` per matrix block ``(a_i, b_i, scale_i)`` (rows ``[a_i, b_i)``
-    along ``axis``, as `plan.matrix_rows` states them), ``w``/``res`` holding the rows
-    ``[offset, offset + len(res))`` of the parameter (all of them without sharding).
+    """``w += alpha * scale_i * O`` per row range ``(a_i, b_i, scale_i)`` (rows ``[a_i, b_i)``
+    along ``axis``, as `plan.matrix_rows` states them, each range's block scale: `_row_scales`),
+    ``w``/``res`` holding the rows ``[offset, offset + len(res))`` of the parameter (all of them
+    without sharding; only ``axis`` 0 is ever sharded).
 
     The orthogonalised result is added as it is (e.g. bf16 into a float32 weight, as
     torch.optim.Muon does): no scaled copy is made. With a ``gate`` the coefficient is a 0-D
@@ -400,9 +427,12 @@ def _add_scaled_(w: Tensor, res: Tensor, axis: int, blocks: list[tuple[int, int,
         else:
             dst.addcmul_(src, gate.where(coefficient, 0.0, dst))
 
-    if axis == 1:  # stacked experts, transposed 2-D: every local expert / stored row has every block
+    if axis >= 1:  # stacked experts, transposed weights: every local expert / stored row has every block
+        if len(blocks) == 1 and blocks[0][0] == 0 and blocks[0][1] == w.shape[axis]:
+            add_(w, res, alpha * blocks[0][2])
+            return
         for a, b, s in blocks:
-            add_(w[:, a:b], res[:, a:b], alpha * s)
+            add_(w.narrow(axis, a, b - a), res.narrow(axis, a, b - a), alpha * s)
         return
     n = res.shape[0]
     if len(blocks) == 1 and offset == 0 and blocks[0][0] == 0 and blocks[0][1] == n == w.shape[0]:

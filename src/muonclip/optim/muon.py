@@ -50,9 +50,12 @@ class Muon(torch.optim.Optimizer):
     are orthogonalised as one batch. A 2-D weight is one matrix; a 3-D weight ``(E, A, B)``
     (stacked MoE experts) is E matrices; ``flatten=True`` (set for convolutions by
     `param_groups`, implied for ndim >= 4) views ``(out, ...)`` as ``(out, prod(rest))``;
-    ``split_sizes`` cuts the rows into blocks orthogonalised separately (fused QKV);
-    ``transposed=True`` (set by `param_groups` for transformers' ``Conv1D``) says a 2-D weight
-    is stored ``(in, out)``, so scale and splits use its ``(out, in)`` transpose.
+    ``split_sizes`` cuts the rows into blocks orthogonalised separately (fused QKV, fused
+    gate/up, per-head blocks), ``split_groups`` makes those blocks interleaved (GPT-NeoX's
+    per-head ``[q k v]``); ``transposed=True`` (set by `param_groups` for transformers'
+    ``Conv1D`` and its ``is_transposed`` experts) says a weight is stored ``(in, out)`` (or
+    ``(E, in, out)``), so scale and splits use its ``(out, in)`` transpose. Each block gets the
+    update scale of its own shape. See `muonclip.optim.matrices`.
 
     Before anything is updated, every gradient of the step is checked for NaN/inf (one host
     sync). ``on_nonfinite="raise"`` (default) raises `NonFiniteGradError` naming the parameter
@@ -94,13 +97,17 @@ class Muon(torch.optim.Optimizer):
         orth_dtype: compute dtype of the orthogonalisation (default torch.bfloat16; float32
             for accuracy, float64 for svd).
         split_sizes: row blocks orthogonalised separately, e.g. ``[d, d_kv, d_kv]`` for a fused
-            QKV weight (default None). Usually set per group.
+            QKV weight (default None). Usually set per group, as `param_groups` does.
+        split_groups: the rows are this many equal groups, each cut by ``split_sizes``, and
+            block i is part i of every group (default 1: contiguous blocks). GPT-NeoX's
+            interleaved ``query_key_value`` ``[h0: q k v | h1: q k v | ...]`` is
+            ``split_sizes=[d, d, d], split_groups=n_heads``.
         flatten: view ``(out, ...)`` weights as ``(out, prod(rest))`` (default False; 4-D and
             higher are always flattened).
-        transposed: the 2-D weights are stored as ``(in, out)``, like transformers' ``Conv1D``
-            in GPT-2 (default False). The update scale (``"shape"`` is asymmetric) and
-            ``split_sizes`` then refer to the ``(out, in)`` matrix. Usually set per group, as
-            `param_groups` does.
+        transposed: the weights are stored as ``(in, out)``, like transformers' ``Conv1D``
+            in GPT-2, or as stacked ``(E, in, out)`` experts (default False). The update
+            scale (``"shape"`` is asymmetric) and ``split_sizes`` then refer to the
+            ``(out, in)`` matrix. Usually set per group, as `param_groups` does.
         betas: AdamW branch moment coefficients (default (0.9, 0.95)).
         adamw_eps: AdamW branch epsilon (default 1e-8); inside an ``adamw`` group the key
             ``eps`` means this.
@@ -149,6 +156,7 @@ class Muon(torch.optim.Optimizer):
         steps: int | None = None,
         orth_dtype: torch.dtype = torch.bfloat16,
         split_sizes: Sequence[int] | None = None,
+        split_groups: int = 1,
         flatten: bool = False,
         transposed: bool = False,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -188,6 +196,7 @@ class Muon(torch.optim.Optimizer):
             steps=steps,
             orth_dtype=orth_dtype,
             split_sizes=None if split_sizes is None else list(split_sizes),
+            split_groups=split_groups,
             flatten=flatten,
             transposed=transposed,
             betas=tuple(betas),
@@ -421,7 +430,8 @@ def _validate_group(group: dict[str, Any]) -> None:
                     "tensors (biases, norm gains, scalars) must go in an algorithm='adamw' group; "
                     "muonclip.param_groups(model) routes them for you"
                 )
-            check_matrix_options(p.shape, group["flatten"], group["split_sizes"], group.get("transposed", False))
+            check_matrix_options(p.shape, group["flatten"], group["split_sizes"], group.get("transposed", False),
+                                 group.get("split_groups", 1))
 
 
 __all__ = ["Muon", "NonFiniteGradError", "METHODS"]

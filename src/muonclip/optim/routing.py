@@ -8,12 +8,22 @@ Rules (design.md 1.1), first match wins:
    module named ``lm_head``/``head``/``output``/``unembed``/``classifier``/``score``, or a
    Linear whose out_features equals an embedding's vocabulary size. A weight tied to an
    embedding is one parameter and is routed once, as an embedding.
-4. 0-D and 1-D tensors (norm gains, biases, scalars) -> AdamW with weight_decay 0 ("vector").
+4. 0-D and 1-D tensors (norm gains, biases, scalars), and the per-expert biases ``(E, n)`` of
+   transformers' stacked experts -> AdamW with weight_decay 0 ("vector").
 5. Everything else with ndim >= 2 -> Muon: attention projections, MLP, stacked experts
    (3-D), routers; convolution weights in a group with ``flatten=True`` ("conv"); the weights
    of transformers' ``Conv1D`` (GPT-2; a linear layer stored ``(in, out)``, recognised by its
    class name so transformers is not imported) in a group with ``transposed=True``
    ("conv1d (in, out)").
+
+How each Muon weight is cut into matrices comes from `muonclip.optim.fused` (layouts declared by
+the model and its config, checked against the weight): known fused projections (``qkv_proj``,
+``c_attn``, ``query_key_value``, ``gate_up_proj``, transformers' stacked experts, ...) are split
+into their maps by default, so a fused model takes the steps of the same model stored unfused;
+``per_head=True`` cuts q/k/v and MLA up-projections into one block per head; routers and MLA
+weights stay one matrix; per-expert biases are vectors (AdamW). An explicit ``split=`` pattern
+wins over all of it, and ``split_fused=False`` keeps fused weights whole. ``.report()`` shows
+every split and why.
 """
 
 from __future__ import annotations
@@ -24,6 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+
+from .fused import Layout, layouts
 
 HEAD_NAMES = ("lm_head", "head", "output", "unembed", "classifier", "score")
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -36,7 +48,9 @@ class Route:
     name: str
     shape: tuple[int, ...]
     algorithm: str  # "muon" or "adamw"
-    reason: str  # "hidden matrix", "conv", "conv1d (in, out)", "experts", "embedding", "lm head", "vector", "override"
+    reason: str  # "hidden matrix", "conv", "conv1d (in, out)", "experts", "embedding", "lm head", "vector",
+    #              "override", or a `muonclip.optim.fused.Layout` reason ("fused qkv", "router", "per-head", ...)
+    detail: str = ""  # how a Muon weight is cut into matrices, and from what (config sizes, split= pattern)
 
 
 class ParamGroups(list):
@@ -51,14 +65,23 @@ class ParamGroups(list):
         self.routes = routes
 
     def report(self) -> str:
-        """A readable table of every parameter, its shape, its algorithm and why."""
+        """A readable table of every parameter, its shape, its algorithm and why (for a Muon weight
+        cut into several matrices, or kept whole on purpose, also how and from what)."""
         w = max([len(r.name) for r in self.routes] + [9])
         lines = [f"{'parameter':<{w}}  {'shape':<20} {'algorithm':<9} reason"]
         for r in self.routes:
-            lines.append(f"{r.name:<{w}}  {str(r.shape):<20} {r.algorithm:<9} {r.reason}")
+            why = f"{r.reason}: {r.detail}" if r.detail else r.reason
+            lines.append(f"{r.name:<{w}}  {str(r.shape):<20} {r.algorithm:<9} {why}")
         n_muon = sum(_numel(r.shape) for r in self.routes if r.algorithm == "muon")
         n_all = sum(_numel(r.shape) for r in self.routes)
         lines.append(f"Muon: {n_muon:,} of {n_all:,} parameters ({100 * n_muon / max(n_all, 1):.1f}%)")
+        split = [g for g in self if g["algorithm"] == "muon" and "split_sizes" in g]
+        if split:
+            n = sum(len(g["params"]) for g in split)
+            lines.append(f"Split into separate matrices: {n} weight{'s' * (n != 1)}")
+        unknown = [r.name for r in self.routes if r.reason == "fused? layout unknown"]
+        if unknown:
+            lines.append(f"Fused, layout unknown (one matrix each; cut with split=): {', '.join(unknown)}")
         return "\n".join(lines)
 
 
@@ -82,7 +105,9 @@ def param_groups(
     adamw_weight_decay: float | None = None,
     adamw: Sequence[str] = (),
     muon: Sequence[str] = (),
-    split: Mapping[str, Sequence[int]] | None = None,
+    split: Mapping[str, Sequence[int] | Mapping[str, Any]] | None = None,
+    split_fused: bool = True,
+    per_head: bool = False,
     head_names: Sequence[str] = HEAD_NAMES,
 ) -> ParamGroups:
     """Route every trainable parameter of ``model`` to Muon or AdamW, each exactly once.
@@ -97,21 +122,34 @@ def param_groups(
             optimizer's). 0-D/1-D tensors never get weight decay.
         adamw: name patterns forced to AdamW (e.g. ``["*.router.weight"]``).
         muon: name patterns forced to Muon (must be >= 2-D).
-        split: name pattern -> row ``split_sizes`` for fused weights (e.g.
+        split: name pattern -> row ``split_sizes`` for fused weights (default None), e.g.
             ``{"*.qkv.weight": [d, d, d]}``; for a ``Conv1D`` weight, rows of its ``(out, in)``
-            transpose, e.g. ``{"*.c_attn.weight": [d, d, d]}`` for GPT-2).
+            transpose. A value may also be ``{"split_sizes": [...], "split_groups": G}`` for an
+            interleaved layout (`muonclip.optim.matrices`). A match wins over the automatic
+            layouts below and keeps that weight exactly as given.
+        split_fused: split the fused projections whose layout the model declares (default
+            True; `muonclip.optim.fused`): Phi-3's ``qkv_proj`` and ``gate_up_proj``, GPT-2's
+            ``c_attn``, GPT-NeoX's interleaved ``query_key_value``, ``nn.MultiheadAttention``'s
+            ``in_proj_weight``, transformers' stacked experts' ``gate_up_proj`` (sizes from the
+            config, checked against the weight). False keeps each of them one matrix, as
+            routing did before fused layouts were known; the report still names them.
+        per_head: orthogonalise each attention head's rows of q, k and v (separate or fused)
+            and of the MLA up-projections as its own matrix, with its own update scale
+            (default False; Kimi K3's per-head Muon, GLM's "Muon Split"; see the algorithm
+            docs for when it helps).
         head_names: module names treated as the output head (default ``HEAD_NAMES``).
 
     Returns:
         `ParamGroups`: a list of dicts with ``params``, ``param_names`` and ``algorithm`` (and
-        ``flatten``/``transposed``/``split_sizes``/``lr``/``weight_decay`` where set), ready for
-        ``muonclip.Muon(groups, lr=...)``; ``.report()`` prints the routing.
+        ``flatten``/``transposed``/``split_sizes``/``split_groups``/``lr``/``weight_decay`` where
+        set), ready for ``muonclip.Muon(groups, lr=...)``; ``.report()`` prints the routing.
 
     Raises:
-        ValueError: a ``muon=`` pattern names a 0-D/1-D tensor, or a parameter would be routed
-            twice or not at all.
+        ValueError: a ``muon=`` pattern names a 0-D/1-D tensor, a ``split=`` value is malformed,
+            or a parameter would be routed twice or not at all.
     """
-    split = dict(split or {})
+    split = {pat: _split_options(pat, v) for pat, v in (split or {}).items()}
+    known = layouts(model, per_head=per_head, split_fused=split_fused)
     owner: dict[int, nn.Module] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):
@@ -145,6 +183,8 @@ def param_groups(
             and _is_last_linear(model, module)
         )
         extra: dict[str, Any] = {}
+        layout: Layout | None = known.get(id(p))
+        detail = ""
         if _matches(name, adamw):
             algo, reason = "adamw", "override"
         elif _matches(name, muon):
@@ -157,6 +197,8 @@ def param_groups(
             algo, reason = "adamw", "lm head"
         elif p.ndim < 2:
             algo, reason = "adamw", "vector"
+        elif layout is not None and layout.algorithm == "adamw":
+            algo, reason, detail = "adamw", layout.reason, layout.detail
         elif isinstance(module, _CONV):
             algo, reason = "muon", "conv"
         elif _is_hf_conv1d(module, p):
@@ -170,10 +212,16 @@ def param_groups(
                 extra["flatten"] = True
             if _is_hf_conv1d(module, p):
                 extra["transposed"] = True
-            for pat, sizes in split.items():
-                if fnmatch.fnmatchcase(name, pat):
-                    extra["split_sizes"] = list(sizes)
-                    break
+            pat = next((pat for pat in split if fnmatch.fnmatchcase(name, pat)), None)
+            if pat is not None:
+                extra.update(split[pat])
+                if layout is not None and layout.transposed:
+                    extra["transposed"] = True
+                groups = f" x {split[pat]['split_groups']}, interleaved" if "split_groups" in split[pat] else ""
+                detail = f"rows {split[pat]['split_sizes']}{groups}, as split={{{pat!r}: ...}} gives"
+            elif layout is not None:
+                extra.update(layout.options())
+                reason, detail = (reason if reason == "override" else layout.reason), layout.detail
             if lr is not None:
                 extra["lr"] = lr
             if weight_decay is not None:
@@ -181,11 +229,11 @@ def param_groups(
         else:
             if adamw_lr is not None:
                 extra["lr"] = adamw_lr
-            if p.ndim < 2:
+            if p.ndim < 2 or reason == "vector":
                 extra["weight_decay"] = 0.0
             elif adamw_weight_decay is not None:
                 extra["weight_decay"] = adamw_weight_decay
-        routes.append(Route(name, tuple(p.shape), algo, reason))
+        routes.append(Route(name, tuple(p.shape), algo, reason, detail))
         key = (algo, tuple(sorted((k, str(v)) for k, v in extra.items())))
         group = buckets.setdefault(key, {"params": [], "param_names": [], "algorithm": algo, **extra})
         group["params"].append(p)
@@ -197,6 +245,25 @@ def param_groups(
     if len(seen) != len(set(seen)) or set(seen) != expected:
         raise ValueError("internal routing error: a parameter is routed twice or not at all")
     return ParamGroups(groups, routes)
+
+
+def _split_options(pattern: str, value: Sequence[int] | Mapping[str, Any]) -> dict[str, Any]:
+    """The param-group keys of one ``split=`` value (sizes, or a dict with ``split_sizes`` and
+    optionally ``split_groups``)."""
+    if isinstance(value, Mapping):
+        unknown = set(value) - {"split_sizes", "split_groups"}
+        if "split_sizes" not in value or unknown:
+            raise ValueError(
+                f"split={{{pattern!r}: {dict(value)!r}}}: a dict value needs 'split_sizes' and may have "
+                f"'split_groups'{f'; unknown keys {sorted(unknown)}' if unknown else ''}"
+            )
+        out = {"split_sizes": [int(s) for s in value["split_sizes"]]}
+        if int(value.get("split_groups", 1)) != 1:
+            out["split_groups"] = int(value["split_groups"])
+        return out
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"split={{{pattern!r}: {value!r}}}: give row sizes, e.g. [d, d_kv, d_kv]")
+    return {"split_sizes": [int(s) for s in value]}
 
 
 def _is_hf_conv1d(module: nn.Module | None, p: nn.Parameter) -> bool:
