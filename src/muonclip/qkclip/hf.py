@@ -265,12 +265,12 @@ def _per_head_qkv_layout(name: str, module: nn.Module, config: Any) -> MHALayout
 
 
 def _layout(name: str, module: nn.Module, config: Any, gqa_policy: str) -> MHALayout | GQALayout | MLALayout:
-    children = set(dict(module.named_children()))
+    children = dict(module.named_children())
     # MLA: the latent norms normalise the inputs of q_b_proj / kv_b_proj, which the clip scales
-    inputs = [getattr(module, a) for a in ("q_a_layernorm", "kv_a_layernorm") if "kv_b_proj" in children
-              and isinstance(getattr(module, a, None), nn.Module)]
+    mla = "kv_b_proj" in children
+    inputs = [children[a] for a in ("q_a_layernorm", "kv_a_layernorm") if mla and a in children]
     check_no_qk_norm(name, module, inputs)
-    if "kv_b_proj" in children:
+    if mla:
         return _mla_layout(name, module)
     if type(module).__name__ in PER_HEAD_QKV_CLASSES and "query_key_value" in children:
         return _per_head_qkv_layout(name, module, config)
