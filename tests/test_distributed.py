@@ -646,6 +646,21 @@ def _errors_worker(rank, world, out_dir):
     before = b.detach().clone()
     opt.step()
     assert torch.equal(b.detach(), before)
+    # a clip without effect is reported from the all-reduced maxima: every rank raises at the same clip,
+    # although on rank 1 alone the maxima came down
+    from muonclip.attention import MaxLogitRecorder
+    from muonclip.qkclip import AttentionLayer, MHALayout, QKClipIneffectiveError
+
+    rec = MaxLogitRecorder(2)
+    layer = AttentionLayer("attn", MHALayout(torch.randn(8, 4), torch.randn(8, 4), 2, 4), rec)
+    clip_opt = MuonClip(torch.nn.Linear(4, 4, bias=False), tau=1.0, layers=[layer], on_ineffective_clip="raise")
+    for step in range(3):
+        rec.update(torch.tensor([4.0, 0.5]) if rank == 0 or step == 0 else torch.tensor([0.5, 0.5]))
+        if step < 2:
+            clip_opt.clip()
+        else:
+            _expect(QKClipIneffectiveError, "attention layer 'attn': head 0", clip_opt.clip)
+    dist.barrier()
     # mixed meshes
     mesh_a, mesh_b = DeviceMesh("cpu", [0, 1]), DeviceMesh("cpu", [1, 0])
     d1 = torch.nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh_a, [Shard(0)]))
