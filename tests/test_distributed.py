@@ -387,24 +387,32 @@ def _gpt2(shard: bool):
         for block in model.transformer.h:  # large q/k columns so that some heads pass tau
             block.attn.c_attn.weight[:, :48].mul_(torch.tensor([4.0] * 8 + [12.0] * 8 + [1.0] * 8 + [6.0] * 24))
             block.attn.c_attn.bias[:48].normal_(0.0, 0.5)
-    if shard:
-        from torch.distributed.fsdp import fully_shard
+    return _shard_hf(model, model.transformer.h) if shard else model
 
-        for block in model.transformer.h:
-            fully_shard(block)
-        fully_shard(model)
+
+def _shard_hf(model, blocks):
+    from torch.distributed.fsdp import fully_shard
+
+    for block in blocks:
+        fully_shard(block)
+    fully_shard(model)
     return model
+
+
+def _hf_step(net, opt, s, rank=0, world=1):
+    """One optimizer step of a Hugging Face causal LM on this rank's share of global batch ``s``."""
+    x, y = _batch(s)
+    n = x.shape[0] // world
+    logits = net(input_ids=x[rank * n:(rank + 1) * n]).logits
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), y[rank * n:(rank + 1) * n].flatten()).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
 
 
 def _gpt2_run(net, opt, rank=0, world=1):
     log = []
     for s in range(4):
-        x, y = _batch(s)
-        n = x.shape[0] // world
-        logits = net(input_ids=x[rank * n:(rank + 1) * n]).logits
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), y[rank * n:(rank + 1) * n].flatten()).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        _hf_step(net, opt, s, rank, world)
         log.append({k: v.clone() for k, v in opt.last_clipped.items()})
     return log
 
@@ -455,13 +463,7 @@ def _neox(shard: bool):
             f = layer.attention.query_key_value
             f.weight.view(3, 3, 8, 24)[:, :2].mul_(torch.tensor([6.0, 20.0, 1.0]).view(3, 1, 1, 1))
             f.bias.normal_(0.0, 0.5)
-    if shard:
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.gpt_neox.layers:
-            fully_shard(layer)
-        fully_shard(model)
-    return model
+    return _shard_hf(model, model.gpt_neox.layers) if shard else model
 
 
 def _neox_run(net, opt, rank=0, world=1):
@@ -472,12 +474,7 @@ def _neox_run(net, opt, rank=0, world=1):
     for s in range(4):
         for g, lr in zip(opt.param_groups, lrs):
             g["lr"] = 0.0 if s == 0 else lr
-        x, y = _batch(s)
-        n = x.shape[0] // world
-        logits = net(input_ids=x[rank * n:(rank + 1) * n]).logits
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), y[rank * n:(rank + 1) * n].flatten()).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        _hf_step(net, opt, s, rank, world)
         log.append({k: (opt.last_max_logits[k].clone(), c.clone()) for k, c in opt.last_clipped.items()})
         if s == 0:
             after0 = _params(net)
