@@ -1,4 +1,5 @@
-"""The drop-in SDPA: same output as F.scaled_dot_product_attention, exact recorded max logits."""
+"""The drop-in SDPA: same output as F.scaled_dot_product_attention, exact recorded max logits, recorded on
+training calls only (grad enabled, ``training=True``)."""
 
 from __future__ import annotations
 
@@ -108,7 +109,10 @@ def test_fully_masked_rows_contribute_nothing():
     torch.testing.assert_close(rec.value[1:], reference_max(q, k, mask)[1:])
 
 
-def test_gradients_match_sdpa_and_recording_in_no_grad():
+def test_gradients_match_sdpa_and_only_training_calls_record():
+    """Training call (grad on, ``training=True``): recorded, same gradients as SDPA. Under no_grad,
+    inference_mode or with ``training=False``: nothing recorded, and the output is plain SDPA's
+    (the same kernel on the same inputs, so bit-equal)."""
     q, k, v = qkv(hkv=2)
     q1, k1, v1 = (t.clone().requires_grad_() for t in (q, k, v))
     q2, k2, v2 = (t.clone().requires_grad_() for t in (q, k, v))
@@ -117,10 +121,14 @@ def test_gradients_match_sdpa_and_recording_in_no_grad():
     F.scaled_dot_product_attention(q2, k2, v2, is_causal=True, enable_gqa=True).square().sum().backward()
     for a, b in ((q1, q2), (k1, k2), (v1, v2)):
         assert torch.equal(a.grad, b.grad)
-    rec2 = MaxLogitRecorder(4)
-    with torch.no_grad():
-        scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, recorder=rec2)
-    assert torch.equal(rec.value, rec2.value)
+    torch.testing.assert_close(rec.value, reference_max(q, k, causal(7, 7)))
+    plain = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    for context, training in ((torch.no_grad, True), (torch.inference_mode, True), (torch.enable_grad, False)):
+        rec2 = MaxLogitRecorder(4)
+        with context():
+            out = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, recorder=rec2, training=training)
+        assert rec2.value is None, (context, training)
+        assert torch.equal(out, plain)
 
 
 def test_dropout_does_not_change_output_or_max():
@@ -312,3 +320,32 @@ def test_flex_backend_keeps_chunked_for_additive_masks_and_dropout(flex_on_cpu, 
     torch.testing.assert_close(rec.value, reference_max(q, k, causal(7, 7)))
     scaled_dot_product_attention(q, k, v, dropout_p=0.5, is_causal=True, recorder=MaxLogitRecorder(4))
     assert calls == []
+
+
+def test_flex_backend_follows_the_recording_rule(flex_on_cpu, monkeypatch):
+    """With the flex backend on, a call that is not a training forward (no_grad) feeds no recorder
+    and runs plain SDPA; inside a `MaxLogitMonitor` it computes the flex max for the monitor only."""
+    import muonclip.attention.sdpa as sdpa
+    from muonclip.attention import MaxLogitMonitor
+
+    calls = []
+    real = sdpa.flex_attention_with_max
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sdpa, "flex_attention_with_max", counted)
+    q, k, v = qkv(seed=3)
+    rec = MaxLogitRecorder(4)
+    with torch.no_grad():
+        out = scaled_dot_product_attention(q, k, v, is_causal=True, recorder=rec)
+        assert rec.value is None and calls == []
+        assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        with MaxLogitMonitor({"layer": rec}) as monitor:
+            scaled_dot_product_attention(q, k, v, is_causal=True, recorder=rec)
+    assert rec.value is None and calls == [1]
+    torch.testing.assert_close(monitor.max_logits["layer"], reference_max(q, k, causal(7, 7)), rtol=1e-5, atol=1e-5)
+    scaled_dot_product_attention(q, k, v, is_causal=True, recorder=rec)  # a training call: flex, recorded
+    assert calls == [1, 1]
+    torch.testing.assert_close(rec.value, reference_max(q, k, causal(7, 7)), rtol=1e-5, atol=1e-5)

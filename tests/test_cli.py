@@ -210,3 +210,41 @@ def test_presets_are_valid_and_logit_growth_removes_weight_decay():
         make_config(name)
     lg, d = make_config("logit-growth"), make_config("default")
     assert lg.weight_decay == 0.0 and d.weight_decay > 0 and lg.lr_muon > d.lr_muon
+
+
+def test_train_validation_every_step_changes_nothing_and_feeds_no_recorder(tmp_path, text, monkeypatch):
+    """`muonclip train` validating after every step ends bit-identical to the same run validating
+    only at the end (weights and every row's max logits and clipped heads), with the clip firing:
+    validation runs in eval mode under no_grad, so no recorder is fed (counted here), and it draws
+    no random numbers (no dropout; the batches depend only on the seed and the step)."""
+    from muonclip.attention import MaxLogitRecorder
+
+    real_evaluate, real_update = train_mod.evaluate, MaxLogitRecorder.update
+    counts = {"evaluations": 0, "fed": 0, "inside": False}
+
+    def evaluate(model, batches):
+        counts["evaluations"] += 1
+        counts["inside"] = True
+        try:
+            return real_evaluate(model, batches)
+        finally:
+            counts["inside"] = False
+
+    def update(self, per_head_max):
+        counts["fed"] += counts["inside"]
+        real_update(self, per_head_max)
+
+    monkeypatch.setattr(train_mod, "evaluate", evaluate)
+    monkeypatch.setattr(MaxLogitRecorder, "update", update)
+    args = ["train", *TINY, "--data", text, "--optimizer", "muonclip", "--steps", "4", "--tau", "0.05"]
+    assert main([*args, "--set", "eval_every=100", "--out", str(tmp_path / "rarely")]) == 0
+    assert counts["evaluations"] == 1
+    assert main([*args, "--set", "eval_every=1", "--out", str(tmp_path / "often")]) == 0
+    assert counts["evaluations"] == 1 + 4 and counts["fed"] == 0
+    rarely, often = read_rows(tmp_path / "rarely"), read_rows(tmp_path / "often")
+    assert [r["val_loss"] is not None for r in often] == [True] * 4
+    assert [(r["max_logits"], r["clipped"]) for r in rarely] == [(r["max_logits"], r["clipped"]) for r in often]
+    assert sum(r["clipped_heads"] for r in often) > 0
+    a, b = load_checkpoint(tmp_path / "rarely" / "checkpoint.pt"), load_checkpoint(tmp_path / "often" / "checkpoint.pt")
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k

@@ -4,6 +4,10 @@
   both micro-batches of an independent reference (q, k recomputed from each attention call's
   inputs with transformers' own RoPE, ``scaling * q.k`` explicit and causally masked); the
   callback's logged figures equal MuonClip's record; evaluation does not leak into the clip.
+* Evaluation and generation never change training: a Trainer run evaluating after every step
+  (on rows 6x longer, whose max logits exceed the next step's), or calling ``model.generate()``
+  after every step, ends bit-identical to the same run without them, and the clip fires in
+  both; the same for Lightning with validation after every micro-batch.
 * Lightning, ``accumulate_grad_batches=2``: the clip uses the max of both micro-batches; the
   callback's figures equal the record; train 1 epoch, checkpoint, resume to 2 epochs ==
   2 epochs uninterrupted, bit for bit (same CPU kernels in the same order; data not shuffled).
@@ -14,6 +18,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -41,6 +46,27 @@ def _spy_clips(opt: MuonClip) -> list[tuple[dict, dict]]:
 
     opt.clip = spy
     return clips
+
+
+def _would_change_a_clip(seen: list[tuple[int, dict]], clips: list[tuple[dict, dict]], tau: float) -> bool:
+    """Whether some side pass (``(index of the next clip, its maxima per layer)``) had a head above
+    tau and above that clip's maximum: had it fed the clip, that head's gamma would differ."""
+    return any(
+        bool(((m > clips[i][0][name]) & (m > tau)).any())
+        for i, maxima in seen if i < len(clips) for name, m in maxima.items()
+    )
+
+
+def _assert_same_training(clips_a: list, clips_b: list, model_a: nn.Module, model_b: nn.Module) -> None:
+    """Every clip's maxima and clipped heads, and every weight, equal bit for bit; the clip fired."""
+    assert len(clips_a) == len(clips_b) > 0
+    for (m_a, c_a), (m_b, c_b) in zip(clips_a, clips_b):
+        assert m_a.keys() == m_b.keys()
+        for name in m_a:
+            assert torch.equal(m_a[name], m_b[name]) and torch.equal(c_a[name], c_b[name]), name
+    assert sum(int(c.sum()) for _, clipped in clips_a for c in clipped.values()) > 0, "the clip never fired"
+    for (name, p), q in zip(model_a.named_parameters(), model_b.parameters()):
+        assert torch.equal(p, q), name
 
 
 def _figures(max_logits: dict, clipped: dict) -> tuple[float, float]:
@@ -242,6 +268,79 @@ def test_hf_trainer_grad_accumulation_clip_sees_both_micro_batches_and_callback_
     assert not any(k.startswith("muonclip/") for h in trainer.state.log_history if "eval_loss" in h for k in h)
 
 
+def _hf_trainer_run(tmp_path, side: str | None):
+    """Three optimizer steps (gradient accumulation 2, one epoch) of a tiny Llama under the HF
+    Trainer. ``side``: None; ``"evaluate"``, an evaluation after every step on 48-token rows (the
+    training rows have 8); ``"generate"``, ``model.generate()`` on a 24-token prompt after every
+    step, the model left in training mode. Returns (model, clips, what a `MaxLogitMonitor` saw of
+    each side pass as (index of the next clip, maxima))."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    from muonclip.attention import MaxLogitMonitor
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, initializer_range=0.25,
+                      max_position_embeddings=64, pad_token_id=0)
+    model = LlamaForCausalLM(cfg)
+    opt = MuonClip(model, lr=0.02, tau=HF_TAU)
+    clips = _spy_clips(opt)
+    g = torch.Generator().manual_seed(1)
+    train = [{"input_ids": r, "labels": r.clone()} for r in (torch.randint(1, 64, (8,), generator=g) for _ in range(12))]
+    evals = [{"input_ids": r, "labels": r.clone()} for r in (torch.randint(1, 64, (48,), generator=g) for _ in range(4))]
+    prompt = torch.randint(1, 64, (2, 24), generator=g)
+    seen: list[tuple[int, dict]] = []
+    monitor = MaxLogitMonitor(opt.layers)
+
+    class SidePass(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if side == "generate":
+                assert model.training
+                with monitor:
+                    model.generate(prompt, max_new_tokens=2, do_sample=False)
+                seen.append((len(clips), monitor.max_logits))
+            else:
+                monitor.__enter__()  # the evaluation runs next, before on_evaluate
+
+        def on_evaluate(self, args, state, control, **kwargs):
+            monitor.__exit__(None, None, None)
+            seen.append((len(clips), monitor.max_logits))
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path / str(side)), per_device_train_batch_size=2, per_device_eval_batch_size=2,
+        gradient_accumulation_steps=2, max_steps=3, eval_strategy="steps" if side == "evaluate" else "no",
+        eval_steps=1, logging_strategy="no", report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+        dataloader_num_workers=0, seed=0,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=evals if side == "evaluate" else None,
+                      optimizers=(opt, None), callbacks=[SidePass()] if side else [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # generate() in training mode, generation-config notes
+        trainer.train()
+    assert opt.steps_taken == 3
+    return model, clips, seen
+
+
+HF_TAU = 1.5  # this tiny Llama's training max logits are ~1.3-3: some heads clip at every step
+
+
+@pytest.mark.parametrize("side", ["evaluate", "generate"])
+def test_hf_trainer_evaluation_and_generation_do_not_change_training(tmp_path, side):
+    """With ``eval_strategy="steps", eval_steps=1`` (or ``model.generate()`` after every step) the
+    run ends bit-identical to the same run without: the same clips, the same weights. Guaranteed
+    by the code because the side passes feed no recorder and training draws no random numbers
+    after them (no dropout; the one epoch's order is drawn before the first evaluation, which
+    itself draws a DataLoader seed). The side passes' max logits do exceed the next step's, above
+    tau, so had they fed the clip, a gamma would differ."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    model_a, clips_a, _ = _hf_trainer_run(tmp_path, None)
+    model_b, clips_b, seen = _hf_trainer_run(tmp_path, side)
+    assert len(seen) == 3
+    assert _would_change_a_clip(seen, clips_a, HF_TAU), "the side passes' logits never exceeded training's"
+    _assert_same_training(clips_a, clips_b, model_a, model_b)
+
+
 # ----------------------------------------------------------------------------------------------
 # PyTorch Lightning
 # ----------------------------------------------------------------------------------------------
@@ -262,6 +361,10 @@ def _lightning_module(tau: float):
             x, y = batch
             return self.model(x, y)[1]
 
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", self.model(x, y)[1])
+
         def configure_optimizers(self):
             opt = MuonClip(self.model, lr=0.02, tau=tau)
             self.clips = _spy_clips(opt)
@@ -277,12 +380,13 @@ def _loader():
     return torch.utils.data.DataLoader(ds, batch_size=2, shuffle=False)
 
 
-def _trainer(max_epochs: int, callbacks):
+def _trainer(max_epochs: int, callbacks, **kwargs):
     import lightning.pytorch as pl
 
     return pl.Trainer(
         max_epochs=max_epochs, accumulate_grad_batches=2, accelerator="cpu", devices=1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+        **kwargs,
     )
 
 
@@ -337,6 +441,44 @@ def test_lightning_accumulation_callback_and_resume_is_identical(tmp_path):
     n_clipped = [sum(int(c.sum()) for c in clipped.values()) for _, clipped in full.clips]
     assert len(n_clipped) == 4 and 0 < sum(n_clipped) < 4 * 8, f"tau should clip some heads, not all: {n_clipped}"
     assert sum(n_clipped[:2]) > 0, "the checkpointed epoch should include clipped steps"
+
+
+def test_lightning_validation_does_not_change_training():
+    """Validation after every training batch (so inside accumulation windows, plus the sanity
+    check before training), on 8-row batches whose max logits exceed the next clip's above tau:
+    the run ends bit-identical to the same run without validation (same clips, same weights),
+    with the callback installed in both. Guaranteed by the code: validation runs in eval mode
+    under inference_mode, feeds no recorder, and training draws no random numbers (no dropout,
+    no shuffling)."""
+    pytest.importorskip("lightning")
+    import lightning.pytorch as pl
+
+    from muonclip.attention import MaxLogitMonitor
+    from muonclip.integrations.lightning import MuonClipLightningCallback
+
+    tau = 0.05
+    plain = _lightning_module(tau)
+    _trainer(2, [MuonClipLightningCallback()]).fit(plain, _loader())
+
+    seen: list[tuple[int, dict]] = []
+
+    class Watch(pl.Callback):
+        def on_validation_start(self, trainer, pl_module):
+            self.monitor = MaxLogitMonitor(unwrap_optimizer(trainer.optimizers[0]).layers).__enter__()
+
+        def on_validation_end(self, trainer, pl_module):
+            self.monitor.__exit__(None, None, None)
+            seen.append((len(pl_module.clips), self.monitor.max_logits))
+
+    g = torch.Generator().manual_seed(3)
+    val = torch.randint(0, 64, (16, 17), generator=g)
+    val_loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(val[:, :-1], val[:, 1:]), batch_size=8)
+    validated = _lightning_module(tau)
+    _trainer(2, [MuonClipLightningCallback(), Watch()], val_check_interval=1).fit(validated, _loader(), val_loader)
+    # sanity check, then after each of the 8 training batches: after an odd one, inside an accumulation window
+    assert [i for i, _ in seen] == [0, 0, 1, 1, 2, 2, 3, 3, 4]  # clips done before each validation
+    assert _would_change_a_clip(seen, plain.clips, tau), "validation logits never exceeded training's"
+    _assert_same_training(plain.clips, validated.clips, plain, validated)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from torch import nn
 
 import muonclip
 from muonclip import Muon, MuonClip
-from muonclip.attention import MaxLogitRecorder
+from muonclip.attention import MaxLogitMonitor, MaxLogitRecorder
 from muonclip.models import GPT, GPTConfig
 from muonclip.models import gpt as gpt_module
 from muonclip.qkclip import AttentionLayer, GQALayout, MHALayout, MLALayout, compute_gamma
@@ -47,15 +47,14 @@ def capture_inputs(model):
 
 
 def rerun_max(model, inputs):
-    """Per layer max logits of each attention module re-run on the stored input."""
-    out = []
-    for i, attn in enumerate(model.attention_modules()):
-        attn.recorder.reset()
-        with torch.no_grad():
+    """Per layer max logits of each attention module re-run on the stored input (no_grad: read by a
+    monitor, the clip's recorders stay empty)."""
+    attns = model.attention_modules()
+    with MaxLogitMonitor({str(i): attn.recorder for i, attn in enumerate(attns)}) as monitor, torch.no_grad():
+        for i, attn in enumerate(attns):
             attn(inputs[i])
-        out.append(attn.recorder.value.clone())
-        attn.recorder.reset()
-    return out
+    assert all(attn.recorder.value is None for attn in attns)
+    return [monitor.max_logits[str(i)] for i in range(len(attns))]
 
 
 def head_rows(layout, h):
@@ -152,7 +151,8 @@ def test_normal_step_clipped_logits_are_gamma_times_unclipped(name, monkeypatch)
         h.remove()
     seen = []
 
-    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *, recorder=None):
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *, recorder=None,
+            training=True):
         seen.append((q, k, scale))
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
                                                                  enable_gqa=enable_gqa)
@@ -190,13 +190,14 @@ def test_micro_batches_accumulate_and_clip_resets():
     assert stats["clipped_heads"] == 0 and stats["max_logit"] == pytest.approx(float(torch.cat(full).max()), rel=1e-5)
 
 
-def test_eval_forward_records_nothing_and_step_without_record_is_fine():
+def test_eval_forward_records_nothing_and_step_without_record_warns():
     model = tiny()
     opt = MuonClip(model, lr=0.01, tau=1.0)
-    model.eval()
+    model.eval()  # trained in eval mode: not a training forward, so the step is plain Muon, and says so
     _, loss = model(batch(), batch())
     loss.backward()
-    opt.step()  # nothing recorded: nothing to clip, no error
+    with pytest.warns(UserWarning, match=r"no attention max logit was recorded.*model\.train\(\)"):
+        opt.step()  # nothing recorded: nothing to clip, no error
     assert opt.last_max_logits == {} and opt.clip_stats() == {}
 
 

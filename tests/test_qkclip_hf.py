@@ -151,7 +151,7 @@ def test_attach_finds_layers_and_layouts(kind):
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_output_and_grads_equal_stock_sdpa_with_padding(kind):
     ids, am = batch()
-    ref = build(kind)
+    ref = build(kind).train()  # training forwards (no dropout in these configs): they record
     ours = copy.deepcopy(ref)
     layers = attach(ours)
     assert ref.config._attn_implementation == "sdpa"
@@ -180,21 +180,19 @@ def test_recorded_max_equals_explicit_masked_max(kind):
     model = build(kind)
     ids, am = batch()
     layers = attach(model)
+    model.train()  # training forwards (grad enabled, training mode) feed the recorders; no dropout in these configs
     for mask in (None, am):  # GQA through enable_gqa (no mask) and through repeated heads (mask)
         ref = reference_max(model, ids, mask)
-        with torch.no_grad():
-            model(ids, attention_mask=mask, use_cache=False)
+        model(ids, attention_mask=mask, use_cache=False)
         for ly in layers:
             torch.testing.assert_close(ly.recorder.value, ref[ly.name], rtol=1e-5, atol=1e-5)
             assert torch.isfinite(ly.recorder.value).all()  # real logits, not the masked -inf/finfo.min
             ly.recorder.reset()
-    with torch.no_grad():
-        model(ids, attention_mask=am, use_cache=False)
+    model(ids, attention_mask=am, use_cache=False)
     # running max over two micro-batches == max over both; reset forgets
     ids2, am2 = batch(seed=7)
     ref2 = reference_max(model, ids2, am2)
-    with torch.no_grad():
-        model(ids2, attention_mask=am2, use_cache=False)
+    model(ids2, attention_mask=am2, use_cache=False)
     for ly in layers:
         torch.testing.assert_close(ly.recorder.value, torch.maximum(ref[ly.name], ref2[ly.name]), rtol=1e-5, atol=1e-5)
         ly.recorder.reset()

@@ -2,10 +2,14 @@
 records each query head's max logit into a `MaxLogitRecorder` (design.md 1.3, 2).
 
 Without a recorder it is exactly ``F.scaled_dot_product_attention``. With one, the output is
-still SDPA's (same kernel, same autograd graph) and, under ``torch.no_grad``, the per-head max
-of ``scale * q.k`` over allowed pairs and over the batch is computed by
+still SDPA's (same kernel, same autograd graph) and, on a training forward (``training`` true
+and grad mode on: the rule of `muonclip.attention.recording`), the per-head max of
+``scale * q.k`` over allowed pairs and over the batch is computed (outside autograd) by
 `muonclip.attention.max_logits.chunked_max_logits` (bounded memory; never the full
-``(B, H, Tq, Tk)`` scores at once) and folded into the recorder's running max.
+``(B, H, Tq, Tk)`` scores at once) and folded into the recorder's running max, which the next
+QK-Clip consumes. Any other call (evaluation, generation, anything under ``torch.no_grad``)
+leaves the recorder alone and computes no max, unless a `MaxLogitMonitor` watching the layer is
+active, which then receives it.
 
 On CUDA, ``set_max_logit_backend("flex")`` switches eligible calls (no dropout, no mask or a
 boolean mask) to FlexAttention, which returns output and row maxima from one fused kernel.
@@ -25,6 +29,7 @@ from torch import Tensor
 
 from .max_logits import check_shapes, chunked_max_logits, flex_attention_with_max, flex_available
 from .recorder import MaxLogitRecorder
+from .recording import recorders_to_feed
 
 BACKENDS = ("chunked", "flex")
 _backend = "chunked"
@@ -55,6 +60,7 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
     *,
     recorder: MaxLogitRecorder | None = None,
+    training: bool = True,
 ) -> Tensor:
     """``F.scaled_dot_product_attention`` that also records per-head max logits.
 
@@ -68,23 +74,29 @@ def scaled_dot_product_attention(
         is_causal: top-left causal mask (default False).
         scale: softmax scale (default None: ``1 / sqrt(D)``).
         enable_gqa: key/value heads shared by ``Hq // Hkv`` consecutive query heads (default False).
-        recorder: a `MaxLogitRecorder` with ``n_heads == Hq`` (default None: plain SDPA). It
-            receives the max over the batch, queries and allowed keys of ``scale * q.k`` per
-            query head (after whatever RoPE the caller applied; an additive mask's finite
-            bias is not included; fully masked rows contribute ``-inf``). Recorded in and out
-            of grad mode alike.
+        recorder: the calling layer's `MaxLogitRecorder`, with ``n_heads == Hq`` (default
+            None: plain SDPA). On a training forward it receives the max over the batch,
+            queries and allowed keys of ``scale * q.k`` per query head (after whatever RoPE the
+            caller applied; an additive mask's finite bias is not included; fully masked rows
+            contribute ``-inf``).
+        training: whether the calling module is in training mode: pass ``self.training``, as
+            for ``F.dropout`` (default True). The recorder is fed only when ``training`` is
+            true and grad mode is on (``torch.is_grad_enabled()``); see
+            `muonclip.attention.recording` for the rule and gradient checkpointing.
 
     Returns:
         ``(B, Hq, Tq, Dv)``: the same as ``F.scaled_dot_product_attention``.
     """
-    if recorder is None:
+    if recorder is not None:
+        hq, _ = check_shapes(query, key, enable_gqa)
+        if recorder.n_heads != hq:
+            raise ValueError(f"recorder has n_heads={recorder.n_heads} but query has {hq} heads")
+    targets = recorders_to_feed(recorder, training)
+    if not targets:  # no recorder, or evaluation / generation with no monitor watching: no max to compute
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa,
         )
-    hq, _ = check_shapes(query, key, enable_gqa)
-    if recorder.n_heads != hq:
-        raise ValueError(f"recorder has n_heads={recorder.n_heads} but query has {hq} heads")
     if (
         _backend == "flex"
         and dropout_p == 0.0
@@ -92,13 +104,14 @@ def scaled_dot_product_attention(
         and flex_available(query)
     ):
         out, per_head = flex_attention_with_max(query, key, value, attn_mask, is_causal, scale, enable_gqa)
-        recorder.update(per_head)
-        return out
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-        enable_gqa=enable_gqa,
-    )
-    recorder.update(chunked_max_logits(query, key, attn_mask, is_causal, scale, enable_gqa))
+    else:
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa,
+        )
+        per_head = chunked_max_logits(query, key, attn_mask, is_causal, scale, enable_gqa)
+    for target in targets:
+        target.update(per_head)
     return out
 
 

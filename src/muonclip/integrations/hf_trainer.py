@@ -24,9 +24,10 @@ The callback adds, on every training log (every ``logging_steps``), the figures 
 Trainer calls its callbacks in order and the reporting ones come before those passed as
 ``callbacks=[...]``. Passed that way, the figures still reach ``log_history`` and the console.
 
-It also resets the max-logit recorders after every evaluation (``on_evaluate``, ``on_predict``): the
-``"muonclip"`` attention records every forward pass, and an evaluation between two steps must
-not count in the next clip.
+Evaluation (``eval_strategy``, ``Trainer.evaluate`` / ``predict``) and ``model.generate()``
+never count in a clip, with or without this callback: they run under ``torch.no_grad()``, and
+only training forwards feed the clip (`muonclip.attention.recording`). To log an evaluation's
+max logits, run it inside a `muonclip.attention.MaxLogitMonitor`.
 """
 
 from __future__ import annotations
@@ -78,14 +79,6 @@ class MuonClipTrainerCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self.metrics.after_step()
-
-    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        for recorder in self.metrics.recorders():
-            recorder.reset()
-
-    def on_predict(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        for recorder in self.metrics.recorders():
-            recorder.reset()
 
     def on_log(
         self,

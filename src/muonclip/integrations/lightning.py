@@ -26,9 +26,11 @@ the figures of `muonclip.integrations.stats` with the prefix ``"muonclip/"``: ``
 ``clipped_heads``, ``clipped_fraction`` and ``update_rms`` (per layer with ``per_layer=True``).
 They go to ``trainer.logger`` at its ``log_every_n_steps`` and to ``trainer.callback_metrics``.
 
-It also keeps validation out of the clip: the recorders are saved when validation starts and
-restored when it ends (a Hugging Face model under the ``"muonclip"`` attention records every
-forward pass; validation can even run in the middle of an accumulation window).
+Validation, testing and prediction never count in a clip, with or without this callback, even
+in the middle of an accumulation window: Lightning runs them in eval mode under
+``torch.inference_mode()`` (or ``no_grad``), and only training forwards feed the clip
+(`muonclip.attention.recording`). To log a validation pass's max logits, use a
+`muonclip.attention.MaxLogitMonitor`.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "muonclip.integrations.lightning needs PyTorch Lightning: pip install 'muonclip[lightning]'"
     ) from e
 
-from .stats import StepMetrics, unwrap_optimizer
+from .stats import StepMetrics
 
 
 class MuonClipLightningCallback(pl.Callback):
@@ -65,7 +67,6 @@ class MuonClipLightningCallback(pl.Callback):
         super().__init__()
         self.metrics = StepMetrics(update_rms=update_rms, per_layer=per_layer, prefix=prefix)
         self.prog_bar = prog_bar
-        self._saved: list[Any] = []
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self.metrics.before_step(optimizer)
@@ -76,19 +77,6 @@ class MuonClipLightningCallback(pl.Callback):
         figures = self.metrics.after_step()
         if figures:
             pl_module.log_dict(figures, on_step=True, on_epoch=False, prog_bar=self.prog_bar, batch_size=1)
-
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._saved = [(r, r.value) for r in self._recorders(trainer)]
-
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        for recorder, value in self._saved:
-            recorder.value = value
-        self._saved = []
-
-    def _recorders(self, trainer: pl.Trainer) -> list[Any]:
-        if self.metrics.optimizer is None and trainer.optimizers and unwrap_optimizer(trainer.optimizers[0]):
-            self.metrics.bind(trainer.optimizers[0])
-        return self.metrics.recorders()
 
 
 __all__ = ["MuonClipLightningCallback"]

@@ -255,9 +255,5 @@ class StepMetrics:
         self._pending, self._peak = False, -math.inf
         return out
 
-    def recorders(self) -> list[Any]:
-        """The max-logit recorders of the optimizer's attention layers (empty for plain Muon)."""
-        return [layer.recorder for layer in getattr(self.optimizer, "layers", [])]
-
 
 __all__ = ["StepMetrics", "UpdateRMS", "step_metrics", "unwrap_optimizer"]

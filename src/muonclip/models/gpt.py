@@ -7,10 +7,11 @@
   rotary key k^R shared by all heads.
 
 Every attention call goes through `muonclip.scaled_dot_product_attention` with the module's
-`MaxLogitRecorder` (``attn.recorder``), in training mode only (evaluation passes do not feed the
-clip), and every attention module has ``qk_clip_layer(name)`` returning the `AttentionLayer` that
-`MuonClip` clips. No QK-norm by default; with ``qk_norm=True`` QK-Clip is refused (the norm
-undoes any scaling of W_q/W_k; design.md 1.3).
+`MaxLogitRecorder` (``attn.recorder``) and ``training=self.training``: only training forwards
+(training mode, grad enabled) feed the clip, never evaluation or a forward under ``no_grad``
+(`muonclip.attention.recording`). Every attention module has ``qk_clip_layer(name)``
+returning the `AttentionLayer` that `MuonClip` clips. No QK-norm by default; with
+``qk_norm=True`` QK-Clip is refused (the norm undoes any scaling of W_q/W_k; design.md 1.3).
 
 Pre-norm blocks (RMSNorm), GELU MLP, no biases unless ``bias=True``, tied embeddings unless
 ``tie_embeddings=False``.
@@ -145,7 +146,7 @@ class CausalSelfAttention(nn.Module):
         q, k = apply_rope(q, self.cos[:T], self.sin[:T]), apply_rope(k, self.cos[:T], self.sin[:T])
         y = scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.n_kv_head != self.n_head, recorder=self.recorder if self.training else None,
+            enable_gqa=self.n_kv_head != self.n_head, recorder=self.recorder, training=self.training,
         )  # (B, nh, T, hs)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
@@ -217,7 +218,7 @@ class MultiHeadLatentAttention(nn.Module):
         k = torch.cat([k_nope, k_rope.expand(B, nh, T, self.rope)], dim=-1)  # (B, nh, T, nope+rope)
         y = scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0, scale=self.scale,
-            recorder=self.recorder if self.training else None,
+            recorder=self.recorder, training=self.training,
         )  # (B, nh, T, v)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, nh * self.v_dim))
 

@@ -38,9 +38,11 @@
 
 The recorder of each layer lives on its attention module (attribute ``muonclip_recorder``), so
 the attention function finds it from ``module`` alone; calling `attach` again reuses it.
-Recording happens on every forward call through the module (training, evaluation,
-generation); `MuonClip.step` consumes and resets the record, and
-``layer.recorder.reset()`` forgets an evaluation forward if it must not count.
+Only training forwards are recorded (``module.training`` and grad enabled, the rule of
+`muonclip.attention.recording`): ``Trainer.evaluate`` / ``predict`` and ``model.generate()``
+never reach the clip, and gradient checkpointing (reentrant or not) counts every micro-batch.
+`MuonClip.step` consumes and resets the record; `muonclip.attention.MaxLogitMonitor` reads the
+max logits of an evaluation or a generation for logging.
 
 Reference: Kimi K2 (arXiv 2507.20534) section 2.1; transformers' attention interface docs
 (https://huggingface.co/docs/transformers/en/attention_interface).
@@ -101,8 +103,9 @@ def muonclip_attention_forward(
 
     Args:
         module: the calling attention module; its ``muonclip_recorder`` (set by `attach`)
-            receives the per-head max of ``scaling * q.k`` over the pairs the mask allows. A
-            module without one is computed without recording.
+            receives, on a training forward (``module.training`` and grad enabled), the
+            per-head max of ``scaling * q.k`` over the pairs the mask allows. A module without
+            one is computed without recording.
         query, key, value: as annotated above.
         attention_mask: the mask built by the registered mask function (or passed by the user).
         dropout: attention dropout probability (0.0 default; transformers passes 0 in eval).
@@ -157,6 +160,7 @@ def muonclip_attention_forward(
         scale=scaling,
         enable_gqa=enable_gqa,
         recorder=recorder,
+        training=module.training,
     )  # (B, nh, Tq, hv)
     return out.transpose(1, 2).contiguous(), None
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,8 +30,12 @@ class MuonClip(Muon):
             gamma_h = tau / S_h; scale head h's q/k rows so its logits are times gamma_h
         reset the recorders
 
-    The max logits are recorded by the forward passes since the last step (all micro-batches
-    of gradient accumulation) through `muonclip.scaled_dot_product_attention`. If the Muon
+    The max logits are recorded by the training forward passes since the last step (all
+    micro-batches of gradient accumulation) through `muonclip.scaled_dot_product_attention`: a
+    forward feeds the clip only with the model in training mode and grad enabled, so evaluation
+    and generation never do (`muonclip.attention.recording`; `MaxLogitMonitor` reads them for
+    logging). A step that updates parameters with nothing recorded warns (the model was in eval
+    mode or under ``no_grad`` while training, so the step was plain Muon). If the Muon
     step is skipped (``on_nonfinite="skip"``), the clip is skipped too and the recorders are
     reset. If it is masked (``on_nonfinite="mask"``), the clip runs with every gamma 1 on the
     device, so no weight changes and nothing waits for the device (``last_clipped`` is all
@@ -105,6 +112,13 @@ class MuonClip(Muon):
             self.clip()
         else:
             self.clip(masked=self.last_masked)
+        if not self.last_max_logits and any(p.grad is not None for g in self.param_groups for p in g["params"]):
+            warnings.warn(
+                "MuonClip.step: no attention max logit was recorded since the last step, so QK-Clip did nothing. "
+                "Only training forwards feed the clip: the model in training mode (model.train()) with grad enabled "
+                "(not under torch.no_grad() or torch.inference_mode()). Forwards in eval mode never count.",
+                stacklevel=_outside_frames(),
+            )
         return loss
 
     @torch.no_grad()
@@ -156,6 +170,16 @@ class MuonClip(Muon):
         if tau is not None:
             _check_tau(tau)
             self.tau = float(tau)
+
+
+def _outside_frames() -> int:
+    """``stacklevel`` of the nearest caller outside muonclip and torch (the user's ``opt.step()``,
+    past torch's optimizer-hook and no_grad wrappers), for warnings."""
+    inside = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _check_tau(tau: float) -> None:
