@@ -38,18 +38,16 @@ def _layers(*names, n_heads=4):
                            MaxLogitRecorder(n_heads)) for n in names]
 
 
-def _observe(check, layers, maxima: dict, masked: bool = False):
-    """One clip with these maxima (what apply_qk_clip hands over: the maxima and gamma < 1)."""
+def _observe(check, layers, maxima: dict, masked: bool = False) -> list[str]:
+    """One clip with these maxima (what apply_qk_clip hands over: the maxima and gamma < 1); the reports."""
     s = {n: torch.tensor(v, dtype=torch.float32) for n, v in maxima.items()}
     clipped = {n: (v > TAU) & (not masked) for n, v in s.items()}
-    check.observe(layers, s, clipped, TAU)
+    return check.observe(layers, s, clipped, TAU)
 
 
-def _reports(fn) -> list[str]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fn()
-    return [str(w.message) for w in caught if issubclass(w.category, QKClipIneffectiveWarning)]
+def _reports(check, layers, *steps: dict, masked=()) -> list[str]:
+    """The reports of a run of clips."""
+    return [r for i, m in enumerate(steps) for r in _observe(check, layers, m, masked=i in masked)]
 
 
 def test_a_head_that_keeps_its_max_on_two_clips_in_a_row_is_reported_once():
@@ -57,13 +55,13 @@ def test_a_head_that_keeps_its_max_on_two_clips_in_a_row_is_reported_once():
     # head 0 of "a": gamma 0.25 each time and its max stays (>= 0.9 of the previous): a no-op clip.
     # head 1: gamma 0.25, then the max falls to 0.3 of it (the clip acted). head 2: gamma 0.67, not checked.
     # "b": every clip acts.
-    assert _reports(lambda: _observe(check, layers, {"a": [4.0, 4.0, 1.5, 0.5], "b": [4.0, 0.5, 0.5, 0.5]})) == []
-    assert _reports(lambda: _observe(check, layers, {"a": [3.8, 1.2, 1.5, 0.5], "b": [1.1, 0.5, 0.5, 0.5]})) == []
-    got = _reports(lambda: _observe(check, layers, {"a": [3.5, 0.9, 1.5, 0.5], "b": [1.05, 0.5, 0.5, 0.5]}))
+    assert _observe(check, layers, {"a": [4.0, 4.0, 1.5, 0.5], "b": [4.0, 0.5, 0.5, 0.5]}) == []
+    assert _observe(check, layers, {"a": [3.8, 1.2, 1.5, 0.5], "b": [1.1, 0.5, 0.5, 0.5]}) == []
+    got = _observe(check, layers, {"a": [3.5, 0.9, 1.5, 0.5], "b": [1.05, 0.5, 0.5, 0.5]})
     assert len(got) == 1
     assert "attention layer 'a'" in got[0] and "head 0 clipped by gamma=0.263 (max logit 3.8 -> 1)" in got[0]
     assert "next recorded max logit 3.5" in got[0] and "head 1" not in got[0] and "Likely cause" in got[0]
-    assert _reports(lambda: _observe(check, layers, {"a": [3.5, 0.9, 1.5, 0.5], "b": [1.0, 0.5, 0.5, 0.5]})) == []
+    assert _observe(check, layers, {"a": [3.5, 0.9, 1.5, 0.5], "b": [1.0, 0.5, 0.5, 0.5]}) == []
 
 
 @pytest.mark.parametrize(("second", "third", "reported"), [
@@ -73,44 +71,39 @@ def test_a_head_that_keeps_its_max_on_two_clips_in_a_row_is_reported_once():
 ])
 def test_threshold_is_a_fraction_of_the_max_before_the_clip(second, third, reported):
     check, layers = ClipCheck(), _layers("a", n_heads=1)
-    got = _reports(lambda: [_observe(check, layers, {"a": [v]}) for v in (4.0, second, third)])
+    got = _reports(check, layers, *({"a": [v]} for v in (4.0, second, third)))
     assert bool(got) == reported
 
 
 def test_a_chain_breaks_on_a_clip_too_mild_to_check():
     check, layers = ClipCheck(), _layers("a", n_heads=1)
     # trip (4 -> 3.8), then 3.8 -> 1.9 is checked against 3.8: no trip, and gamma 0.53 does not arm; 1.9 -> 1.9 ...
-    got = _reports(lambda: [_observe(check, layers, {"a": [v]}) for v in (4.0, 3.8, 1.9, 1.9, 1.9)])
-    assert got == []
+    assert _reports(check, layers, *({"a": [v]} for v in (4.0, 3.8, 1.9, 1.9, 1.9))) == []
 
 
 def test_an_unrecorded_step_keeps_the_state_and_a_masked_step_arms_nothing():
     check, layers = ClipCheck(), _layers("a", "b", n_heads=1)
-    seq = lambda *steps: _reports(lambda: [_observe(check, layers, s) for s in steps])  # noqa: E731
-    # "a" is absent from the middle step: its trip chain goes on
-    assert len(seq({"a": [4.0], "b": [0.5]}, {"a": [4.0], "b": [0.5]}, {"b": [0.5]}, {"a": [4.0], "b": [0.5]})) == 1
-    check = ClipCheck()
-    # the masked step scaled nothing, so the step after it is not a test of a clip
-    got = _reports(lambda: [_observe(check, layers, {"a": [4.0]}, masked=m) for m in (False, True, False, False)])
-    assert got == []
+    # "a" is absent from the third clip: its trip chain goes on
+    got = _reports(check, layers, {"a": [4.0], "b": [0.5]}, {"a": [4.0], "b": [0.5]}, {"b": [0.5]},
+                   {"a": [4.0], "b": [0.5]})
+    assert len(got) == 1 and "'a'" in got[0]
+    # the masked clip scaled nothing, so the clip after it is not a test of a clip
+    assert _reports(ClipCheck(), layers, *([{"a": [4.0]}] * 4), masked=(1,)) == []
 
 
 def test_modes_and_reset():
     layers = _layers("a", n_heads=1)
-    strict = ClipCheck("raise")
-    _observe(strict, layers, {"a": [4.0]})
-    _observe(strict, layers, {"a": [4.0]})
-    with pytest.raises(QKClipIneffectiveError, match="QK-Clip had no effect on attention layer 'a'"):
-        _observe(strict, layers, {"a": [4.0]})
-    quiet = ClipCheck("ignore")
-    assert _reports(lambda: [_observe(quiet, layers, {"a": [4.0]}) for _ in range(4)]) == []
+    assert len(_reports(ClipCheck("raise"), layers, *([{"a": [4.0]}] * 3))) == 1  # MuonClip raises with it
+    assert _reports(ClipCheck("ignore"), layers, *([{"a": [4.0]}] * 4)) == []
     check = ClipCheck()
-    _observe(check, layers, {"a": [4.0]})
-    _observe(check, layers, {"a": [4.0]})
+    assert _reports(check, layers, {"a": [4.0]}, {"a": [4.0]}) == []
     check.reset()  # e.g. other weights loaded: the next maxima are not a test of the last clip
-    assert _reports(lambda: _observe(check, layers, {"a": [4.0]})) == []
+    assert _observe(check, layers, {"a": [4.0]}) == []
+    assert len(_observe(check, layers, {"a": [4.0]})) == 0 and len(_observe(check, layers, {"a": [4.0]})) == 1
     with pytest.raises(ValueError, match="on_ineffective_clip must be one of"):
         ClipCheck("error")
+    with pytest.raises(ValueError, match="on_ineffective_clip must be one of"):
+        MuonClip(nn.Linear(4, 4), layers=_layers("a"), on_ineffective_clip="error")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -50,8 +50,6 @@ tripped, their gamma and their max logit before and after, and the likely cause.
 from __future__ import annotations
 
 import math
-import sys
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -99,6 +97,8 @@ class _Group:
 class ClipCheck:
     """Checks, after every clip, that the previous clip acted (see module doc).
 
+    `observe` returns the reports; `muonclip.MuonClip` warns or raises with them.
+
     Args:
         mode: ``"warn"`` (default: a `QKClipIneffectiveWarning` once per layer), ``"raise"``
             (a `QKClipIneffectiveError`) or ``"ignore"`` (no check, no cost).
@@ -122,7 +122,7 @@ class ClipCheck:
         max_logits: Mapping[str, Tensor],
         clipped: Mapping[str, Tensor],
         tau: float,
-    ) -> None:
+    ) -> list[str]:
         """After a clip: check the maxima just used against the previous clip, then arm for the next.
 
         Args:
@@ -132,77 +132,73 @@ class ClipCheck:
                 recorded nothing absent), as returned by `apply_qk_clip`.
             clipped: per layer name, the ``(n_heads,)`` bool mask of the heads this clip scaled.
             tau: the threshold this clip used.
+
+        Returns:
+            One message per layer found ineffective since the last call (each layer once; empty
+            with mode ``"ignore"``).
         """
         if self.mode == "ignore" or not layers:
-            return
+            return []
         if self._groups is None:
             self._groups = _groups(layers, max_logits)
         distributed = _dist_world() > 1
         for group in self._groups:
             _update(group, max_logits, clipped, tau)
-        for group in self._groups:
-            self._poll(group, distributed)
+        return [msg for group in self._groups for msg in self._poll(group, distributed)]
 
-    def _poll(self, group: _Group, distributed: bool) -> None:
+    def _poll(self, group: _Group, distributed: bool) -> list[str]:
         if group.device.type == "cpu":
-            self._read(group, group.evidence)
-            return
+            return self._read(group, group.evidence)
         if group.device.type != "cuda":
-            self._read(group, group.evidence.cpu())
-            return
+            return self._read(group, group.evidence.cpu())
+        reports = []
         if group.event is not None:
             if distributed:
                 group.event.synchronize()  # complete already: the all-reduce read its flags after it
             if group.event.query():
                 group.event = None
-                self._read(group, group.host)
+                reports = self._read(group, group.host)
         if group.event is None:
             if group.host is None:
                 group.host = torch.empty(group.evidence.shape, dtype=group.evidence.dtype, pin_memory=True)
             group.host.copy_(group.evidence, non_blocking=True)
             group.event = torch.cuda.Event()
             group.event.record()
+        return reports
 
-    def _read(self, group: _Group, evidence: Tensor) -> None:
+    def _read(self, group: _Group, evidence: Tensor) -> list[str]:
+        """Reports of the layers newly tripped in ``evidence`` (a tensor in host memory)."""
         tripped = ~torch.isnan(evidence[0])
-        lo = 0
+        reports, lo = [], 0
         for name, n in zip(group.names, group.sizes):
             hi = lo + n
             if name not in self.reported and bool(tripped[lo:hi].any()):
                 self.reported.add(name)
-                self._report(name, evidence[:, lo:hi], tripped[lo:hi])
+                reports.append(_message(name, evidence[:, lo:hi], tripped[lo:hi]))
             lo = hi
-
-    def _report(self, name: str, evidence: Tensor, tripped: Tensor) -> None:
-        heads = tripped.nonzero().flatten().tolist()
-        gamma, before, after = (evidence[i].tolist() for i in range(3))
-        shown = "; ".join(
-            f"head {h} clipped by gamma={gamma[h]:.3g} (max logit {before[h]:.4g} -> {gamma[h] * before[h]:.4g}), "
-            f"next recorded max logit {after[h]:.4g}"
-            for h in heads[:4]
-        )
-        more = f" (and {len(heads) - 4} more heads)" if len(heads) > 4 else ""
-        msg = (
-            f"QK-Clip had no effect on attention layer '{name}': {shown}{more}. A clip that acts brings a head's next "
-            "max logit to about gamma times its max before the clip (times one update's growth); these heads kept at "
-            f"least {KEEP_RATIO:g} of it on {STRIKES} clips in a row. Likely cause: something between the q/k "
-            "projections and the logits undoes a rescaling of W_q/W_k rows - a normalisation of q or k (QK-norm, an "
-            "L2 norm, F.normalize or layer_norm inside the attention's forward or its projections) - or the layout "
-            "names the wrong rows. QK-Clip does not protect this layer: train the model with plain muonclip.Muon (a "
-            "q/k norm bounds the logits by its gains), or pass MuonClip(layers=[...]) with a layout that scales what "
-            "the logits depend on. MuonClip(on_ineffective_clip='ignore') turns this check off."
-        )
-        if self.mode == "raise":
-            raise QKClipIneffectiveError(msg)
-        warnings.warn(msg, QKClipIneffectiveWarning, stacklevel=_caller_level())
+        return reports
 
 
-def _caller_level() -> int:
-    """``stacklevel`` of the first frame outside muonclip and torch (the user's ``opt.step()`` line)."""
-    level, frame = 2, sys._getframe(2)  # 1: the function that warns, which called this one
-    while frame is not None and frame.f_globals.get("__name__", "").startswith(("muonclip.", "torch.")):
-        frame, level = frame.f_back, level + 1
-    return level
+def _message(name: str, evidence: Tensor, tripped: Tensor) -> str:
+    """The report of layer ``name``: its tripped heads with their gamma and maxima, the likely cause."""
+    heads = tripped.nonzero().flatten().tolist()
+    gamma, before, after = (evidence[i].tolist() for i in range(3))
+    shown = "; ".join(
+        f"head {h} clipped by gamma={gamma[h]:.3g} (max logit {before[h]:.4g} -> {gamma[h] * before[h]:.4g}), "
+        f"next recorded max logit {after[h]:.4g}"
+        for h in heads[:4]
+    )
+    more = f" (and {len(heads) - 4} more heads)" if len(heads) > 4 else ""
+    return (
+        f"QK-Clip had no effect on attention layer '{name}': {shown}{more}. A clip that acts brings a head's next "
+        "max logit to about gamma times its max before the clip (times one update's growth); these heads kept at "
+        f"least {KEEP_RATIO:g} of it on {STRIKES} clips in a row. Likely cause: something between the q/k "
+        "projections and the logits undoes a rescaling of W_q/W_k rows - a normalisation of q or k (QK-norm, an "
+        "L2 norm, F.normalize or layer_norm inside the attention's forward or its projections) - or the layout "
+        "names the wrong rows. QK-Clip does not protect this layer: train the model with plain muonclip.Muon (a "
+        "q/k norm bounds the logits by its gains), or pass MuonClip(layers=[...]) with a layout that scales what "
+        "the logits depend on. MuonClip(on_ineffective_clip='ignore') turns this check off."
+    )
 
 
 def _groups(layers: Sequence[AttentionLayer], max_logits: Mapping[str, Tensor]) -> list[_Group]:

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from ..optim import Muon, param_groups
-from .check import ClipCheck
+from .check import ClipCheck, QKClipIneffectiveError, QKClipIneffectiveWarning
 from .clip import all_reduce_max_, apply_qk_clip
 from .discovery import discover_layers
 from .layouts import AttentionLayer
@@ -130,7 +130,11 @@ class MuonClip(Muon):
         """
         all_reduce_max_(self.layers)
         self.last_max_logits, self.last_clipped = apply_qk_clip(self.layers, self.tau, masked=masked)
-        self._clip_check.observe(self.layers, self.last_max_logits, self.last_clipped, self.tau)
+        reports = self._clip_check.observe(self.layers, self.last_max_logits, self.last_clipped, self.tau)
+        if reports and self._clip_check.mode == "raise":
+            raise QKClipIneffectiveError("\n".join(reports))
+        for msg in reports:
+            warnings.warn(msg, QKClipIneffectiveWarning, stacklevel=_outside_frames())
 
     def clip_stats(self) -> dict[str, float]:
         """Numbers for loggers about the last clip (one host sync).
