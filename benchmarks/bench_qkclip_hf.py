@@ -25,8 +25,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from muonclip.optim import Muon, param_groups
-from muonclip.qkclip.hf import attach
 from muonclip.qkclip.check import QKClipIneffectiveWarning
+from muonclip.qkclip.hf import attach
 from muonclip.qkclip.muonclip import MuonClip
 
 

@@ -199,8 +199,8 @@ def scale_rows_(t: Weight | None, factor: Tensor) -> None:
     For a `Rows` ``t``: row ``start + r`` of its ``(out, in)`` matrix times ``factor[r]``
     (``factor`` of shape ``(stop - start,)``); for a transposed one, those columns of the stored
     ``(in, out)`` tensor. For a `StridedRows` ``t``: matrix row ``t.indices()[r]`` times
-    ``factor[r]``, every other row times exactly 1.0. Computed in float32 and rounded once to ``t``'s dtype; rows with
-    factor exactly 1.0 stay bit-identical. A DTensor sharded on dim 0 (FSDP2) scales its local
+    ``factor[r]``, every other row times exactly 1.0. Computed in float32 and rounded once to
+    ``t``'s dtype; rows with factor exactly 1.0 stay bit-identical. A DTensor sharded on dim 0 (FSDP2) scales its local
     rows using the global row offset (a transposed weight's local rows hold every column); a
     replicated DTensor scales its local copy.
     """
