@@ -4,7 +4,9 @@ Builds a small Llama (GQA) from a config (never downloads), then measures in one
 
 * forward+backward time with transformers' stock ``"sdpa"`` attention vs ``"muonclip"``
   (`muonclip.qkclip.hf.attach`: same SDPA output plus the chunked per-head max logit);
-* ``MuonClip.step()`` vs plain ``Muon.step()`` on the same gradients (the clip's own cost).
+* ``MuonClip.step()`` vs plain ``Muon.step()`` on the same gradients (the clip's own cost);
+* the clip with its runtime check (`muonclip.qkclip.check`, the default) vs without
+  (``on_ineffective_clip="ignore"``), interleaved.
 
 Usage: ``python benchmarks/bench_qkclip_hf.py [--seq 256] [--batch 2] [--reps 5]``. Prints
 medians and ratios; the machine and torch version are printed too.
@@ -17,11 +19,13 @@ import copy
 import platform
 import statistics
 import time
+import warnings
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from muonclip.optim import Muon, param_groups
+from muonclip.qkclip.check import QKClipIneffectiveWarning
 from muonclip.qkclip.hf import attach
 from muonclip.qkclip.muonclip import MuonClip
 
@@ -69,22 +73,27 @@ def main() -> None:
 
     t_sdpa, t_ours = interleaved_medians([fwd_bwd(stock), fwd_bwd(ours)], args.reps)
 
-    # the clip alone (all-reduce is a no-op on one process): tau small, so every head is clipped
+    # the clip alone (all-reduce is a no-op on one process): tau small, so every head is clipped.
+    # The maxima are made up (the same every time), which the runtime check rightly takes for a
+    # clip without effect: its warning is silenced, its cost is what is timed.
     opt = MuonClip(ours, lr=1e-3, tau=1e-3, layers=layers)
+    unchecked = MuonClip(ours, lr=1e-3, tau=1e-3, layers=layers, on_ineffective_clip="ignore")
     fwd_bwd(ours)()
     plain = Muon(param_groups(stock), lr=1e-3)
     fwd_bwd(stock)()
-    clip_times = []
+    clip_times: dict[str, list[float]] = {"checked": [], "unchecked": []}
+    warnings.simplefilter("ignore", QKClipIneffectiveWarning)
     for _ in range(args.reps):
-        for ly in layers:
-            ly.recorder.update(torch.full((ly.recorder.n_heads,), 10.0, device=args.device))
-        _sync()
-        t0 = time.perf_counter()
-        opt.clip()
-        _sync()
-        clip_times.append(time.perf_counter() - t0)
+        for key, o in (("checked", opt), ("unchecked", unchecked)):
+            for ly in layers:
+                ly.recorder.update(torch.full((ly.recorder.n_heads,), 10.0, device=args.device))
+            _sync()
+            t0 = time.perf_counter()
+            o.clip()
+            _sync()
+            clip_times[key].append(time.perf_counter() - t0)
     (t_step,) = interleaved_medians([plain.step], args.reps)
-    t_clip = statistics.median(clip_times)
+    t_clip, t_unchecked = (statistics.median(clip_times[k]) for k in ("checked", "unchecked"))
 
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{platform.machine()} CPU"
     print(f"device: {dev}, {torch.get_num_threads()} threads, torch {torch.__version__}")
@@ -93,6 +102,8 @@ def main() -> None:
           f"ratio {t_ours / t_sdpa:.3f}")
     print(f"clip (every head) {t_clip * 1e3:8.2f} ms   Muon step {t_step * 1e3:8.1f} ms   "
           f"ratio {t_clip / t_step:.3f}")
+    print(f"clip with runtime check {t_clip * 1e3:8.2f} ms   without {t_unchecked * 1e3:8.2f} ms   "
+          f"ratio {t_clip / t_unchecked:.3f}   (check / Muon step {(t_clip - t_unchecked) / t_step:.4f})")
 
 
 if __name__ == "__main__":

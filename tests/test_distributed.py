@@ -387,24 +387,32 @@ def _gpt2(shard: bool):
         for block in model.transformer.h:  # large q/k columns so that some heads pass tau
             block.attn.c_attn.weight[:, :48].mul_(torch.tensor([4.0] * 8 + [12.0] * 8 + [1.0] * 8 + [6.0] * 24))
             block.attn.c_attn.bias[:48].normal_(0.0, 0.5)
-    if shard:
-        from torch.distributed.fsdp import fully_shard
+    return _shard_hf(model, model.transformer.h) if shard else model
 
-        for block in model.transformer.h:
-            fully_shard(block)
-        fully_shard(model)
+
+def _shard_hf(model, blocks):
+    from torch.distributed.fsdp import fully_shard
+
+    for block in blocks:
+        fully_shard(block)
+    fully_shard(model)
     return model
+
+
+def _hf_step(net, opt, s, rank=0, world=1):
+    """One optimizer step of a Hugging Face causal LM on this rank's share of global batch ``s``."""
+    x, y = _batch(s)
+    n = x.shape[0] // world
+    logits = net(input_ids=x[rank * n:(rank + 1) * n]).logits
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), y[rank * n:(rank + 1) * n].flatten()).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
 
 
 def _gpt2_run(net, opt, rank=0, world=1):
     log = []
     for s in range(4):
-        x, y = _batch(s)
-        n = x.shape[0] // world
-        logits = net(input_ids=x[rank * n:(rank + 1) * n]).logits
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), y[rank * n:(rank + 1) * n].flatten()).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        _hf_step(net, opt, s, rank, world)
         log.append({k: v.clone() for k, v in opt.last_clipped.items()})
     return log
 
@@ -436,6 +444,99 @@ def test_muonclip_fsdp2_fused_transposed_qkv_of_hf_gpt2(tmp_path):
         got = torch.load(tmp_path / f"rank{r}.pt")
         for mine, theirs in zip(got["log"], ref):
             assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+        assert _max_diff(got["params"], _params(model)) <= TOL
+
+
+def _neox(shard: bool):
+    """Tiny HF GPT-NeoX, rotary on half of each head: query_key_value (72, 24) holds [q k v] per
+    head of 8 rows, and FSDP2 splits its rows (and its bias) 36/36, so head 1's k rows 32..40
+    straddle the two ranks."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPTNeoXConfig(vocab_size=CFG["vocab_size"], hidden_size=24, intermediate_size=48,
+                                     num_hidden_layers=2, num_attention_heads=3, rotary_pct=0.5,
+                                     max_position_embeddings=16, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = transformers.GPTNeoXForCausalLM(cfg).train()
+    with torch.no_grad():
+        for layer in model.gpt_neox.layers:  # q and k rows of head h times 6, 20, 1: some heads pass tau
+            f = layer.attention.query_key_value
+            f.weight.view(3, 3, 8, 24)[:, :2].mul_(torch.tensor([6.0, 20.0, 1.0]).view(3, 1, 1, 1))
+            f.bias.normal_(0.0, 0.5)
+    return _shard_hf(model, model.gpt_neox.layers) if shard else model
+
+
+def _neox_run(net, opt, rank=0, world=1):
+    """Step 0 at lr 0 (only the clip changes weights; the full weights after it are returned), then
+    3 steps at OPT's lr. Logs (max logits, clipped) of every step."""
+    lrs = [g["lr"] for g in opt.param_groups]
+    log, after0 = [], None
+    for s in range(4):
+        for g, lr in zip(opt.param_groups, lrs):
+            g["lr"] = 0.0 if s == 0 else lr
+        _hf_step(net, opt, s, rank, world)
+        log.append({k: (opt.last_max_logits[k].clone(), c.clone()) for k, c in opt.last_clipped.items()})
+        if s == 0:
+            after0 = _params(net)
+    return log, after0
+
+
+TAU_NEOX = 1.0
+
+
+def _neox_clip_worker(rank, world, out_dir):
+    net = _neox(shard=True)
+    opt = MuonClip(net, tau=TAU_NEOX, groups=param_groups(net, adamw_lr=0.0), **OPT)
+    log, after0 = _neox_run(net, opt, rank, world)
+    torch.save({"log": log, "after0": after0, "params": _params(net)}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_muonclip_fsdp2_gpt_neox_per_head_interleaved_qkv(tmp_path):
+    """QK-Clip on StridedRows of a row-sharded weight and bias whose heads straddle the ranks: at lr 0
+    every clipped head's max logit (independent probe) lands on tau and every other element (other
+    heads, V rows, other weights) is bit-identical; then the same heads, factors and parameters as
+    one process."""
+    pytest.importorskip("transformers")
+    from hf_probe import assert_only_clipped_rows_changed, replay_max, save_attention_inputs
+
+    from muonclip.qkclip.hf import attach
+
+    _launch(_neox_clip_worker, str(tmp_path))
+    model = _neox(shard=False)
+    w0 = _params(model)
+    x, _ = _batch(0)
+    saved, hooks = save_attention_inputs(model)  # each attention's inputs under the initial weights
+    with torch.no_grad():
+        model(input_ids=x, use_cache=False)
+    for h in hooks:
+        h.remove()
+    opt = MuonClip(model, tau=TAU_NEOX, groups=param_groups(model, adamw_lr=0.0), process_group="local", **OPT)
+    s0 = replay_max(model, saved)  # the probe's max logits under the initial weights
+    ref, ref_after0 = _neox_run(model, opt)
+    for k, (s, _) in ref[0].items():
+        torch.testing.assert_close(s, s0[k], rtol=1e-5, atol=1e-6)
+    n_clipped = sum(int(c.sum()) for step in ref for _, c in step.values())
+    assert 0 < n_clipped < sum(c.numel() for step in ref for _, c in step.values())  # the test can tell
+    assert any(c[1] for _, c in ref[0].values())  # head 1 (whose k rows straddle the ranks) is clipped at lr 0
+
+    probe = _neox(shard=False)
+    layers = attach(probe)
+    for r in range(WORLD):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        for mine, theirs in zip(got["log"], ref):
+            assert mine.keys() == theirs.keys()
+            for k in mine:
+                assert torch.equal(mine[k][1], theirs[k][1]), k
+                torch.testing.assert_close(mine[k][0], theirs[k][0], rtol=1e-5, atol=1e-6)
+        with torch.no_grad():  # the weights after the lr-0 step, unsharded
+            for n, p in probe.named_parameters():
+                p.copy_(got["after0"][n])
+        clipped0 = {k: c for k, (_, c) in got["log"][0].items()}
+        assert_only_clipped_rows_changed(probe, layers, clipped0, w0)
+        after = replay_max(probe, saved)
+        for k, s in s0.items():
+            torch.testing.assert_close(after[k], torch.clamp(s, max=TAU_NEOX), rtol=1e-5, atol=1e-6)
+        assert _max_diff(got["after0"], ref_after0) <= TOL
         assert _max_diff(got["params"], _params(model)) <= TOL
 
 
@@ -542,6 +643,21 @@ def _errors_worker(rank, world, out_dir):
     before = b.detach().clone()
     opt.step()
     assert torch.equal(b.detach(), before)
+    # a clip without effect is reported from the all-reduced maxima: every rank raises at the same clip,
+    # although on rank 1 alone the maxima came down
+    from muonclip.attention import MaxLogitRecorder
+    from muonclip.qkclip import AttentionLayer, MHALayout, QKClipIneffectiveError
+
+    rec = MaxLogitRecorder(2)
+    layer = AttentionLayer("attn", MHALayout(torch.randn(8, 4), torch.randn(8, 4), 2, 4), rec)
+    clip_opt = MuonClip(torch.nn.Linear(4, 4, bias=False), tau=1.0, layers=[layer], on_ineffective_clip="raise")
+    for step in range(3):
+        rec.update(torch.tensor([4.0, 0.5]) if rank == 0 or step == 0 else torch.tensor([0.5, 0.5]))
+        if step < 2:
+            clip_opt.clip()
+        else:
+            _expect(QKClipIneffectiveError, "attention layer 'attn': head 0", clip_opt.clip)
+    dist.barrier()
     # mixed meshes
     mesh_a, mesh_b = DeviceMesh("cpu", [0, 1]), DeviceMesh("cpu", [1, 0])
     d1 = torch.nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh_a, [Shard(0)]))

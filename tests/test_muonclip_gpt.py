@@ -296,11 +296,15 @@ def test_nonfinite_step_skips_the_clip_too_and_resets_the_recorders(policy, monk
     max logits are far above tau; in "mask" mode nothing is read on the host (the clip is
     gated on the device). The next finite step updates and clips exactly as
     on_nonfinite="raise" does (in "mask" mode: the Muon matrices, q/k included; AdamW's
-    bias-correction step number advances on a masked step, as documented)."""
+    bias-correction step number advances on a masked step, as documented).
+
+    The runtime check of the clip is off here: on the CPU it reads its evidence where it lies,
+    in host memory, which this proxy for device syncs cannot tell from a device read; on CUDA
+    it reads a pinned copy and never the device (test_qkclip_check, on a GPU)."""
     from test_ortho_fast import _HostReads
 
     model, ref = tiny(), tiny()
-    opt = MuonClip(model, lr=0.02, tau=0.05, on_nonfinite=policy)
+    opt = MuonClip(model, lr=0.02, tau=0.05, on_nonfinite=policy, on_ineffective_clip="ignore")
     ref_opt = MuonClip(ref, lr=0.02, tau=0.05)
     x = batch()
     _, loss = model(x, x)

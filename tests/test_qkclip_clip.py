@@ -13,6 +13,7 @@ from muonclip.qkclip import (
     GQALayout,
     MHALayout,
     MLALayout,
+    StridedRows,
     all_reduce_max_,
     apply_qk_clip,
     compute_gamma,
@@ -133,6 +134,14 @@ def test_compute_gamma():
         (lambda: GQALayout(_rand(16, D_IN), _rand(8, D_IN), 4, 2, HD, policy="max"), "policy"),
         (lambda: MLALayout(_rand(18, D_IN), 3, 4, 2, _rand(26, 6), 5), "kv_b_weight has 26 rows"),
         (lambda: MLALayout(_rand(18, D_IN), 3, 4, 0, _rand(27, 6), 5), "qk_rope_head_dim must be a positive"),
+        (lambda: MHALayout(StridedRows(_rand(36, D_IN), 0, 4, 3, 3), StridedRows(_rand(36, D_IN), 4, 4, 12, 3), 3, HD),
+         "blocks of 4 rows at stride 3 overlap"),
+        (lambda: MHALayout(StridedRows(_rand(36, D_IN), 4, 4, 12, 3), StridedRows(_rand(36, D_IN), 9, 4, 12, 3), 3, HD),
+         "k_weight: StridedRows .* end at row 37, past the 36 rows"),
+        (lambda: MHALayout(StridedRows(_rand(36, D_IN), 0, 4, 12, 2), StridedRows(_rand(36, D_IN), 4, 4, 12, 3), 3, HD),
+         r"q_weight has 8 rows \(2 blocks of 4\) but the stated head layout needs 12"),
+        (lambda: MHALayout(_rand(12, D_IN), _rand(12, D_IN), 3, HD, q_bias=StridedRows(_rand(36, D_IN), 0, 4, 12, 3)),
+         "q_bias must be 1-D entries of a bias"),
     ],
 )
 def test_layout_shape_errors(make, match):
@@ -167,3 +176,28 @@ def test_apply_qk_clip_consumes_maxima_and_skips_unrecorded_layers():
     assert torch.equal(wq[:HD], oq[:HD]) and torch.equal(wk[2 * HD:3 * HD], ok[2 * HD:3 * HD])
     with pytest.raises(ValueError, match="tau"):
         apply_qk_clip(layers, 0.0)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_strided_rows_scale_exactly_their_rows(transposed):
+    """GPT-NeoX's query_key_value: head h's q rows [12h, 12h+4), k rows [12h+4, 12h+8), v the rest.
+    An MHA clip of StridedRows scales q and k rows of clipped heads by sqrt(gamma), and leaves every
+    other element bit-identical (factor exactly 1.0)."""
+    w = _rand(36, D_IN, seed=7)  # (out, in) = (3 heads * [q k v] * 4 rows, D_IN)
+    b = _rand(36, seed=8)
+    stored = w.T.clone() if transposed else w.clone()
+    bias = b.clone()
+    q, k = StridedRows(stored, 0, 4, 12, 3, transposed), StridedRows(stored, 4, 4, 12, 3, transposed)
+    assert q.indices().tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 24, 25, 26, 27] and q.n_rows == 12
+    layout = MHALayout(q, k, 3, HD, StridedRows(bias, 0, 4, 12, 3), StridedRows(bias, 4, 4, 12, 3))
+    layout.check()
+    gamma = torch.tensor([1.0, 0.25, 0.64])
+    layout.clip(gamma)
+    got = stored.T if transposed else stored
+    root = gamma.sqrt()
+    factor = torch.ones(3, 3, 4)
+    factor[:, :2] = root[:, None, None]  # per head: [q k] rows by sqrt(gamma), v rows by 1
+    torch.testing.assert_close(got, w * factor.reshape(36, 1), rtol=0, atol=0)
+    torch.testing.assert_close(bias, b * factor.reshape(36), rtol=0, atol=0)
+    untouched = factor.reshape(36) == 1.0
+    assert torch.equal(got[untouched], w[untouched]) and torch.equal(bias[untouched], b[untouched])

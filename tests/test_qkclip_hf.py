@@ -1,8 +1,8 @@
 """QK-Clip on Hugging Face transformers models built from tiny configs (never downloaded).
 
-Reference for every max logit: a test-only attention function that captures the query (after
-RoPE), key and mask transformers hands to its stock SDPA implementation, and computes
-``scaling * q.k`` explicitly, masked, per head.
+Reference for every max logit: the probe of ``hf_probe`` (a test-only attention function that
+captures the query (after RoPE), key and mask transformers hands to its stock SDPA
+implementation, and computes ``scaling * q.k`` explicitly, masked, per head).
 """
 
 from __future__ import annotations
@@ -14,6 +14,15 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_probe import (  # noqa: E402
+    assert_only_clipped_rows_changed,
+    capture_forward,
+    changeable,
+    reference_max,
+    replay_max,
+    save_attention_inputs,
+    tau_between_heads,
+)
 from transformers import (  # noqa: E402
     AttentionInterface,
     DeepseekV3Config,
@@ -29,8 +38,6 @@ from transformers import (  # noqa: E402
     Qwen3Config,
     Qwen3ForCausalLM,
 )
-from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
 
 from muonclip.qkclip.hf import ATTN_IMPLEMENTATION, RECORDER_ATTR, attach  # noqa: E402
 from muonclip.qkclip.layouts import GQALayout, MHALayout, MLALayout, Rows  # noqa: E402
@@ -111,74 +118,6 @@ def batch(seed: int = 1):
     am[1, :3] = 0
     am[2, :5] = 0
     return ids.masked_fill(am == 0, 0), am
-
-
-# ----------------------------------------------------------------------------------------------
-# the reference: capture what stock SDPA attention receives, compute masked logits explicitly
-# ----------------------------------------------------------------------------------------------
-
-CAPTURE = "muonclip_test_capture"
-_captured: dict[int, torch.Tensor] = {}
-
-
-def _explicit_max(query, key, mask, scaling):
-    """Per-head max of scaling * q.k over allowed pairs; q (B, nh, Tq, D), k (B, nkv, Tk, D)."""
-    nh, nkv = query.shape[1], key.shape[1]
-    k = key.repeat_interleave(nh // nkv, dim=1)
-    s = scaling * (query.double() @ k.double().transpose(-1, -2))  # (B, nh, Tq, Tk)
-    if mask is None:  # stock sdpa uses is_causal for q_len > 1 without a mask
-        tq, tk = s.shape[-2:]
-        allowed = torch.ones(tq, tk, dtype=torch.bool).tril()
-    else:
-        assert mask.dtype == torch.bool
-        allowed = mask
-    return s.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3)).float()
-
-
-def _capture_forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    m = _explicit_max(query, key, attention_mask, scaling)
-    prev = _captured.get(module.layer_idx)
-    _captured[module.layer_idx] = m if prev is None else torch.maximum(prev, m)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-
-
-AttentionInterface.register(CAPTURE, _capture_forward)
-AttentionMaskInterface.register(CAPTURE, sdpa_mask)
-
-
-def attention_modules(model) -> dict[str, torch.nn.Module]:
-    return {n: m for n, m in model.named_modules() if hasattr(m, "layer_idx") and type(m).__name__.endswith("Attention")}
-
-
-def reference_max(model, ids, am) -> dict[str, torch.Tensor]:
-    """Explicit per-head max logits of one forward on the stock SDPA path; restores the implementation."""
-    impl = model.config._attn_implementation
-    model.set_attn_implementation(CAPTURE)
-    _captured.clear()
-    try:
-        with torch.no_grad():
-            model(ids, attention_mask=am, use_cache=False)
-    finally:
-        model.set_attn_implementation(impl)
-    return {n: _captured[m.layer_idx] for n, m in attention_modules(model).items()}
-
-
-def replay_max(model, saved) -> dict[str, torch.Tensor]:
-    """Max logits of each attention module re-run on its own saved inputs (so clipping layer 0
-    does not change layer 1's input)."""
-    impl = model.config._attn_implementation
-    model.set_attn_implementation(CAPTURE)
-    _captured.clear()
-    out = {}
-    try:
-        with torch.no_grad():
-            for n, m in attention_modules(model).items():
-                args, kwargs = saved[n]
-                m(*args, **kwargs)
-                out[n] = _captured[m.layer_idx]
-    finally:
-        model.set_attn_implementation(impl)
-    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -267,7 +206,7 @@ def test_mask_is_lost_without_the_mask_registration():
     with torch.no_grad():
         ref = model(ids, attention_mask=am, use_cache=False).logits
     name = "muonclip_test_no_mask"
-    AttentionInterface.register(name, _capture_forward)
+    AttentionInterface.register(name, capture_forward)
     try:
         model.set_attn_implementation(name)
         with torch.no_grad():
@@ -300,7 +239,7 @@ def test_detach_restores_sdpa():
 def test_qwen3_qk_norm_gets_a_clear_error():
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=8))
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn.*q_norm, k_norm.*cannot bound"):
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn.*q_norm \(Qwen3RMSNorm\), k_norm.*cannot bound"):
         attach(model)
     assert model.config._attn_implementation == "sdpa"  # nothing switched
 
@@ -321,45 +260,6 @@ def test_no_attention_and_wrong_shapes_are_clear_errors():
 # ----------------------------------------------------------------------------------------------
 
 
-def _changeable(layer, clipped: torch.Tensor, masks: dict[int, torch.Tensor]) -> None:
-    """OR into ``masks`` (id(param) -> bool mask of the param's shape) the elements the clip may
-    change, given the clipped heads ((n_heads,) bool); fused weights (`Rows`) get their range."""
-    for t, rows in _changeable_rows(layer, clipped):
-        p = t.tensor if isinstance(t, Rows) else t
-        m = masks.setdefault(id(p), torch.zeros(p.shape, dtype=torch.bool))
-        if not isinstance(t, Rows):
-            m |= rows.view(-1, *([1] * (p.ndim - 1))).expand(p.shape)
-        elif t.transposed:
-            m[:, t.start:t.stop] |= rows[None, :]
-        else:
-            m[t.start:t.stop] |= rows.view(-1, *([1] * (p.ndim - 1)))
-
-
-def _changeable_rows(layer, clipped: torch.Tensor) -> list[tuple]:
-    """(weight or Rows, bool rows the clip may change) pairs, given the clipped heads."""
-    lay = layer.layout
-    if isinstance(lay, MLALayout):
-        q_rows = clipped.repeat_interleave(lay.qk_nope_head_dim + lay.qk_rope_head_dim)
-        kv = torch.cat([clipped[:, None].expand(-1, lay.qk_nope_head_dim),
-                        torch.zeros(lay.n_heads, lay.v_head_dim, dtype=torch.bool)], dim=1).reshape(-1)
-        pairs = [(lay.q_weight, q_rows), (lay.q_bias, q_rows), (lay.kv_b_weight, kv), (lay.kv_b_bias, kv)]
-    elif isinstance(lay, GQALayout):  # exact per-head policy: only q rows, shared key untouched
-        q_rows = clipped.repeat_interleave(lay.head_dim)
-        pairs = [(lay.q_weight, q_rows), (lay.q_bias, q_rows)]
-    else:
-        rows = clipped.repeat_interleave(lay.head_dim)
-        pairs = [(lay.q_weight, rows), (lay.q_bias, rows), (lay.k_weight, rows), (lay.k_bias, rows)]
-    return [(p, r) for p, r in pairs if p is not None]
-
-
-def _tau_between_heads(s: dict[str, torch.Tensor]) -> float:
-    """A tau with half the heads above and half below, none within float tolerance of it."""
-    s_all = torch.cat(list(s.values())).sort().values
-    mid = s_all.numel() // 2
-    assert s_all[mid] - s_all[mid - 1] > 1e-3
-    return float(s_all[mid - 1] + s_all[mid]) / 2
-
-
 def _muonclip_and_plain_muon_step(kind: str, lr: float, gqa_policy: str = "per_head"):
     """One MuonClip step on a tiny model and one plain Muon step on a copy, with identical gradients.
 
@@ -372,17 +272,13 @@ def _muonclip_and_plain_muon_step(kind: str, lr: float, gqa_policy: str = "per_h
     ids, am = batch()
     labels = ids.masked_fill(am == 0, -100)
     before = reference_max(model, ids, am)
-    tau = _tau_between_heads(before)
+    tau = tau_between_heads(before)
 
     plain = copy.deepcopy(model)
     opt = MuonClip(model, lr=lr, tau=tau, weight_decay=0.1, layers=attach(model, gqa_policy=gqa_policy))
     plain_opt = Muon(param_groups(plain), lr=lr, weight_decay=0.1)
 
-    saved = {}
-    hooks = [
-        m.register_forward_pre_hook(lambda mod, a, kw, n=n: saved.__setitem__(n, (a, dict(kw))), with_kwargs=True)
-        for n, m in attention_modules(model).items()
-    ]
+    saved, hooks = save_attention_inputs(model)
     model.train()
     model(ids, attention_mask=am, labels=labels, use_cache=False).loss.backward()
     for h in hooks:
@@ -406,21 +302,15 @@ def test_muonclip_lr0_clips_exactly_to_tau(kind):
     layers = {ly.name: ly for ly in opt.layers}
     after = replay_max(model, saved)
     n_clipped = 0
-    changeable: dict[int, torch.Tensor] = {}
     for name, s in before.items():
         torch.testing.assert_close(opt.last_max_logits[name].float().cpu(), s, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(after[name], torch.clamp(s, max=tau), rtol=1e-5, atol=1e-5)
         clipped = s > tau
         assert torch.equal(opt.last_clipped[name].cpu(), clipped)
         n_clipped += int(clipped.sum())
-        _changeable(layers[name], clipped, changeable)
         assert layers[name].recorder.value is None  # consumed by the clip
     assert 0 < n_clipped < sum(s.numel() for s in before.values())
-
-    for n, p in model.named_parameters():
-        m = changeable.get(id(p), torch.zeros(p.shape, dtype=torch.bool))
-        assert torch.equal(p.detach()[~m], w0[n][~m]), f"{n}: rows of unclipped heads / other weights changed"
-        assert not m.any() or not torch.equal(p.detach()[m], w0[n][m]), f"{n}: clipped rows unchanged"
+    assert_only_clipped_rows_changed(model, opt.layers, {n: s > tau for n, s in before.items()}, w0)
 
     # optimizer state: exactly what plain Muon (same grads, lr=0, no clip) holds
     plain_params = dict(plain.named_parameters())
@@ -438,15 +328,15 @@ def test_muonclip_normal_step_scales_clipped_heads_by_gamma(kind):
     model, opt, plain, _, tau, before, saved, _ = _muonclip_and_plain_muon_step(kind, lr=0.02)
     clipped_ml, plain_ml = replay_max(model, saved), replay_max(plain, saved)
     layers = {ly.name: ly for ly in opt.layers}
-    changeable: dict[int, torch.Tensor] = {}
+    masks: dict[int, torch.Tensor] = {}
     for name, s in before.items():
         gamma = torch.where(s > tau, tau / s, torch.ones_like(s))
         assert not torch.allclose(plain_ml[name], s, rtol=1e-3)  # the weights did move
         torch.testing.assert_close(clipped_ml[name], gamma * plain_ml[name], rtol=1e-5, atol=1e-5)
-        _changeable(layers[name], s > tau, changeable)
+        changeable(layers[name], s > tau, masks)
     plain_params = dict(plain.named_parameters())
     for n, p in model.named_parameters():  # everything the clip may not touch equals plain Muon's
-        m = changeable.get(id(p), torch.zeros(p.shape, dtype=torch.bool))
+        m = masks.get(id(p), torch.zeros(p.shape, dtype=torch.bool))
         assert torch.equal(p.detach()[~m], plain_params[n].detach()[~m]), n
 
 

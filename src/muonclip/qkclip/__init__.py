@@ -1,8 +1,9 @@
-"""QK-Clip: head layouts, the clip, layer discovery and the `MuonClip` optimizer."""
+"""QK-Clip: head layouts, the clip, layer discovery, the checks that it acts, and the `MuonClip` optimizer."""
 
+from .check import QKClipIneffectiveError, QKClipIneffectiveWarning
 from .clip import all_reduce_max_, apply_qk_clip, compute_gamma
 from .discovery import discover_layers
-from .layouts import GQA_POLICIES, AttentionLayer, GQALayout, Layout, MHALayout, MLALayout, Rows
+from .layouts import GQA_POLICIES, AttentionLayer, GQALayout, Layout, MHALayout, MLALayout, Rows, StridedRows
 from .muonclip import MuonClip
 
 __all__ = [
@@ -13,7 +14,10 @@ __all__ = [
     "MHALayout",
     "MLALayout",
     "MuonClip",
+    "QKClipIneffectiveError",
+    "QKClipIneffectiveWarning",
     "Rows",
+    "StridedRows",
     "all_reduce_max_",
     "apply_qk_clip",
     "compute_gamma",

@@ -23,12 +23,18 @@
      ``[q | k | v]``, MHA or GQA) and GPT-2's ``c_attn`` (a ``Conv1D`` stored ``(in, out)`` with
      columns ``[q | k | v]``; a cross-attention layer's queries come from ``q_attn`` and its
      ``c_attn`` holds ``[k | v]``). Biases are part of the layout.
+   * GPT-NeoX / Pythia (``GPTNeoXAttention``): ``query_key_value`` interleaves q, k and v per
+     head (rows ``[h0: q k v | h1: q k v | ...]``), so q and k are `StridedRows` of it (and of
+     its bias) in an `MHALayout`.
    * DeepSeek-V3 MLA (``kv_b_proj``): `MLALayout` on ``q_b_proj`` (or ``q_proj`` when
      ``q_lora_rank`` is None; rows ``[nope | rope]`` per head) and ``kv_b_proj`` (rows
      ``[k_nope | v]`` per head). The shared rotary key (last ``qk_rope_head_dim`` rows of
      ``kv_a_proj_with_mqa``) and V are never touched.
-   * QK-norm (Qwen3, Gemma3, OLMo2, ...: ``q_norm``/``k_norm`` after the projection): a
-     ValueError — scaling W_q/W_k does not change normalised q/k, so it cannot bound the logits.
+   * A normalisation of q/k after the projection (QK-norm of Qwen3, Gemma 3, OLMo 2; Llama 4's
+     L2 ``qk_norm``; Phi's ``qk_layernorm``; ...): a ValueError — scaling W_q/W_k does not change
+     normalised q/k, so it cannot bound the logits. Found by type and by name among the
+     attention module's children, not by name alone (`muonclip.qkclip.qknorm`); MLA's
+     ``q_a_layernorm`` / ``kv_a_layernorm`` feed the scaled projections and are allowed.
 
 The recorder of each layer lives on its attention module (attribute ``muonclip_recorder``), so
 the attention function finds it from ``module`` alone; calling `attach` again reuses it.
@@ -58,7 +64,8 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from ..attention.recorder import MaxLogitRecorder
 from ..attention.sdpa import scaled_dot_product_attention
-from .layouts import AttentionLayer, GQALayout, MHALayout, MLALayout, Rows
+from .layouts import AttentionLayer, GQALayout, MHALayout, MLALayout, Rows, StridedRows
+from .qknorm import check_no_qk_norm
 
 ATTN_IMPLEMENTATION = "muonclip"
 """The name our attention function and mask are registered under."""
@@ -66,7 +73,8 @@ ATTN_IMPLEMENTATION = "muonclip"
 RECORDER_ATTR = "muonclip_recorder"
 """Attribute of an attention module holding its `MaxLogitRecorder`."""
 
-QK_NORM_ATTRS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
+PER_HEAD_QKV_CLASSES = ("GPTNeoXAttention",)
+"""Attention classes whose ``query_key_value`` holds ``[q k v]`` per head, heads one after another."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -179,17 +187,6 @@ def _is_attention(module: nn.Module) -> bool:
     )
 
 
-def _check_no_qk_norm(name: str, module: nn.Module) -> None:
-    norms = [a for a in QK_NORM_ATTRS if isinstance(getattr(module, a, None), nn.Module)]
-    if norms:
-        raise ValueError(
-            f"attention layer '{name}' ({type(module).__name__}) normalises q/k after the projection "
-            f"({', '.join(norms)}): QK-Clip rescales rows of W_q/W_k, which a norm undoes, so it cannot bound "
-            "the logits of this model. QK-norm already bounds them (by the norm gains): train it with plain "
-            "muonclip.Muon, or clip the norm gains yourself by passing MuonClip(layers=[...]) with your own layout."
-        )
-
-
 def _linear(module: nn.Module, attr: str, name: str) -> nn.Linear:
     lin = getattr(module, attr, None)
     if not isinstance(getattr(lin, "weight", None), Tensor):
@@ -258,20 +255,38 @@ def _fused_layout(name: str, module: nn.Module, config: Any, gqa_policy: str) ->
     return _make_layout(q_w, k_w, q_b, k_b, n_heads, n_kv, head_dim, gqa_policy)
 
 
+def _per_head_qkv_layout(name: str, module: nn.Module, config: Any) -> MHALayout:
+    """GPT-NeoX ``query_key_value``: rows ``[h*3d, h*3d+d)`` are head h's q, the next ``d`` its k."""
+    f = _linear(module, "query_key_value", name)
+    n_heads = int(config.num_attention_heads)
+    d = int(getattr(module, "head_size", None) or config.hidden_size // n_heads)
+
+    def blocks(t: Tensor | None, start: int) -> StridedRows | None:
+        return None if t is None else StridedRows(t, start, d, 3 * d, n_heads)
+
+    return MHALayout(blocks(f.weight, 0), blocks(f.weight, d), n_heads, d, q_bias=blocks(f.bias, 0),
+                     k_bias=blocks(f.bias, d))
+
+
 def _layout(name: str, module: nn.Module, config: Any, gqa_policy: str) -> MHALayout | GQALayout | MLALayout:
-    _check_no_qk_norm(name, module)
-    children = set(dict(module.named_children()))
-    if "kv_b_proj" in children:
+    children = dict(module.named_children())
+    # MLA: the latent norms normalise the inputs of q_b_proj / kv_b_proj, which the clip scales
+    mla = "kv_b_proj" in children
+    inputs = [children[a] for a in ("q_a_layernorm", "kv_a_layernorm") if mla and a in children]
+    check_no_qk_norm(name, module, inputs)
+    if mla:
         return _mla_layout(name, module)
+    if type(module).__name__ in PER_HEAD_QKV_CLASSES and "query_key_value" in children:
+        return _per_head_qkv_layout(name, module, config)
     if "q_proj" in children and "k_proj" in children:
         return _qkv_layout(name, module, config, gqa_policy)
     if "qkv_proj" in children or "c_attn" in children:
         return _fused_layout(name, module, config, gqa_policy)
     raise ValueError(
-        f"attention layer '{name}' ({type(module).__name__}) has no q_proj/k_proj, fused qkv_proj/c_attn or MLA "
-        "kv_b_proj that muonclip knows how to clip (a per-head interleaved query_key_value?). Name its q/k weights "
-        "and head layout yourself: MuonClip(model, layers=[AttentionLayer(name, GQALayout(...), recorder)]), "
-        "using muonclip.qkclip.Rows for row ranges of a fused weight"
+        f"attention layer '{name}' ({type(module).__name__}) has no q_proj/k_proj, fused qkv_proj/c_attn, GPT-NeoX "
+        "query_key_value or MLA kv_b_proj that muonclip knows how to clip. Name its q/k weights and head layout "
+        "yourself: MuonClip(model, layers=[AttentionLayer(name, GQALayout(...), recorder)]), using "
+        "muonclip.qkclip.Rows / StridedRows for the rows of a fused weight"
     )
 
 
@@ -300,9 +315,10 @@ def attach(model: nn.Module, *, gqa_policy: str = "per_head") -> list[AttentionL
         weights) and the recorder that the ``"muonclip"`` attention function fills.
 
     Raises:
-        ValueError: no attention module found; an attention module with QK-norm or without
-            projections we know; a weight that does not fit the head counts in the config; a
-            model whose attention implementation cannot be switched.
+        ValueError: no attention module found; an attention module that normalises q/k after
+            its projections (`muonclip.qkclip.qknorm.check_no_qk_norm`) or without projections
+            we know; a weight that does not fit the head counts in the config; a model whose
+            attention implementation cannot be switched.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"attach expects a torch.nn.Module (a transformers model), got {type(model).__name__}")
@@ -324,8 +340,8 @@ def attach(model: nn.Module, *, gqa_policy: str = "per_head") -> list[AttentionL
     if not layers:
         raise ValueError(
             f"no attention modules found in {type(model).__name__}: attach() recognises transformers attention "
-            "modules with q_proj/k_proj (Llama, Qwen2, Mistral, ...), qkv_proj (Phi-3), c_attn (GPT-2) or kv_b_proj "
-            "(DeepSeek-V3 MLA). For another "
+            "modules with q_proj/k_proj (Llama, Qwen2, Mistral, ...), qkv_proj (Phi-3), c_attn (GPT-2), "
+            "query_key_value (GPT-NeoX) or kv_b_proj (DeepSeek-V3 MLA). For another "
             "model pass MuonClip(model, layers=[AttentionLayer(...)])"
         )
     for module, layer in zip(modules, layers):

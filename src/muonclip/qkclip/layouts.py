@@ -23,7 +23,10 @@ bit-identical without any host sync. An `AttentionLayer` ties a layout to a name
 
 Fused projections (one weight holding q, k and v, as Phi-3's ``qkv_proj`` or GPT-2's ``c_attn``)
 are given as `Rows`: a row range of the ``(out, in)`` projection matrix, which may be stored
-transposed ``(in, out)`` (transformers' ``Conv1D``). Any layout weight or bias may be a `Rows`.
+transposed ``(in, out)`` (transformers' ``Conv1D``). A fused weight that interleaves q, k and v
+per head (GPT-NeoX / Pythia's ``query_key_value``: ``[h0: q k v | h1: q k v | ...]``) gives each
+of q and k as `StridedRows`: equal blocks of rows at a fixed stride. Any layout weight or bias
+may be a `Rows` or a `StridedRows`.
 
 Weights sharded by rows as a DTensor (FSDP2 ``Shard(0)``) are scaled on their local rows with
 the global row offset (design.md 1.4); a transposed `Rows` scales columns, which every local row
@@ -72,15 +75,88 @@ class Rows:
         return self.tensor.shape[1] if self.transposed else self.tensor.shape[0]
 
 
-Weight = Tensor | Rows
+@dataclass(frozen=True)
+class StridedRows:
+    """``count`` blocks of ``block`` consecutive rows of the ``(out, in)`` matrix in ``tensor``, block i
+    starting at row ``start + i * stride``: one of q, k, v of a per-head interleaved fused weight.
+
+    GPT-NeoX / Pythia's ``query_key_value`` holds, for head h, rows ``[h*3d, h*3d + d)`` of q,
+    ``[h*3d + d, h*3d + 2d)`` of k and ``[h*3d + 2d, (h+1)*3d)`` of v (``d`` the head size), so its
+    q rows are ``StridedRows(w, 0, d, 3 * d, n_heads)`` and its k rows
+    ``StridedRows(w, d, d, 3 * d, n_heads)``; the layout's row r is row
+    ``start + (r // block) * stride + r % block`` of the matrix.
+
+    Args:
+        tensor: the parameter: a weight stored ``(out, in)``, or ``(in, out)`` with
+            ``transposed=True``, or a 1-D bias.
+        start: first row of the first block.
+        block: rows per block (> 0).
+        stride: rows from the start of one block to the start of the next (>= ``block``).
+        count: number of blocks (> 0).
+        transposed: ``tensor`` is a 2-D weight stored ``(in, out)`` (default False).
+    """
+
+    tensor: Tensor
+    start: int
+    block: int
+    stride: int
+    count: int
+    transposed: bool = False
+
+    @property
+    def out_features(self) -> int:
+        """Rows of the whole ``(out, in)`` matrix (entries of a bias)."""
+        return self.tensor.shape[1] if self.transposed else self.tensor.shape[0]
+
+    @property
+    def n_rows(self) -> int:
+        """Rows in the set: ``count * block``."""
+        return self.count * self.block
+
+    def indices(self, device: torch.device | str | None = None) -> Tensor:
+        """``(count * block,)`` int64: the matrix row of each of the set's rows, in order."""
+        base = torch.arange(self.count, device=device) * self.stride + self.start
+        return (base[:, None] + torch.arange(self.block, device=device)).reshape(-1)
+
+
+Weight = Tensor | Rows | StridedRows
 
 
 def _tensor(t: Weight) -> Tensor:
-    return t.tensor if isinstance(t, Rows) else t
+    return t.tensor if isinstance(t, (Rows, StridedRows)) else t
+
+
+def _check_strided(name: str, t: StridedRows, rows: int, why: str, *, vector: bool) -> None:
+    ndim = t.tensor.ndim
+    if vector and (ndim != 1 or t.transposed):
+        raise ValueError(f"{name} must be 1-D entries of a bias, got StridedRows of shape {tuple(t.tensor.shape)}")
+    if not vector and ndim != 2:
+        raise ValueError(f"{name} must be rows of a 2-D weight, got StridedRows of shape {tuple(t.tensor.shape)}")
+    for k in ("start", "block", "stride", "count"):
+        v = getattr(t, k)
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if k == "start" else 1):
+            raise ValueError(f"{name}: StridedRows {k} must be an int >= {0 if k == 'start' else 1}, got {v!r}")
+    if t.count > 1 and t.stride < t.block:
+        raise ValueError(f"{name}: StridedRows blocks of {t.block} rows at stride {t.stride} overlap")
+    last = t.start + (t.count - 1) * t.stride + t.block
+    if last > t.out_features:
+        raise ValueError(
+            f"{name}: StridedRows ({t.count} blocks of {t.block} rows from row {t.start}, stride {t.stride}) end at "
+            f"row {last}, past the {t.out_features} rows of a weight of shape {tuple(t.tensor.shape)}"
+            f"{' stored (in, out)' if t.transposed else ''}"
+        )
+    if t.n_rows != rows:
+        raise ValueError(
+            f"{name} has {t.n_rows} rows ({t.count} blocks of {t.block}) but the stated head layout needs {rows} "
+            f"({why}); check n_heads / n_kv_heads / head dims, or the blocks"
+        )
 
 
 def _check_rows(name: str, t: Weight | None, rows: int, why: str, *, vector: bool = False) -> None:
     if t is None:
+        return
+    if isinstance(t, StridedRows):
+        _check_strided(name, t, rows, why, vector=vector)
         return
     if isinstance(t, Rows):
         ndim = t.tensor.ndim
@@ -122,12 +198,22 @@ def scale_rows_(t: Weight | None, factor: Tensor) -> None:
 
     For a `Rows` ``t``: row ``start + r`` of its ``(out, in)`` matrix times ``factor[r]``
     (``factor`` of shape ``(stop - start,)``); for a transposed one, those columns of the stored
-    ``(in, out)`` tensor. Computed in float32 and rounded once to ``t``'s dtype; rows with
-    factor exactly 1.0 stay bit-identical. A DTensor sharded on dim 0 (FSDP2) scales its local
+    ``(in, out)`` tensor. For a `StridedRows` ``t``: matrix row ``t.indices()[r]`` times
+    ``factor[r]``, every other row times exactly 1.0. Computed in float32 and rounded once to
+    ``t``'s dtype; rows with factor exactly 1.0 stay bit-identical. A DTensor sharded on dim 0 (FSDP2) scales its local
     rows using the global row offset (a transposed weight's local rows hold every column); a
     replicated DTensor scales its local copy.
     """
     if t is None:
+        return
+    if isinstance(t, StridedRows):  # a whole-matrix factor, 1.0 off the set: no sync, any row sharding
+        full = torch.ones(t.out_features, dtype=torch.float32, device=factor.device)
+        full[t.indices(factor.device)] = factor.float()
+        if t.transposed:
+            data, _ = local_rows(t.tensor)
+            data.mul_(full.to(data.device).view(1, -1))
+        else:
+            scale_rows_(t.tensor, full)
         return
     if isinstance(t, Rows):
         data, offset = local_rows(t.tensor)
@@ -161,7 +247,7 @@ class MHALayout:
     Clip: those rows of ``q_weight`` and ``k_weight`` (and of ``q_bias``/``k_bias``) times
     ``sqrt(gamma_h)``, so head h's logits are multiplied by ``gamma_h``.
 
-    Each weight and bias may also be a `Rows` range of a fused projection.
+    Each weight and bias may also be a `Rows` range or `StridedRows` blocks of a fused projection.
 
     Args:
         q_weight: ``(n_heads*head_dim, d_in)`` query projection weight.
@@ -222,7 +308,7 @@ class GQALayout:
       invariant: unclipped heads (and heads with a larger gamma) in a group with a clipped head
       are over-clipped.
 
-    Each weight and bias may also be a `Rows` range of a fused projection.
+    Each weight and bias may also be a `Rows` range or `StridedRows` blocks of a fused projection.
 
     Args:
         q_weight: ``(n_heads*head_dim, d_in)``.
@@ -296,7 +382,7 @@ class MLALayout:
     rows of q) and k^C (k_nope rows of kv_b) by ``sqrt(gamma_h)`` and q^R (rope rows of q) by
     ``gamma_h``: both terms, hence the logit, are multiplied by ``gamma_h``. V rows untouched.
 
-    Each weight and bias may also be a `Rows` range of a fused projection.
+    Each weight and bias may also be a `Rows` range or `StridedRows` blocks of a fused projection.
 
     Args:
         q_weight: ``(n_heads*(qk_nope_head_dim+qk_rope_head_dim), d_q)``.
@@ -383,5 +469,5 @@ class AttentionLayer:
             )
 
 
-__all__ = ["AttentionLayer", "GQALayout", "GQA_POLICIES", "Layout", "MHALayout", "MLALayout", "Rows", "Weight",
-           "scale_rows_"]
+__all__ = ["AttentionLayer", "GQALayout", "GQA_POLICIES", "Layout", "MHALayout", "MLALayout", "Rows", "StridedRows",
+           "Weight", "scale_rows_"]

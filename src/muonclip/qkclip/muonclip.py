@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from ..optim import Muon, param_groups
+from .check import ClipCheck, QKClipIneffectiveError, QKClipIneffectiveWarning
 from .clip import all_reduce_max_, apply_qk_clip
 from .discovery import discover_layers
 from .layouts import AttentionLayer
@@ -41,6 +42,13 @@ class MuonClip(Muon):
     False; ``last_max_logits`` holds the maxima recorded); the recorders are reset. The
     optimizer state (momentum, Adam moments) is never touched by the clip.
 
+    A clip that does not act is reported, never silent: when a head clipped by gamma <= 0.5
+    records at the next step a max logit still >= 0.9 of its max before the clip, on two clips
+    in a row, something between its projections and its logits undoes the rescaling (a q/k
+    normalisation the structural check of `muonclip.qkclip.hf.attach` could not see, e.g.
+    ``F.normalize`` in the attention's forward). `muonclip.qkclip.check` states the rule, why a
+    clip that acts does not trip it, and its cost: no host sync on CUDA.
+
     Args:
         model: the model; used for the default ``groups`` and ``layers``.
         lr: learning rate (default 1e-3).
@@ -48,6 +56,10 @@ class MuonClip(Muon):
         layers: the `AttentionLayer`\ s to clip (default None: `discover_layers(model)` — the
             reference GPT, Hugging Face models, else an error asking for this argument).
         groups: param groups (default None: `muonclip.param_groups(model)`).
+        on_ineffective_clip: what to do when the runtime check finds a layer whose clip had no
+            effect: ``"warn"`` (default: a `muonclip.qkclip.check.QKClipIneffectiveWarning` once
+            per layer), ``"raise"`` (a `muonclip.qkclip.check.QKClipIneffectiveError`, on every
+            rank at the same step under ``torch.distributed``) or ``"ignore"`` (no check).
         **muon_kwargs: any keyword of `muonclip.Muon` (momentum, weight_decay, update_scale, ...).
 
     Attributes:
@@ -66,9 +78,11 @@ class MuonClip(Muon):
         *,
         layers: Sequence[AttentionLayer] | None = None,
         groups: Sequence[dict[str, Any]] | None = None,
+        on_ineffective_clip: str = "warn",
         **muon_kwargs: Any,
     ) -> None:
         _check_tau(tau)
+        clip_check = ClipCheck(on_ineffective_clip)
         layers = list(discover_layers(model) if layers is None else layers)
         names = [layer.name for layer in layers]
         if len(set(names)) != len(names):
@@ -82,6 +96,7 @@ class MuonClip(Muon):
         self.layers = layers
         self.last_max_logits: dict[str, Tensor] = {}
         self.last_clipped: dict[str, Tensor] = {}
+        self._clip_check = clip_check
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -108,13 +123,18 @@ class MuonClip(Muon):
 
     @torch.no_grad()
     def clip(self, masked: Tensor | None = None) -> None:
-        """Only the QK-Clip part of ``step()`` (all-reduce, clip, reset); normally called by ``step``.
+        """Only the QK-Clip part of ``step()`` (all-reduce, clip, runtime check, reset); normally called by ``step``.
 
         ``masked``: 0-D bool device flag of a masked step (``on_nonfinite="mask"``; default
         None): where set, every gamma is 1, so no weight changes (no host sync).
         """
         all_reduce_max_(self.layers)
         self.last_max_logits, self.last_clipped = apply_qk_clip(self.layers, self.tau, masked=masked)
+        reports = self._clip_check.observe(self.layers, self.last_max_logits, self.last_clipped, self.tau)
+        if reports and self._clip_check.mode == "raise":
+            raise QKClipIneffectiveError("\n".join(reports))
+        for msg in reports:
+            warnings.warn(msg, QKClipIneffectiveWarning, stacklevel=_outside_frames())
 
     def clip_stats(self) -> dict[str, float]:
         """Numbers for loggers about the last clip (one host sync).
@@ -147,8 +167,9 @@ class MuonClip(Muon):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load Muon's state; restores ``tau`` when the state dict has one."""
+        """Load Muon's state; restores ``tau`` when the state dict has one; restarts the runtime check."""
         super().load_state_dict(state_dict)
+        self._clip_check.reset()
         tau = state_dict.get("muonclip", {}).get("tau")
         if tau is not None:
             _check_tau(tau)
