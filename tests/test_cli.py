@@ -122,6 +122,27 @@ def test_nonfinite_loss_stops_names_the_step_and_keeps_the_checkpoint(tmp_path, 
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "config.json", "metrics.csv", "metrics.jsonl"]
 
 
+def test_nonfinite_validation_loss_stops_like_a_training_loss(tmp_path, text, monkeypatch, capsys):
+    """A NaN validation loss (finite training losses) ends the run with exit 3 at that step:
+    no metrics row and no checkpoint for it, the last good checkpoint kept."""
+    real = train_mod.evaluate
+    calls = {"n": 0}
+
+    def evaluate(model, batches):
+        calls["n"] += 1
+        return float("nan") if calls["n"] == 2 else real(model, batches)
+
+    monkeypatch.setattr(train_mod, "evaluate", evaluate)
+    out = tmp_path / "run"
+    rc = main(["train", *TINY, "--data", text, "--optimizer", "muonclip", "--steps", "8", "--set", "eval_every=3",
+               "--set", "checkpoint_every=3", "--out", str(out)])
+    assert rc == 3
+    err = capsys.readouterr().err
+    assert "non-finite validation loss (nan) at step 6" in err and "checkpoint.pt" in err
+    assert load_checkpoint(out / "checkpoint.pt")["step"] == 3
+    assert [r["step"] for r in read_rows(out)] == [1, 2, 3, 4, 5]
+
+
 def _bad(capsys, argv, match, code=2):
     rc = main(argv)
     err = capsys.readouterr().err
@@ -151,8 +172,15 @@ def test_bad_config_inputs(tmp_path, capsys, text):
     _bad(capsys, [*base, "--set", "n_layer=two"], "expected int")
     _bad(capsys, [*base, "--set", "n_embd=30", "--set", "n_head=4"], "divisible by n_head")
     _bad(capsys, [*base, "--steps", "0"], "steps must be a positive integer")
+    for flag, name in [("--set=lr_muon=inf", "lr_muon"), ("--set=weight_decay=nan", "weight_decay"),
+                       ("--set=tau=inf", "tau"), ("--tau=-inf", "tau"), ("--lr=nan", "lr_muon"),
+                       ("--set=lr_adamw=-inf", "lr_adamw"), ("--set=min_lr_ratio=nan", "min_lr_ratio")]:
+        _bad(capsys, [*base, "--optimizer", "muon", flag], f"{name} must be a finite number")
     _bad(capsys, ["compare", *TINY, "--data", text, "--out", str(out), "--optimizers", "adamw,sgd"], "'sgd'")
     _bad(capsys, ["compare", *TINY, "--data", text, "--out", str(out), "--sweep", "1,x"], "--sweep expects")
+    _bad(capsys, ["compare", *TINY, "--data", text, "--out", str(out), "--sweep", "1,inf"], "finite numbers > 0")
+    _bad(capsys, ["compare", *TINY, "--data", text, "--out", str(out), "--set", "lr_muonclip=nan"],
+         "lr_muonclip must be a finite number")
     assert not out.exists()
 
 

@@ -200,10 +200,18 @@ def test_eval_forward_records_nothing_and_step_without_record_is_fine():
     assert opt.last_max_logits == {} and opt.clip_stats() == {}
 
 
-@pytest.mark.parametrize("tau", [0.0, -1.0, math.nan, "100"])
+@pytest.mark.parametrize("tau", [0.0, -1.0, math.nan, math.inf, -math.inf, "100"])
 def test_bad_tau(tau):
     with pytest.raises(ValueError, match="tau must be"):
         MuonClip(tiny(), tau=tau)
+
+
+@pytest.mark.parametrize("kwargs", [dict(lr=math.inf), dict(lr=math.nan), dict(weight_decay=math.inf),
+                                    dict(momentum=math.nan), dict(betas=(0.9, math.inf)), dict(adamw_eps=math.nan)])
+def test_nonfinite_hyperparameters_refused_by_muonclip(kwargs):
+    """MuonClip's Muon and AdamW settings are checked as Muon's are: the error names the one."""
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        MuonClip(tiny(), **kwargs)
 
 
 def test_qk_norm_model_is_refused():

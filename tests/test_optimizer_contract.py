@@ -2,6 +2,8 @@
 run through generic tests. Every configuration holds Muon and AdamW groups (param_groups)."""
 
 import copy
+import math
+import re
 
 import pytest
 import torch
@@ -233,11 +235,42 @@ def test_fp32_buffers_survive_resume_with_bf16_params():
         (dict(on_nonfinite="ignore"), "on_nonfinite"),
         (dict(adjust_lr_fn="sqrt"), "adjust_lr_fn"),
         (dict(split_sizes=[3, 3]), "split_sizes"),
+        # nan and +-inf: never a setting (each would reach every weight); the error names it
+        (dict(lr=math.inf), "lr"),
+        (dict(lr=math.nan), "lr"),
+        (dict(lr=torch.tensor(math.inf)), "lr"),
+        (dict(weight_decay=math.inf), "weight_decay"),
+        (dict(weight_decay=math.nan), "weight_decay"),
+        (dict(momentum=math.nan), "momentum"),
+        (dict(momentum=-math.inf), "momentum"),
+        (dict(betas=(math.nan, 0.95)), "betas"),
+        (dict(betas=(0.9, math.inf)), "betas"),
+        (dict(eps=math.inf), "eps"),
+        (dict(eps=math.nan), "eps"),
+        (dict(adamw_eps=math.inf), "adamw_eps"),
+        (dict(adamw_eps=math.nan), "adamw_eps"),
+        (dict(ns_coefficients=(3.4445, math.nan, 2.0315)), "coefficients"),
     ],
 )
 def test_bad_options_raise_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
         muonclip.Muon([torch.nn.Parameter(torch.randn(8, 4))], **kwargs)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("key", ["lr", "weight_decay", "eps"])
+def test_nonfinite_group_options_are_refused(key, bad):
+    """A group's own lr, weight decay or eps (AdamW's, in an adamw group), at construction and
+    through add_param_group: a ValueError naming it, and the group is not added. A finite 0-D
+    tensor lr is accepted (read once, when the group is added)."""
+    W, b = torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4))
+    name = "eps (adamw_eps)" if key == "eps" else key
+    with pytest.raises(ValueError, match=rf"param group's {re.escape(name)} must be a finite number"):
+        muonclip.Muon([{"params": [W]}, {"params": [b], "algorithm": "adamw", key: bad}])
+    opt = muonclip.Muon([W], lr=torch.tensor(0.01))
+    with pytest.raises(ValueError, match=rf"param group's {re.escape(name)} must be a finite number"):
+        opt.add_param_group({"params": [b], "algorithm": "adamw", key: bad})
+    assert len(opt.param_groups) == 1
 
 
 def test_vector_in_muon_group_names_parameter_and_fix():

@@ -18,6 +18,7 @@ turns non-finite is recorded as diverged and the sweep goes on.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import platform
 import sys
@@ -53,8 +54,8 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = 
     for o in optimizers:
         check_optimizer(o)
     factors = [float(f) for f in (sweep or [1.0])]
-    if any(not f > 0 for f in factors):
-        raise ValueError(f"sweep factors must be > 0, got {factors}")
+    if any(not (math.isfinite(f) and f > 0) for f in factors):
+        raise ValueError(f"sweep factors must be finite numbers > 0, got {factors}")
     check_out_dir(out_dir, resume=False)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise OutputError(f"--out {out_dir} is not empty; choose a new folder so nothing is overwritten")

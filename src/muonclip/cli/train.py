@@ -29,8 +29,8 @@ Stops:
   (the CLI exits with 130). A second Ctrl-C aborts at once; the last checkpoint stays valid.
   Under torchrun the stop flag is all-reduced each step (every rank stops after the same
   step and joins the save), and SIGTERM, which the launcher sends on Ctrl-C, stops the same way.
-* A non-finite loss (or gradient): nothing is written for that step, the last good checkpoint
-  is kept, `NonFiniteLossError` names the step (the CLI exits with 3).
+* A non-finite loss, gradient or validation loss: nothing is written for that step, the last
+  good checkpoint is kept, `NonFiniteLossError` names the step (the CLI exits with 3).
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ class OutputError(RuntimeError):
 
 
 class NonFiniteLossError(FloatingPointError):
-    """Training produced a NaN/inf loss or gradient at ``step`` (1-based); the last good checkpoint is kept."""
+    """Training produced a NaN/inf loss, gradient or validation loss at ``step`` (1-based); the last
+    good checkpoint is kept."""
 
     def __init__(self, step: int, detail: str, checkpoint: Path | None) -> None:
         self.step, self.checkpoint = step, checkpoint
@@ -263,7 +264,7 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
 
     Raises:
         DataError, OutputError, CheckpointError, ValueError: bad input; nothing written.
-        NonFiniteLossError: NaN/inf loss; last good checkpoint kept.
+        NonFiniteLossError: NaN/inf loss, gradient or validation loss; last good checkpoint kept.
         Interrupted: Ctrl-C; checkpoint of the last finished step written.
     """
     check_optimizer(optimizer)
@@ -384,7 +385,9 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
             done = step + 1
             val_loss = None
             if done % cfg.eval_every == 0 or done == cfg.steps:
-                val_loss = all_mean([evaluate(model, val)], env)[0]
+                val_loss = all_mean([evaluate(model, val)], env)[0]  # the same value on every rank
+                if not math.isfinite(val_loss):
+                    raise NonFiniteLossError(done, f"validation loss ({val_loss})", last_saved)
                 extra["last_val_loss"] = val_loss
                 bar.extra = f" | val {val_loss:.4f}"
             row = {
