@@ -162,7 +162,35 @@ def test_bad_data_inputs(tmp_path, capsys, command):
     _bad(capsys, [*base, "--data", str(tmp_path / "emptydir")], "holds no .txt/.md files")
     (tmp_path / "small.txt").write_text("Out, damned spot! out, I say!\n" * 5)
     _bad(capsys, [*base, "--data", str(tmp_path / "small.txt")], "fewer than one batch")
+    binary = tmp_path / "some.bin"  # 5,000 random bytes: not text
+    binary.write_bytes(bytes(torch.randint(0, 256, (5000,), generator=torch.Generator().manual_seed(0)).tolist()))
+    _bad(capsys, [*base, "--data", str(binary)], f"{binary} is not UTF-8 text")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["train", "compare"])
+def test_small_corpus_warns_before_training(tmp_path, capsys, monkeypatch, command):
+    """A corpus the run reads more than 10 times, with a validation split smaller than one
+    batch: two warnings on stderr before the first step (once for compare's three runs), and
+    the run goes on."""
+    data = tmp_path / "lines.txt"
+    data.write_text("Fair is foul, and foul is fair: hover through the fog and filthy air.\n" * 5)  # 350 bytes
+    seen = []
+    real = train_mod.forward_loss
+
+    def forward(model, x, y):
+        if not seen:
+            seen.append(capsys.readouterr().err)  # what was printed before the first step
+        return real(model, x, y)
+
+    monkeypatch.setattr(train_mod, "forward_loss", forward)
+    rc = main([command, *TINY, "--data", str(data), "--steps", "13", "--set", "val_fraction=0.12",  # 308 + 42 bytes
+               "--out", str(tmp_path / "out")])
+    assert rc == 0
+    before = seen[0]
+    assert before.count("muonclip: warning:") == 2
+    assert "308 training bytes about 11 times" in before and "validation split holds 42 bytes" in before
+    assert "muonclip: warning:" not in capsys.readouterr().err  # compare: not again for muon and muonclip
 
 
 def test_bad_config_inputs(tmp_path, capsys, text):

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..data import check_fits, load_corpus
+from ..data import check_fits, corpus_warnings, load_corpus
 from .config import OPTIMIZERS, RunConfig, check_optimizer
 from .report import plot, summarize, write_summary
 from .train import NonFiniteLossError, OutputError, check_out_dir, train_run
@@ -61,6 +61,8 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = 
         raise OutputError(f"--out {out_dir} is not empty; choose a new folder so nothing is overwritten")
     corpus = load_corpus(cfg.data, cfg.val_fraction)
     check_fits(corpus, cfg.batch_size, cfg.block_size)
+    for warning in corpus_warnings(corpus, steps=cfg.steps, batch_size=cfg.batch_size, block_size=cfg.block_size):
+        print(f"muonclip: warning: {warning}", file=sys.stderr)
 
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -80,7 +82,8 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = 
             run_dir = out_dir / name if sweep is None else out_dir / "sweep" / f"{name}-x{f:g}"
             label = f"{name} ({k}/{total})" if sweep is None else f"{name} lr={lr:.3g} ({k}/{total})"
             try:
-                result = train_run(run_cfg, name, run_dir, corpus=corpus, progress=progress, label=label)
+                result = train_run(run_cfg, name, run_dir, corpus=corpus, progress=progress, label=label,
+                                   warn=False)
             except NonFiniteLossError as e:
                 if sweep is None:
                     raise

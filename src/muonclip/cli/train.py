@@ -39,6 +39,7 @@ import json
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..data import Corpus, check_fits, load_corpus, train_batch, val_batches
+from ..data import Corpus, check_fits, corpus_warnings, load_corpus, train_batch, val_batches
 from ..integrations.stats import UpdateRMS
 from ..optim import NonFiniteGradError, param_groups
 from .checkpoint import check_compatible, rng_state, save_checkpoint, set_rng_state
@@ -246,7 +247,7 @@ def _hidden_matrices(model: nn.Module) -> list[Tensor]:
 
 def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bool = False,
               corpus: Corpus | None = None, progress: bool = True, label: str | None = None,
-              tensorboard: str | Path | None = None, fsdp: bool = False) -> RunResult:
+              tensorboard: str | Path | None = None, fsdp: bool = False, warn: bool = True) -> RunResult:
     """Train one run; see the module docstring. Every input is checked before anything is written.
 
     Args:
@@ -261,6 +262,9 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
             None; needs the ``tensorboard`` extra; see `muonclip.integrations.tensorboard`).
         fsdp: shard the model with FSDP2 (default False: DDP when a process group of several
             ranks is initialised, see `muonclip.cli.distributed.session`; else one process).
+        warn: print `muonclip.data.corpus_warnings` (a run that reads its training text more
+            than 10 times, a validation split smaller than one batch) to stderr before training
+            (default True; `muonclip.cli.compare.compare` prints them once for all its runs).
 
     Raises:
         DataError, OutputError, CheckpointError, ValueError: bad input; nothing written.
@@ -276,6 +280,9 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
     if corpus is None:
         corpus = load_corpus(cfg.data, cfg.val_fraction)
     check_fits(corpus, cfg.batch_size, cfg.block_size)
+    if warn and env.is_main:
+        for warning in corpus_warnings(corpus, steps=cfg.steps, batch_size=cfg.batch_size, block_size=cfg.block_size):
+            print(f"muonclip: warning: {warning}", file=sys.stderr)
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // env.world_size))
 
     model = build_model(cfg)
