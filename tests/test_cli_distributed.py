@@ -159,6 +159,12 @@ def test_bad_input_under_torchrun_exits_on_every_rank_without_hanging(tmp_path, 
     assert proc.returncode != 0
     assert proc.stderr.count("batch_size (7) is the global batch") == 1  # rank 0 reports, rank 1 stays quiet
     assert not out.exists()
+    # a step no machine can hold (10^7 tokens a sequence): every rank stops before any work,
+    # after agreeing on it (one all-reduce, so a rank with more memory does not go on alone)
+    proc = torchrun(["train", *EXACT, "--data", text, "--set", "block_size=10000000", "--out", str(out)], timeout=60)
+    assert proc.returncode != 0
+    assert proc.stderr.count("one training step needs about") == 1 and "Lower batch_size" in proc.stderr
+    assert not out.exists()
 
 
 def test_each_rank_takes_its_block_of_the_global_batch():

@@ -30,6 +30,7 @@ import torch
 
 from ..data import check_fits, corpus_warnings, load_corpus
 from .config import OPTIMIZERS, RunConfig, check_optimizer
+from .memory import check_memory
 from .report import plot, summarize, write_summary
 from .train import NonFiniteLossError, OutputError, check_out_dir, train_run
 
@@ -46,7 +47,8 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = 
         progress: progress bars on stderr (default True).
 
     Raises:
-        DataError, OutputError, ValueError: bad input; nothing written.
+        DataError, OutputError, ValueError: bad input (also: one step would not fit in memory,
+            `muonclip.cli.memory`); nothing written.
         NonFiniteLossError, Interrupted: from a run (see `muonclip.cli.train`).
     """
     out_dir = Path(out_dir)
@@ -56,6 +58,8 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = 
     factors = [float(f) for f in (sweep or [1.0])]
     if any(not (math.isfinite(f) and f > 0) for f in factors):
         raise ValueError(f"sweep factors must be finite numbers > 0, got {factors}")
+    for o in optimizers:
+        check_memory(cfg, o, torch.device("cpu"))
     check_out_dir(out_dir, resume=False)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise OutputError(f"--out {out_dir} is not empty; choose a new folder so nothing is overwritten")

@@ -71,6 +71,7 @@ from .distributed import (
     save_sharded,
     wrap_model,
 )
+from .memory import check_memory
 from .metrics import MetricsWriter
 from .progress import Progress
 
@@ -241,6 +242,21 @@ def _install_sigterm(flag: dict[str, bool]) -> Any:
     return signal.signal(signal.SIGTERM, handler)
 
 
+def _check_memory(cfg: RunConfig, optimizer: str, env: DistEnv) -> None:
+    """`muonclip.cli.memory.check_memory` on every rank; under torchrun all ranks stop together
+    (one all-reduce) when one of them has too little memory, rank 0 with the message."""
+    try:
+        check_memory(cfg, optimizer, env.device, world_size=env.world_size, fsdp=env.fsdp,
+                     ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env.device.type == "cpu" else 1)
+        short: ValueError | None = None
+    except ValueError as e:
+        short = e
+    if env.active and all_max([float(short is not None)], env)[0] > 0:
+        raise short or ValueError("another rank has too little memory for one training step; see rank 0's message")
+    if short is not None:
+        raise short
+
+
 def _hidden_matrices(model: nn.Module) -> list[Tensor]:
     return [p for g in param_groups(model) if g["algorithm"] == "muon" for p in g["params"]]
 
@@ -267,7 +283,8 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
             (default True; `muonclip.cli.compare.compare` prints them once for all its runs).
 
     Raises:
-        DataError, OutputError, CheckpointError, ValueError: bad input; nothing written.
+        DataError, OutputError, CheckpointError, ValueError: bad input (also: one step would not fit
+            in memory, `muonclip.cli.memory`); nothing written.
         NonFiniteLossError: NaN/inf loss, gradient or validation loss; last good checkpoint kept.
         Interrupted: Ctrl-C; checkpoint of the last finished step written.
     """
@@ -276,6 +293,7 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
     cfg.validate()
     env = current_env(fsdp)
     check_batch(cfg.batch_size, env)
+    _check_memory(cfg, optimizer, env)
     check_out_dir(run_dir, resume=resume)
     if corpus is None:
         corpus = load_corpus(cfg.data, cfg.val_fraction)
