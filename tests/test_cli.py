@@ -71,6 +71,9 @@ def test_compare_end_to_end_writes_a_real_report(tmp_path, text, capsys):
 
 
 def test_train_interrupt_then_resume_matches_straight_run(tmp_path, text, monkeypatch, capsys):
+    """Bit for bit on any machine, for the reasons of test_checkpoint.test_resume_is_bit_identical: exact
+    copies in the checkpoint, the same ops on the same values with the same kernels and --threads 1
+    after it."""
     args = ["train", *TINY, "--data", text, "--optimizer", "muonclip", "--steps", "6", "--tau", "0.05"]
     assert main([*args, "--out", str(tmp_path / "straight")]) == 0
 

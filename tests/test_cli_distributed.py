@@ -168,6 +168,7 @@ def test_bad_input_under_torchrun_exits_on_every_rank_without_hanging(tmp_path, 
 
 
 def test_each_rank_takes_its_block_of_the_global_batch():
+    """Exact: pure indexing."""
     from muonclip.cli.distributed import DistEnv, check_batch, rank_rows
 
     x = torch.arange(8 * 3).reshape(8, 3)
@@ -179,6 +180,7 @@ def test_each_rank_takes_its_block_of_the_global_batch():
 
 
 def test_interrupted_sharded_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """Exact: the checkpoint that is kept holds copies of the tensors' bytes."""
     import muonclip.distributed.checkpoint as dcp_ckpt
     from muonclip.cli.checkpoint import rng_state
     from muonclip.cli.config import make_config

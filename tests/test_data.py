@@ -65,6 +65,7 @@ def test_split_rule_is_each_documents_tail(tmp_path):
 
 
 def test_builtin_split_is_fixed_and_about_five_percent():
+    """Exact: the split is byte indexing of the same files."""
     c1, c2 = load_corpus(), load_corpus()
     assert torch.equal(c1.train, c2.train) and torch.equal(c1.val, c2.val)
     frac = c1.val.numel() / (c1.val.numel() + c1.train.numel())
@@ -72,6 +73,8 @@ def test_builtin_split_is_fixed_and_about_five_percent():
 
 
 def test_batches_are_a_function_of_seed_and_step(tmp_path):
+    """Exact on any machine: torch.Generator's CPU generator (mt19937) is the same algorithm everywhere,
+    and windows are slices of the stream."""
     (tmp_path / "t.txt").write_text("".join(chr(97 + i % 26) for i in range(5000)))
     c = load_corpus(tmp_path / "t.txt")
     x1, y1 = train_batch(c, 7, batch_size=4, block_size=16, seed=3)
@@ -90,6 +93,7 @@ def test_batches_are_a_function_of_seed_and_step(tmp_path):
 
 
 def test_val_batches_fixed_and_cover_the_stream(tmp_path):
+    """Exact: windows are slices of the stream at fixed offsets (linspace's end points are exact)."""
     (tmp_path / "t.txt").write_text("x" * 4000 + "".join(chr(97 + i % 26) for i in range(1000)))
     c = load_corpus(tmp_path / "t.txt", val_fraction=0.2)
     vb = val_batches(c, n_batches=3, batch_size=2, block_size=8)

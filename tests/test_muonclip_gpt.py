@@ -79,6 +79,10 @@ def state_tensors(opt):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_lr0_clip_invariant(name):
+    """Exact on any machine: with lr = 0 a step is W * (1 - 0) - 0 * O = W (IEEE), so every weight the clip
+    does not scale keeps its bits, and the optimizer state equals a plain step's (the same ops on
+    deep copies); unclipped heads are multiplied by exactly 1. tau is one head's own recorded max
+    (the median), and 'clipped' is decided on the very values the clip used."""
     model = tiny(**CONFIGS[name])
     opt = MuonClip(model, lr=0.02, tau=1e9, weight_decay=0.1)
     _, loss = model(batch(seed=0), batch(seed=0))
@@ -225,6 +229,7 @@ def test_model_without_attention_layers_asks_for_layers():
 
 
 def test_user_named_layers_case_c_and_shape_check():
+    """Head 0's rows are multiplied by exactly 1: unchanged bit for bit."""
     model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 6, bias=False))
     with pytest.raises(ValueError, match="'mine': k_weight has 6 rows"):
         MuonClip(model, layers=[AttentionLayer("mine", MHALayout(model[0].weight, model[1].weight, 2, 4),
@@ -303,7 +308,11 @@ def test_nonfinite_step_skips_the_clip_too_and_resets_the_recorders(policy, monk
     max logits are far above tau; in "mask" mode nothing is read on the host (the clip is
     gated on the device). The next finite step updates and clips exactly as
     on_nonfinite="raise" does (in "mask" mode: the Muon matrices, q/k included; AdamW's
-    bias-correction step number advances on a masked step, as documented)."""
+    bias-correction step number advances on a masked step, as documented).
+
+    Exact on any machine: a skipped step writes nothing, a masked one multiplies by exactly 1 and
+    adds exactly 0; the later finite step's gated coefficients round as the plain scalars do
+    (test_ortho_fast.test_step_gate_rounds_like_the_plain_scalars)."""
     from test_ortho_fast import _HostReads
 
     model, ref = tiny(), tiny()
