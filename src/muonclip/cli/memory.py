@@ -3,28 +3,33 @@
 `step_memory` estimates the peak memory of one ``muonclip train`` step of the reference GPT
 from the config alone (the model is built on the ``meta`` device: nothing is allocated):
 
-* parameters (float32), their gradients, and the optimizer state: AdamW's two moments;
-  Muon's momentum on the hidden matrices (and AdamW's moments on the rest), its
-  Newton–Schulz buffers (the update RMS meter's copy of the hidden matrices, and four
-  buffers of the largest matrix) — counted as one more copy of the parameters;
+* parameters (float32) and their gradients; the optimizer state (AdamW's two moments; Muon's
+  momentum on the hidden matrices, AdamW's moments on the rest, and four Newton–Schulz
+  buffers of the largest matrix); the update RMS meter's copy of the hidden matrices;
 * activations kept for the backward pass, per token and layer, counted tensor by tensor
-  (`activation_floats`): 15 ``n_embd`` + 2 key/value widths + one float per head for MHA/GQA
-  with PyTorch's fused attention (RMSNorm inputs and outputs, q/k after RoPE, v, the
-  attention output and its contiguous copy, the MLP's two ``4 n_embd`` tensors); MLA's own
-  widths; plus the final norm, the logits, their log-softmax and their gradients, and one
+  (`activation_widths`): for MHA/GQA with PyTorch's fused attention, 15 ``n_embd`` + 2
+  key/value widths + one float per head (RMSNorm inputs and outputs, q and k after RoPE, v,
+  the attention output and its contiguous copy, the MLP's two ``4 n_embd`` tensors); MLA's
+  own widths; plus the final norm, the logits, their log-softmax and both gradients, and one
   layer's gradients in flight during the backward pass;
 * attention scores: MLA's query/key and value head widths differ, so PyTorch's CPU attention
-  takes its unfused path, which materialises the ``batch x heads x T x T`` float32 scores: one
-  saved softmax per layer and three such tensors in flight. The fused kernels (MHA/GQA) and
+  takes its unfused path, which materialises ``batch x heads x T x T`` float32 scores: the
+  saved softmax of every layer and two gradients in flight. The fused kernels (MHA/GQA) and
   the chunked max-logit recording keep them in blocks of a few MiB;
-* allocator slack: the live tensors times `ALLOCATOR_FACTOR` (2: glibc keeps freed blocks in
-  its heap; the peak RSS of a step measured 2.0–2.2 times the live tensors with 4k–16k
-  tokens), plus `LIBRARY_BYTES` for the kernels' code and workspaces a first step touches
-  (about 190 MiB measured, 1–2 threads).
+* allocator slack: activation tensors smaller than `MMAP_BYTES` count `ALLOCATOR_FACTOR`
+  times (2: glibc keeps freed blocks in its heap; the peak RSS of a step measured 2.0–2.2
+  times the live tensors with 4k–8k tokens when no block is returned to the system), larger
+  ones once (glibc maps them and returns them when freed); plus `LIBRARY_BYTES` for the
+  kernels' code and workspaces a first step touches (175–195 MiB measured, 1–2 threads).
 
-The estimate is tested against the peak RSS of real steps (``tests/test_memory.py``): it lies
-between 1 and 1.6 times the measured peak. Under torchrun each rank holds its share of the
-batch (and of the parameters and state with FSDP2; DDP adds a gradient bucket copy).
+Against the peak RSS that real steps add to a process (2-core AMD EPYC, one thread, configs
+from 128 to 32k tokens a step, MHA and MLA, AdamW and MuonClip), the estimate measured 0.8 to
+1.4 times it; the peak itself varies by 10–15% from run to run. ``tests/test_memory.py``
+holds it within 0.9–1.75 times the measured peak on two such configs (1.1–1.4 measured).
+Under torchrun each rank holds its share of the batch (and of the parameters and state with
+FSDP2; DDP adds a gradient bucket copy). On CUDA the same count is made: the caching
+allocator's slack is smaller, and CUDA's memory-efficient attention would not materialise
+MLA's scores, so there it is an over-estimate (not measured: no GPU yet).
 
 `check_memory` compares the estimate with the memory available (CPU: ``MemAvailable`` and any
 cgroup limit, shared by the ranks of the machine; CUDA: the device's free memory) and raises a
@@ -41,7 +46,7 @@ import torch
 
 from .config import RunConfig
 
-ALLOCATOR_FACTOR = 2.0  # peak RSS over live bytes of activations below MMAP_BYTES (glibc's heap; measured 2.0-2.2)
+ALLOCATOR_FACTOR = 2.0  # peak RSS over the live bytes of heap-allocated activations (measured 2.0-2.2)
 MMAP_BYTES = 32 * 2**20  # glibc's largest mmap threshold: larger blocks go back to the system when freed
 LIBRARY_BYTES = 224 * 2**20  # code and workspaces of the kernels a first step touches (175-195 MiB measured)
 FLOAT = 4  # bytes of a float32
