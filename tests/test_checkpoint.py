@@ -63,6 +63,7 @@ def _trained(cfg, name="muon"):
 
 
 def test_roundtrip(tmp_path):
+    """Exact: a checkpoint holds copies of the tensors' bytes."""
     cfg = tiny()
     model, opt = _trained(cfg)
     save_checkpoint(tmp_path / "c.pt", _payload(model, opt, 1))
@@ -138,6 +139,11 @@ def _interrupt_at(monkeypatch, at_step):
 @pytest.mark.parametrize("optimizer", ["adamw", "muon", "muonclip"])
 def test_resume_is_bit_identical(tmp_path, corpus, monkeypatch, optimizer):
     # muonclip with a low tau, so that the clip really fires in these few steps
+    """Bit for bit on any machine: the checkpoint holds exact copies of weights, optimizer state and RNG;
+    batches depend only on (seed, step); the resumed steps run the same ops on the same values with
+    the same kernels and thread count (threads=1) as the uninterrupted ones, and the CPU chunk
+    choice of Newton-Schulz only ever takes a chunking that equals the whole batch bit for bit
+    (muonclip.ortho.chunks)."""
     cfg = tiny(tau=0.05) if optimizer == "muonclip" else tiny()
     straight = train_run(cfg, optimizer, tmp_path / "straight", corpus=corpus, progress=False)
 

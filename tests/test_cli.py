@@ -71,6 +71,9 @@ def test_compare_end_to_end_writes_a_real_report(tmp_path, text, capsys):
 
 
 def test_train_interrupt_then_resume_matches_straight_run(tmp_path, text, monkeypatch, capsys):
+    """Bit for bit on any machine, for the reasons of test_checkpoint.test_resume_is_bit_identical: exact
+    copies in the checkpoint, the same ops on the same values with the same kernels and --threads 1
+    after it."""
     args = ["train", *TINY, "--data", text, "--optimizer", "muonclip", "--steps", "6", "--tau", "0.05"]
     assert main([*args, "--out", str(tmp_path / "straight")]) == 0
 
@@ -122,6 +125,27 @@ def test_nonfinite_loss_stops_names_the_step_and_keeps_the_checkpoint(tmp_path, 
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "config.json", "metrics.csv", "metrics.jsonl"]
 
 
+def test_nonfinite_validation_loss_stops_like_a_training_loss(tmp_path, text, monkeypatch, capsys):
+    """A NaN validation loss (finite training losses) ends the run with exit 3 at that step:
+    no metrics row and no checkpoint for it, the last good checkpoint kept."""
+    real = train_mod.evaluate
+    calls = {"n": 0}
+
+    def evaluate(model, batches):
+        calls["n"] += 1
+        return float("nan") if calls["n"] == 2 else real(model, batches)
+
+    monkeypatch.setattr(train_mod, "evaluate", evaluate)
+    out = tmp_path / "run"
+    rc = main(["train", *TINY, "--data", text, "--optimizer", "muonclip", "--steps", "8", "--set", "eval_every=3",
+               "--set", "checkpoint_every=3", "--out", str(out)])
+    assert rc == 3
+    err = capsys.readouterr().err
+    assert "non-finite validation loss (nan) at step 6" in err and "checkpoint.pt" in err
+    assert load_checkpoint(out / "checkpoint.pt")["step"] == 3
+    assert [r["step"] for r in read_rows(out)] == [1, 2, 3, 4, 5]
+
+
 def _bad(capsys, argv, match, code=2):
     rc = main(argv)
     err = capsys.readouterr().err
@@ -141,7 +165,35 @@ def test_bad_data_inputs(tmp_path, capsys, command):
     _bad(capsys, [*base, "--data", str(tmp_path / "emptydir")], "holds no .txt/.md files")
     (tmp_path / "small.txt").write_text("Out, damned spot! out, I say!\n" * 5)
     _bad(capsys, [*base, "--data", str(tmp_path / "small.txt")], "fewer than one batch")
+    binary = tmp_path / "some.bin"  # 5,000 random bytes: not text
+    binary.write_bytes(bytes(torch.randint(0, 256, (5000,), generator=torch.Generator().manual_seed(0)).tolist()))
+    _bad(capsys, [*base, "--data", str(binary)], f"{binary} is not UTF-8 text")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["train", "compare"])
+def test_small_corpus_warns_before_training(tmp_path, capsys, monkeypatch, command):
+    """A corpus the run reads more than 10 times, with a validation split smaller than one
+    batch: two warnings on stderr before the first step (once for compare's three runs), and
+    the run goes on."""
+    data = tmp_path / "lines.txt"
+    data.write_text("Fair is foul, and foul is fair: hover through the fog and filthy air.\n" * 5)  # 350 bytes
+    seen = []
+    real = train_mod.forward_loss
+
+    def forward(model, x, y):
+        if not seen:
+            seen.append(capsys.readouterr().err)  # what was printed before the first step
+        return real(model, x, y)
+
+    monkeypatch.setattr(train_mod, "forward_loss", forward)
+    rc = main([command, *TINY, "--data", str(data), "--steps", "13", "--set", "val_fraction=0.12",  # 308 + 42 bytes
+               "--out", str(tmp_path / "out")])
+    assert rc == 0
+    before = seen[0]
+    assert before.count("muonclip: warning:") == 2
+    assert "308 training bytes about 11 times" in before and "validation split holds 42 bytes" in before
+    assert "muonclip: warning:" not in capsys.readouterr().err  # compare: not again for muon and muonclip
 
 
 def test_bad_config_inputs(tmp_path, capsys, text):
@@ -151,8 +203,15 @@ def test_bad_config_inputs(tmp_path, capsys, text):
     _bad(capsys, [*base, "--set", "n_layer=two"], "expected int")
     _bad(capsys, [*base, "--set", "n_embd=30", "--set", "n_head=4"], "divisible by n_head")
     _bad(capsys, [*base, "--steps", "0"], "steps must be a positive integer")
+    for flag, name in [("--set=lr_muon=inf", "lr_muon"), ("--set=weight_decay=nan", "weight_decay"),
+                       ("--set=tau=inf", "tau"), ("--tau=-inf", "tau"), ("--lr=nan", "lr_muon"),
+                       ("--set=lr_adamw=-inf", "lr_adamw"), ("--set=min_lr_ratio=nan", "min_lr_ratio")]:
+        _bad(capsys, [*base, "--optimizer", "muon", flag], f"{name} must be a finite number")
     _bad(capsys, ["compare", *TINY, "--data", text, "--out", str(out), "--optimizers", "adamw,sgd"], "'sgd'")
     _bad(capsys, ["compare", *TINY, "--data", text, "--out", str(out), "--sweep", "1,x"], "--sweep expects")
+    _bad(capsys, ["compare", *TINY, "--data", text, "--out", str(out), "--sweep", "1,inf"], "finite numbers > 0")
+    _bad(capsys, ["compare", *TINY, "--data", text, "--out", str(out), "--set", "lr_muonclip=nan"],
+         "lr_muonclip must be a finite number")
     assert not out.exists()
 
 

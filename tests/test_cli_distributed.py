@@ -159,9 +159,16 @@ def test_bad_input_under_torchrun_exits_on_every_rank_without_hanging(tmp_path, 
     assert proc.returncode != 0
     assert proc.stderr.count("batch_size (7) is the global batch") == 1  # rank 0 reports, rank 1 stays quiet
     assert not out.exists()
+    # a step no machine can hold (10^7 tokens a sequence): every rank stops before any work,
+    # after agreeing on it (one all-reduce, so a rank with more memory does not go on alone)
+    proc = torchrun(["train", *EXACT, "--data", text, "--set", "block_size=10000000", "--out", str(out)], timeout=60)
+    assert proc.returncode != 0
+    assert proc.stderr.count("one training step needs about") == 1 and "Lower batch_size" in proc.stderr
+    assert not out.exists()
 
 
 def test_each_rank_takes_its_block_of_the_global_batch():
+    """Exact: pure indexing."""
     from muonclip.cli.distributed import DistEnv, check_batch, rank_rows
 
     x = torch.arange(8 * 3).reshape(8, 3)
@@ -173,6 +180,7 @@ def test_each_rank_takes_its_block_of_the_global_batch():
 
 
 def test_interrupted_sharded_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """Exact: the checkpoint that is kept holds copies of the tensors' bytes."""
     import muonclip.distributed.checkpoint as dcp_ckpt
     from muonclip.cli.checkpoint import rng_state
     from muonclip.cli.config import make_config

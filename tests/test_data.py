@@ -6,9 +6,12 @@ import pytest
 import torch
 
 from muonclip.data import (
+    CONTROL_SHARE,
+    MAX_EPOCHS,
     DataError,
     builtin_corpus_dir,
     check_fits,
+    corpus_warnings,
     decode,
     encode,
     list_documents,
@@ -62,6 +65,7 @@ def test_split_rule_is_each_documents_tail(tmp_path):
 
 
 def test_builtin_split_is_fixed_and_about_five_percent():
+    """Exact: the split is byte indexing of the same files."""
     c1, c2 = load_corpus(), load_corpus()
     assert torch.equal(c1.train, c2.train) and torch.equal(c1.val, c2.val)
     frac = c1.val.numel() / (c1.val.numel() + c1.train.numel())
@@ -69,6 +73,8 @@ def test_builtin_split_is_fixed_and_about_five_percent():
 
 
 def test_batches_are_a_function_of_seed_and_step(tmp_path):
+    """Exact on any machine: torch.Generator's CPU generator (mt19937) is the same algorithm everywhere,
+    and windows are slices of the stream."""
     (tmp_path / "t.txt").write_text("".join(chr(97 + i % 26) for i in range(5000)))
     c = load_corpus(tmp_path / "t.txt")
     x1, y1 = train_batch(c, 7, batch_size=4, block_size=16, seed=3)
@@ -87,6 +93,7 @@ def test_batches_are_a_function_of_seed_and_step(tmp_path):
 
 
 def test_val_batches_fixed_and_cover_the_stream(tmp_path):
+    """Exact: windows are slices of the stream at fixed offsets (linspace's end points are exact)."""
     (tmp_path / "t.txt").write_text("x" * 4000 + "".join(chr(97 + i % 26) for i in range(1000)))
     c = load_corpus(tmp_path / "t.txt", val_fraction=0.2)
     vb = val_batches(c, n_batches=3, batch_size=2, block_size=8)
@@ -116,3 +123,51 @@ def test_corpus_smaller_than_one_batch(tmp_path):
     with pytest.raises(DataError, match="fewer than one batch"):
         check_fits(c, batch_size=8, block_size=64)
     check_fits(c, batch_size=2, block_size=8)  # small enough: no error
+
+
+def test_files_that_are_not_text_are_refused(tmp_path):
+    """Not UTF-8 (random bytes, Latin-1) or more than a tenth control characters (UTF-16 text,
+    a NUL every other byte; control bytes): a DataError naming the file. Whitespace controls,
+    a few escape sequences and exactly a tenth of control characters are still text."""
+    g = torch.Generator().manual_seed(0)
+    cases = {
+        "random.bin": (bytes(torch.randint(0, 256, (5000,), generator=g).tolist()), "is not UTF-8 text"),
+        "latin1.txt": ("Ça, c'est déjà l'été.\n".encode("latin-1") * 20, "byte 0xc7 at offset 0"),
+        "utf16.txt": ("Is this a dagger which I see before me?\n".encode("utf-16-le") * 20, "is not text: 50%"),
+        "controls.txt": (bytes(torch.randint(0, 32, (400,), generator=g).tolist()) + b"words " * 100, "is not text"),
+    }
+    for name, (data, match) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(DataError, match=match) as e:
+            load_corpus(tmp_path / name)
+        assert str(tmp_path / name) in str(e.value)
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "a.txt").write_text("The raven himself is hoarse.\n" * 20)
+    (folder / "b.txt").write_bytes(cases["utf16.txt"][0])
+    with pytest.raises(DataError, match="b.txt is not text"):  # the one bad file of a folder is named
+        load_corpus(folder)
+    share = CONTROL_SHARE
+    text = "\t\x1b[1mBold\x1b[0m words\r\n\f" * 50  # whitespace and 2 ESC in 26 characters
+    ok = "x" * int(100 * (1 - share)) + "\x00" * int(100 * share)  # exactly the limit
+    for i, body in enumerate((text, ok)):
+        (tmp_path / f"fine{i}.txt").write_text(body)
+        assert load_corpus(tmp_path / f"fine{i}.txt").train.numel() > 0
+    (tmp_path / "over.txt").write_text(ok + "\x00")
+    with pytest.raises(DataError, match="is not text"):
+        load_corpus(tmp_path / "over.txt")
+
+
+def test_corpus_warnings_name_what_is_doubtful(tmp_path):
+    """More than MAX_EPOCHS passes over the training bytes, or a validation split smaller than
+    one batch: a warning each (not an error); neither for a corpus large enough."""
+    (tmp_path / "t.txt").write_text("".join(chr(97 + i % 26) for i in range(10_000)))
+    c = load_corpus(tmp_path / "t.txt", val_fraction=0.1)  # 9,000 training bytes, 1,000 validation
+    assert c.train.numel() == 9000 and c.val.numel() == 1000
+    at_limit = MAX_EPOCHS * 9000 // (4 * 16)
+    assert corpus_warnings(c, steps=at_limit, batch_size=4, block_size=16) == []
+    (over,) = corpus_warnings(c, steps=at_limit + 1, batch_size=4, block_size=16)
+    assert "about 10 times" in over and "9,000 training bytes" in over
+    (val,) = corpus_warnings(c, steps=1, batch_size=8, block_size=125)  # 8 x 125 + 1 = 1,001 > 1,000
+    assert "validation split holds 1,000 bytes" in val and "val_fraction" in val
+    assert corpus_warnings(c, steps=1, batch_size=8, block_size=124) == []

@@ -73,21 +73,30 @@ def test_transposed_weight_steps_exactly_as_its_transpose(update_scale, split_si
     """A weight stored (in, out) with transposed=True (transformers' Conv1D; stacked (E, in, out)
     for experts declared is_transposed) gets, bit for bit, the transpose of what the (out, in)
     weight gets: same scale (asymmetric "shape" included), same row blocks of the (out, in)
-    matrix, same batch (the same kernels on the same values: only the memory layout differs)."""
+    matrix, the same matrices handed to Newton–Schulz. Each weight has its own optimizer, so each
+    block is orthogonalised in a batch of its own: the same kernels on the same values, hence the
+    same bits on any machine (in one shared batch a BLAS need not round two equal matrices
+    alike). In one optimizer they share a batch."""
     shape = (24, 10) if experts is None else (experts, 24, 10)
     (w,) = make_params([shape])  # (out, in)
     plain = torch.nn.Parameter(w.detach().clone())
     stored = torch.nn.Parameter(w.detach().mT.contiguous())  # (in, out)
-    opt = muonclip.Muon([{"params": [plain]}, {"params": [stored], "transposed": True}], lr=0.05,
-                        weight_decay=0.1, update_scale=update_scale, split_sizes=split_sizes)
+    kw = dict(lr=0.05, weight_decay=0.1, update_scale=update_scale, split_sizes=split_sizes)
+    opt_plain, opt_stored = muonclip.Muon([plain], **kw), muonclip.Muon([stored], transposed=True, **kw)
     g = torch.Generator().manual_seed(3)
     for _ in range(3):
         grad = torch.randn(shape, generator=g)
         plain.grad, stored.grad = grad.clone(), grad.mT.contiguous()
-        opt.step()
-        assert opt.last_step_stats.matrices == 2 * (experts or 1) * (1 if split_sizes is None else 3)
+        opt_plain.step()
+        opt_stored.step()
+        assert opt_stored.last_step_stats.matrices == opt_plain.last_step_stats.matrices
         assert torch.equal(stored.detach(), plain.detach().mT)
-        assert torch.equal(opt.state[stored]["momentum_buffer"], opt.state[plain]["momentum_buffer"].mT)
+        assert torch.equal(opt_stored.state[stored]["momentum_buffer"], opt_plain.state[plain]["momentum_buffer"].mT)
+    shared = muonclip.Muon([{"params": [plain]}, {"params": [stored], "transposed": True}], **kw)
+    plain.grad, stored.grad = grad.clone(), grad.mT.contiguous()
+    shared.step()
+    assert shared.last_step_stats.matrices == 2 * (experts or 1) * (1 if split_sizes is None else 3)
+    assert len(shared._workspace["structure"][1].buckets) == (1 if split_sizes is None else 3)  # one batch a block
     # the (out, in) path itself is checked against the slow reference in CASES; the weights moved
     assert not torch.equal(plain.detach(), w.detach())
 

@@ -78,6 +78,10 @@ def state_tensors(opt):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_lr0_clip_invariant(name):
+    """Exact on any machine: with lr = 0 a step is W * (1 - 0) - 0 * O = W (IEEE), so every weight the clip
+    does not scale keeps its bits, and the optimizer state equals a plain step's (the same ops on
+    deep copies); unclipped heads are multiplied by exactly 1. tau is one head's own recorded max
+    (the median), and 'clipped' is decided on the very values the clip used."""
     model = tiny(**CONFIGS[name])
     opt = MuonClip(model, lr=0.02, tau=1e9, weight_decay=0.1)
     _, loss = model(batch(seed=0), batch(seed=0))
@@ -135,7 +139,7 @@ def test_normal_step_clipped_logits_are_gamma_times_unclipped(name, monkeypatch)
     model_a = tiny(**CONFIGS[name])
     model_b = copy.deepcopy(model_a)
     opt_a = MuonClip(model_a, lr=0.02, tau=1e9, weight_decay=0.0)
-    opt_b = MuonClip(model_b, lr=0.02, tau=math.inf, weight_decay=0.0)  # never clips: plain Muon
+    opt_b = MuonClip(model_b, lr=0.02, tau=1e30, weight_decay=0.0)  # never clips: plain Muon (tau is finite)
     for m in (model_a, model_b):  # identical weights and batch: identical grads
         _, loss = m(batch(), batch())
         loss.backward()
@@ -201,10 +205,18 @@ def test_eval_forward_records_nothing_and_step_without_record_warns():
     assert opt.last_max_logits == {} and opt.clip_stats() == {}
 
 
-@pytest.mark.parametrize("tau", [0.0, -1.0, math.nan, "100"])
+@pytest.mark.parametrize("tau", [0.0, -1.0, math.nan, math.inf, -math.inf, "100"])
 def test_bad_tau(tau):
     with pytest.raises(ValueError, match="tau must be"):
         MuonClip(tiny(), tau=tau)
+
+
+@pytest.mark.parametrize("kwargs", [dict(lr=math.inf), dict(lr=math.nan), dict(weight_decay=math.inf),
+                                    dict(momentum=math.nan), dict(betas=(0.9, math.inf)), dict(adamw_eps=math.nan)])
+def test_nonfinite_hyperparameters_refused_by_muonclip(kwargs):
+    """MuonClip's Muon and AdamW settings are checked as Muon's are: the error names the one."""
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        MuonClip(tiny(), **kwargs)
 
 
 def test_qk_norm_model_is_refused():
@@ -218,6 +230,7 @@ def test_model_without_attention_layers_asks_for_layers():
 
 
 def test_user_named_layers_case_c_and_shape_check():
+    """Head 0's rows are multiplied by exactly 1: unchanged bit for bit."""
     model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 6, bias=False))
     with pytest.raises(ValueError, match="'mine': k_weight has 6 rows"):
         MuonClip(model, layers=[AttentionLayer("mine", MHALayout(model[0].weight, model[1].weight, 2, 4),
@@ -268,7 +281,7 @@ def _train(tau, steps=30, lr=0.05):
 def test_short_training_run_plain_muon_passes_tau_muonclip_holds_it():
     """High lr (0.05), no weight decay, tau = 4, one repeated batch (the model memorises it).
 
-    Measured (2-core CPU): plain Muon (tau = inf) passes tau at step 15 and keeps growing, to
+    Measured (2-core CPU): plain Muon (tau = 1e30) passes tau at step 15 and keeps growing, to
     13.2 (~3.3 tau) at step 30. With MuonClip the recorded max stays between 4.1 and 5.4
     (mean 4.8) after the first clip, all 8 heads clipped every step. It cannot stay exactly at
     tau: step t's maxima are recorded before step t's update, so a clipped head sits at tau
@@ -276,7 +289,7 @@ def test_short_training_run_plain_muon_passes_tau_muonclip_holds_it():
     real-scale updates make it negligible). The exact invariant (clipped max == tau on the
     weights the maxima were recorded with) is tested with lr=0 above."""
     tau = 4.0
-    plain = [m for m, _ in _train(math.inf)]
+    plain = [m for m, _ in _train(1e30)]  # never clips
     clipped = _train(tau)
     assert max(plain) > 3 * tau
     first = next(i for i, (_, n) in enumerate(clipped) if n > 0)
@@ -297,6 +310,10 @@ def test_nonfinite_step_skips_the_clip_too_and_resets_the_recorders(policy, monk
     gated on the device). The next finite step updates and clips exactly as
     on_nonfinite="raise" does (in "mask" mode: the Muon matrices, q/k included; AdamW's
     bias-correction step number advances on a masked step, as documented).
+
+    Exact on any machine: a skipped step writes nothing, a masked one multiplies by exactly 1 and
+    adds exactly 0; the later finite step's gated coefficients round as the plain scalars do
+    (test_ortho_fast.test_step_gate_rounds_like_the_plain_scalars).
 
     The runtime check of the clip is off here: on the CPU it reads its evidence where it lies,
     in host memory, which this proxy for device syncs cannot tell from a device read; on CUDA

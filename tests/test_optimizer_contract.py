@@ -2,6 +2,8 @@
 run through generic tests. Every configuration holds Muon and AdamW groups (param_groups)."""
 
 import copy
+import math
+import re
 
 import pytest
 import torch
@@ -46,6 +48,9 @@ def assert_same(a, b):
 
 @configs
 def test_state_dict_round_trip_continues_bit_identically(cfg):
+    """Bit for bit on any machine: the state dict holds exact copies, and the continued steps run the same
+    ops on the same values with the same kernels (the CPU chunk choice only takes chunkings equal to
+    the whole batch)."""
     model, opt = build(cfg)
     train(model, opt, 3)
     saved_model = copy.deepcopy(model.state_dict())
@@ -62,6 +67,7 @@ def test_state_dict_round_trip_continues_bit_identically(cfg):
 
 @configs
 def test_parameter_without_grad_is_untouched(cfg):
+    """Exact: a parameter without a gradient is never written."""
     model, opt = build(cfg)
     before = params_of(model)
     mixed_loss(model, 0).backward()
@@ -77,6 +83,8 @@ def test_parameter_without_grad_is_untouched(cfg):
 
 @configs
 def test_zero_gradients_without_weight_decay_change_nothing(cfg):
+    """Exact on any machine: orthogonalize(0) is 0 (0 / eps, and products of zeros), AdamW's 0 / (0 + eps)
+    is 0, and W - lr * 0 = W (IEEE)."""
     model, opt = build(cfg, weight_decay=0.0)
     for g in opt.param_groups:
         g["weight_decay"] = 0.0
@@ -94,6 +102,7 @@ def test_zero_gradients_without_weight_decay_change_nothing(cfg):
 
 @configs
 def test_lr_zero_changes_nothing(cfg):
+    """Exact on any machine: W * (1 - 0 * wd) - 0 * update = W (IEEE)."""
     model, opt = build(cfg, lr=0.0)
     for g in opt.param_groups:
         g["lr"] = 0.0
@@ -104,7 +113,10 @@ def test_lr_zero_changes_nothing(cfg):
 
 @configs
 def test_weight_decay_is_decoupled_and_acts(cfg):
-    """With zero gradients, one step multiplies every decayed weight by exactly (1 - lr wd)."""
+    """With zero gradients, one step multiplies every decayed weight by exactly (1 - lr wd).
+
+    Exact on any machine: both sides make one multiplication by the same float scalar (IEEE rounds
+    it alike), and the zero gradients give an update of exactly 0."""
     model, opt = build(cfg)
     for g in opt.param_groups:
         g["lr"] = 0.5
@@ -122,7 +134,11 @@ def test_weight_decay_is_decoupled_and_acts(cfg):
 
 @configs
 def test_per_group_options_are_honoured(cfg):
-    """A model whose groups have lr a and b equals two optimizers with lr a and b."""
+    """A model whose groups have lr a and b equals two optimizers with lr a and b.
+
+    Bit for bit on any machine: no two Muon groups of this model hold matrices of the same shape, so
+    one optimizer and two form the same Newton-Schulz batches, and the same kernels run on the same
+    values."""
     model, opt = build(cfg)
     opt.param_groups[0]["lr"] = 0.03
     ref_model, ref_opt = build(cfg)
@@ -143,6 +159,8 @@ def test_per_group_options_are_honoured(cfg):
 
 @configs
 def test_deepcopy_is_independent(cfg):
+    """Bit for bit on any machine: the loaded state is an exact copy and both run the same ops on the same
+    values."""
     model, opt = build(cfg)
     train(model, opt, 1)
     model2 = copy.deepcopy(model)
@@ -159,6 +177,7 @@ def test_deepcopy_is_independent(cfg):
 
 @configs
 def test_lr_scheduler_drives_the_update(cfg):
+    """Exact: with lr 0 the step leaves W as it is (IEEE)."""
     model, opt = build(cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 if step == 0 else 0.0)
     train(model, opt, 1)
@@ -171,6 +190,7 @@ def test_lr_scheduler_drives_the_update(cfg):
 
 @configs
 def test_nonfinite_gradient_never_reaches_weights_or_state(cfg):
+    """Exact: the gradients are checked before anything is written."""
     model, opt = build(cfg)
     train(model, opt, 1)
     before = params_of(model)
@@ -196,6 +216,7 @@ def test_nonfinite_gradient_never_reaches_weights_or_state(cfg):
 
 
 def test_fp32_buffers_survive_resume_with_bf16_params():
+    """Exact: the loaded buffers are copies of the saved bytes."""
     torch.manual_seed(0)
     model = Mixed().to(torch.bfloat16)
     opt = muonclip.Muon(muonclip.param_groups(model), lr=0.01)
@@ -233,11 +254,42 @@ def test_fp32_buffers_survive_resume_with_bf16_params():
         (dict(on_nonfinite="ignore"), "on_nonfinite"),
         (dict(adjust_lr_fn="sqrt"), "adjust_lr_fn"),
         (dict(split_sizes=[3, 3]), "split_sizes"),
+        # nan and +-inf: never a setting (each would reach every weight); the error names it
+        (dict(lr=math.inf), "lr"),
+        (dict(lr=math.nan), "lr"),
+        (dict(lr=torch.tensor(math.inf)), "lr"),
+        (dict(weight_decay=math.inf), "weight_decay"),
+        (dict(weight_decay=math.nan), "weight_decay"),
+        (dict(momentum=math.nan), "momentum"),
+        (dict(momentum=-math.inf), "momentum"),
+        (dict(betas=(math.nan, 0.95)), "betas"),
+        (dict(betas=(0.9, math.inf)), "betas"),
+        (dict(eps=math.inf), "eps"),
+        (dict(eps=math.nan), "eps"),
+        (dict(adamw_eps=math.inf), "adamw_eps"),
+        (dict(adamw_eps=math.nan), "adamw_eps"),
+        (dict(ns_coefficients=(3.4445, math.nan, 2.0315)), "coefficients"),
     ],
 )
 def test_bad_options_raise_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
         muonclip.Muon([torch.nn.Parameter(torch.randn(8, 4))], **kwargs)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("key", ["lr", "weight_decay", "eps"])
+def test_nonfinite_group_options_are_refused(key, bad):
+    """A group's own lr, weight decay or eps (AdamW's, in an adamw group), at construction and
+    through add_param_group: a ValueError naming it, and the group is not added. A finite 0-D
+    tensor lr is accepted (read once, when the group is added)."""
+    W, b = torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4))
+    name = "eps (adamw_eps)" if key == "eps" else key
+    with pytest.raises(ValueError, match=rf"param group's {re.escape(name)} must be a finite number"):
+        muonclip.Muon([{"params": [W]}, {"params": [b], "algorithm": "adamw", key: bad}])
+    opt = muonclip.Muon([W], lr=torch.tensor(0.01))
+    with pytest.raises(ValueError, match=rf"param group's {re.escape(name)} must be a finite number"):
+        opt.add_param_group({"params": [b], "algorithm": "adamw", key: bad})
+    assert len(opt.param_groups) == 1
 
 
 def test_vector_in_muon_group_names_parameter_and_fix():

@@ -149,6 +149,7 @@ def test_gram_bf16_no_worse_than_ns5_bf16(shape, lo):
 
 @pytest.mark.parametrize("method", ["gram", "ns5_sym"])
 def test_zero_and_rank_one_stay_finite(method):
+    """The zero matrix gives exact zeros on any machine: 0 / eps and every product of zeros are 0."""
     Z = torch.zeros(2, 16, 48)
     assert torch.equal(orthogonalize(Z, method), Z)
     r1 = torch.randn(16, 1, generator=torch.Generator().manual_seed(0)) @ torch.ones(1, 48)
@@ -164,7 +165,10 @@ def test_zero_and_rank_one_stay_finite(method):
 @pytest.mark.parametrize("chunk", [None, 1])
 def test_result_buffer_holds_the_same_result(monkeypatch, method, shape, chunk):
     """``buffer=``: the result is a view of the caller's buffer with the very same values
-    (bit for bit), in one call and in CPU chunks, wide and tall; the input is untouched."""
+    (bit for bit), in one call and in CPU chunks, wide and tall; the input is untouched.
+
+    Bit for bit on any machine: both calls make the same products on the same values, chunked alike;
+    only where the result is written differs."""
     monkeypatch.setattr(chunks, "CPU_CHUNK", chunk)
     V = conditioned(shape).to(torch.bfloat16)
     V0 = V.clone()
@@ -181,7 +185,10 @@ def test_result_buffer_holds_the_same_result(monkeypatch, method, shape, chunk):
 @pytest.mark.parametrize("chunk", [None, 3])
 def test_scratch_keeps_temporaries_and_changes_nothing(monkeypatch, method, shape, chunk):
     """``scratch=``: the same result bit for bit; its buffers hold the temporaries and are
-    reused (not reallocated) by the next call of the same shape; a smaller call reuses them."""
+    reused (not reallocated) by the next call of the same shape; a smaller call reuses them.
+
+    Bit for bit on any machine: the same products on the same values; only where the temporaries
+    live differs."""
     monkeypatch.setattr(chunks, "CPU_CHUNK", chunk)
     monkeypatch.setattr(scratch_buffers, "KEEP_BYTES", 0)  # keep even these small temporaries
     V = conditioned(shape).to(torch.bfloat16)
@@ -202,7 +209,10 @@ def test_scratch_keeps_temporaries_and_changes_nothing(monkeypatch, method, shap
 def test_quintic_ping_pong_equals_the_plain_loop(monkeypatch, steps, shape, given):
     """The quintic's steps alternate between the input and the result (odd and even step
     counts, wide, tall and square, with and without ``out``/``scratch``): bit for bit the plain
-    loop of fresh ``baddbmm`` results, and the result lands in ``out``."""
+    loop of fresh ``baddbmm`` results, and the result lands in ``out``.
+
+    Bit for bit on any machine: gram and small_side are these very bmm/baddbmm calls, on the same
+    operands in the same layouts; the iteration only writes them into other storage."""
     monkeypatch.setattr(scratch_buffers, "KEEP_BYTES", 0)
     torch.manual_seed(steps)
     X0 = torch.randn(shape)
@@ -228,7 +238,10 @@ def test_quintic_ping_pong_equals_the_plain_loop(monkeypatch, steps, shape, give
 def test_overwrite_changes_only_the_input(monkeypatch, method, chunk):
     """``overwrite=True``: the same result bit for bit, with V's storage used as a working
     buffer; without it a bf16 V is left as it was, and so is a float32 V (its bf16 copy is the
-    one normalised in place)."""
+    one normalised in place).
+
+    Bit for bit on any machine: the same products on the same values (the float32 V's bf16 copy is
+    the bf16 V); only the storage differs."""
     monkeypatch.setattr(chunks, "CPU_CHUNK", chunk)
     V32 = conditioned((7, 24, 72)).float()
     V = V32.to(torch.bfloat16)
@@ -243,7 +256,10 @@ def test_overwrite_changes_only_the_input(monkeypatch, method, chunk):
 
 def test_overwrite_survives_the_timed_chunk_choice(monkeypatch):
     """The chunk choice runs the batch several times: with ``overwrite=True`` those runs still
-    leave V intact (only the final run normalises it in place), so the result is unchanged."""
+    leave V intact (only the final run normalises it in place), so the result is unchanged.
+
+    Bit for bit by construction: the chunk choice only takes chunkings whose result equals the whole
+    batch's bit for bit."""
     V = conditioned((6, 24, 72)).to(torch.bfloat16)
     monkeypatch.setattr(chunks, "CPU_CHUNK", 6)
     want = orthogonalize(V, "ns5")
@@ -258,7 +274,10 @@ def test_overwrite_survives_the_timed_chunk_choice(monkeypatch):
 @pytest.mark.parametrize("method", ["ns5", "gram", "polar_express", "ns5_sym"])
 def test_orthogonalize_stays_differentiable(method):
     """A V that requires grad (outside no_grad): no out= or in-place step, so backward works,
-    and the result is the no-grad result bit for bit."""
+    and the result is the no-grad result bit for bit.
+
+    Bit for bit on any machine: the differentiable path makes the same products on the same values,
+    into new tensors instead of out= buffers."""
     V = conditioned((2, 16, 40)).float().requires_grad_()
     O = orthogonalize(V, method)
     O.square().sum().backward()
@@ -285,6 +304,7 @@ def test_kept_buffers(monkeypatch):
 
 
 def test_result_buffer_ignored_or_refused():
+    """An ignored buffer leaves the very same computation: equal bit for bit."""
     V = conditioned((24, 40)).float()
     buffer = torch.zeros(V.numel(), dtype=torch.float32)
     # svd cannot write there, and a float32 result from a bf16 computation is a cast: ignored
@@ -301,7 +321,10 @@ def test_muon_reuses_its_cpu_buffers_across_steps_and_buckets(monkeypatch):
     """One process on CPU: every bucket's input and result come from the same two buffers, and
     Newton–Schulz's temporaries from buffers of their own, step after step (no multi-MB
     allocation per step); they are scratch, not state: a deepcopy starts without them, and
-    results equal a step without them."""
+    results equal a step without them.
+
+    Bit for bit on any machine: both optimizers form the same batches and make the same products on
+    the same values; only the storage differs."""
     monkeypatch.setattr(scratch_buffers, "KEEP_BYTES", 0)  # small matrices: keep them all the same
     torch.manual_seed(0)
     shapes = [(32, 32)] * 3 + [(64, 32), (32, 64), (48, 32)]
@@ -335,7 +358,10 @@ def test_step_structure_is_cached_and_rebuilt_when_an_option_changes():
     """The plan, buckets and update scales are built once and reused while shapes and options
     stay; lr, weight decay and momentum are read every step; changing a structural option
     (method, update_scale, split_sizes) rebuilds them. Every step equals, bit for bit, an
-    optimizer that rebuilds everything each step."""
+    optimizer that rebuilds everything each step.
+
+    Bit for bit on any machine: a cached structure describes the same batches and scales, so the
+    same ops run on the same values."""
     torch.manual_seed(0)
     shapes = [(32, 32), (32, 32), (64, 32), (48, 32)]
     params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
@@ -382,7 +408,11 @@ def test_batched_equals_looped(method):
 @pytest.mark.parametrize("method", ["ns5", "gram", "ns5_sym", "polar_express"])
 @pytest.mark.parametrize("shape", [(7, 24, 72), (7, 72, 24), (7, 24, 24)])
 def test_cpu_chunks_equal_one_call(monkeypatch, method, shape):
-    """CPU batches run in chunks written into one result: same values as one call."""
+    """CPU batches run in chunks written into one result: same values as one call.
+
+    Forced chunks agree to float32 round-off only (a batched product over 1 or 3 matrices need not
+    round as one over 7 does); the timed choice is bit-identical by construction (a chunking is
+    eligible only if its result equals the whole batch's)."""
     V = conditioned(shape).float()
     monkeypatch.setattr(chunks, "CPU_CHUNK", 7)  # the whole batch
     whole = orthogonalize(V, method, dtype=torch.float32)
@@ -545,6 +575,8 @@ def _set(params, grads):
 
 @pytest.mark.parametrize("bad_step", [0, 2])
 def test_mask_leaves_weights_and_state_untouched(bad_step):
+    """Exact on any machine: a masked step multiplies by exactly 1 and adds exactly 0 (the gradients are
+    zeroed), IEEE."""
     params = _model()
     opt = _opt(params, "mask")
     for step in range(4):
@@ -568,7 +600,11 @@ def test_mask_leaves_weights_and_state_untouched(bad_step):
 
 
 def test_mask_matches_skip_on_muon_parameters():
-    """Masking a step gives bit-identical Muon weights to skipping it on the host."""
+    """Masking a step gives bit-identical Muon weights to skipping it on the host.
+
+    Bit for bit: the masked step is an exact no-op, and on finite steps the gated coefficients round
+    as the plain scalars do (test_step_gate_rounds_like_the_plain_scalars), with the same batches
+    and kernels in both."""
     a, b = _model(), _model()
     oa, ob = _opt(a, "mask"), _opt(b, "skip")
     for step in range(4):
@@ -620,6 +656,7 @@ def test_mask_mode_step_reads_nothing_on_the_host(monkeypatch, method):
 
 
 def test_masked_step_guard_alone():
+    """Exact: zeroing and restoring are copies."""
     p = torch.nn.Parameter(torch.ones(3))
     p.grad = torch.tensor([1.0, float("inf"), 2.0])
     state = {"buf": torch.full((3,), 5.0), "step": 3}
@@ -675,7 +712,10 @@ def test_mask_mode_copies_nothing_and_equals_the_default_on_finite_steps(monkeyp
     """Mask mode gates every update on the device instead of copying: the guard keeps no
     copies, a masked step leaves every weight and state tensor bit-identical, and on finite
     steps every parameter (Muon and AdamW branches, float32) is bit-identical to the default
-    mode's."""
+    mode's.
+
+    Why bit for bit: test_step_gate_rounds_like_the_plain_scalars; the two optimizers form the same
+    batches and run the same kernels."""
     guards = []
 
     class Spy(MaskedStep):
@@ -706,7 +746,13 @@ def test_mask_mode_copies_nothing_and_equals_the_default_on_finite_steps(monkeyp
 
 def test_step_gate_rounds_like_the_plain_scalars():
     """StepGate's 0-D coefficients give bit-identical results to Python scalars when the flag is
-    clear (addcmul vs add with alpha, mul by a 0-D tensor vs a float), and exact no-ops when set."""
+    clear (addcmul vs add with alpha, mul by a 0-D tensor vs a float), and exact no-ops when set.
+
+    Why on any CPU: ATen computes add(alpha=) and addcmul with the same rounding in each of its CPU
+    kernel builds, one fused multiply-add in the AVX2 and AVX512 ones and a multiply then an add in
+    the DEFAULT one (checked under ATEN_CPU_CAPABILITY=default, avx2 and avx512), and a 0-D float32
+    tensor multiplies as the float32 scalar does; x * 1 = x and x + 0 * y = x in IEEE. (On a GPU
+    this is not checked: the CUDA test only asks for no sync.)"""
     g = torch.Generator().manual_seed(0)
     G, M, W = (torch.randn(64, 48, generator=g) for _ in range(3))
     O = torch.randn(64, 48, generator=g).bfloat16()
@@ -730,7 +776,9 @@ def test_mask_mode_with_bf16_weights():
     """bf16 weights (AdamW's per-parameter path): a masked step leaves every weight and state
     tensor bit-identical; finite steps agree with the default mode exactly on the AdamW
     parameter and up to the last bit of a bf16 Muon weight (the gated add may round the other
-    way: relative 2^-6 covers a step across a power of two)."""
+    way: relative 2^-6 covers a step across a power of two).
+
+    Why the exact parts hold on any CPU: test_step_gate_rounds_like_the_plain_scalars."""
     params = [torch.nn.Parameter(p.detach().bfloat16()) for p in _model()]
     twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
     opt, ref = _opt(params, "mask"), _opt(twin, "raise")

@@ -40,6 +40,8 @@ GAMMA = torch.tensor([1.0, 0.25, 1.0, 0.6])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("kind", ["mha", "gqa", "mqa"])
 def test_mha_gqa_per_head_clip_scales_logits_by_gamma(kind, bias):
+    """Unclipped heads and shared keys keep their bits on any machine: their factor is exactly 1 (or they
+    are not written)."""
     n_kv = {"mha": 4, "gqa": 2, "mqa": 1}[kind]
     wq, wk = _rand(4 * HD, D_IN, seed=1), _rand(n_kv * HD, D_IN, seed=2)
     bq, bk = (_rand(4 * HD, seed=3), _rand(n_kv * HD, seed=4)) if bias else (None, None)
@@ -66,6 +68,7 @@ def test_mha_gqa_per_head_clip_scales_logits_by_gamma(kind, bias):
 
 
 def test_gqa_balanced_keeps_logit_invariant_and_group_policy_overclips():
+    """Group 1's rows keep their bits: their factor is exactly 1."""
     x = _rand(5, D_IN, seed=5)
     gamma = torch.tensor([1.0, 0.25, 1.0, 1.0])  # group 0 = heads (0, 1) has a clipped head; group 1 has none
     wq0, wk0 = _rand(4 * HD, D_IN, seed=1), _rand(2 * HD, D_IN, seed=2)
@@ -82,6 +85,7 @@ def test_gqa_balanced_keeps_logit_invariant_and_group_policy_overclips():
 
 
 def test_mla_clip_scales_both_logit_terms_and_leaves_v_and_shared_rope_key():
+    """V rows and head 1 keep their bits: V is never scaled and head 1's factor is exactly 1."""
     H, nope, rope, dv, rank = 3, 4, 2, 5, 6
     qw, kvw = _rand(H * (nope + rope), D_IN, seed=1), _rand(H * (nope + dv), rank, seed=2)
     qb, kvb = _rand(H * (nope + rope), seed=3), _rand(H * (nope + dv), seed=4)
@@ -110,6 +114,7 @@ def test_mla_clip_scales_both_logit_terms_and_leaves_v_and_shared_rope_key():
 
 
 def test_unclipped_rows_bit_identical_in_bf16():
+    """Exact in bf16 too: x * 1 = x in IEEE, whatever the dtype."""
     wq, wk = _rand(4 * HD, D_IN).bfloat16(), _rand(4 * HD, D_IN, seed=1).bfloat16()
     oq = wq.clone()
     MHALayout(wq, wk, 4, HD).clip(torch.tensor([1.0, 0.5, 1.0, 1.0]))
@@ -159,6 +164,7 @@ def test_attention_layer_check_names_the_layer():
 
 
 def test_apply_qk_clip_consumes_maxima_and_skips_unrecorded_layers():
+    """Unclipped rows keep their bits: their factor is exactly 1."""
     wq, wk = _rand(16, D_IN), _rand(16, D_IN)
     oq, ok = wq.clone(), wk.clone()
     rec_a, rec_b = MaxLogitRecorder(4), MaxLogitRecorder(4)

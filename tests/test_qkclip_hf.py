@@ -295,6 +295,10 @@ def _muonclip_and_plain_muon_step(kind: str, lr: float, gqa_policy: str = "per_h
 
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_muonclip_lr0_clips_exactly_to_tau(kind):
+    """Exact parts, on any machine: with lr 0 the plain step leaves every weight as it is (IEEE); rows the
+    clip may not touch are multiplied by exactly 1 or not written; the state is the same ops on the
+    same values. tau lies more than 5e-4 from every head's max (_tau_between_heads), so the clipped
+    heads do not depend on round-off."""
     model, opt, plain, plain_opt, tau, before, saved, w0 = _muonclip_and_plain_muon_step(kind, lr=0.0)
     for n, p in plain.named_parameters():
         assert torch.equal(p, w0[n]), f"lr=0 Muon step changed {n}"
@@ -324,7 +328,11 @@ def test_muonclip_lr0_clips_exactly_to_tau(kind):
 
 @pytest.mark.parametrize("kind", ["llama-mha", "qwen2-gqa-bias", "dsv3-mla-qlora", *FUSED])
 def test_muonclip_normal_step_scales_clipped_heads_by_gamma(kind):
-    """lr > 0: each head's logits are gamma_h times those of plain Muon's updated weights."""
+    """lr > 0: each head's logits are gamma_h times those of plain Muon's updated weights.
+
+    What the clip may not touch equals plain Muon's bit for bit on any machine: both ran the same
+    step on copies with identical gradients, and the clip multiplies those rows by exactly 1 or
+    leaves them."""
     model, opt, plain, _, tau, before, saved, _ = _muonclip_and_plain_muon_step(kind, lr=0.02)
     clipped_ml, plain_ml = replay_max(model, saved), replay_max(plain, saved)
     layers = {ly.name: ly for ly in opt.layers}
@@ -358,7 +366,9 @@ def test_other_gqa_policies(policy):
 
 @pytest.mark.parametrize("kind", FUSED)
 def test_attach_fused_projections_as_row_ranges(kind):
-    """Phi-3's qkv_proj rows [q | k | v] and GPT-2's Conv1D c_attn columns [q | k | v] become Rows."""
+    """Phi-3's qkv_proj rows [q | k | v] and GPT-2's Conv1D c_attn columns [q | k | v] become Rows.
+
+    scale_rows_ against the same single multiplication: equal bit for bit (IEEE rounds it alike)."""
     model = build(kind)
     layers = attach(model)
     assert len(layers) == 2 and all(type(ly.layout) is MODELS[kind][1] for ly in layers)

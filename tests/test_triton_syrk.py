@@ -38,7 +38,11 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("shape", [(2, 40, 72), (1, 130, 30), (3, 64, 64), (1, 200, 9)])
 def test_syrk_is_a_at_in_every_tile(interpreter, dtype, shape):
     """A A^T from upper-triangle tiles only: right in every tile (m = 130, 200: 3-4 tiles of 64
-    with a partial last one), and exactly symmetric (each mirror holds the same rounding)."""
+    with a partial last one), and exactly symmetric on any hardware: the kernel stores each
+    off-diagonal tile and its transpose from one register tile, and copies each diagonal tile's
+    upper triangle into its lower one, so the assertion does not rest on the dot's summation
+    order (which, under the interpreter, is numpy's BLAS kernel: OpenBLAS's Haswell and Zen
+    kernels do not give a bit-symmetric ``a @ a.T``)."""
     torch.manual_seed(0)
     A = torch.randn(shape).to(dtype)
     C = syrk(A)
@@ -69,7 +73,9 @@ def test_syrk_reads_strided_input(interpreter, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_syrk_epilogue_is_the_quintic_polynomial(interpreter, dtype):
     """``alpha S S + beta S`` (the quintic's b S + c S S) in one kernel, also written over S's
-    own storage: against float64, and the in-place result equals the out-of-place one."""
+    own storage: against float64, exactly symmetric (by construction, as above), and the
+    in-place result equals the out-of-place one (the same kernel on the same inputs: each
+    program reads its tile of ``add`` before it writes the same tile)."""
     torch.manual_seed(2)
     X = torch.randn(2, 100, 160)
     S = (X @ X.mT / 160).to(dtype)
@@ -80,6 +86,22 @@ def test_syrk_epilogue_is_the_quintic_polynomial(interpreter, dtype):
     assert torch.equal(P, P.mT)
     into = S.clone()
     assert torch.equal(syrk(S, alpha=c, beta=b, add=into, out=into), P)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_syrk_mirrors_the_upper_triangle_of_the_epilogue(interpreter, dtype):
+    """The lower triangle is the mirror of the upper one, diagonal tiles included: with an
+    ``add`` whose triangles differ, the result is ``alpha A A^T + beta add`` with add's upper
+    triangle reflected, exactly symmetric. (A kernel that wrote a diagonal tile's own lower
+    triangle would fail here on any hardware, whatever its dot's summation order.)"""
+    torch.manual_seed(5)
+    A = torch.randn(2, 130, 24).to(dtype)
+    D = torch.randn(2, 130, 130).to(dtype)
+    C = syrk(A, alpha=0.5, beta=2.0, add=D)
+    upper = D.double().triu()
+    want = 0.5 * (A.double() @ A.double().mT) + 2.0 * (upper + upper.mT - upper.diagonal(dim1=-2, dim2=-1).diag_embed())
+    assert torch.equal(C, C.mT)
+    assert _rel(C, want) < 2 * RTOL[dtype]
 
 
 def test_ns5_sym_through_the_kernel_equals_ns5(interpreter):
@@ -181,3 +203,28 @@ def test_flops_count_the_tiles_computed():
     m, n = 4096, 14336
     f = 528 / 1024
     assert symmetric_flops(m, n, 5, kernel=True) == int(5 * (f * 2 * m * m * n + f * 2 * m**3 + 2 * m * m * n))
+
+
+@pytest.mark.parametrize(("dtype", "m"), [(torch.bfloat16, 130), (torch.float32, 4096)])
+def test_kernel_compiles_for_cuda_gpus(monkeypatch, tmp_path, dtype, m):
+    """The kernel is valid Triton for a GPU, not only for the interpreter: Triton compiles it,
+    with the epilogue and the diagonal tiles' mirror, down to a cubin for an A100 (sm_80) and an
+    H100 (sm_90), at the tile sizes `launch_config` picks (64-wide bf16 tiles, 128-wide float32 ones). No GPU is needed to compile (Triton
+    ships its own ptxas); running it is `test_syrk_matches_cublas_on_cuda`'s job."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    block, block_k, warps, stages = triton_syrk.launch_config(m, dtype)
+    ptr = {torch.float32: "*fp32", torch.bfloat16: "*bf16"}[dtype]
+    signature = {"a_ptr": ptr, "d_ptr": ptr, "c_ptr": ptr, "M": "i32", "K": "i32",
+                 **{name: "i32" for name in "s_ab s_am s_ak s_db s_dm s_dn s_cb s_cm s_cn".split()},
+                 "alpha": "fp32", "beta": "fp32", **dict.fromkeys(("HAS_D", "WIDEN", "PRECISION", "BLOCK", "BLOCK_K"),
+                                                                  "constexpr")}
+    source = ASTSource(fn=triton_syrk._kernel(False), signature=signature,
+                       constexprs={"HAS_D": True, "WIDEN": False, "PRECISION": "ieee", "BLOCK": block, "BLOCK_K": block_k})
+    for capability in (80, 90):
+        compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                                  options={"num_warps": warps, "num_stages": stages})
+        assert compiled.asm["cubin"] and f".target sm_{capability}" in compiled.asm["ptx"]

@@ -18,6 +18,7 @@ turns non-finite is recorded as diverged and the sweep goes on.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import platform
 import sys
@@ -27,8 +28,9 @@ from typing import Any
 
 import torch
 
-from ..data import check_fits, load_corpus
+from ..data import check_fits, corpus_warnings, load_corpus
 from .config import OPTIMIZERS, RunConfig, check_optimizer
+from .memory import check_memory
 from .report import plot, summarize, write_summary
 from .train import NonFiniteLossError, OutputError, check_out_dir, train_run
 
@@ -45,7 +47,8 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = 
         progress: progress bars on stderr (default True).
 
     Raises:
-        DataError, OutputError, ValueError: bad input; nothing written.
+        DataError, OutputError, ValueError: bad input (also: one step would not fit in memory,
+            `muonclip.cli.memory`); nothing written.
         NonFiniteLossError, Interrupted: from a run (see `muonclip.cli.train`).
     """
     out_dir = Path(out_dir)
@@ -53,13 +56,17 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = 
     for o in optimizers:
         check_optimizer(o)
     factors = [float(f) for f in (sweep or [1.0])]
-    if any(not f > 0 for f in factors):
-        raise ValueError(f"sweep factors must be > 0, got {factors}")
+    if any(not (math.isfinite(f) and f > 0) for f in factors):
+        raise ValueError(f"sweep factors must be finite numbers > 0, got {factors}")
+    for o in optimizers:
+        check_memory(cfg, o, torch.device("cpu"))
     check_out_dir(out_dir, resume=False)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise OutputError(f"--out {out_dir} is not empty; choose a new folder so nothing is overwritten")
     corpus = load_corpus(cfg.data, cfg.val_fraction)
     check_fits(corpus, cfg.batch_size, cfg.block_size)
+    for warning in corpus_warnings(corpus, steps=cfg.steps, batch_size=cfg.batch_size, block_size=cfg.block_size):
+        print(f"muonclip: warning: {warning}", file=sys.stderr)
 
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -79,7 +86,8 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = 
             run_dir = out_dir / name if sweep is None else out_dir / "sweep" / f"{name}-x{f:g}"
             label = f"{name} ({k}/{total})" if sweep is None else f"{name} lr={lr:.3g} ({k}/{total})"
             try:
-                result = train_run(run_cfg, name, run_dir, corpus=corpus, progress=progress, label=label)
+                result = train_run(run_cfg, name, run_dir, corpus=corpus, progress=progress, label=label,
+                                   warn=False)
             except NonFiniteLossError as e:
                 if sweep is None:
                     raise

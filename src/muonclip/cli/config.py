@@ -20,6 +20,7 @@ the three by trying multiples of them.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,13 +102,18 @@ class RunConfig:
         return float(getattr(self, f"lr_{optimizer}"))
 
     def validate(self) -> RunConfig:
-        """Raise ValueError naming the field and the fix if any value is out of range; return self."""
+        """Raise ValueError naming the field and the fix if any value is out of range (nan and
+        +-inf are out of every range); return self."""
         positive = ("block_size", "n_layer", "n_head", "n_embd", "batch_size", "steps", "eval_every",
                     "eval_batches", "checkpoint_every")
         for name in positive:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for f in dataclasses.fields(self):  # nan and inf are never a setting: they end as NaN weights
+            v = getattr(self, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ValueError(f"{f.name} must be a finite number, got {v!r}")
         for name in ("lr_adamw", "lr_muon", "lr_muonclip", "tau"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")

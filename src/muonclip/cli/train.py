@@ -29,8 +29,8 @@ Stops:
   (the CLI exits with 130). A second Ctrl-C aborts at once; the last checkpoint stays valid.
   Under torchrun the stop flag is all-reduced each step (every rank stops after the same
   step and joins the save), and SIGTERM, which the launcher sends on Ctrl-C, stops the same way.
-* A non-finite loss (or gradient): nothing is written for that step, the last good checkpoint
-  is kept, `NonFiniteLossError` names the step (the CLI exits with 3).
+* A non-finite loss, gradient or validation loss: nothing is written for that step, the last
+  good checkpoint is kept, `NonFiniteLossError` names the step (the CLI exits with 3).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import json
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..data import Corpus, check_fits, load_corpus, train_batch, val_batches
+from ..data import Corpus, check_fits, corpus_warnings, load_corpus, train_batch, val_batches
 from ..integrations.stats import UpdateRMS
 from ..optim import NonFiniteGradError, param_groups
 from .checkpoint import check_compatible, rng_state, save_checkpoint, set_rng_state
@@ -70,6 +71,7 @@ from .distributed import (
     save_sharded,
     wrap_model,
 )
+from .memory import check_memory
 from .metrics import MetricsWriter
 from .progress import Progress
 
@@ -82,7 +84,8 @@ class OutputError(RuntimeError):
 
 
 class NonFiniteLossError(FloatingPointError):
-    """Training produced a NaN/inf loss or gradient at ``step`` (1-based); the last good checkpoint is kept."""
+    """Training produced a NaN/inf loss, gradient or validation loss at ``step`` (1-based); the last
+    good checkpoint is kept."""
 
     def __init__(self, step: int, detail: str, checkpoint: Path | None) -> None:
         self.step, self.checkpoint = step, checkpoint
@@ -239,13 +242,28 @@ def _install_sigterm(flag: dict[str, bool]) -> Any:
     return signal.signal(signal.SIGTERM, handler)
 
 
+def _check_memory(cfg: RunConfig, optimizer: str, env: DistEnv) -> None:
+    """`muonclip.cli.memory.check_memory` on every rank; under torchrun all ranks stop together
+    (one all-reduce) when one of them has too little memory, rank 0 with the message."""
+    try:
+        check_memory(cfg, optimizer, env.device, world_size=env.world_size, fsdp=env.fsdp,
+                     ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env.device.type == "cpu" else 1)
+        short: ValueError | None = None
+    except ValueError as e:
+        short = e
+    if env.active and all_max([float(short is not None)], env)[0] > 0:
+        raise short or ValueError("another rank has too little memory for one training step; see rank 0's message")
+    if short is not None:
+        raise short
+
+
 def _hidden_matrices(model: nn.Module) -> list[Tensor]:
     return [p for g in param_groups(model) if g["algorithm"] == "muon" for p in g["params"]]
 
 
 def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bool = False,
               corpus: Corpus | None = None, progress: bool = True, label: str | None = None,
-              tensorboard: str | Path | None = None, fsdp: bool = False) -> RunResult:
+              tensorboard: str | Path | None = None, fsdp: bool = False, warn: bool = True) -> RunResult:
     """Train one run; see the module docstring. Every input is checked before anything is written.
 
     Args:
@@ -260,10 +278,14 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
             None; needs the ``tensorboard`` extra; see `muonclip.integrations.tensorboard`).
         fsdp: shard the model with FSDP2 (default False: DDP when a process group of several
             ranks is initialised, see `muonclip.cli.distributed.session`; else one process).
+        warn: print `muonclip.data.corpus_warnings` (a run that reads its training text more
+            than 10 times, a validation split smaller than one batch) to stderr before training
+            (default True; `muonclip.cli.compare.compare` prints them once for all its runs).
 
     Raises:
-        DataError, OutputError, CheckpointError, ValueError: bad input; nothing written.
-        NonFiniteLossError: NaN/inf loss; last good checkpoint kept.
+        DataError, OutputError, CheckpointError, ValueError: bad input (also: one step would not fit
+            in memory, `muonclip.cli.memory`); nothing written.
+        NonFiniteLossError: NaN/inf loss, gradient or validation loss; last good checkpoint kept.
         Interrupted: Ctrl-C; checkpoint of the last finished step written.
     """
     check_optimizer(optimizer)
@@ -271,10 +293,14 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
     cfg.validate()
     env = current_env(fsdp)
     check_batch(cfg.batch_size, env)
+    _check_memory(cfg, optimizer, env)
     check_out_dir(run_dir, resume=resume)
     if corpus is None:
         corpus = load_corpus(cfg.data, cfg.val_fraction)
     check_fits(corpus, cfg.batch_size, cfg.block_size)
+    if warn and env.is_main:
+        for warning in corpus_warnings(corpus, steps=cfg.steps, batch_size=cfg.batch_size, block_size=cfg.block_size):
+            print(f"muonclip: warning: {warning}", file=sys.stderr)
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // env.world_size))
 
     model = build_model(cfg)
@@ -384,7 +410,9 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
             done = step + 1
             val_loss = None
             if done % cfg.eval_every == 0 or done == cfg.steps:
-                val_loss = all_mean([evaluate(model, val)], env)[0]
+                val_loss = all_mean([evaluate(model, val)], env)[0]  # the same value on every rank
+                if not math.isfinite(val_loss):
+                    raise NonFiniteLossError(done, f"validation loss ({val_loss})", last_saved)
                 extra["last_val_loss"] = val_loss
                 bar.extra = f" | val {val_loss:.4f}"
             row = {

@@ -1,8 +1,9 @@
 """Text data for the command-line tool: the built-in Shakespeare corpus (or the user's text),
 a byte-level tokenizer, a fixed train/validation split, and deterministic batches."""
 
-from .batches import check_fits, step_seed, train_batch, val_batches
+from .batches import MAX_EPOCHS, check_fits, corpus_warnings, step_seed, train_batch, val_batches
 from .corpus import (
+    CONTROL_SHARE,
     VOCAB_SIZE,
     Corpus,
     DataError,
@@ -16,11 +17,14 @@ from .corpus import (
 )
 
 __all__ = [
+    "CONTROL_SHARE",
+    "MAX_EPOCHS",
     "VOCAB_SIZE",
     "Corpus",
     "DataError",
     "builtin_corpus_dir",
     "check_fits",
+    "corpus_warnings",
     "decode",
     "encode",
     "list_documents",

@@ -44,6 +44,39 @@ def check_fits(corpus: Corpus, batch_size: int, block_size: int) -> None:
         )
 
 
+MAX_EPOCHS = 10  # more passes over the training text than this: warned about (memorisation)
+
+
+def corpus_warnings(corpus: Corpus, *, steps: int, batch_size: int, block_size: int) -> list[str]:
+    """What is doubtful, though not wrong, about training on ``corpus`` (each a sentence for the user).
+
+    * The run reads more than `MAX_EPOCHS` times as many bytes as the training stream holds
+      (``steps * batch_size * block_size``): the model can memorise the text, and its
+      validation loss then says little.
+    * The validation stream is smaller than one batch (``batch_size * block_size + 1`` bytes):
+      the validation windows overlap, so the validation loss is measured on little text.
+
+    Small corpora are legitimate (a test, a demo), so these are warnings, not errors.
+    """
+    found = []
+    read = steps * batch_size * block_size
+    epochs = read / max(1, corpus.train.numel())
+    if epochs > MAX_EPOCHS:
+        found.append(
+            f"the run reads its {corpus.train.numel():,} training bytes about {epochs:,.0f} times (steps {steps} x "
+            f"batch_size {batch_size} x block_size {block_size} = {read:,} bytes); the model can learn them by heart "
+            "and the validation loss will say little. Give more text or fewer steps"
+        )
+    need_val = batch_size * block_size + 1
+    if corpus.val.numel() < need_val:
+        found.append(
+            f"the validation split holds {corpus.val.numel():,} bytes, less than one batch (batch_size {batch_size} "
+            f"x block_size {block_size} + 1 = {need_val:,}); its windows overlap and the validation loss rests on "
+            "little text. Give more text, or raise val_fraction"
+        )
+    return found
+
+
 def _windows(stream: Tensor, starts: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
     idx = starts[:, None] + torch.arange(block_size + 1)[None, :]  # (B, T+1)
     chunk = stream[idx].long()  # (B, T+1)
@@ -69,4 +102,4 @@ def val_batches(corpus: Corpus, *, n_batches: int, batch_size: int, block_size: 
     ]
 
 
-__all__ = ["check_fits", "step_seed", "train_batch", "val_batches"]
+__all__ = ["MAX_EPOCHS", "check_fits", "corpus_warnings", "step_seed", "train_batch", "val_batches"]

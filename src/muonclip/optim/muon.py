@@ -7,6 +7,7 @@ Three layers (Keller Jordan's muon.py, without its copied loops): the orthogonal
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
@@ -134,6 +135,11 @@ class Muon(torch.optim.Optimizer):
             ``update_scale="shape"``, ``"match_rms_adamw"`` means ``"rms"``. Give either this
             or ``update_scale``, not both.
 
+    Every number above (``lr``, ``momentum``, ``weight_decay``, ``betas``, ``adamw_eps``,
+    ``eps``, ``ns_coefficients``), given here or in a group (``add_param_group`` too), must be
+    finite and in its range: a ValueError names the one that is not (nan or inf would reach
+    every weight). ``lr`` may be a 0-D tensor; it is read once, when the group is added.
+
     Everything after ``lr`` is keyword-only, because torch.optim.Muon's positional order
     differs: a positional call could silently mean other settings.
 
@@ -183,8 +189,7 @@ class Muon(torch.optim.Optimizer):
             steps = ns_steps
         if on_nonfinite not in ON_NONFINITE:
             raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
-        if adamw_eps <= 0:
-            raise ValueError(f"adamw_eps must be > 0, got {adamw_eps}")
+        _check_positive("adamw_eps", adamw_eps)
         defaults = dict(
             algorithm="muon",
             lr=lr,
@@ -203,6 +208,7 @@ class Muon(torch.optim.Optimizer):
             eps=eps,
             ns_coefficients=None if ns_coefficients is None else tuple(ns_coefficients),
         )
+        _check_hyperparameters(defaults, "")  # even where every group sets its own
         self.adamw_eps = adamw_eps
         self.on_nonfinite = on_nonfinite
         self._workspace: dict[Any, Any] = {}  # step structure (cached) and, on CPU, bucket buffers reused between steps
@@ -397,24 +403,42 @@ def _name(opt: Muon, group: dict[str, Any], i: int) -> str:
     return f"parameter {i} of param group {gi} (shape {tuple(group['params'][i].shape)})"
 
 
+def _number(name: str, value: Any) -> float:
+    """``value`` as a float (a one-element tensor is read once, here: a sync on a GPU, never in a step)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+
+
+def _check_positive(name: str, value: Any) -> None:
+    v = _number(name, value)
+    if not (math.isfinite(v) and v > 0.0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def _check_hyperparameters(options: dict[str, Any], where: str) -> None:
+    """Raise a ValueError naming the first of lr, weight_decay, momentum, eps, betas that is not
+    a finite number in its range (nan and +-inf never are: they would reach every weight)."""
+    for key in ("lr", "weight_decay"):
+        v = _number(key, options[key])
+        if not (math.isfinite(v) and v >= 0.0):
+            raise ValueError(f"{where}{key} must be a finite number >= 0, got {options[key]!r}")
+    if not 0.0 <= _number("momentum", options["momentum"]) < 1.0:
+        raise ValueError(f"{where}momentum must be in [0, 1), got {options['momentum']!r}")
+    eps = "eps (adamw_eps)" if options.get("algorithm") == "adamw" else "eps"
+    _check_positive(f"{where}{eps}", options["eps"])
+    betas = options["betas"]
+    if len(betas) != 2 or not all(0.0 <= _number("betas", b) < 1.0 for b in betas):
+        raise ValueError(f"{where}betas must be two numbers in [0, 1), got {betas!r}")
+
+
 def _validate_group(group: dict[str, Any]) -> None:
     """Raise a ValueError/TypeError naming the option or parameter that is wrong, and the fix."""
     algorithm = group["algorithm"]
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    for key in ("lr", "weight_decay"):
-        v = group[key]
-        if isinstance(v, Tensor):
-            v = float(v)
-        if not v >= 0.0:
-            raise ValueError(f"{key} must be >= 0, got {group[key]}")
-    if not 0.0 <= group["momentum"] < 1.0:
-        raise ValueError(f"momentum must be in [0, 1), got {group['momentum']}")
-    if not group["eps"] > 0.0:
-        raise ValueError(f"eps must be > 0, got {group['eps']}")
-    b1, b2 = group["betas"]
-    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-        raise ValueError(f"betas must be in [0, 1), got {group['betas']}")
+    _check_hyperparameters(group, "a param group's ")
     if group["update_scale"] not in SCALES:
         raise ValueError(f"unknown update_scale {group['update_scale']!r}; choose one of {sorted(SCALES)}")
     check_method(group["method"], group["steps"], group["orth_dtype"], group["ns_coefficients"])

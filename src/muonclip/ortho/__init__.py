@@ -6,6 +6,7 @@ is tested against the exact SVD polar factor (`svd_polar`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -105,8 +106,10 @@ def check_method(
         if not m.takes_coefficients:
             takers = sorted(k for k, v in METHODS.items() if v.takes_coefficients)
             raise ValueError(f"method {method!r} has no quintic coefficients to set; coefficients apply to {takers}")
-        if len(coefficients) != 3:
-            raise ValueError(f"coefficients is the quintic's triple (a, b, c), got {tuple(coefficients)}")
+        if len(coefficients) != 3 or not all(math.isfinite(c) for c in coefficients):
+            raise ValueError(
+                f"coefficients is the quintic's triple (a, b, c) of finite numbers, got {tuple(coefficients)}"
+            )
     return m
 
 

@@ -10,7 +10,13 @@ quintic's ``P = b S + c S S`` fused into the kernel's epilogue (``alpha = c``, `
 ``m^2 n + m^3`` symmetric flops plus the ``2 m^2 n`` of ``P X`` (cuBLAS), against
 ``4 m^2 n + 2 m^3`` for the plain step (design.md 1.2): 0.67x at m = n, 0.72x at n = 4 m.
 
-Every result is exactly symmetric (both triangles hold the same rounded values).
+Every result is exactly symmetric (both triangles hold the same rounded values), by
+construction and on any hardware: an off-diagonal tile is stored once as itself and once
+transposed, and a diagonal tile keeps the upper triangle of its float32 accumulator (after the
+epilogue) and mirrors it into the lower one before the one rounding to the output dtype. (The
+two triangles of a diagonal tile's ``dot(A_i, A_i^T)`` need not agree bit for bit: whether
+they do depends on the order in which the dot sums, which differs between GPUs, and on the CPU
+interpreter, between BLAS kernels.)
 
 Tiling (`launch_config`): one program per (tile row i, tile column j, matrix); programs with
 ``j < i`` do nothing. ``BLOCK`` x ``BLOCK`` tiles (64 for m < 1024, else 128, with 8 warps so
@@ -112,6 +118,9 @@ def _kernel(interpret: bool) -> Any:  # a triton JITFunction (or InterpretedFunc
             if HAS_D:
                 d = tl.load(d_ptr + b * s_db + ri[:, None] * s_dm + rj[None, :] * s_dn, mask=inside, other=0.0)
                 acc += beta * d.to(tl.float32)
+            if j == i:  # a diagonal tile: its upper triangle, mirrored (the products of the two
+                # triangles round differently wherever the dot's summation order is not symmetric)
+                acc = tl.where(ri[:, None] <= rj[None, :], acc, tl.trans(acc))
             tile = acc.to(c_ptr.dtype.element_ty)
             c = c_ptr + b * s_cb
             tl.store(c + ri[:, None] * s_cm + rj[None, :] * s_cn, tile, mask=inside)
@@ -167,12 +176,14 @@ def syrk(A: Tensor, *, alpha: float = 1.0, beta: float = 0.0, add: Tensor | None
         beta: scale of ``add`` (default 0.0; ignored without ``add``).
         add: a symmetric ``(batch, m, m)`` tensor added after the product (default None), e.g.
             ``S`` for ``P = b S + c S S`` (``A = S``, ``alpha = c``, ``beta = b``). Only its
-            tiles on and above the diagonal are read.
+            upper triangle (diagonal included) counts: the result's lower triangle is the
+            mirror of its upper one.
         out: where to write the ``(batch, m, m)`` result (default None: a new tensor of A's
             dtype). It must not overlap ``A``; it may be ``add`` itself.
 
     Returns:
-        The ``(batch, m, m)`` result, exactly symmetric, in ``out``'s (or A's) dtype.
+        The ``(batch, m, m)`` result in ``out``'s (or A's) dtype, exactly symmetric on any
+        hardware (the lower triangle is a copy of the upper one).
 
     Raises:
         RuntimeError: Triton is missing, or ``A`` is on the CPU without the interpreter.

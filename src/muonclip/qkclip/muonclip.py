@@ -52,7 +52,8 @@ class MuonClip(Muon):
     Args:
         model: the model; used for the default ``groups`` and ``layers``.
         lr: learning rate (default 1e-3).
-        tau: max-logit threshold, > 0 (default 100.0, Kimi K2's; small models often use 30–50).
+        tau: max-logit threshold, a finite number > 0 (default 100.0, Kimi K2's; small models
+            often use 30–50).
         layers: the `AttentionLayer`\ s to clip (default None: `discover_layers(model)` — the
             reference GPT, Hugging Face models, else an error asking for this argument).
         groups: param groups (default None: `muonclip.param_groups(model)`).
@@ -187,8 +188,8 @@ def _outside_frames() -> int:
 
 
 def _check_tau(tau: float) -> None:
-    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or math.isnan(tau) or not tau > 0:
-        raise ValueError(f"tau must be a number > 0 (Kimi K2 uses 100; small models 30-50), got {tau!r}")
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not (math.isfinite(tau) and tau > 0):
+        raise ValueError(f"tau must be a finite number > 0 (Kimi K2 uses 100; small models 30-50), got {tau!r}")
 
 
 __all__ = ["MuonClip"]

@@ -1,0 +1,217 @@
+"""Will one training step of a run fit in memory? An estimate of its peak, checked before any work.
+
+`step_memory` estimates the peak memory of one ``muonclip train`` step of the reference GPT
+from the config alone (the model is built on the ``meta`` device: nothing is allocated):
+
+* parameters (float32) and their gradients; the optimizer state (AdamW's two moments; Muon's
+  momentum on the hidden matrices, AdamW's moments on the rest, and four Newton–Schulz
+  buffers of the largest matrix); the update RMS meter's copy of the hidden matrices;
+* activations kept for the backward pass, per token and layer, counted tensor by tensor
+  (`activation_widths`): for MHA/GQA with PyTorch's fused attention, 15 ``n_embd`` + 2
+  key/value widths + one float per head (RMSNorm inputs and outputs, q and k after RoPE, v,
+  the attention output and its contiguous copy, the MLP's two ``4 n_embd`` tensors); MLA's
+  own widths; plus the final norm, the logits, their log-softmax and both gradients, and one
+  layer's gradients in flight during the backward pass;
+* attention scores: MLA's query/key and value head widths differ, so PyTorch's CPU attention
+  takes its unfused path, which materialises ``batch x heads x T x T`` float32 scores: the
+  saved softmax of every layer and two gradients in flight. The fused kernels (MHA/GQA) and
+  the chunked max-logit recording keep them in blocks of a few MiB;
+* allocator slack: activation tensors smaller than `MMAP_BYTES` count `ALLOCATOR_FACTOR`
+  times (2: glibc keeps freed blocks in its heap; the peak RSS of a step measured 2.0–2.2
+  times the live tensors with 4k–8k tokens when no block is returned to the system), larger
+  ones once (glibc maps them and returns them when freed); plus `LIBRARY_BYTES` for the
+  kernels' code and workspaces a first step touches (175–195 MiB measured, 1–2 threads).
+
+Against the peak RSS that real steps add to a process (2-core AMD EPYC, one thread, configs
+from 128 to 32k tokens a step, MHA and MLA, AdamW and MuonClip), the estimate measured 0.8 to
+1.4 times it; the peak itself varies by 10–15% from run to run. ``tests/test_memory.py``
+holds it within 0.9–1.75 times the measured peak on two such configs (1.1–1.4 measured).
+Under torchrun each rank holds its share of the batch (and of the parameters and state with
+FSDP2; DDP adds a gradient bucket copy). On CUDA the same count is made: the caching
+allocator's slack is smaller, and CUDA's memory-efficient attention would not materialise
+MLA's scores, so there it is an over-estimate (not measured: no GPU yet).
+
+`check_memory` compares the estimate with the memory available (CPU: ``MemAvailable`` and any
+cgroup limit, shared by the ranks of the machine; CUDA: the device's free memory) and raises a
+ValueError (the CLI exits with 2, before anything is written) naming the setting to lower and
+the largest value of it that fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from .config import RunConfig
+
+ALLOCATOR_FACTOR = 2.0  # peak RSS over the live bytes of heap-allocated activations (measured 2.0-2.2)
+MMAP_BYTES = 32 * 2**20  # glibc's largest mmap threshold: larger blocks go back to the system when freed
+LIBRARY_BYTES = 224 * 2**20  # code and workspaces of the kernels a first step touches (175-195 MiB measured)
+FLOAT = 4  # bytes of a float32
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Bytes one training step is estimated to need at its peak, by part (see the module docstring)."""
+
+    parameters: int  # weights, gradients, optimizer state and its buffers
+    activations: int  # kept for the backward pass, plus the head's and one layer's gradients in flight
+    attention_scores: int  # materialised T x T scores (MLA's unfused path); 0 for fused attention
+    overhead: int  # allocator slack and the libraries' workspaces
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.activations + self.attention_scores + self.overhead
+
+
+def _parameter_counts(cfg: RunConfig) -> tuple[int, int, int]:
+    """(all parameters, those of Muon's hidden matrices, the largest hidden matrix), counted on
+    a model built on the meta device."""
+    from ..optim import param_groups
+    from .train import build_model
+
+    state = torch.random.get_rng_state()  # build_model seeds the global generator
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg)
+    finally:
+        torch.random.set_rng_state(state)
+    total = sum(p.numel() for p in model.parameters())  # tied weights once
+    hidden = [p.numel() for g in param_groups(model) if g["algorithm"] == "muon" for p in g["params"]]
+    return total, sum(hidden), max(hidden, default=0)
+
+
+def activation_widths(cfg: RunConfig) -> tuple[list[int], int]:
+    """(the widths, in floats per token, of the tensors one layer keeps for the backward pass;
+    the floats of one layer's ``heads x T x T`` scores per sequence, 0 for fused attention) of
+    the reference GPT of ``cfg``."""
+    from ..models import GPTConfig
+
+    g = GPTConfig(vocab_size=256, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                  n_kv_head=cfg.n_kv_head, n_embd=cfg.n_embd, attention=cfg.attention, qk_norm=cfg.qk_norm)
+    C, H = g.n_embd, g.n_head
+    widths = [C] * 4 + [4 * C] * 2  # ln_1 in/out, ln_2 in/out, c_fc out, gelu out
+    if g.attention == "mha":
+        kv = g.n_kv_head * (C // H)
+        widths += [C, kv, kv, C, C, H]  # q, k (after RoPE), v, output, its contiguous copy, logsumexp
+        if g.qk_norm:
+            widths += [C, kv] * 2  # the norms' inputs and outputs
+        return widths, 0
+    qk, v = H * (g.qk_nope_head_dim + g.qk_rope_head_dim), H * g.v_head_dim
+    widths += [qk] * 4 + [H * (g.qk_nope_head_dim + g.v_head_dim), v, v]  # q, k (and scaled), kv_b out, output, copy
+    widths += [g.kv_lora_rank + g.qk_rope_head_dim, g.kv_lora_rank]  # the latent's norm: input, output
+    return widths, H * cfg.block_size**2  # unfused: query/key and value widths differ
+
+
+def step_memory(cfg: RunConfig, optimizer: str, *, world_size: int = 1, fsdp: bool = False) -> StepMemory:
+    """Estimated peak bytes of one training step of ``cfg`` with ``optimizer`` on one rank.
+
+    Args:
+        cfg: the run's config.
+        optimizer: "adamw", "muon" or "muonclip".
+        world_size: ranks of a torchrun launch (default 1): each holds ``batch_size /
+            world_size`` sequences.
+        fsdp: parameters, gradients and state sharded over the ranks (default False: DDP,
+            which keeps a whole copy on every rank plus its gradient buckets).
+    """
+    total, hidden, largest = _parameter_counts(cfg)
+    if optimizer == "adamw":
+        state = 2 * total  # exp_avg, exp_avg_sq
+    else:  # AdamW's moments off the hidden matrices, Muon's momentum and Newton-Schulz buffers on them
+        state = 2 * (total - hidden) + hidden + 4 * largest
+    copies = total + total + state + hidden  # weights, gradients, state, the update RMS meter's copy
+    if world_size > 1:
+        copies = copies / world_size if fsdp else copies + total  # FSDP2 shards; DDP's gradient buckets
+    per_layer, scores_per_sequence = activation_widths(cfg)
+    sequences = max(1, cfg.batch_size // world_size)
+    tokens = sequences * cfg.block_size
+    C, V = cfg.n_embd, 256
+    # every layer's, the final norm's, the logits' (with log-softmax and both gradients), one
+    # layer's gradients in flight during the backward pass, the int64 inputs and targets
+    widths = per_layer * cfg.n_layer + [C] * 2 + [V] * 4 + [4 * C] * 2 + [4]
+    activations = sum(FLOAT * tokens * w for w in widths)
+    slack = sum((ALLOCATOR_FACTOR - 1) * FLOAT * tokens * w for w in widths if FLOAT * tokens * w < MMAP_BYTES)
+    scores = FLOAT * (cfg.n_layer + 2) * sequences * scores_per_sequence  # a softmax a layer, two gradients
+    return StepMemory(parameters=int(FLOAT * copies), activations=activations, attention_scores=scores,
+                      overhead=int(slack) + LIBRARY_BYTES)
+
+
+def available_memory(device: torch.device, ranks_here: int = 1) -> int | None:
+    """Bytes a run may use on ``device``: for CUDA the device's free memory; for the CPU the
+    smaller of Linux's ``MemAvailable`` and the cgroup's remaining limit, divided among the
+    ``ranks_here`` processes of the machine. None where it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    found = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    for limit, usage in (("memory.max", "memory.current"),  # cgroup v2, then v1
+                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            cap = Path("/sys/fs/cgroup", limit).read_text().strip()
+            if cap != "max" and int(cap) < 2**60:
+                found.append(int(cap) - int(Path("/sys/fs/cgroup", usage).read_text()))
+                break
+        except (OSError, ValueError):
+            continue
+    return min(found) // max(1, ranks_here) if found else None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def _largest_fitting(cfg: RunConfig, optimizer: str, name: str, available: int, world_size: int,
+                     fsdp: bool) -> int | None:
+    """The largest value below the current one of setting ``name`` whose step fits, or None
+    (``n_embd`` in multiples of ``2 n_head``: whole heads of even width, as RoPE needs)."""
+    unit = 2 * cfg.n_head if name == "n_embd" else 1
+    lo, hi = 0, getattr(cfg, name) // unit  # in units: lo fits (0: nothing yet), hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        need = step_memory(replace(cfg, **{name: mid * unit}), optimizer, world_size=world_size, fsdp=fsdp).total
+        lo, hi = (mid, hi) if need <= available else (lo, mid)
+    return lo * unit or None
+
+
+def check_memory(cfg: RunConfig, optimizer: str, device: torch.device, *, world_size: int = 1,
+                 fsdp: bool = False, ranks_here: int = 1) -> StepMemory:
+    """Raise a ValueError naming the setting to lower when one step of the run cannot fit in
+    `available_memory` (nothing is checked where that cannot be read); return the estimate.
+
+    The setting named is the one that dominates the estimate: ``block_size`` when the attention
+    scores do (they grow with its square), ``batch_size`` when the activations do, ``n_embd``
+    when the parameters and optimizer state do, each with the largest value that would fit.
+    """
+    need = step_memory(cfg, optimizer, world_size=world_size, fsdp=fsdp)
+    available = available_memory(device, ranks_here)
+    if available is None or need.total <= available:
+        return need
+    parts = {"attention_scores": need.attention_scores, "activations": need.activations,
+             "parameters": need.parameters}
+    order = {"attention_scores": ("block_size", "batch_size"), "activations": ("batch_size", "block_size"),
+             "parameters": ("n_embd", "n_layer")}[max(parts, key=parts.__getitem__)]
+    hints = []
+    for name in order:
+        fits = _largest_fitting(cfg, optimizer, name, available, world_size, fsdp)
+        hints.append(f"{name} (now {getattr(cfg, name)}" + (f"; {fits} would fit)" if fits else ")"))
+    where = "the GPU" if device.type == "cuda" else "this machine" + (f"'s share for each of {ranks_here} ranks"
+                                                                     if ranks_here > 1 else "")
+    named = {f"activations of {cfg.batch_size // max(1, world_size)} x {cfg.block_size} tokens": need.activations,
+             "attention scores": need.attention_scores, "parameters and optimizer state": need.parameters,
+             "allocator and libraries": need.overhead}
+    detail = ", ".join(f"{label} {_gib(n)}" for label, n in named.items() if n)
+    raise ValueError(
+        f"one training step needs about {_gib(need.total)} ({detail}), but {where} has {_gib(available)} "
+        f"available. Lower {' or '.join(hints)}"
+    )
+
+
+__all__ = ["ALLOCATOR_FACTOR", "LIBRARY_BYTES", "MMAP_BYTES", "StepMemory", "activation_widths", "available_memory",
+           "check_memory", "step_memory"]
