@@ -73,7 +73,8 @@ def test_attention_kernel_is_the_one_torch_picks(sets):
     model = build_model(cfg)
     seen = []
 
-    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *, recorder=None):
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *, recorder=None,
+            training=True):
         seen.append(torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
                                             enable_gqa=enable_gqa))
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
