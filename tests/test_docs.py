@@ -35,7 +35,7 @@ def test_docs_build_strict_and_render_the_api(tmp_path):
     assert "momentum_buffer" in api and "update_scale" in api and "muonclip.MuonClip" in api
     integrations = (site / "api" / "integrations" / "index.html").read_text(encoding="utf-8")
     assert "MuonClipTrainerCallback" in integrations and "MuonClipLightningCallback" in integrations
-    algorithm = (site / "algorithm" / "index.html").read_text(encoding="utf-8")
+    algorithm = (site / "design" / "index.html").read_text(encoding="utf-8")
     assert "arithmatex" in algorithm and "3.4445" in algorithm and "gamma_h" in algorithm
     migrating = (site / "migrating" / "index.html").read_text(encoding="utf-8")
     assert "match_rms_adamw" in migrating
