@@ -21,11 +21,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import muonclip
-import muonclip.optim.muon as muon_mod
 from muonclip import Muon, param_groups
 from muonclip.distributed import assign_owners, checkpoint, local_rows, ns_flops, shard_rows
 from muonclip.distributed.plan import matrix_rows
 from muonclip.models import GPT, GPTConfig
+from muonclip.optim.backend import AutoBackend
 from muonclip.optim.matrices import matrix_blocks
 from muonclip.qkclip.muonclip import MuonClip
 
@@ -144,12 +144,13 @@ def _muon_matrices(model) -> list[tuple[int, int]]:
 
 
 def _spy(collectives, calls):
-    """Wrap the collectives and ``orthogonalize`` as Muon sees them; return an undo function."""
-    real_orth = muon_mod.orthogonalize
+    """Wrap the collectives and the default backend's ``orthogonalize`` (every bucket of a Muon
+    built with the default ``backend="auto"`` goes through it); return an undo function."""
+    real_orth = AutoBackend.orthogonalize
 
-    def counting(V, *a, **k):
+    def counting(self, V, *a, **k):
         calls.append(tuple(V.shape))
-        return real_orth(V, *a, **k)
+        return real_orth(self, V, *a, **k)
 
     wrapped = {}
     for op in ("all_reduce", "all_gather_into_tensor", "all_to_all_single"):
@@ -160,10 +161,10 @@ def _spy(collectives, calls):
             return _real(*a, **k)
 
         setattr(dist, op, spy)
-    muon_mod.orthogonalize = counting
+    AutoBackend.orthogonalize = counting
 
     def undo():
-        muon_mod.orthogonalize = real_orth
+        AutoBackend.orthogonalize = real_orth
         for op, real in wrapped.items():
             setattr(dist, op, real)
 

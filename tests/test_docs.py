@@ -32,7 +32,7 @@ def test_docs_build_strict_and_render_the_api(tmp_path):
     site = tmp_path / "site"
     api = (site / "api" / "optimizers" / "index.html").read_text(encoding="utf-8")
     # mkdocstrings rendered the docstrings (not just the page title)
-    assert "momentum_buffer" in api and "update_scale" in api and "muonclip.MuonClip" in api
+    assert "momentum_buffer" in api and "adjust_lr_fn" in api and "muonclip.MuonClip" in api
     integrations = (site / "api" / "integrations" / "index.html").read_text(encoding="utf-8")
     assert "MuonClipTrainerCallback" in integrations and "MuonClipLightningCallback" in integrations
     algorithm = (site / "design" / "index.html").read_text(encoding="utf-8")

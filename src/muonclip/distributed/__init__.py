@@ -1,5 +1,10 @@
-"""Distributed Muon: one code path for one process, DDP and FSDP2 (design.md 1.4).
+"""Distributed Muon: the layer on top of the core for DDP and FSDP2 (docs/design.md, "Distributed Muon").
 
+Importing this package registers `engine.DistributedEngine` with the core
+(`muonclip.optim.engine`), which hands it every step whose parameters are DTensors or live in a
+multi-rank process group; ``import muonclip`` imports it.
+
+* `engine` — the step: the core's update phases, one owner rank per matrix, the exchanges.
 * `context` — which process group a step runs on; how each parameter is laid out (replicated
   or row-sharded), `local_rows` for QK-Clip on sharded weights.
 * `plan` — which rank orthogonalises which matrix, balanced by Newton–Schulz flops.
@@ -9,10 +14,11 @@
 """
 
 from .context import GroupContext, local_rows, resolve_group, shard_rows
+from .engine import DistributedEngine
 from .exchange import CommStats
 from .plan import Plan, assign_owners, matrix_rows, ns_flops
 
 __all__ = [
-    "CommStats", "GroupContext", "Plan", "assign_owners", "local_rows", "matrix_rows", "ns_flops",
-    "resolve_group", "shard_rows",
+    "CommStats", "DistributedEngine", "GroupContext", "Plan", "assign_owners", "local_rows", "matrix_rows",
+    "ns_flops", "resolve_group", "shard_rows",
 ]

@@ -1,12 +1,12 @@
 """Which process group a step runs on, and how each parameter is laid out across it.
 
-`muonclip.Muon` runs one code path for one process, DDP and FSDP2 (design.md 1.4). This
-module answers, once per step, the two questions that path needs:
+`muonclip.distributed.engine` runs one Muon step over a process group (docs/design.md,
+"Distributed Muon"). This module answers, once per step, the two questions it needs:
 
 * the group: the device mesh of the DTensor parameters (FSDP2's ``fully_shard``), or, for
   plain tensors, the default group when ``torch.distributed`` is initialised with more than
-  one rank (DDP: parameters and gradients are replicated), or no group at all (one process;
-  world size 1 is the degenerate case of the same path);
+  one rank (DDP: parameters and gradients are replicated), or no group at all (world size 1,
+  the trivial case of the same step);
 * the layout of each parameter: ``"replicated"`` (a plain tensor, or a DTensor placed
   ``Replicate()``) or ``"rows"`` (a DTensor placed ``Shard(0)``: each rank holds a contiguous
   block of rows, split like ``torch.chunk``, so rank r's block starts at row
@@ -20,7 +20,6 @@ gives.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,26 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..optim.engine import LOCAL, is_dtensor
+
 REPLICATED = "replicated"
 ROWS = "rows"
-LOCAL = "local"  # the value of Muon(process_group=...) that turns communication off
-
-
-_DTENSOR: list[type] = []
-
-
-def is_dtensor(t: Any) -> bool:
-    """True for a `torch.distributed.tensor.DTensor` (an FSDP2 / tensor-parallel parameter).
-
-    Without importing ``torch.distributed.tensor`` (about 1 s): if nobody imported it, no
-    DTensor can exist.
-    """
-    if not _DTENSOR:
-        cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-        if cls is None:
-            return False
-        _DTENSOR.append(cls)  # found once imported; looked up once per process after that
-    return isinstance(t, _DTENSOR[0])
 
 
 def local(t: Tensor) -> Tensor:

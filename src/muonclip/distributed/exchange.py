@@ -1,6 +1,6 @@
 """The collectives of a distributed Muon step, each batched into one call for all matrices.
 
-Three exchanges (design.md 1.4), every one called on every rank of the group, in the same
+Three exchanges (docs/design.md, "Distributed Muon"), every one called on every rank of the group, in the same
 order, whatever that rank holds (a rank that owns nothing, or holds an empty shard, still
 sends and receives zero-length pieces):
 
@@ -26,26 +26,14 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..optim.engine import CommStats
 from .context import GroupContext, row_blocks
-
-
-@dataclass
-class CommStats:
-    """What this rank sent in the last step: bytes (ring-algorithm count) and collective calls."""
-
-    bytes_sent: int = 0
-    calls: dict[str, int] = field(default_factory=dict)
-
-    def add(self, op: str, nbytes: int) -> None:
-        self.bytes_sent += int(nbytes)
-        self.calls[op] = self.calls.get(op, 0) + 1
 
 
 def signature(parts: Sequence[object]) -> int:

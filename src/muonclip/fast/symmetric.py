@@ -24,12 +24,11 @@ its epilogue); the product with X stays with cuBLAS.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
 
 import torch
 from torch import Tensor
 
-from .newton_schulz import into, newton_schulz, small_side
+from ..ortho.newton_schulz import normalized, small_side
 from .triton_syrk import syrk, triangle_fraction, usable
 
 SYM_BLOCKS = 2
@@ -55,23 +54,16 @@ def sym_gram(X: Tensor, blocks: int = SYM_BLOCKS) -> Tensor:  # X: (batch, m, n)
     return S
 
 
-def symmetric_quintic_iteration(
+def symmetric_quintic(
     X: Tensor,  # (batch, p, q), wide or tall, normalised so that ||X||_2 <= 1
     coefficients: Sequence[tuple[float, float, float]],
     blocks: int = SYM_BLOCKS,
-    out: Tensor | None = None,
-    scratch: dict | None = None,
 ) -> Tensor:
-    """`quintic_iteration` with ``X X^T`` and ``S S`` from `sym_gram` (of ``X^T`` for a tall X),
-    or, where `muonclip.ortho.triton_syrk.usable` (CUDA and Triton), from its kernel with
-    ``b S + c S S`` in one rounding; returns X's shape.
-
-    ``out``: as in `muonclip.ortho.newton_schulz.quintic_iteration`; ``scratch`` is accepted
-    and unused (this opt-in form allocates its strips per step).
-    """
-    last = len(coefficients) - 1
+    """`muonclip.ortho.newton_schulz.quintic` with ``X X^T`` and ``S S`` from `sym_gram` (of
+    ``X^T`` for a tall X), or, where `muonclip.fast.triton_syrk.usable` (CUDA and Triton), from
+    its kernel with ``b S + c S S`` in one rounding; returns a new tensor of X's shape."""
     kernel = usable(X)
-    for i, (a, b, c) in enumerate(coefficients):
+    for a, b, c in coefficients:
         G = X.mT if X.shape[-2] > X.shape[-1] else X
         if kernel:
             S = syrk(G)  # (batch, m, m)
@@ -79,8 +71,8 @@ def symmetric_quintic_iteration(
         else:
             S = sym_gram(G, blocks)
             P = sym_gram(S, blocks).mul_(c).add_(S, alpha=b)
-        X = small_side(P, X, beta=a, out=out if i == last else None)  # a X + P X
-    return into(out, X)
+        X = small_side(P, X, beta=a)  # a X + P X
+    return X
 
 
 def symmetric_newton_schulz(
@@ -91,18 +83,11 @@ def symmetric_newton_schulz(
     eps: float = 1e-7,
     norm_scale: float = 1.0,
     blocks: int = SYM_BLOCKS,
-    buffer: Tensor | None = None,
-    scratch: dict | None = None,
-    overwrite: bool = False,
 ) -> Tensor:
-    """`muonclip.ortho.newton_schulz.newton_schulz` with the symmetric products of `sym_gram`.
-
-    Same arguments (``buffer``, ``scratch`` and ``overwrite`` included) and result (``V``'s shape, in
-    ``dtype``); ``blocks`` row strips per symmetric product (default 2).
-    """
-    iteration = partial(symmetric_quintic_iteration, blocks=blocks)
-    return newton_schulz(V, coefficients, dtype=dtype, eps=eps, norm_scale=norm_scale, iteration=iteration,
-                         buffer=buffer, scratch=scratch, overwrite=overwrite)
+    """`muonclip.ortho.newton_schulz.newton_schulz` with the symmetric products of `sym_gram`
+    (``method="ns5_sym"``): the same arguments and result (a new tensor of ``V``'s shape, in
+    ``dtype``); ``blocks`` row strips per symmetric product (default 2)."""
+    return symmetric_quintic(normalized(V, dtype, eps, norm_scale), coefficients, blocks).reshape(V.shape)
 
 
 def symmetric_flops(m: int, n: int, steps: int, blocks: int = SYM_BLOCKS, kernel: bool = False) -> int:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .newton_schulz import newton_schulz
+from ..ortho.newton_schulz import newton_schulz
 
 _COMPILED: list[Callable[..., Tensor]] = []
 
