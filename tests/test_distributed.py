@@ -521,7 +521,7 @@ def test_muonclip_fsdp2_gpt_neox_per_head_interleaved_qkv(tmp_path):
     pytest.importorskip("transformers")
     from hf_probe import assert_only_clipped_rows_changed, replay_max, save_attention_inputs
 
-    from muonclip.qkclip.hf import attach
+    from muonclip.integrations.hf import attach
 
     _launch(_neox_clip_worker, str(tmp_path))
     model = _neox(shard=False)
