@@ -1,6 +1,6 @@
 """muonclip: the Muon optimizer and MuonClip (Muon + QK-Clip) for PyTorch.
 
-Every export (docs/design.md has the algorithms and the module map):
+Every export (the algorithms and where each piece lives: docs/design.md, "Module map"):
 
 * `Muon` — Muon for hidden matrices plus an AdamW branch in one optimizer; takes
   torch.optim.Muon's arguments.
