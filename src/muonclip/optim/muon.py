@@ -404,7 +404,19 @@ class Muon(torch.optim.Optimizer):
 
         (torch's loader casts floating state to the parameter dtype, which would turn the
         float32 momentum into bf16 after a resume.)
+
+        A state dict saved by muonclip 0.1 before the redesign is upgraded (docs/changelog.md):
+        ``update_scale`` "rms"/"shape"/"none" becomes ``adjust_lr_fn``
+        "match_rms_adamw"/"original"/"unscaled", ``steps`` becomes ``ns_steps``, an adamw
+        group's ``eps`` becomes ``adamw_eps``; a group key added since takes the value of the
+        optimizer being loaded into. The dict passed in is not modified.
         """
+        if len(state_dict.get("param_groups", ())) != len(self.param_groups):
+            raise ValueError(
+                f"the state dict has {len(state_dict.get('param_groups', ()))} param groups, this optimizer "
+                f"{len(self.param_groups)}: build the optimizer with the same param_groups(...) as when it was saved")
+        groups = zip(state_dict["param_groups"], self.param_groups)
+        state_dict = {**state_dict, "param_groups": [_upgrade_group(s, g, self.defaults) for s, g in groups]}
         super().load_state_dict(state_dict)
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
@@ -416,6 +428,26 @@ class Muon(torch.optim.Optimizer):
         extra = state_dict.get("muonclip", {})
         self.steps_taken = int(extra.get("steps_taken", 0))
         self.steps_skipped = int(extra.get("steps_skipped", 0))
+
+
+_OLD_SCALES = {"rms": "match_rms_adamw", "shape": "original", "none": "unscaled"}
+
+
+def _upgrade_group(saved: dict[str, Any], own: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """A saved param group in this version's keys (see `Muon.load_state_dict`); a new dict."""
+    group = dict(saved)
+    if "update_scale" in group:
+        old = group.pop("update_scale")
+        if old not in _OLD_SCALES:
+            raise ValueError(f"saved param group has update_scale={old!r}; expected one of {sorted(_OLD_SCALES)}")
+        group["adjust_lr_fn"] = _OLD_SCALES[old]
+    if "steps" in group and "ns_steps" not in group:
+        group["ns_steps"] = group.pop("steps")
+    if "adamw_eps" not in group and group.get("algorithm", "muon") == "adamw" and "eps" in group:
+        group["adamw_eps"], group["eps"] = group["eps"], defaults["eps"]
+    for key, value in own.items():
+        group.setdefault(key, value)
+    return group
 
 
 @dataclass
