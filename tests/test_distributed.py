@@ -662,6 +662,10 @@ def _errors_worker(rank, world, out_dir):
     c = torch.nn.Parameter(torch.randn(6, 4 + rank))
     c.grad = torch.ones_like(c)
     _expect(ValueError, "differ across ranks", Muon([c], lr=0.1).step)
+    # a plain tensor that holds different values on each rank (a shard passed as a local tensor) is refused
+    shard = torch.nn.Parameter(torch.full((6, 4), float(rank)))
+    shard.grad = torch.ones_like(shard)
+    _expect(ValueError, "plain tensor with different values on different ranks", Muon([shard], lr=0.1).step)
     # parameters present on every rank without a gradient anywhere are skipped, consistently
     a.grad, b.grad = torch.ones_like(a), None
     before = b.detach().clone()

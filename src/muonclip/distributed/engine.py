@@ -1,4 +1,4 @@
-"""The distributed Muon step: the core's update phases over a process group (DDP, FSDP2).
+"""The distributed Muon step: the core's update phases over a process group (DDP, FSDP2, TP, HSDP, EP).
 
 `DistributedEngine` is the `muonclip.optim.engine.Engine` this package registers: the core
 optimizer hands it a step when the parameters are DTensors or a multi-rank process group is
@@ -6,7 +6,9 @@ in use (docs/design.md, "Distributed Muon"). Phases, each run by every rank (col
 when the group has more than one rank):
 
 1. **Agree**: one small all-reduce checks that every rank has the same Muon parameters and the
-   same gradients present (`exchange.agree`).
+   same gradients present (`exchange.agree`); when the step's structure is new, a second one
+   checks that plain (non-DTensor) parameters hold the same values everywhere
+   (`exchange.agree_replicas`: a shard passed as a plain tensor is refused, never taken for a replica).
 2. **Momentum** on what each rank holds (`muonclip.optim.functional.momentum_`), each weight's
    just before its V is formed. Under FSDP2 ``M``, ``G`` and ``V`` are row shards: momentum
    stays sharded.
@@ -43,11 +45,11 @@ from ..optim.buckets import (
     options_key,
     orthogonalize_buckets,
 )
-from ..optim.engine import StepStats, register_engine
+from ..optim.engine import StepStats, is_dtensor, register_engine
 from ..optim.functional import apply_blocks_, momentum_, muon_input
 from ..optim.matrices import block_views
 from .context import GroupContext, local, locals_and_group, resolve_group
-from .exchange import Route, agree, exchange, signature
+from .exchange import Route, agree, agree_replicas, exchange, signature
 from .layout import Piece, covers, is_empty, piece_shape, put, take
 from .plan import Plan, assign_owners
 
@@ -125,7 +127,10 @@ class DistributedEngine:
             g = live[k][0]
             return muon_input(local(live[k][1].grad), momentum(k), g["momentum"], g["nesterov"], out=out)
 
-        st = self._cached_structure(live, names, ctx)
+        st, new = self._cached_structure(live, names, ctx)
+        if new and ctx.world_size > 1:  # plain tensors must really be replicas (never a shard taken for one)
+            plain = [k for k, (_, p) in enumerate(live) if not is_dtensor(p)]
+            agree_replicas(ctx, [live[k][1] for k in plain], [names[k]() for k in plain], device_of(live), stats.comm)
         plan = st.plan
         stats.total_ns_flops = sum(plan.flops) if ctx.world_size > 1 else 0
         dtype, device = bufs[0].dtype, bufs[0].device
@@ -200,20 +205,25 @@ class DistributedEngine:
         return stats
 
     def _cached_structure(self, live: list[tuple[dict[str, Any], Tensor]], names: list[Callable[[], str]],
-                          ctx: GroupContext) -> _Structure:
-        """The step's `_Structure`, rebuilt only when the items' global shapes, placements, devices,
-        structural options, the rank or the group changed."""
+                          ctx: GroupContext) -> tuple[_Structure, bool]:
+        """The step's `_Structure` and whether it is new: rebuilt only when the items' global shapes,
+        placements, devices, structural options, the rank or the group changed."""
         key = (ctx.world_size, ctx.rank, ctx.mesh_shape, ctx.coords,
                tuple((options_key(g), tuple(p.shape), str(getattr(p, "placements", "")), local(p).device)
                      for g, p in live))
         if key in self._structures:
             self._structures.move_to_end(key)
-            return self._structures[key]
+            return self._structures[key], False
         st = _build(live, names, ctx)
         self._structures[key] = st
         if len(self._structures) > _KEPT_STRUCTURES:
             self._structures.popitem(last=False)
-        return st
+        return st, True
+
+
+def device_of(live: list[tuple[dict[str, Any], Tensor]]) -> torch.device:
+    """The device of the first item's local tensor (where the step's small collectives run)."""
+    return local(live[0][1]).device
 
 
 @dataclass(frozen=True)

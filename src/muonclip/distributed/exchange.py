@@ -68,6 +68,42 @@ def agree(ctx: GroupContext, sig: int, has_grad: Sequence[bool], names: Sequence
         )
 
 
+def fingerprint(t: Tensor) -> Tensor:
+    """An exact int64 checksum of ``t``'s bits (sum of its elements' bit patterns, and of their
+    products with their positions): equal tensors give equal values on any hardware, with no
+    floating-point rounding."""
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    b = t.detach().contiguous().reshape(-1).view(bits).to(torch.int64)
+    pos = torch.arange(1, b.numel() + 1, dtype=torch.int64, device=b.device)
+    return torch.stack([b.sum(), (b * pos).sum()])
+
+
+def agree_replicas(ctx: GroupContext, tensors: Sequence[Tensor], names: Sequence[str], device: torch.device,
+                   stats: CommStats) -> None:
+    """Check that plain (non-DTensor) parameters, which the step treats as replicated, hold the same
+    values on every rank; raise ValueError on every rank otherwise.
+
+    One MAX all-reduce of ``[f, -f]`` per tensor (`fingerprint`). Run when a step's structure is
+    new (the first step, or after a change): a plain tensor that is really a shard (tensor
+    parallelism with local tensors instead of DTensors) would otherwise get another rank's update.
+    """
+    if not tensors:
+        return
+    f = torch.cat([fingerprint(t).to(device) for t in tensors])
+    packed = torch.cat([f, -f])
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=ctx.group)
+    stats.add("all_reduce", 2 * packed.numel() * 8 * (ctx.world_size - 1) // ctx.world_size)
+    hi, lo = packed[: f.numel()].view(-1, 2), -packed[f.numel():].view(-1, 2)
+    bad = [names[i] for i in (hi != lo).any(dim=1).nonzero().flatten().tolist()]
+    if bad:
+        raise ValueError(
+            f"{', '.join(bad[:5])} is a plain tensor with different values on different ranks; Muon treats plain "
+            "tensors as replicated (DDP). A weight sharded by tensor parallelism must be a DTensor "
+            "(parallelize_module, distribute_tensor, DTensor.from_local), so that Muon can assemble whole "
+            "matrices; replicated weights must start equal on every rank (DDP broadcasts them)"
+        )
+
+
 @dataclass(frozen=True)
 class Route:
     """One piece that moves: from group rank ``src`` to ``dst``, of ``shape``."""
@@ -116,4 +152,4 @@ def _cat(parts: list[Tensor], dtype: torch.dtype, device: torch.device) -> Tenso
     return torch.cat([p.to(dtype) for p in parts])
 
 
-__all__ = ["CommStats", "Route", "agree", "exchange", "signature"]
+__all__ = ["CommStats", "Route", "agree", "agree_replicas", "exchange", "fingerprint", "signature"]
