@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from bench_distributed import _port  # a sibling script: benchmarks/ is on sys.path when run
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from muonclip import Muon, param_groups
@@ -176,12 +176,6 @@ def _entry(rank, port, args, path):
             torch.save(out, path)
     finally:
         dist.destroy_process_group()
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -132,7 +132,7 @@ class DistributedEngine:
             plain = [k for k, (_, p) in enumerate(live) if not is_dtensor(p)]
             agree_replicas(ctx, [live[k][1] for k in plain], [names[k]() for k in plain], device_of(live), stats.comm)
         plan = st.plan
-        stats.total_ns_flops = sum(plan.flops) if ctx.world_size > 1 else 0
+        stats.total_ns_flops = sum(plan.flops)
         dtype, device = bufs[0].dtype, bufs[0].device
         wire = comm_dtype or dtype
         me = ctx.rank
@@ -182,7 +182,7 @@ class DistributedEngine:
         stats.matrices = orthogonalize_buckets(st.buckets, st.n_blocks, unit_groups, [u.shape for u in st.units],
                                                write, (lambda u, O: apply(st.units[u].k, O)) if single
                                                else results.__setitem__, backend, reuse_result=single)
-        stats.ns_flops = plan.flops[me] if not single else 0
+        stats.ns_flops = plan.flops[me]
         for k in sorted(pending):  # momentum of the items this rank neither owns nor sends
             momentum(k)
         if single:
