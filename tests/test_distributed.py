@@ -662,6 +662,10 @@ def _errors_worker(rank, world, out_dir):
     c = torch.nn.Parameter(torch.randn(6, 4 + rank))
     c.grad = torch.ones_like(c)
     _expect(ValueError, "differ across ranks", Muon([c], lr=0.1).step)
+    # a plain tensor that holds different values on each rank (a shard passed as a local tensor) is refused
+    shard = torch.nn.Parameter(torch.full((6, 4), float(rank)))
+    shard.grad = torch.ones_like(shard)
+    _expect(ValueError, "plain tensor with different values on different ranks", Muon([shard], lr=0.1).step)
     # parameters present on every rank without a gradient anywhere are skipped, consistently
     a.grad, b.grad = torch.ones_like(a), None
     before = b.detach().clone()
@@ -689,10 +693,17 @@ def _errors_worker(rank, world, out_dir):
     for d in (d1, d2):
         d.grad = torch.ones_like(d)
     _expect(ValueError, "mixed meshes", Muon([d1, d2], lr=0.1).step)
-    # a sharding Muon cannot gather rows from
-    d3 = torch.nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh_a, [Shard(1)]))
+    # a placement whose values are not there (a pending reduction) is refused
+    from torch.distributed.tensor import DTensor, Partial
+
+    d3 = torch.nn.Parameter(DTensor.from_local(torch.randn(6, 4), mesh_a, [Partial()]))
     d3.grad = torch.ones_like(d3)
-    _expect(ValueError, "Shard\\(0\\)", Muon([d3], lr=0.1).step)
+    _expect(ValueError, "Partial placement", Muon([d3], lr=0.1).step)
+    # a local shard that is not what its placements say (rank 0 claims 4 of 6 rows): refused before any data moves
+    d4 = torch.nn.Parameter(DTensor.from_local(torch.randn(4 - 2 * rank, 4), mesh_a, [Shard(0)], run_check=False,
+                                               shape=torch.Size([6, 4]), stride=(4, 1)))
+    d4.grad = torch.ones_like(d4)
+    _expect(ValueError, "differ from what the DTensor says", Muon([d4], lr=0.1).step)
     # a DTensor parameter after the process group is gone
     opt = Muon([d1], lr=0.1)
     dist.barrier()  # no rank tears the group down while the other is still in distribute_tensor's scatter

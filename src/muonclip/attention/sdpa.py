@@ -89,8 +89,8 @@ def scaled_dot_product_attention(
     """
     if recorder is not None:
         hq, _ = check_shapes(query, key, enable_gqa)
-        if recorder.n_heads != hq:
-            raise ValueError(f"recorder has n_heads={recorder.n_heads} but query has {hq} heads")
+        if len(recorder.heads) != hq:
+            raise ValueError(f"recorder records {len(recorder.heads)} heads but query has {hq} heads")
     targets = recorders_to_feed(recorder, training)
     if not targets:  # no recorder, or evaluation / generation with no monitor watching: no max to compute
         return F.scaled_dot_product_attention(

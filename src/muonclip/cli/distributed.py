@@ -70,6 +70,17 @@ class DistEnv:
     local_rank: int = 0
     fsdp: bool = False
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    tp: int = 1
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: ``world_size / tp`` (the ranks of one tensor-parallel group share a batch)."""
+        return self.world_size // self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index on the ``(dp, tp)`` mesh (global rank = dp_rank * tp + tp_rank)."""
+        return self.rank // self.tp
 
     @property
     def active(self) -> bool:
@@ -83,7 +94,9 @@ class DistEnv:
 
     @property
     def mode(self) -> str:
-        """``"fsdp"``, ``"ddp"`` or ``"single"``."""
+        """``"fsdp"``, ``"fsdp x tp"``, ``"ddp"`` or ``"single"``."""
+        if self.tp > 1:
+            return "fsdp x tp"
         return "fsdp" if self.fsdp else ("ddp" if self.active else "single")
 
 
@@ -95,24 +108,32 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def current_env(fsdp: bool = False) -> DistEnv:
+def current_env(fsdp: bool = False, tp: int = 1) -> DistEnv:
     """The `DistEnv` of an already initialised default process group (`SINGLE` if there is none).
 
+    ``tp`` > 1: tensor parallel over groups of ``tp`` consecutive ranks, FSDP2 over the rest
+    (needs ``fsdp``).
+
     Raises:
-        ValueError: ``fsdp`` is asked for but no process group is initialised.
+        ValueError: ``fsdp`` or ``tp`` > 1 is asked for but no process group is initialised;
+            ``tp`` without ``fsdp``, or not dividing the number of processes.
     """
+    if tp > 1 and not fsdp:
+        raise ValueError(f"--tp {tp} shards each block over {tp} ranks and FSDP2 over the rest: add --fsdp")
     if not (dist.is_available() and dist.is_initialized()):
         if fsdp:
             raise ValueError(f"--fsdp shards the model over several processes; {LAUNCH_HINT}")
         return SINGLE
     rank, world = dist.get_rank(), dist.get_world_size()
+    if tp < 1 or world % tp:
+        raise ValueError(f"--tp {tp} must divide the number of processes ({world})")
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     cuda = dist.get_backend() == "nccl" and torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    return DistEnv(rank, world, local_rank, fsdp, device)
+    return DistEnv(rank, world, local_rank, fsdp, device, tp)
 
 
-def init_from_env(fsdp: bool = False) -> DistEnv:
+def init_from_env(fsdp: bool = False, tp: int = 1) -> DistEnv:
     """Initialise the default process group from torchrun's environment (NCCL on CUDA, else gloo).
 
     Without ``RANK``/``WORLD_SIZE`` this is a single-process run and nothing is initialised.
@@ -121,21 +142,21 @@ def init_from_env(fsdp: bool = False) -> DistEnv:
         ValueError: ``fsdp`` without torchrun (the message says how to launch).
     """
     if not launched_by_torchrun():
-        return current_env(fsdp)
+        return current_env(fsdp, tp)
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
-    return current_env(fsdp)
+    return current_env(fsdp, tp)
 
 
 @contextlib.contextmanager
-def session(fsdp: bool = False) -> Iterator[DistEnv]:
+def session(fsdp: bool = False, tp: int = 1) -> Iterator[DistEnv]:
     """Context manager: `init_from_env`, and ``destroy_process_group`` on leaving (also on errors and
     Ctrl-C) if this call created the group."""
     created = launched_by_torchrun() and not (dist.is_available() and dist.is_initialized())
-    env = init_from_env(fsdp)
+    env = init_from_env(fsdp, tp)
     try:
         yield env
     finally:
@@ -150,6 +171,8 @@ def wrap_model(model: nn.Module, env: DistEnv) -> tuple[nn.Module, nn.Module]:
     ``inner`` is the module with the original parameter names, to build the optimizer on, read
     max logits from, evaluate with and checkpoint. FSDP2: ``fully_shard`` on every block of
     ``model.blocks`` (the muonclip GPT), then on the root; both returned values are the model.
+    With ``env.tp`` > 1, first tensor parallel on the ``"tp"`` dimension of a ``(dp, tp)`` mesh
+    (`muonclip.models.parallel.tensor_parallel`), then FSDP2 on its ``"dp"`` dimension.
     """
     if not env.active:
         return model, model
@@ -157,9 +180,18 @@ def wrap_model(model: nn.Module, env: DistEnv) -> tuple[nn.Module, nn.Module]:
     if env.fsdp:
         from torch.distributed.fsdp import fully_shard
 
+        mesh = None
+        if env.tp > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            from ..models.parallel import tensor_parallel
+
+            mesh2 = init_device_mesh(env.device.type, (env.dp_size, env.tp), mesh_dim_names=("dp", "tp"))
+            tensor_parallel(model, mesh2["tp"])
+            mesh = mesh2["dp"]
         for block in getattr(model, "blocks", []):
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model, model
     from torch.nn.parallel import DistributedDataParallel
 
@@ -168,20 +200,21 @@ def wrap_model(model: nn.Module, env: DistEnv) -> tuple[nn.Module, nn.Module]:
 
 
 def check_batch(batch_size: int, env: DistEnv) -> None:
-    """Raise ValueError unless the global ``batch_size`` splits evenly over the ranks."""
-    if batch_size % env.world_size:
+    """Raise ValueError unless the global ``batch_size`` splits evenly over the data-parallel ranks."""
+    n = env.dp_size
+    if batch_size % n:
         raise ValueError(
-            f"batch_size ({batch_size}) is the global batch, split between the {env.world_size} processes; "
-            f"it must be divisible by {env.world_size}: e.g. "
-            f"--set batch_size={env.world_size * max(1, batch_size // env.world_size)}"
+            f"batch_size ({batch_size}) is the global batch, split between the {n} data-parallel processes; "
+            f"it must be divisible by {n}: e.g. --set batch_size={n * max(1, batch_size // n)}"
         )
 
 
 def rank_rows(t: Tensor, env: DistEnv) -> Tensor:
-    """This rank's contiguous block of rows of a global batch ``t`` (all of it in one process), on its device."""
-    if env.world_size > 1:
-        n = t.shape[0] // env.world_size
-        t = t[env.rank * n:(env.rank + 1) * n]
+    """This rank's contiguous block of rows of a global batch ``t`` (all of it in one process), on its
+    device; the ranks of one tensor-parallel group take the same block."""
+    if env.dp_size > 1:
+        n = t.shape[0] // env.dp_size
+        t = t[env.dp_rank * n:(env.dp_rank + 1) * n]
     return t.to(env.device)
 
 

@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard the model with FSDP2 (fully_shard) instead of DDP; "
                         "e.g. torchrun --nproc_per_node=2 -m muonclip.cli.main train --fsdp")
+    t.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="under torchrun with --fsdp: tensor parallel over groups of N ranks (heads split), FSDP2 "
+                        "over the rest (a 2-D mesh); e.g. torchrun --nproc_per_node=4 $(which muonclip) train "
+                        "--fsdp --tp 2")
     return parser
 
 
@@ -111,9 +115,9 @@ def _run_train(args: argparse.Namespace) -> int:
             over[f"lr_{optimizer}"] = args.lr
         cfg = make_config(args.preset or "default", over, args.sets)
         out = Path(args.out) if args.out else Path("out") / f"train-{optimizer}-{_stamp()}"
-    with session(args.fsdp) as env:
+    with session(args.fsdp, args.tp) as env:
         result = train_run(cfg, optimizer, out, resume=args.resume, progress=not args.quiet,
-                           tensorboard=args.tensorboard, fsdp=args.fsdp)
+                           tensorboard=args.tensorboard, fsdp=args.fsdp, tp=args.tp)
         if env.is_main:
             ranks = f" on {env.world_size} processes ({env.mode})" if env.active else ""
             print(f"{optimizer}: {result.steps} steps{ranks}, final validation loss {result.final_val_loss:.4f}, "

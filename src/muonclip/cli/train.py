@@ -263,7 +263,8 @@ def _hidden_matrices(model: nn.Module) -> list[Tensor]:
 
 def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bool = False,
               corpus: Corpus | None = None, progress: bool = True, label: str | None = None,
-              tensorboard: str | Path | None = None, fsdp: bool = False, warn: bool = True) -> RunResult:
+              tensorboard: str | Path | None = None, fsdp: bool = False, warn: bool = True,
+              tp: int = 1) -> RunResult:
     """Train one run; see the module docstring. Every input is checked before anything is written.
 
     Args:
@@ -281,6 +282,9 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
         warn: print `muonclip.data.corpus_warnings` (a run that reads its training text more
             than 10 times, a validation split smaller than one batch) to stderr before training
             (default True; `muonclip.cli.compare.compare` prints them once for all its runs).
+        tp: tensor-parallel size (default 1: none); > 1 needs ``fsdp``: the ranks form a
+            ``(world / tp, tp)`` mesh, each block tensor-parallel over ``tp`` ranks
+            (`muonclip.models.parallel`), FSDP2 over the other dimension.
 
     Raises:
         DataError, OutputError, CheckpointError, ValueError: bad input (also: one step would not fit
@@ -291,7 +295,7 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
     check_optimizer(optimizer)
     run_dir = Path(run_dir)
     cfg.validate()
-    env = current_env(fsdp)
+    env = current_env(fsdp, tp)
     check_batch(cfg.batch_size, env)
     _check_memory(cfg, optimizer, env)
     check_out_dir(run_dir, resume=resume)

@@ -11,9 +11,11 @@ largest first (ties: optimizer order), and each goes to the rank with the least 
 (Graham 1969), and for the usual transformer (many equal matrices) it is balanced to within
 one matrix.
 
-The unit is a parameter: a stacked-expert weight ``(E, A, B)`` or a fused QKV weight with
-``split_sizes`` (contiguous or interleaved blocks) goes to one owner whole, because FSDP2 shards
-it by rows and the owner needs all its rows.
+The unit is a parameter (a fused QKV weight with ``split_sizes``, contiguous or interleaved
+blocks, goes to one owner whole: its shards may cut any block), or, for a stacked-expert weight
+``(E, A, B)`` whose shards hold whole experts (expert parallel, ``Shard(0)``), each distinct
+piece of experts, owned by one of the ranks that hold it (``allowed``): no data moves to
+orthogonalise it.
 """
 
 from __future__ import annotations
@@ -42,18 +44,27 @@ class Plan:
         return [i for i, r in enumerate(self.owners) if r == rank]
 
 
-def assign_owners(costs: Sequence[int], world_size: int) -> Plan:
+def assign_owners(costs: Sequence[int], world_size: int,
+                  allowed: Sequence[Sequence[int] | None] | None = None) -> Plan:
     """Give each item (cost ``costs[i]``) to one of ``world_size`` ranks, balancing total cost.
 
-    Deterministic: the same ``costs`` give the same plan on every rank. ``world_size == 1``
+    Args:
+        costs: each item's Newton–Schulz flops.
+        world_size: ranks in the group.
+        allowed: ``allowed[i]`` the ranks item i may go to (None: any; default None for all).
+            Expert-parallel pieces go to a rank that holds them, so that no data moves.
+
+    Deterministic: the same arguments give the same plan on every rank. ``world_size == 1``
     gives every item to rank 0.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     load = [0] * world_size
     owners = [0] * len(costs)
+    anyone = range(world_size)
     for i in sorted(range(len(costs)), key=lambda k: (-costs[k], k)):
-        r = min(range(world_size), key=lambda q: (load[q], q))
+        ranks = (allowed[i] if allowed is not None else None) or anyone
+        r = min(ranks, key=lambda q: (load[q], q))
         owners[i] = r
         load[r] += costs[i]
     return Plan(tuple(owners), tuple(load))

@@ -103,9 +103,10 @@ def apply_blocks_(param: Tensor, update: Tensor, *, lr: float, weight_decay: flo
 
     ``ranges``: ``(a, b, scale)`` for the rows ``[a, b)`` along ``axis`` (as
     `muonclip.optim.matrices.matrix_rows` states them; adjacent ranges of equal scale merged by
-    `merge_ranges`). ``param`` and ``update`` hold the rows ``[offset, offset + len(update))``
-    along axis 0 (all of them unless the weight is a row shard of a larger one; only axis 0
-    is ever sharded). The decay applies to all of ``param``, each range's update once.
+    `merge_ranges`). ``param`` and ``update`` hold the rows ``[offset, offset + n)`` along
+    ``axis``, ``n = update.shape[axis]`` (all of them unless the weight is a shard of a larger
+    one: a row shard, or a column shard of a transposed weight). The decay applies to all of
+    ``param``, each range's update once.
     """
     if weight_decay != 0.0:
         param.mul_(1.0 - lr * weight_decay)
@@ -117,18 +118,14 @@ def _pieces(param: Tensor, update: Tensor, axis: int, ranges: Sequence[tuple[int
             offset: int) -> list[tuple[Tensor, Tensor, float]]:
     """``(param rows, update rows, scale)`` of each range present here (whole tensors when one
     range covers everything: no views)."""
-    if axis >= 1:  # stacked experts, transposed weights: every local expert / stored row has every block
-        if len(ranges) == 1 and ranges[0][:2] == (0, param.shape[axis]):
-            return [(param, update, ranges[0][2])]
-        return [(param.narrow(axis, a, b - a), update.narrow(axis, a, b - a), s) for a, b, s in ranges]
-    n = update.shape[0]
-    if len(ranges) == 1 and offset == 0 and ranges[0][:2] == (0, n) and n == param.shape[0]:
+    n = update.shape[axis]
+    if len(ranges) == 1 and offset == 0 and ranges[0][:2] == (0, n) and n == param.shape[axis]:
         return [(param, update, ranges[0][2])]  # the usual case: one block, all rows here
     out = []
     for a, b, s in ranges:
         lo, hi = max(a, offset), min(b, offset + n)
         if lo < hi:
-            out.append((param[lo - offset : hi - offset], update[lo - offset : hi - offset], s))
+            out.append((param.narrow(axis, lo - offset, hi - lo), update.narrow(axis, lo - offset, hi - lo), s))
     return out
 
 
