@@ -409,9 +409,9 @@ def test_lightning_accumulation_callback_and_resume_is_identical(tmp_path):
         rec = attn.recorder
         orig = rec.update
 
-        def update(per_head_max, _i=i, _orig=orig):
+        def update(per_head_max, is_bound=None, _i=i, _orig=orig):
             updates.setdefault(_i, []).append(per_head_max.detach().clone())
-            _orig(per_head_max)
+            _orig(per_head_max, is_bound)
 
         rec.update = update
     callback = MuonClipLightningCallback()
