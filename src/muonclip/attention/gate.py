@@ -56,6 +56,18 @@ def _roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps / 2
 
 
+def _max_row_norm(x: Tensor) -> Tensor:
+    """``(H,)`` float32: the largest Euclidean norm of a row ``x[b, h, t, :]``, rounded upwards.
+
+    The norm runs in the input's dtype (``vector_norm(..., dtype=float32)`` takes a much slower
+    path); a reduced-precision result is widened by 4 of its units of round-off to stay an upper
+    bound."""
+    n = torch.linalg.vector_norm(x.detach(), dim=-1).amax(dim=(0, 2))
+    if n.dtype not in (torch.float32, torch.float64):
+        n = n.float() * (1 + 4 * torch.finfo(x.dtype).eps)
+    return n.to(torch.float32)
+
+
 def bias_floor(attn_mask: Tensor | None) -> Tensor | float:
     """``c = min(0, min over allowed entries of an additive mask)``; 0 for no mask or a bool mask."""
     if attn_mask is None or attn_mask.dtype == torch.bool:
@@ -86,10 +98,12 @@ def lse_bound(query: Tensor, key: Tensor, lse: Tensor, attn_mask: Tensor | None 
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     if lse.numel() == 0:
         return torch.full((hq,), -math.inf, device=query.device)
-    bound = lse.detach().amax(dim=(0, 2)).to(torch.float32) - bias_floor(attn_mask)
-    q_norm = torch.linalg.vector_norm(query.detach(), dim=-1, dtype=torch.float32).amax(dim=(0, 2))  # (Hq,)
-    k_norm = torch.linalg.vector_norm(key.detach(), dim=-1, dtype=torch.float32).amax(dim=(0, 2))  # (Hkv,)
-    k_norm = k_norm.repeat_interleave(hq // hkv)
+    # (B, Hq, Tq) -> (B * Tq, Hq) rows: the CPU kernel stores the LSE as (B, Tq, Hq), where this is a view;
+    # an amax over dims (0, 2) of that layout runs a far slower reduction
+    row_max = lse.detach().movedim(1, -1).reshape(-1, hq).amax(dim=0)
+    bound = row_max.to(torch.float32) - bias_floor(attn_mask)
+    q_norm = _max_row_norm(query)  # (Hq,)
+    k_norm = _max_row_norm(key).repeat_interleave(hq // hkv)  # (Hkv,) -> (Hq,)
     eps = (2 * D + 8) * _roundoff(query.dtype) * abs(scale) * q_norm * k_norm
     eps = eps + 8 * _roundoff(lse.dtype) * (bound.abs() + 1)
     return bound + eps
