@@ -70,7 +70,7 @@ def conditioned(shape: tuple[int, ...], cond: float = 100.0, seed: int = 0) -> t
 
 
 def quintic_flops(m: int, n: int, steps: int = 5) -> int:
-    """Plain quintic Newton–Schulz on one m x n matrix, m <= n (design.md 1.2)."""
+    """Plain quintic Newton–Schulz on one m x n matrix, m <= n (docs/design.md, "Orthogonalisation")."""
     return steps * (4 * m * m * n + 2 * m**3)
 
 

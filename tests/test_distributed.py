@@ -3,7 +3,7 @@
 Every multi-rank check runs in processes started by ``torch.multiprocessing`` (a free port,
 gloo, a 60 s collective timeout, a wall-clock limit so that a hang fails instead of stalling)
 and compares against the single-process run of the same model on the same data, computed in
-the same process with ``process_group="local"`` (design.md 1.4).
+the same process with ``process_group="local"`` (docs/design.md, "Distributed Muon").
 """
 
 from __future__ import annotations
@@ -521,7 +521,7 @@ def test_muonclip_fsdp2_gpt_neox_per_head_interleaved_qkv(tmp_path):
     pytest.importorskip("transformers")
     from hf_probe import assert_only_clipped_rows_changed, replay_max, save_attention_inputs
 
-    from muonclip.qkclip.hf import attach
+    from muonclip.integrations.hf import attach
 
     _launch(_neox_clip_worker, str(tmp_path))
     model = _neox(shard=False)

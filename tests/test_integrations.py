@@ -187,7 +187,7 @@ def test_hf_trainer_grad_accumulation_clip_sees_both_micro_batches_and_callback_
     pytest.importorskip("accelerate")
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-    from muonclip.integrations.hf_trainer import MuonClipTrainerCallback
+    from muonclip.integrations.hf import MuonClipTrainerCallback
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

@@ -1,4 +1,4 @@
-"""param_groups: routing exactly as design.md 1.1 says, every parameter exactly once."""
+"""param_groups: routing exactly as docs/design.md ("Which matrices") says, every parameter exactly once."""
 
 import pytest
 import torch

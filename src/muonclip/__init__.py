@@ -1,6 +1,6 @@
 """muonclip: the Muon optimizer and MuonClip (Muon + QK-Clip) for PyTorch.
 
-Every export (docs/design.md has the algorithms and the module map):
+Every export (the algorithms and where each piece lives: docs/design.md, "Module map"):
 
 * `Muon` — Muon for hidden matrices plus an AdamW branch in one optimizer; takes
   torch.optim.Muon's arguments.
@@ -18,11 +18,13 @@ Every export (docs/design.md has the algorithms and the module map):
 * ``__version__``.
 
 Importing the package also registers its layers with the core: `muonclip.distributed` (steps
-over several processes) and `muonclip.fast` (the opt-in fast paths and the CPU default backend).
+over several processes), `muonclip.fast` (the opt-in fast paths and the CPU default backend)
+and `muonclip.integrations` (Hugging Face models' attention layers for `MuonClip`).
 """
 
 from . import distributed as _distributed  # noqa: F401  (registers the distributed engine)
 from . import fast as _fast  # noqa: F401  (registers backends and methods)
+from . import integrations as _integrations  # noqa: F401  (registers the transformers layer discovery)
 from .attention import scaled_dot_product_attention
 from .optim import Muon, NonFiniteGradError, ParamGroups, muon_update, param_groups
 from .ortho import orthogonalize

@@ -1,6 +1,6 @@
 """`MaxLogitRecorder`: the running per-head max logit of one attention layer.
 
-QK-Clip (design.md 1.3) needs, per attention head h, ``S_h = scale * max q_i^h . k_j^h`` over
+QK-Clip (docs/design.md, "QK-Clip") needs, per attention head h, ``S_h = scale * max q_i^h . k_j^h`` over
 every token pair the mask lets through, over the whole step: every micro-batch of gradient
 accumulation (and, in `MuonClip.step`, every data-parallel rank). On a training forward
 (training mode and grad enabled; `muonclip.attention.recording`) the attention call

@@ -103,7 +103,7 @@ class MaxLogitMonitor:
     Args:
         layers: the layers to watch: `muonclip.qkclip.AttentionLayer` objects (or anything with
             ``name`` and ``recorder``), e.g. ``MuonClip.layers``,
-            ``muonclip.qkclip.discover_layers(model)`` or ``muonclip.qkclip.hf.attach(model)``;
+            ``muonclip.qkclip.discover_layers(model)`` or ``muonclip.integrations.hf.attach(model)``;
             or a mapping from layer name to the layer's `MaxLogitRecorder`.
 
     Raises:

@@ -1,5 +1,5 @@
 """`scaled_dot_product_attention`: a drop-in for ``F.scaled_dot_product_attention`` that also
-records each query head's max logit into a `MaxLogitRecorder` (design.md 1.3, 2).
+records each query head's max logit into a `MaxLogitRecorder` (docs/design.md, "QK-Clip").
 
 Without a recorder it is exactly ``F.scaled_dot_product_attention``. With one, the output is
 still SDPA's (same kernel, same autograd graph) and, on a training forward (``training`` true

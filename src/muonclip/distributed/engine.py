@@ -166,18 +166,13 @@ class DistributedEngine:
 
         # 6. results back to every rank that holds rows, then 7.
         out: list[Tensor | None] = [None] * len(live)
-        if st.rep_idx:
-            got = all_gather_owned(ctx, {j: results[k] for j, k in enumerate(st.rep_idx) if k in results},
-                                   [shapes[k] for k in st.rep_idx], [plan.owners[k] for k in st.rep_idx],
-                                   wire, dtype, device, stats.comm)
-            for j, k in enumerate(st.rep_idx):
-                out[k] = got[j]
-        if st.rows_idx:
-            got = scatter_rows(ctx, {j: results[k] for j, k in enumerate(st.rows_idx) if k in results},
-                               [shapes[k] for k in st.rows_idx], [plan.owners[k] for k in st.rows_idx],
-                               wire, dtype, device, stats.comm)
-            for j, k in enumerate(st.rows_idx):
-                out[k] = got[j]
+        for idx, exchange in ((st.rep_idx, all_gather_owned), (st.rows_idx, scatter_rows)):
+            if idx:  # replicated weights: all-gather of the owners' results; row-sharded: all-to-all
+                got = exchange(ctx, {j: results[k] for j, k in enumerate(idx) if k in results},
+                               [shapes[k] for k in idx], [plan.owners[k] for k in idx], wire, dtype, device,
+                               stats.comm)
+                for j, k in enumerate(idx):
+                    out[k] = got[j]
         for k, O in enumerate(out):
             apply(k, O)
         return stats

@@ -1,8 +1,9 @@
 """Symmetric products for Newton–Schulz: compute only the upper triangle of X X^T and S S.
 
 In the quintic step ``S = X X^T``, ``X <- a X + (b S + c S S) X`` both ``S`` and ``S S``
-(= ``S S^T``) are symmetric, so half of each product is redundant (design.md 1.2: a symmetric
-kernel needs about ``3 m^2 n + m^3`` flops a step instead of ``4 m^2 n + 2 m^3``).
+(= ``S S^T``) are symmetric, so half of each product is redundant: a symmetric kernel needs
+about ``3 m^2 n + m^3`` flops a step instead of ``4 m^2 n + 2 m^3`` (docs/design.md, "Faster
+variants of the quintic").
 
 Without a symmetric (syrk) kernel for bf16 we cut the rows into ``blocks`` strips of height h
 and compute strip i against rows ``i h ..`` only (``X_i @ X[i h:]^T``: a (h, m - i h) block
@@ -10,14 +11,12 @@ of the upper triangle), then mirror it into the lower triangle. That costs
 ``(blocks + 1) / (2 blocks)`` of the full product's flops (0.75 for 2 strips, 0.625 for 4),
 in ``blocks`` smaller matrix products and one mirror copy per strip.
 
-Measured on a 2-core AMD EPYC (Zen 5, avx512_bf16), torch 2.13, one thread, bf16
-(benchmarks/RESULTS.md): the strips run at a lower rate than one big product and the mirror
-copies cost more than the saved flops, so ``ns5_sym`` is 1.1-1.5x *slower* than plain ns5 at
-every GPT/expert shape (384 x 384, 384 x 1536, 64 x 256 x 176); only at 1536 x 1536 did 2
-strips gain (0.92x). It is kept as a user option (``method="ns5_sym"``), not a default.
+On the CPUs we measured (docs/benchmarks.md) the strips run at a lower rate than one big product
+and the mirror copies cost more than the saved flops, so ``ns5_sym`` is slower than plain ns5
+at the GPT and expert shapes. It is a method of its own (``method="ns5_sym"``), never a default.
 
 On a CUDA device with Triton, both symmetric products run in the Triton kernel of
-`muonclip.ortho.triton_syrk` instead (upper-triangle tiles only, ``P = b S + c S S`` fused into
+`muonclip.fast.triton_syrk` instead (upper-triangle tiles only, ``P = b S + c S S`` fused into
 its epilogue); the product with X stays with cuBLAS.
 """
 

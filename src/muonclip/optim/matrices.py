@@ -1,6 +1,6 @@
 """How a parameter tensor is seen as a batch of matrices for orthogonalisation.
 
-Declared, not guessed (design.md 1.1):
+Declared, not guessed (docs/design.md, "Which matrices: fused projections, heads and routers"):
 
 * 2-D ``(A, B)``: one matrix.
 * ``flatten=True`` or ndim >= 4 (convolutions ``(out, in, kh, kw)``): one ``(out, in*kh*kw)``

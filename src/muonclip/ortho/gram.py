@@ -15,8 +15,8 @@ symmetric. In exact arithmetic the result equals the plain quintic's.
 **Restarts.** In low precision R drifts: its eigenvectors stop matching X's and round-off
 creates spurious negative eigenvalues, which the polynomial then blows up. A *restart* before
 step i forms ``X = Q X`` and ``R = X X^T`` afresh (costing two m x n products). Dao-AILab
-restart once, before step 2 of 5, computing in fp16. In bf16 (8-bit mantissa; fp16 matmul
-is ~100x slower than bf16 on CPUs) we measured, on 6 matrices 384 x 1536 with singular values
+restart once, before step 2 of 5, computing in fp16. In bf16 (8-bit mantissa; CPUs have no fast
+fp16 matmul) we measured, on 6 matrices 384 x 1536 with singular values
 log-spaced in [0.01, 1] (max |sigma - 1|; plain bf16 quintic / float64 quintic in brackets):
 ns5 5 steps: no restart 1.26, restart (2,) 0.40, (3,) 0.325 [0.320 / 0.318];
 Over 24 cases (48 x 192 to 384 x 1536, singular values down to 1e-3, 2 seeds) the worst
