@@ -424,3 +424,26 @@ def test_discover_layers_asks_the_registered_discoverers_in_order(monkeypatch):
     assert hf_layers(plain) is None
     with pytest.raises(ValueError, match="could not find attention layers in Sequential"):
         discovery.discover_layers(plain)
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2-sliding-window", "gpt2-fused-conv1d"])
+def test_attention_function_gates_with_muonclips_tau(kind):
+    """Through transformers' attention interface (left padding, GQA, a sliding window, GPT-2's fused
+    projection), MuonClip's tau reaches the recorders: heads below tau may be recorded as LSE bounds
+    (at or below tau, at least the exact max: at least one is, so the gate ran), and every head above tau
+    holds its exact max."""
+    from muonclip.qkclip.muonclip import MuonClip
+
+    model = build(kind)
+    ids, am = batch()
+    exact = reference_max(model, ids, am)
+    tau = tau_between_heads(exact)
+    opt = MuonClip(model, lr=0.0, tau=tau, layers=attach(model))
+    assert all(layer.recorder.threshold == tau for layer in opt.layers)
+    model.train()
+    model(ids, attention_mask=am, use_cache=False)
+    n_bounded = 0
+    for layer in opt.layers:
+        assert_clip_input(layer.recorder.value, layer.recorder.bounded, exact[layer.name], tau)
+        n_bounded += int(layer.recorder.bounded.sum())
+    assert n_bounded > 0
