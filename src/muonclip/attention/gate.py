@@ -100,7 +100,7 @@ def lse_bound(query: Tensor, key: Tensor, lse: Tensor, attn_mask: Tensor | None 
     bound = row_max.to(torch.float32) - bias_floor(attn_mask)
     # |q_i||k_j| <= D max|q| max|k|: one cheap pass over q and k instead of their row norms
     eps = (2 * D + 8) * D * _roundoff(query.dtype) * abs(scale) * _max_abs(query) * _max_abs(key)
-    eps = eps + 8 * _roundoff(lse.dtype) * (bound.abs() + 1)
+    eps = eps + 4 * torch.finfo(lse.dtype).eps * (bound.abs() + 1)  # 8 units of the LSE's own round-off
     return bound + eps
 
 
