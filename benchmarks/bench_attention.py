@@ -68,7 +68,7 @@ def bench_capture(device: str) -> None:
                 try:
                     t_max = timeit(scaled_dot_product_attention, repeat, device, q, k, v, **kw, recorder=rec)
                 finally:
-                    set_max_logit_backend("chunked")
+                    set_max_logit_backend("gated")
                 line += f" {1e3 * t_flex:>8.3f} {1e3 * t_max:>12.3f} {t_max / t_flex:>7.3f} {t_max / t0:>7.3f}"
             print(line, flush=True)
 

@@ -194,7 +194,7 @@ def test_without_recorder_is_plain_sdpa():
 
 def test_backend_switch_falls_back_on_cpu():
     """On CPU the flex backend falls back to the very same SDPA call: its output is SDPA's bit for bit."""
-    assert get_max_logit_backend() == "chunked"
+    assert get_max_logit_backend() == "gated"
     with pytest.raises(ValueError, match="backend"):
         set_max_logit_backend("fast")
     q, k, v = qkv()
@@ -203,7 +203,7 @@ def test_backend_switch_falls_back_on_cpu():
         rec = MaxLogitRecorder(4)
         out = scaled_dot_product_attention(q, k, v, is_causal=True, recorder=rec)
     finally:
-        set_max_logit_backend("chunked")
+        set_max_logit_backend("gated")
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
     torch.testing.assert_close(rec.value, reference_max(q, k, causal(7, 7)))
 
@@ -246,7 +246,7 @@ def test_flex_backend_max_equals_explicit_on_cuda(case, dtype):
         out = scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=hkv != hq,
                                            recorder=rec)
     finally:
-        set_max_logit_backend("chunked")
+        set_max_logit_backend("gated")
     ref = reference_max(q.float(), k.float(), allowed)
     tol = 5e-2 if dtype == torch.bfloat16 else 1e-2
     torch.testing.assert_close(rec.value.float(), ref, rtol=tol, atol=tol)
@@ -286,7 +286,7 @@ def flex_on_cpu(monkeypatch):
     max_logits._causal_block_mask.cache_clear()
     set_max_logit_backend("flex")
     yield
-    set_max_logit_backend("chunked")
+    set_max_logit_backend("gated")
     max_logits._causal_block_mask.cache_clear()
 
 

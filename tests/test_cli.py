@@ -62,6 +62,9 @@ def test_compare_end_to_end_writes_a_real_report(tmp_path, text, capsys):
     assert read_rows(out / "muonclip")[0]["clipped_heads"] > 0
     assert by["muonclip"]["clip_steps"] >= 1 and by["muon"]["clip_events"] == by["adamw"]["clip_events"] == 0
     assert by["muonclip"]["final_max_logit"] < by["muon"]["final_max_logit"]
+    # exact maxima without a threshold (AdamW, Muon); MuonClip's bounds only ever at or below tau
+    assert all(r["max_logit_is_bound"] == 0 for n in ("adamw", "muon") for r in read_rows(out / n))
+    assert all(r["max_logit"] <= 0.05 for r in read_rows(out / "muonclip") if r["max_logit_is_bound"])
     md = (out / "summary.md").read_text()
     table = [line for line in md.splitlines() if line.startswith("| ")]
     assert len(table) == 4 and f"{by['muon']['final_val_loss']:.4f}" in table[2]
@@ -289,9 +292,9 @@ def test_train_validation_every_step_changes_nothing_and_feeds_no_recorder(tmp_p
         finally:
             counts["inside"] = False
 
-    def update(self, per_head_max):
+    def update(self, per_head_max, is_bound=None):
         counts["fed"] += counts["inside"]
-        real_update(self, per_head_max)
+        real_update(self, per_head_max, is_bound)
 
     monkeypatch.setattr(train_mod, "evaluate", evaluate)
     monkeypatch.setattr(MaxLogitRecorder, "update", update)
@@ -307,3 +310,18 @@ def test_train_validation_every_step_changes_nothing_and_feeds_no_recorder(tmp_p
     a, b = load_checkpoint(tmp_path / "rarely" / "checkpoint.pt"), load_checkpoint(tmp_path / "often" / "checkpoint.pt")
     for k, v in a["model"].items():
         assert torch.equal(v, b["model"][k]), k
+
+
+def test_summary_marks_max_logits_that_are_lse_bounds():
+    """A peak or final max logit that MuonClip logged as an LSE upper bound is marked "≤" in the table."""
+    from muonclip.cli.report import markdown_table, summarize_run
+
+    rows = [{"step": 1, "tokens": 10, "val_loss": 3.0, "max_logit": 9.0, "max_logit_is_bound": 0, "clipped_heads": 1,
+             "step_time": 0.1, "elapsed": 1.0},
+            {"step": 2, "tokens": 20, "val_loss": 2.0, "max_logit": 7.5, "max_logit_is_bound": 1, "clipped_heads": 0,
+             "step_time": 0.1, "elapsed": 2.0}]
+    s = summarize_run(rows)
+    assert s["peak_max_logit_is_bound"] is False and s["final_max_logit_is_bound"] is True
+    s.update(optimizer="muonclip", lr=0.01, tokens_to_target=None, ratio_to_target=None, step_time_ratio=None)
+    line = markdown_table([s]).splitlines()[-1]
+    assert "| 9.0 | ≤ 7.5 |" in line

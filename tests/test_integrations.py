@@ -265,6 +265,8 @@ def test_hf_trainer_grad_accumulation_clip_sees_both_micro_batches_and_callback_
         for logs in (hist, rep):
             assert logs["muonclip/max_logit"] == pytest.approx(m, rel=1e-6)
             assert logs["muonclip/max_logit_peak"] == pytest.approx(m, rel=1e-6)
+            assert logs["muonclip/max_logit_peak_is_bound"] == logs["muonclip/max_logit_is_bound"]
+            assert c == 0 or logs["muonclip/max_logit_is_bound"] == 0.0  # a clipped head's max is exact
             assert logs["muonclip/clipped_heads"] == c
             assert logs["muonclip/clipped_fraction"] == pytest.approx(c / 8)
             assert 0.05 < logs["muonclip/update_rms"] < 0.25  # rms scale: ~0.2 times ns5's singular values
@@ -409,9 +411,9 @@ def test_lightning_accumulation_callback_and_resume_is_identical(tmp_path):
         rec = attn.recorder
         orig = rec.update
 
-        def update(per_head_max, _i=i, _orig=orig):
+        def update(per_head_max, is_bound=None, _i=i, _orig=orig):
             updates.setdefault(_i, []).append(per_head_max.detach().clone())
-            _orig(per_head_max)
+            _orig(per_head_max, is_bound)
 
         rec.update = update
     callback = MuonClipLightningCallback()

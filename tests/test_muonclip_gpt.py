@@ -12,7 +12,7 @@ from torch import nn
 
 import muonclip
 from muonclip import Muon, MuonClip
-from muonclip.attention import MaxLogitMonitor, MaxLogitRecorder
+from muonclip.attention import MaxLogitMonitor, MaxLogitRecorder, set_max_logit_backend
 from muonclip.models import GPT, GPTConfig
 from muonclip.models import gpt as gpt_module
 from muonclip.qkclip import AttentionLayer, GQALayout, MHALayout, MLALayout, compute_gamma
@@ -91,7 +91,11 @@ def test_lr0_clip_invariant(name):
     for g in opt.param_groups:
         g["lr"] = 0.0
     inputs, handles = capture_inputs(model)
-    _, loss = model(batch(), batch())
+    set_max_logit_backend("chunked")  # every head exact, so that tau may be set from the maxima after the forward
+    try:
+        _, loss = model(batch(), batch())
+    finally:
+        set_max_logit_backend("gated")
     loss.backward()
     for h in handles:
         h.remove()
@@ -140,9 +144,13 @@ def test_normal_step_clipped_logits_are_gamma_times_unclipped(name, monkeypatch)
     model_b = copy.deepcopy(model_a)
     opt_a = MuonClip(model_a, lr=0.02, tau=1e9, weight_decay=0.0)
     opt_b = MuonClip(model_b, lr=0.02, tau=1e30, weight_decay=0.0)  # never clips: plain Muon (tau is finite)
-    for m in (model_a, model_b):  # identical weights and batch: identical grads
-        _, loss = m(batch(), batch())
-        loss.backward()
+    set_max_logit_backend("chunked")  # every head exact, so that tau may be set from the maxima after the forward
+    try:
+        for m in (model_a, model_b):  # identical weights and batch: identical grads
+            _, loss = m(batch(), batch())
+            loss.backward()
+    finally:
+        set_max_logit_backend("gated")
     opt_a.tau = float(torch.cat([layer.recorder.value for layer in opt_a.layers]).median())
     opt_a.step()
     opt_b.step()

@@ -14,6 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from clip_input import assert_clip_input  # noqa: E402
 from hf_probe import (  # noqa: E402
     assert_only_clipped_rows_changed,
     capture_forward,
@@ -307,7 +308,7 @@ def test_muonclip_lr0_clips_exactly_to_tau(kind):
     after = replay_max(model, saved)
     n_clipped = 0
     for name, s in before.items():
-        torch.testing.assert_close(opt.last_max_logits[name].float().cpu(), s, rtol=1e-5, atol=1e-5)
+        assert_clip_input(opt.last_max_logits[name], opt.last_bounded[name], s, tau)
         torch.testing.assert_close(after[name], torch.clamp(s, max=tau), rtol=1e-5, atol=1e-5)
         clipped = s > tau
         assert torch.equal(opt.last_clipped[name].cpu(), clipped)
@@ -423,3 +424,26 @@ def test_discover_layers_asks_the_registered_discoverers_in_order(monkeypatch):
     assert hf_layers(plain) is None
     with pytest.raises(ValueError, match="could not find attention layers in Sequential"):
         discovery.discover_layers(plain)
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2-sliding-window", "gpt2-fused-conv1d"])
+def test_attention_function_gates_with_muonclips_tau(kind):
+    """Through transformers' attention interface (left padding, GQA, a sliding window, GPT-2's fused
+    projection), MuonClip's tau reaches the recorders: heads below tau may be recorded as LSE bounds
+    (at or below tau, at least the exact max: at least one is, so the gate ran), and every head above tau
+    holds its exact max."""
+    from muonclip.qkclip.muonclip import MuonClip
+
+    model = build(kind)
+    ids, am = batch()
+    exact = reference_max(model, ids, am)
+    tau = tau_between_heads(exact)
+    opt = MuonClip(model, lr=0.0, tau=tau, layers=attach(model))
+    assert all(layer.recorder.threshold == tau for layer in opt.layers)
+    model.train()
+    model(ids, attention_mask=am, use_cache=False)
+    n_bounded = 0
+    for layer in opt.layers:
+        assert_clip_input(layer.recorder.value, layer.recorder.bounded, exact[layer.name], tau)
+        n_bounded += int(layer.recorder.bounded.sum())
+    assert n_bounded > 0

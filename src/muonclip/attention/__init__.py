@@ -1,6 +1,9 @@
-"""Attention with max-logit capture: the drop-in SDPA, the exact chunked max, the recorder, the
-rule for which forwards feed the clip and the monitor for those that must not (`recording`)."""
+"""Attention with max-logit capture: the drop-in SDPA, the exact chunked max, the LSE gate that
+makes it nearly free (`gate`, on the kernels of `lse`), the recorder, the rule for which
+forwards feed the clip and the monitor for those that must not (`recording`)."""
 
+from .gate import gated_max_logits, lse_bound
+from .lse import sdpa_with_lse
 from .max_logits import DEFAULT_CHUNK_ELEMENTS, chunked_max_logits
 from .recorder import MaxLogitRecorder
 from .recording import MaxLogitMonitor, is_training_forward
@@ -11,8 +14,11 @@ __all__ = [
     "MaxLogitMonitor",
     "MaxLogitRecorder",
     "chunked_max_logits",
+    "gated_max_logits",
     "get_max_logit_backend",
     "is_training_forward",
+    "lse_bound",
     "scaled_dot_product_attention",
+    "sdpa_with_lse",
     "set_max_logit_backend",
 ]

@@ -128,7 +128,7 @@ class MaxLogitMonitor:
                 )
             if name in names or id(recorder) in self._watched:
                 raise ValueError(f"MaxLogitMonitor: layer {name!r} (or its recorder) is given twice")
-            names[name] = MaxLogitRecorder(recorder.n_heads, recorder.heads)
+            names[name] = MaxLogitRecorder(recorder.n_heads, heads=recorder.heads)
             self._watched[id(recorder)] = names[name]
         self._sources = [recorder for _, recorder in pairs]  # keeps the ids above valid
         self._mine = names

@@ -4,21 +4,32 @@ records each query head's max logit into a `MaxLogitRecorder` (docs/design.md, "
 Without a recorder it is exactly ``F.scaled_dot_product_attention``. With one, the output is
 still SDPA's (same kernel, same autograd graph) and, on a training forward (``training`` true
 and grad mode on: the rule of `muonclip.attention.recording`), the per-head max of
-``scale * q.k`` over allowed pairs and over the batch is computed (outside autograd) by
-`muonclip.attention.max_logits.chunked_max_logits` (bounded memory; never the full
-``(B, H, Tq, Tk)`` scores at once) and folded into the recorder's running max, which the next
-QK-Clip consumes. Any other call (evaluation, generation, anything under ``torch.no_grad``)
-leaves the recorder alone and computes no max, unless a `MaxLogitMonitor` watching the layer is
-active, which then receives it.
+``scale * q.k`` over allowed pairs and over the batch is folded into the recorder's running
+max, which the next QK-Clip consumes. Any other call (evaluation, generation, anything under
+``torch.no_grad``) leaves the recorder alone and computes no max, unless a `MaxLogitMonitor`
+watching the layer is active, which then receives it.
 
-On CUDA, ``set_max_logit_backend("flex")`` switches eligible calls (no dropout, no mask or a
-boolean mask) to FlexAttention, which returns output and row maxima from one fused kernel.
-FlexAttention is compiled with ``dynamic=False``: each new (shape, dtype, mask kind) compiles
-once, and past dynamo's ``recompile_limit`` (8 by default) it runs unfused, still correct
-(raise ``torch._dynamo.config.recompile_limit`` for many sequence lengths). The output is the
-FlexAttention kernel's, equal to SDPA's within kernel round-off, not bit-identical. That path
-is opt-in and has not yet run on a GPU in this project (`benchmarks/gpu_check.sh` runs its
-test); the default ``"chunked"`` works on every device.
+How the max is computed (`set_max_logit_backend`):
+
+* ``"gated"`` (default): when every recorder fed by the call has a threshold (the clip's tau,
+  which `MuonClip` sets) and SDPA runs on a kernel that returns its log-sum-exp
+  (`muonclip.attention.lse`: the CPU flash kernel of torch 2.x), the output and the LSE come
+  from that kernel, the LSE bounds every head's max, and only heads whose bound passes the
+  threshold get their exact max (`muonclip.attention.gate`). Clip decisions and gammas are
+  those of the exact path; heads far below tau cost a max over the LSE. Anywhere else
+  (a recorder without a threshold, a monitor, dropout, CUDA, a torch without that kernel) it is
+  ``"chunked"``.
+* ``"chunked"``: SDPA, then the exact max of every head by
+  `muonclip.attention.max_logits.chunked_max_logits` (bounded memory; never the full
+  ``(B, H, Tq, Tk)`` scores at once): about one more causal ``Q K^T`` per call.
+* ``"flex"`` (CUDA): eligible calls (no dropout, no mask or a boolean mask) run FlexAttention,
+  which returns output and row maxima from one fused kernel. FlexAttention is compiled with
+  ``dynamic=False``: each new (shape, dtype, mask kind) compiles once, and past dynamo's
+  ``recompile_limit`` (8 by default) it runs unfused, still correct (raise
+  ``torch._dynamo.config.recompile_limit`` for many sequence lengths). The output is the
+  FlexAttention kernel's, equal to SDPA's within kernel round-off, not bit-identical. That
+  path is opt-in and has not yet run on a GPU in this project (`benchmarks/gpu_check.sh` runs
+  its test); other calls fall back to ``"gated"``.
 """
 
 from __future__ import annotations
@@ -27,17 +38,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .gate import gated_max_logits
+from .lse import sdpa_with_lse
 from .max_logits import check_shapes, chunked_max_logits, flex_attention_with_max, flex_available
 from .recorder import MaxLogitRecorder
 from .recording import recorders_to_feed
 
-BACKENDS = ("chunked", "flex")
-_backend = "chunked"
+BACKENDS = ("gated", "chunked", "flex")
+_backend = "gated"
 
 
 def set_max_logit_backend(name: str) -> None:
-    """Choose how recorded max logits are computed: ``"chunked"`` (default) or ``"flex"`` (CUDA only;
-    falls back to chunked where FlexAttention is unavailable, the mask is additive, or dropout is on)."""
+    """Choose how recorded max logits are computed (module docstring): ``"gated"`` (default; the
+    LSE gate where the kernel returns the LSE and the recorders know tau, else exact),
+    ``"chunked"`` (always exact, one more ``Q K^T``) or ``"flex"`` (CUDA only; falls back to
+    ``"gated"`` where FlexAttention is unavailable, the mask is additive, or dropout is on)."""
     global _backend
     if name not in BACKENDS:
         raise ValueError(f"max-logit backend must be one of {BACKENDS}, got {name!r}")
@@ -78,7 +93,9 @@ def scaled_dot_product_attention(
             None: plain SDPA). On a training forward it receives the max over the batch,
             queries and allowed keys of ``scale * q.k`` per query head (after whatever RoPE the
             caller applied; an additive mask's finite bias is not included; fully masked rows
-            contribute ``-inf``).
+            contribute ``-inf``). If the recorder has a ``threshold`` (the clip's tau), heads
+            that provably stay at or below it may be recorded as an upper bound instead
+            (``"gated"`` backend; `MaxLogitRecorder.bounded` says which).
         training: whether the calling module is in training mode: pass ``self.training``, as
             for ``F.dropout`` (default True). The recorder is fed only when ``training`` is
             true and grad mode is on (``torch.is_grad_enabled()``); see
@@ -97,6 +114,7 @@ def scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa,
         )
+    is_bound = None  # every value exact, unless the LSE gate bounds some heads
     if (
         _backend == "flex"
         and dropout_p == 0.0
@@ -105,14 +123,30 @@ def scaled_dot_product_attention(
     ):
         out, per_head = flex_attention_with_max(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     else:
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-            enable_gqa=enable_gqa,
+        threshold = call_threshold(targets) if _backend != "chunked" else None
+        with_lse = None if threshold is None else sdpa_with_lse(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
         )
-        per_head = chunked_max_logits(query, key, attn_mask, is_causal, scale, enable_gqa)
+        if with_lse is not None:
+            out, lse = with_lse
+            per_head, is_bound = gated_max_logits(query, key, lse, threshold, attn_mask, is_causal, scale, enable_gqa)
+        else:
+            out = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                enable_gqa=enable_gqa,
+            )
+            per_head = chunked_max_logits(query, key, attn_mask, is_causal, scale, enable_gqa)
     for target in targets:
-        target.update(per_head)
+        target.update(per_head, is_bound)
     return out
 
 
-__all__ = ["BACKENDS", "get_max_logit_backend", "scaled_dot_product_attention", "set_max_logit_backend"]
+def call_threshold(targets: list[MaxLogitRecorder]) -> float | None:
+    """The threshold one call may gate with: the smallest of its recorders', None when any has none."""
+    thresholds = [t.threshold for t in targets]
+    return None if any(t is None for t in thresholds) else min(thresholds)
+
+
+__all__ = [
+    "BACKENDS", "call_threshold", "get_max_logit_backend", "scaled_dot_product_attention", "set_max_logit_backend",
+]

@@ -7,6 +7,9 @@ One row per optimizer step, flushed as it is written::
     lr            learning rate of the step (the optimizer's own: Muon's for muon/muonclip)
     max_logit     largest per-head max logit over all layers in the step's forward pass
     max_logit_<i> per layer i                   clipped_heads / clipped_<i>: heads QK-Clip scaled
+    max_logit_is_bound  1 when max_logit is an upper bound from the attention kernel's LSE, not the
+                  exact max: MuonClip's gated capture records heads that stay at or below tau that
+                  way (at most log(T) above the exact value); 0 when exact
     update_rms    RMS over all hidden-matrix elements of U = (W_before (1 - lr wd) - W_after) / lr,
                   before QK-Clip (`muonclip.integrations.UpdateRMS`; ~0.2 for Muon's rms scale)
     step_time     seconds of forward + backward + step   elapsed: wall seconds since start
@@ -31,7 +34,7 @@ def csv_columns(n_layer: int) -> list[str]:
     return (["step", "tokens", "loss", "val_loss", "lr", "max_logit"]
             + [f"max_logit_{i}" for i in range(n_layer)]
             + ["clipped_heads"] + [f"clipped_{i}" for i in range(n_layer)]
-            + ["update_rms", "step_time", "elapsed"])
+            + ["max_logit_is_bound", "update_rms", "step_time", "elapsed"])
 
 
 def _clean(v: Any) -> Any:

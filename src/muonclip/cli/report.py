@@ -16,7 +16,10 @@ Summary columns (one row per optimizer):
   skipped as warm-up) and its ratio to AdamW's, measured in the same process.
 
 Plots (PNG): ``val_loss.png`` (validation loss against tokens), ``max_logit.png`` (max logit
-against steps, tau as a dashed line), ``clip_events.png`` (heads clipped per step).
+against steps, tau as a dashed line; hollow markers where the value is MuonClip's LSE upper
+bound rather than the exact max, see `muonclip.cli.metrics`), ``clip_events.png`` (heads
+clipped per step). ``peak max logit`` and ``final max logit`` carry a "≤" where they are such a
+bound.
 """
 
 from __future__ import annotations
@@ -55,7 +58,9 @@ def summarize_run(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if not rows:
         raise ValueError("the run wrote no metrics")
     evals = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
-    logits = [r["max_logit"] for r in rows if r.get("max_logit") is not None]
+    logged = [r for r in rows if r.get("max_logit") is not None]
+    logits = [r["max_logit"] for r in logged]
+    peak = max(logged, key=lambda r: r["max_logit"]) if logged else {}
     times = [r["step_time"] for r in rows[5:]] or [r["step_time"] for r in rows]
     return {
         "steps": rows[-1]["step"],
@@ -63,6 +68,8 @@ def summarize_run(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "final_val_loss": evals[-1] if evals else None,
         "peak_max_logit": max(logits) if logits else None,
         "final_max_logit": logits[-1] if logits else None,
+        "peak_max_logit_is_bound": bool(peak.get("max_logit_is_bound")),
+        "final_max_logit_is_bound": bool(logged and logged[-1].get("max_logit_is_bound")),
         "clip_events": sum(int(r.get("clipped_heads") or 0) for r in rows),
         "clip_steps": sum(1 for r in rows if r.get("clipped_heads")),
         "wall_time": rows[-1]["elapsed"],
@@ -90,6 +97,10 @@ def _fmt(v: Any, spec: str, none: str = "-") -> str:
     return none if v is None else format(v, spec)
 
 
+def _bound(s: dict[str, Any], which: str) -> str:
+    return "≤ " if s.get(f"{which}_max_logit_is_bound") else ""
+
+
 def markdown_table(summary: list[dict[str, Any]]) -> str:
     """The summary as a Markdown table."""
     head = ("| optimizer | lr | final val loss | tokens to AdamW's final (ratio) | peak max logit | "
@@ -102,7 +113,8 @@ def markdown_table(summary: list[dict[str, Any]]) -> str:
             reach = f"{s['tokens_to_target'] / 1e6:.2f}M ({s['ratio_to_target']:.2f})"
         lines.append(
             f"| {s['optimizer']} | {_fmt(s['lr'], '.3g')} | {_fmt(s['final_val_loss'], '.4f')} | {reach} | "
-            f"{_fmt(s['peak_max_logit'], '.1f')} | {_fmt(s['final_max_logit'], '.1f')} | "
+            f"{_bound(s, 'peak')}{_fmt(s['peak_max_logit'], '.1f')} | "
+            f"{_bound(s, 'final')}{_fmt(s['final_max_logit'], '.1f')} | "
             f"{s['clip_events']} ({s['clip_steps']}) | {s['wall_time']:.0f}s | "
             f"{1000 * s['step_time']:.0f}ms ({_fmt(s['step_time_ratio'], '.2f')}) |"
         )
@@ -139,6 +151,10 @@ def plot(runs: dict[str, Path], out_dir: Path, tau: float) -> list[Path]:
         pts = [r for r in rs if r.get("max_logit") is not None]
         ax.plot([r["step"] for r in pts], [r["max_logit"] for r in pts], label=name, color=COLORS.get(name), lw=1.2,
                 ls=STYLES.get(name, "-"))
+        bound = [r for r in pts if r.get("max_logit_is_bound")]
+        if bound:  # MuonClip's gated capture: an upper bound (<= tau), not the exact max
+            ax.scatter([r["step"] for r in bound], [r["max_logit"] for r in bound], s=10, facecolors="none",
+                       edgecolors=COLORS.get(name, "gray"), lw=0.6, label=f"{name}: LSE upper bound (exact above tau)")
     ax.axhline(tau, color="red", ls="--", lw=1, label=f"tau = {tau:g}")
     ax.set_xlabel("step")
     ax.set_ylabel("max attention logit (all layers, heads)")

@@ -408,6 +408,7 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
             except NonFiniteGradError as e:
                 rms_meter.discard()
                 raise NonFiniteLossError(step + 1, f"gradient ({e})", last_saved) from None
+            clip_stats = opt.clip_stats() if callable(getattr(opt, "clip_stats", None)) else {}
             maxes, clipped = read_max_logits(model, opt, env)
             rms = rms_meter.after(reduce=(lambda v: all_sum(v, env)) if env.fsdp else None)
             step_time = time.perf_counter() - t0
@@ -423,6 +424,7 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
                 "step": done, "tokens": done * tokens_per_step, "loss": loss_value, "val_loss": val_loss,
                 "lr": cfg.lr(optimizer) * factor, "max_logit": max(maxes) if maxes else None,
                 "max_logits": maxes, "clipped_heads": sum(clipped), "clipped": clipped,
+                "max_logit_is_bound": int(clip_stats.get("max_logit_is_bound", 0.0)) if maxes else None,
                 "update_rms": rms, "step_time": step_time,
                 "elapsed": elapsed0 + time.perf_counter() - t_start,
             }

@@ -147,7 +147,10 @@ def muonclip_attention_forward(
         module: the calling attention module; its ``muonclip_recorder`` (set by `attach`)
             receives, on a training forward (``module.training`` and grad enabled), the
             per-head max of ``scaling * q.k`` over the pairs the mask allows. A module without
-            one is computed without recording.
+            one is computed without recording. With `MuonClip` (which sets the recorders'
+            threshold to its tau), heads that provably stay at or below tau may be recorded as
+            an upper bound from the kernel's log-sum-exp instead (`muonclip.attention.gate`):
+            the clip's decisions and gammas are those of the exact maxima.
         query, key, value: as annotated above.
         attention_mask: the mask built by the registered mask function (or passed by the user).
         dropout: attention dropout probability (0.0 default; transformers passes 0 in eval).

@@ -4,6 +4,9 @@ Per optimizer step (keys with the default prefix ``"muonclip/"``):
 
 * ``max_logit`` — the largest per-head max logit the clip used in this step (over layers and
   heads, over all micro-batches of the step): ``MuonClip.last_max_logits``. MuonClip only.
+  ``max_logit_is_bound`` is 1 when that value is an upper bound from the attention kernel's
+  log-sum-exp (MuonClip's gated capture records heads that stay at or below tau that way, at
+  most ``log(keys)`` above their exact max), 0 when it is exact.
 * ``clipped_heads`` — how many heads QK-Clip scaled in this step (``MuonClip.last_clipped``),
   and ``clipped_fraction`` — that over all heads. MuonClip only.
 * ``max_logit/<layer>`` and ``clipped_heads/<layer>`` per attention layer, with
@@ -189,7 +192,8 @@ class StepMetrics:
     returns the step's metrics (None for a skipped step or one not bracketed by `before_step`).
     `pop_interval` returns, once per new step, the last step's metrics plus
     ``<prefix>max_logit_peak``, the largest ``max_logit`` of all steps since the previous
-    `pop_interval` (loggers that write every N steps would otherwise miss peaks in between).
+    `pop_interval` (loggers that write every N steps would otherwise miss peaks in between),
+    and ``<prefix>max_logit_peak_is_bound`` (1 when that peak is an LSE upper bound).
 
     Args:
         update_rms: measure ``update_rms`` (default True; one copy of the hidden matrices per step).
@@ -206,6 +210,7 @@ class StepMetrics:
         self._rms: UpdateRMS | None = None
         self._steps_before: int | None = None
         self._peak = -math.inf
+        self._peak_bound = 0.0
         self._pending = False
 
     def bind(self, optimizer: Any) -> Muon:
@@ -240,8 +245,9 @@ class StepMetrics:
         rms = self._rms.after() if self._rms is not None else None
         self.last = step_metrics(opt, rms, per_layer=self.per_layer, prefix=self.prefix)
         m = self.last.get(self.prefix + "max_logit")
-        if m is not None:
-            self._peak = max(self._peak, m)
+        if m is not None and m > self._peak:
+            self._peak = m
+            self._peak_bound = self.last.get(self.prefix + "max_logit_is_bound", 0.0)
         self._pending = True
         return self.last
 
@@ -252,7 +258,8 @@ class StepMetrics:
         out = dict(self.last)
         if self._peak > -math.inf:
             out[self.prefix + "max_logit_peak"] = self._peak
-        self._pending, self._peak = False, -math.inf
+            out[self.prefix + "max_logit_peak_is_bound"] = self._peak_bound
+        self._pending, self._peak, self._peak_bound = False, -math.inf, 0.0
         return out
 
 

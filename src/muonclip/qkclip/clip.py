@@ -58,7 +58,9 @@ def all_reduce_max_(layers: Sequence[AttentionLayer], group: dist.ProcessGroup |
     """Replace every layer's recorded maxima by the max over the data-parallel ranks, in ONE all-reduce.
 
     The packed buffer holds, for each layer, its ``n_heads`` maxima (``-inf`` when nothing was
-    recorded on this rank) and a flag (1 if recorded here, else 0). After the ``MAX``
+    recorded on this rank), the maxima of its exactly computed values (the recorder's
+    ``exact``: which values are LSE bounds stays known after the reduction) and a flag (1 if
+    recorded here, else 0). After the ``MAX``
     reduction a layer recorded on no rank stays unrecorded (``value = None``); one host read
     of the L flags decides that. Must be called on every rank of ``group`` (every rank holds
     the same layers). No-op without an initialised process group or with world size 1.
@@ -72,17 +74,19 @@ def all_reduce_max_(layers: Sequence[AttentionLayer], group: dist.ProcessGroup |
     for layer in layers:
         v = layer.recorder.value
         if v is None:
-            parts.append(torch.full((layer.recorder.n_heads + 1,), -math.inf, device=device))
+            parts.append(torch.full((2 * layer.recorder.n_heads + 1,), -math.inf, device=device))
         else:
-            parts.append(torch.cat([v.to(device), torch.ones(1, device=device)]))
+            e = v if layer.recorder.exact is None else layer.recorder.exact
+            parts.append(torch.cat([v.to(device), e.to(device), torch.ones(1, device=device)]))
     packed = torch.cat(parts)
     dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
-    sizes = [layer.recorder.n_heads + 1 for layer in layers]
+    sizes = [2 * layer.recorder.n_heads + 1 for layer in layers]
     chunks = packed.split(sizes)
     flags = torch.stack([c[-1] for c in chunks]).tolist()  # one host sync for L flags
     for layer, chunk, flag in zip(layers, chunks, flags):
-        target = _layer_device(layer)
-        layer.recorder.value = chunk[:-1].to(target).clone() if flag > 0 else None
+        target, n = _layer_device(layer), layer.recorder.n_heads
+        layer.recorder.value = chunk[:n].to(target).clone() if flag > 0 else None
+        layer.recorder.exact = chunk[n:2 * n].to(target).clone() if flag > 0 else None
 
 
 @torch.no_grad()

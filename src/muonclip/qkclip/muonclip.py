@@ -49,6 +49,13 @@ class MuonClip(Muon):
     ``F.normalize`` in the attention's forward). `muonclip.qkclip.check` states the rule, why a
     clip that acts does not trip it, and its cost: no host sync on CUDA.
 
+    The maxima are nearly free: `MuonClip` tells every layer's recorder its ``tau``
+    (``recorder.threshold``; setting ``opt.tau`` updates them), so an attention call on a
+    kernel that returns its log-sum-exp computes the exact max only for heads that could
+    exceed tau, and records the others as an upper bound at or below tau (the LSE gate,
+    `muonclip.attention.gate`). The clip's decisions and gammas are exactly those of the exact
+    maxima. ``last_bounded`` and ``clip_stats()`` say which logged maxima are such bounds.
+
     Args:
         model: the model; used for the default ``groups`` and ``layers``.
         lr: learning rate (default 1e-3).
@@ -64,10 +71,13 @@ class MuonClip(Muon):
         **muon_kwargs: any keyword of `muonclip.Muon` (momentum, weight_decay, update_scale, ...).
 
     Attributes:
-        tau: the threshold.
+        tau: the threshold (settable; also the threshold of every layer's recorder).
         layers: the attention layers.
         last_max_logits: per layer name, the ``(n_heads,)`` maxima the last clip used (layers
-            with nothing recorded are absent).
+            with nothing recorded are absent): exact where `last_bounded` is False, else an
+            upper bound of the exact max that is at or below ``tau`` (within ``log(keys)`` of it).
+        last_bounded: per layer name, ``(n_heads,)`` bool: which of ``last_max_logits`` are
+            LSE bounds (never a clipped head).
         last_clipped: per layer name, ``(n_heads,)`` bool: which heads the last clip scaled.
     """
 
@@ -93,9 +103,10 @@ class MuonClip(Muon):
                 raise TypeError(f"layers must be AttentionLayer objects, got {type(layer).__name__}")
             layer.check()
         super().__init__(param_groups(model) if groups is None else groups, lr=lr, **muon_kwargs)
-        self.tau = float(tau)
         self.layers = layers
+        self.tau = float(tau)
         self.last_max_logits: dict[str, Tensor] = {}
+        self.last_bounded: dict[str, Tensor] = {}
         self.last_clipped: dict[str, Tensor] = {}
         self._clip_check = clip_check
 
@@ -107,7 +118,7 @@ class MuonClip(Muon):
         if self._skipped_host != skipped:
             for layer in self.layers:
                 layer.recorder.reset()
-            self.last_max_logits, self.last_clipped = {}, {}
+            self.last_max_logits, self.last_bounded, self.last_clipped = {}, {}, {}
             return loss
         if self.last_masked is None:
             self.clip()
@@ -130,6 +141,9 @@ class MuonClip(Muon):
         None): where set, every gamma is 1, so no weight changes (no host sync).
         """
         all_reduce_max_(self.layers)
+        self.last_bounded = {
+            layer.name: layer.recorder.bounded for layer in self.layers if layer.recorder.value is not None
+        }
         self.last_max_logits, self.last_clipped = apply_qk_clip(self.layers, self.tau, masked=masked)
         reports = self._clip_check.observe(self.layers, self.last_max_logits, self.last_clipped, self.tau)
         if reports and self._clip_check.mode == "raise":
@@ -140,26 +154,60 @@ class MuonClip(Muon):
     def clip_stats(self) -> dict[str, float]:
         """Numbers for loggers about the last clip (one host sync).
 
-        Keys: ``"max_logit"`` (max over layers and heads), ``"clipped_heads"`` (how many heads
-        were scaled), ``"clipped_fraction"``, and per layer ``"max_logit/<name>"`` and
-        ``"clipped_heads/<name>"``. Empty when nothing was recorded.
+        Keys: ``"max_logit"`` (max over layers and heads), ``"max_logit_is_bound"`` (1.0 when
+        that value is an LSE upper bound, not the exact max: every head was at or below tau and
+        the exact max lies within ``log(keys)`` below it; else 0.0), ``"clipped_heads"`` (how
+        many heads were scaled), ``"clipped_fraction"``, and per layer ``"max_logit/<name>"``,
+        ``"max_logit_is_bound/<name>"`` and ``"clipped_heads/<name>"``. Empty when nothing was
+        recorded.
         """
         if not self.last_max_logits:
             return {}
         names = list(self.last_max_logits)
-        per_max = torch.stack([self.last_max_logits[n].max().float().cpu() for n in names])
-        per_clip = torch.stack([self.last_clipped[n].sum().float().cpu() for n in names])
-        maxes, clips = per_max.tolist(), per_clip.tolist()
+        rows = []
+        for n in names:
+            v = self.last_max_logits[n].float()
+            bounded = self.last_bounded.get(n)
+            exact = v if bounded is None else v.masked_fill(bounded.to(v.device), -math.inf)
+            rows.append(torch.stack([v.max(), exact.max(), self.last_clipped[n].sum().float()]).cpu())
+        maxes, exacts, clips = torch.stack(rows).T.tolist()
         n_heads = sum(self.last_clipped[n].numel() for n in names)
         stats = {
             "max_logit": max(maxes),
+            "max_logit_is_bound": float(max(maxes) > max(exacts)),
             "clipped_heads": float(sum(clips)),
             "clipped_fraction": sum(clips) / n_heads,
         }
-        for n, m, c in zip(names, maxes, clips):
+        for n, m, e, c in zip(names, maxes, exacts, clips):
             stats[f"max_logit/{n}"] = m
+            stats[f"max_logit_is_bound/{n}"] = float(m > e)
             stats[f"clipped_heads/{n}"] = c
         return stats
+
+    @property
+    def tau(self) -> float:
+        """The max-logit threshold; setting it (a finite number > 0) also sets every layer's
+        ``recorder.threshold``, so the LSE gate always gates at the clip's own tau."""
+        return self._tau
+
+    @tau.setter
+    def tau(self, value: float) -> None:
+        _check_tau(value)
+        value = float(value)
+        for layer in self.layers:  # values bounded at the old tau must stay at or below the new one
+            r = layer.recorder
+            if r.value is not None and r.threshold is not None and value < r.threshold and bool(
+                (r.bounded & (r.value > value)).any()
+            ):
+                raise ValueError(
+                    f"MuonClip.tau cannot go from {r.threshold:g} down to {value:g} now: layer {layer.name!r} "
+                    f"recorded heads as LSE bounds at or below the old tau (exact only above it) and some "
+                    f"exceed {value:g}, so the clip would not be exact. Set tau between steps (before the "
+                    "forward passes), or record with set_max_logit_backend('chunked')."
+                )
+        self._tau = value
+        for layer in self.layers:
+            layer.recorder.threshold = value
 
     def state_dict(self) -> dict[str, Any]:
         """Muon's state dict with ``tau`` in its ``"muonclip"`` entry."""
@@ -173,8 +221,7 @@ class MuonClip(Muon):
         self._clip_check.reset()
         tau = state_dict.get("muonclip", {}).get("tau")
         if tau is not None:
-            _check_tau(tau)
-            self.tau = float(tau)
+            self.tau = tau
 
 
 def _outside_frames() -> int:

@@ -1,0 +1,159 @@
+r"""The LSE gate: per-head max logits that are exact wherever QK-Clip could act, and nearly free.
+
+**The bound.** For query row \(i\) of head \(h\), with scores \(s_{ij} = \text{scale}\, q_i \cdot
+k_j\) and additive mask entries \(b_{ij}\) over the keys \(j\) the row may see, the kernel's
+natural-log LSE satisfies \(\text{lse}_i \ge s_{ij} + b_{ij}\) for every such \(j\). With
+\(c = \min(0, \min_{ij} b_{ij})\) over the allowed entries (0 for a boolean mask, a causal
+rule or no mask), \(s_{ij} \le \text{lse}_i - c\), so the head's max logit satisfies
+
+\[
+M_h \le B_h = \max_i \text{lse}_i - c, \qquad B_h \le M_h + \log n - c
+\]
+
+(\(n\) the most keys a row sees). A positive bias can only raise the LSE (the bound stays
+valid); a negative one is paid for by \(c\). Rows with no allowed key carry no score and may
+hold any value in the LSE (the CPU kernel writes 0): they only loosen the bound.
+
+**Rounding.** The kernel's scores and the exact path's (`chunked_max_logits`) are two float
+computations of the same dot products in different orders. Each differs from the true
+\(s_{ij}\) by at most \((D + 2)\, u\, |\text{scale}|\, \lVert q_i\rVert \lVert k_j\rVert\)
+(Higham's bound for a length-\(D\) dot product plus the scaling; \(u\) the unit round-off of the
+float32 accumulation both use, float64's for float64 inputs), and the LSE's own exp/sum/log adds
+a few units of round-off of its value. So the gate adds
+
+\[
+\epsilon_h = (2D + 8)\, u\, |\text{scale}|\, D \max |q| \max |k| + 8\, u_\text{lse} (|B_h| + 1)
+\]
+
+(\(\lVert q_i\rVert \lVert k_j\rVert \le D \max|q| \max|k|\) over all elements of the call's q and
+k: one min/max pass over each, cheaper than their row norms)
+
+and \(B_h + \epsilon_h\) is an upper bound of the max the exact path would compute, whatever the
+two kernels' summation orders.
+
+**The gate.** Given the clip's threshold \(\tau\), a head with \(B_h + \epsilon_h \le \tau\)
+cannot be clipped: it gets the value \(B_h + \epsilon_h\) (\(\le \tau\), flagged as a bound).
+Every other head gets its exact max from `chunked_max_logits`, computed for those heads only.
+Folded into a running max over micro-batches (and ranks), a head's value is then either
+\(\le \tau\) (no clip: the exact decision) or above it, and then it is the exact maximum, since
+every bound is \(\le \tau\): the decision and \(\gamma_h = \tau / S_h\) are those of the exact
+path. A NaN anywhere in the bound sends the head to the exact path.
+
+Cost: a max over the LSE ``(B, H, Tq)``, a min/max pass over q and over k, and a min over the finite
+entries of an additive mask; plus the exact max of the flagged heads (none, in most steps).
+On CPU choosing the heads costs no device sync.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .max_logits import allowed_pairs, check_shapes, chunked_max_logits
+
+
+def _roundoff(dtype: torch.dtype) -> float:
+    return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps / 2
+
+
+def _max_abs(x: Tensor) -> Tensor:
+    """``max |x|`` over the whole tensor, as a float32 scalar (one min/max pass, no temporary)."""
+    lo, hi = x.detach().aminmax()
+    return torch.maximum(hi, -lo).to(torch.float32)
+
+
+def bias_floor(attn_mask: Tensor | None) -> Tensor | float:
+    """``c = min(0, min over allowed entries of an additive mask)``; 0 for no mask or a bool mask."""
+    if attn_mask is None or attn_mask.dtype == torch.bool:
+        return 0.0
+    allowed = allowed_pairs(attn_mask)
+    return torch.where(allowed, attn_mask, 0.0).amin().clamp(max=0.0).to(torch.float32)
+
+
+@torch.no_grad()
+def lse_bound(query: Tensor, key: Tensor, lse: Tensor, attn_mask: Tensor | None = None,
+              scale: float | None = None, enable_gqa: bool = False) -> Tensor:
+    """Per query head, ``B_h + eps_h`` (module docstring): an upper bound of the head's max
+    logit as `chunked_max_logits` computes it.
+
+    Args:
+        query: ``(B, Hq, Tq, D)``.
+        key: ``(B, Hkv, Tk, D)``.
+        lse: ``(B, Hq, Tq)`` natural-log LSE of the scaled, masked scores (`sdpa_with_lse`).
+        attn_mask: the call's mask (default None), as for SDPA.
+        scale: softmax scale (default None: ``1 / sqrt(D)``).
+        enable_gqa: query head h uses key head ``h // (Hq // Hkv)`` (default False).
+
+    Returns:
+        ``(Hq,)`` float32; NaN or ``+inf`` where no bound could be made.
+    """
+    hq, hkv = check_shapes(query, key, enable_gqa)
+    D = query.shape[-1]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    if lse.numel() == 0:
+        return torch.full((hq,), -math.inf, device=query.device)
+    # (B, Hq, Tq) -> (B * Tq, Hq) rows: the CPU kernel stores the LSE as (B, Tq, Hq), where this is a view;
+    # an amax over dims (0, 2) of that layout runs a far slower reduction
+    row_max = lse.detach().movedim(1, -1).reshape(-1, hq).amax(dim=0)
+    bound = row_max.to(torch.float32) - bias_floor(attn_mask)
+    # |q_i||k_j| <= D max|q| max|k|: one cheap pass over q and k instead of their row norms
+    eps = (2 * D + 8) * D * _roundoff(query.dtype) * abs(scale) * _max_abs(query) * _max_abs(key)
+    eps = eps + 4 * torch.finfo(lse.dtype).eps * (bound.abs() + 1)  # 8 units of the LSE's own round-off
+    return bound + eps
+
+
+def _head_slice(attn_mask: Tensor | None, idx: Tensor) -> Tensor | None:
+    """The mask rows of query heads ``idx``: indexed only when the mask has a head dimension."""
+    if attn_mask is None:
+        return None
+    m = attn_mask.reshape((1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape)) if attn_mask.ndim < 4 else attn_mask
+    return m if m.shape[1] == 1 else m.index_select(1, idx)
+
+
+@torch.no_grad()
+def gated_max_logits(
+    query: Tensor,
+    key: Tensor,
+    lse: Tensor,
+    threshold: float,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Per-head max logits, exact for every head that could exceed ``threshold`` (module docstring).
+
+    Args:
+        query, key, attn_mask, is_causal, scale, enable_gqa: the attention call's, as for SDPA.
+        lse: ``(B, Hq, Tq)`` the kernel's LSE for this call (`sdpa_with_lse`).
+        threshold: the clip's tau (> 0).
+
+    Returns:
+        ``(values, is_bound)``, each ``(Hq,)``: ``values`` float32, the exact max (as
+        `chunked_max_logits` gives it) where ``is_bound`` is False, else an upper bound of it
+        that is ``<= threshold``.
+    """
+    hq, hkv = check_shapes(query, key, enable_gqa)
+    bound = lse_bound(query, key, lse, attn_mask, scale, enable_gqa)
+    is_bound = bound <= threshold  # False for NaN: such a head takes the exact path
+    if query.device.type == "cpu":
+        flagged = (~is_bound).nonzero().flatten()  # CPU: no device sync
+        n = flagged.numel()
+    else:  # never reached from the drop-in (CPU only); kept exact and sync-free for direct callers
+        flagged, n = torch.arange(hq, device=query.device), hq
+        is_bound = torch.zeros_like(is_bound)
+    if n == 0:
+        return bound, is_bound
+    if n == hq:  # every head: today's exact call, unchanged
+        return chunked_max_logits(query, key, attn_mask, is_causal, scale, enable_gqa), is_bound
+    kv_heads = flagged // (hq // hkv)
+    exact = chunked_max_logits(
+        query.index_select(1, flagged), key.index_select(1, kv_heads), _head_slice(attn_mask, flagged),
+        is_causal, scale,
+    )
+    return bound.index_put((flagged,), exact), is_bound
+
+
+__all__ = ["bias_floor", "gated_max_logits", "lse_bound"]
