@@ -10,12 +10,12 @@ import signal
 import pytest
 import torch
 
-import muonclip.cli.train as train_mod
-from muonclip.cli.checkpoint import load_checkpoint
-from muonclip.cli.config import make_config
-from muonclip.cli.main import main
-from muonclip.cli.metrics import read_rows
-from muonclip.data import builtin_corpus_dir, read_document
+import muonclip.app.train as train_mod
+from muonclip.app.config import make_config
+from muonclip.app.data import builtin_corpus_dir, read_document
+from muonclip.app.main import main
+from muonclip.app.metrics import read_rows
+from muonclip.distributed.checkpoint import load_file
 
 TINY = ["--preset", "tiny", "--quiet", "--threads", "1"]
 
@@ -92,8 +92,8 @@ def test_train_interrupt_then_resume_matches_straight_run(tmp_path, text, monkey
     assert "interrupted after step 3" in capsys.readouterr().err
     monkeypatch.undo()
     assert main(["train", "--out", str(tmp_path / "run"), "--resume", "--quiet"]) == 0
-    a = load_checkpoint(tmp_path / "straight" / "checkpoint.pt")
-    b = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
+    a = load_file(tmp_path / "straight" / "checkpoint.pt")
+    b = load_file(tmp_path / "run" / "checkpoint.pt")
     assert a["step"] == b["step"] == 6
     for k, v in a["model"].items():
         assert torch.equal(v, b["model"][k]), k
@@ -118,7 +118,7 @@ def test_nonfinite_loss_stops_names_the_step_and_keeps_the_checkpoint(tmp_path, 
     assert rc == 3
     err = capsys.readouterr().err
     assert "non-finite loss (nan) at step 5" in err and "checkpoint.pt" in err
-    data = load_checkpoint(out / "checkpoint.pt")
+    data = load_file(out / "checkpoint.pt")
     assert data["step"] == 4
     assert all(torch.isfinite(v).all() for v in data["model"].values())
     assert [r["step"] for r in read_rows(out)] == [1, 2, 3, 4]
@@ -142,7 +142,7 @@ def test_nonfinite_validation_loss_stops_like_a_training_loss(tmp_path, text, mo
     assert rc == 3
     err = capsys.readouterr().err
     assert "non-finite validation loss (nan) at step 6" in err and "checkpoint.pt" in err
-    assert load_checkpoint(out / "checkpoint.pt")["step"] == 3
+    assert load_file(out / "checkpoint.pt")["step"] == 3
     assert [r["step"] for r in read_rows(out)] == [1, 2, 3, 4, 5]
 
 
@@ -304,6 +304,21 @@ def test_train_validation_every_step_changes_nothing_and_feeds_no_recorder(tmp_p
     assert [r["val_loss"] is not None for r in often] == [True] * 4
     assert [(r["max_logits"], r["clipped"]) for r in rarely] == [(r["max_logits"], r["clipped"]) for r in often]
     assert sum(r["clipped_heads"] for r in often) > 0
-    a, b = load_checkpoint(tmp_path / "rarely" / "checkpoint.pt"), load_checkpoint(tmp_path / "often" / "checkpoint.pt")
+    a, b = load_file(tmp_path / "rarely" / "checkpoint.pt"), load_file(tmp_path / "often" / "checkpoint.pt")
     for k, v in a["model"].items():
         assert torch.equal(v, b["model"][k]), k
+
+
+def test_set_values_are_parsed_by_the_fields_own_types():
+    """``--set`` reads each value as its RunConfig field's annotated type (``typing.get_type_hints``)."""
+    cfg = make_config("tiny", sets=["n_kv_head=1", "qk_norm=yes", "lr_muon=2e-2", "orth_dtype=float32",
+                                    "data=plays.txt", "steps=7"])
+    assert (cfg.n_kv_head, cfg.qk_norm, cfg.lr_muon, cfg.orth_dtype, cfg.data, cfg.steps) == (
+        1, True, 0.02, "float32", "plays.txt", 7)
+    assert make_config("tiny", sets=["n_kv_head=None", "data=none", "qk_norm=off"]).n_kv_head is None
+    assert make_config("tiny", sets=["data=none"]).data is None
+    for item, expected in [("n_kv_head=two", "expected int | None"), ("qk_norm=maybe", "expected bool"),
+                           ("steps=7.5", "expected int"), ("lr_adamw=fast", "expected float"),
+                           ("steps=none", "expected int")]:
+        with pytest.raises(ValueError, match=f"--set {item}: {expected}$"):
+            make_config("tiny", sets=[item])

@@ -1,4 +1,4 @@
-"""The peak-memory estimate of a training step (`muonclip.cli.memory`) and the refusal of runs
+"""The peak-memory estimate of a training step (`muonclip.app.memory`) and the refusal of runs
 that cannot fit: against measured peaks, against torch's own choice of attention kernel, and
 through the command line."""
 
@@ -14,18 +14,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from muonclip.cli import memory
-from muonclip.cli.config import make_config
-from muonclip.cli.main import main
-from muonclip.cli.train import build_model
+from muonclip.app import memory
+from muonclip.app.config import make_config
+from muonclip.app.main import main
+from muonclip.app.train import build_model
 
 # One process: RSS after importing torch, then the peak RSS (VmHWM) over two training steps
 # and a validation pass of the config given as argv (the CLI's own model, optimizer and step).
 MEASURE = """
 import json, resource, sys
 import torch
-from muonclip.cli.config import make_config
-from muonclip.cli.train import build_model, build_optimizer, evaluate, forward_loss
+from muonclip.app.config import make_config
+from muonclip.app.train import build_model, build_optimizer, evaluate, forward_loss
 
 def rss():
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS:"))

@@ -2,12 +2,12 @@
 
 Each optimizer trains from the same initial weights (``torch.manual_seed(seed)``) on the same
 batches in the same order (batch s depends only on (seed, s)) at its own learning rate
-(``lr_adamw``, ``lr_muon``, ``lr_muonclip``; see `muonclip.cli.config`). The runs go one after
+(``lr_adamw``, ``lr_muon``, ``lr_muonclip``; see `muonclip.app.config`). The runs go one after
 the other in one process, so their step times are comparable. Output folder::
 
     <out>/adamw/, <out>/muon/, <out>/muonclip/   one `muonclip train` run folder each
     <out>/val_loss.png, max_logit.png, clip_events.png
-    <out>/summary.md, summary.json                the table (see muonclip.cli.report)
+    <out>/summary.md, summary.json                the table (see muonclip.app.report)
 
 ``sweep=(0.5, 1, 2)`` trains every optimizer at each multiple of its learning rate (folders
 ``<out>/sweep/<optimizer>-x<factor>/``) and reports, per optimizer, the run with the lowest
@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from ..data import check_fits, corpus_warnings, load_corpus
 from .config import OPTIMIZERS, RunConfig, check_optimizer
+from .data import check_fits, corpus_warnings, load_corpus
 from .memory import check_memory
 from .report import plot, summarize, write_summary
 from .train import NonFiniteLossError, OutputError, check_out_dir, train_run
@@ -48,8 +48,8 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = 
 
     Raises:
         DataError, OutputError, ValueError: bad input (also: one step would not fit in memory,
-            `muonclip.cli.memory`); nothing written.
-        NonFiniteLossError, Interrupted: from a run (see `muonclip.cli.train`).
+            `muonclip.app.memory`); nothing written.
+        NonFiniteLossError, Interrupted: from a run (see `muonclip.app.train`).
     """
     out_dir = Path(out_dir)
     cfg.validate()

@@ -3,9 +3,9 @@
 A run lives in one folder (``run_dir``)::
 
     config.json      the RunConfig and the optimizer
-    metrics.jsonl    one row per step (see muonclip.cli.metrics)
+    metrics.jsonl    one row per step (see muonclip.app.metrics)
     metrics.csv      the same rows as CSV
-    checkpoint.pt    the latest checkpoint (see muonclip.cli.checkpoint)
+    checkpoint.pt    the latest checkpoint (see muonclip.distributed.checkpoint)
 
 Step s (0-based) of every run: the batch ``train_batch(corpus, s, seed)``, learning rate
 ``peak * lr_factor(s)`` (linear warm-up, cosine decay to ``peak * min_lr_ratio``), forward,
@@ -18,7 +18,7 @@ a checkpoint every ``checkpoint_every`` steps and at the end.
 Resume is bit-identical: batches depend only on (seed, step), the learning rate only on
 the step, and the checkpoint holds model, optimizer and RNG state.
 
-Under ``torchrun`` (see `muonclip.cli.distributed`): DDP, or FSDP2 with ``fsdp=True``;
+Under ``torchrun`` (see `muonclip.app.launch`): DDP, or FSDP2 with ``fsdp=True``;
 ``batch_size`` is the global batch and each rank trains on its block of rows, so the run
 equals the one-process run up to float reduction order; rank 0 alone prints and writes
 metrics; checkpoints are sharded (``checkpoint.dcp.json`` + ``checkpoint-step<N>.dcp/``) and
@@ -49,33 +49,29 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..data import Corpus, check_fits, corpus_warnings, load_corpus, train_batch, val_batches
-from ..integrations.stats import UpdateRMS
-from ..optim import NonFiniteGradError, param_groups
-from .checkpoint import check_compatible, rng_state, save_checkpoint, set_rng_state
-from .config import RunConfig, check_optimizer
-from .distributed import (
-    SINGLE,
-    DistEnv,
-    all_max,
-    all_mean,
-    all_sum,
-    check_batch,
-    current_env,
+from ..distributed.checkpoint import (
+    FILE_CHECKPOINT,
+    check_compatible,
     find_checkpoint,
     has_checkpoint,
     load_full_into_sharded,
     load_sharded,
-    rank_rows,
     remove_sharded,
+    rng_state,
+    save_file,
     save_sharded,
-    wrap_model,
+    set_rng_state,
 )
+from ..distributed.context import SINGLE, GroupContext
+from ..integrations.stats import UpdateRMS
+from ..optim import NonFiniteGradError, param_groups
+from .config import MODEL_FIELDS, RunConfig, check_optimizer
+from .data import Corpus, check_fits, corpus_warnings, load_corpus, train_batch, val_batches
+from .launch import all_max, all_mean, all_sum, check_batch, current_group, device, is_active, rank_rows, wrap_model
 from .memory import check_memory
 from .metrics import MetricsWriter
-from .progress import Progress
 
-CHECKPOINT = "checkpoint.pt"
+CHECKPOINT = FILE_CHECKPOINT
 CONFIG = "config.json"
 
 
@@ -177,7 +173,7 @@ def evaluate(model: nn.Module, batches: list[tuple[Tensor, Tensor]]) -> float:
 
 
 def read_max_logits(model: nn.Module, optimizer: torch.optim.Optimizer,
-                    env: DistEnv = SINGLE) -> tuple[list[float], list[int]]:
+                    ctx: GroupContext = SINGLE) -> tuple[list[float], list[int]]:
     """Per-layer max logit of the step and per-layer count of clipped heads (0 without QK-Clip).
 
     Under torchrun, call on every rank: MuonClip's maxima are already reduced over the ranks;
@@ -197,7 +193,7 @@ def read_max_logits(model: nn.Module, optimizer: torch.optim.Optimizer,
     keys = names if all(k in logits_map for k in names) else list(logits_map)
     maxes = [float(logits_map[k].max()) for k in keys]
     if reduce:
-        maxes = all_max(maxes, env)
+        maxes = all_max(maxes, ctx)
     clipped = [int(clipped_map[k].sum()) if k in clipped_map else 0 for k in keys]
     return maxes, clipped
 
@@ -242,16 +238,17 @@ def _install_sigterm(flag: dict[str, bool]) -> Any:
     return signal.signal(signal.SIGTERM, handler)
 
 
-def _check_memory(cfg: RunConfig, optimizer: str, env: DistEnv) -> None:
-    """`muonclip.cli.memory.check_memory` on every rank; under torchrun all ranks stop together
+def _check_memory(cfg: RunConfig, optimizer: str, ctx: GroupContext, fsdp: bool) -> None:
+    """`muonclip.app.memory.check_memory` on every rank; under torchrun all ranks stop together
     (one all-reduce) when one of them has too little memory, rank 0 with the message."""
+    dev = device(ctx)
     try:
-        check_memory(cfg, optimizer, env.device, world_size=env.world_size, fsdp=env.fsdp,
-                     ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env.device.type == "cpu" else 1)
+        check_memory(cfg, optimizer, dev, world_size=ctx.world_size, fsdp=fsdp,
+                     ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if dev.type == "cpu" else 1)
         short: ValueError | None = None
     except ValueError as e:
         short = e
-    if env.active and all_max([float(short is not None)], env)[0] > 0:
+    if is_active(ctx, fsdp) and all_max([float(short is not None)], ctx)[0] > 0:
         raise short or ValueError("another rank has too little memory for one training step; see rank 0's message")
     if short is not None:
         raise short
@@ -272,61 +269,57 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
         run_dir: the run's folder (created).
         resume: continue from ``run_dir/checkpoint.pt`` (default False).
         corpus: a loaded corpus (default None: ``load_corpus(cfg.data, cfg.val_fraction)``).
-        progress: show the progress bar on stderr (default True).
+        progress: show a progress bar (tqdm) on stderr (default True).
         label: progress-bar label (default: the optimizer name).
         tensorboard: also write every metrics row as TensorBoard scalars to this folder (default
             None; needs the ``tensorboard`` extra; see `muonclip.integrations.tensorboard`).
         fsdp: shard the model with FSDP2 (default False: DDP when a process group of several
-            ranks is initialised, see `muonclip.cli.distributed.session`; else one process).
-        warn: print `muonclip.data.corpus_warnings` (a run that reads its training text more
+            ranks is initialised, see `muonclip.app.launch.session`; else one process).
+        warn: print `muonclip.app.data.corpus_warnings` (a run that reads its training text more
             than 10 times, a validation split smaller than one batch) to stderr before training
-            (default True; `muonclip.cli.compare.compare` prints them once for all its runs).
+            (default True; `muonclip.app.compare.compare` prints them once for all its runs).
 
     Raises:
         DataError, OutputError, CheckpointError, ValueError: bad input (also: one step would not fit
-            in memory, `muonclip.cli.memory`); nothing written.
+            in memory, `muonclip.app.memory`); nothing written.
         NonFiniteLossError: NaN/inf loss, gradient or validation loss; last good checkpoint kept.
         Interrupted: Ctrl-C; checkpoint of the last finished step written.
     """
     check_optimizer(optimizer)
     run_dir = Path(run_dir)
     cfg.validate()
-    env = current_env(fsdp)
-    check_batch(cfg.batch_size, env)
-    _check_memory(cfg, optimizer, env)
+    ctx = current_group(fsdp)
+    active, main, dev = is_active(ctx, fsdp), ctx.rank == 0, device(ctx)
+    check_batch(cfg.batch_size, ctx)
+    _check_memory(cfg, optimizer, ctx, fsdp)
     check_out_dir(run_dir, resume=resume)
     if corpus is None:
         corpus = load_corpus(cfg.data, cfg.val_fraction)
     check_fits(corpus, cfg.batch_size, cfg.block_size)
-    if warn and env.is_main:
+    if warn and main:
         for warning in corpus_warnings(corpus, steps=cfg.steps, batch_size=cfg.batch_size, block_size=cfg.block_size):
             print(f"muonclip: warning: {warning}", file=sys.stderr)
-    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // env.world_size))
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // ctx.world_size))
 
     model = build_model(cfg)
     start, extra = 0, {"elapsed": 0.0, "last_val_loss": float("nan")}
     found = find_checkpoint(run_dir) if resume else None
     if found is not None:
-        if found.kind == "file":
-            check_compatible(found.data, optimizer=optimizer, config=cfg.to_dict(), model=model, path=found.path)
-        else:
-            shapes = {k: torch.empty(v, device="meta") for k, v in found.data["shapes"].items()}
-            check_compatible({**found.data, "model": shapes}, optimizer=optimizer, config=cfg.to_dict(),
-                             model=model, path=found.path)
+        check_compatible(found, optimizer=optimizer, config=cfg.to_dict(), model=model, fields=MODEL_FIELDS)
         if found.step > cfg.steps:
             raise ValueError(f"the checkpoint is at step {found.step}, past steps={cfg.steps}; raise --steps")
         if found.kind == "file":
             model.load_state_dict(found.data["model"])  # before wrapping: DDP/FSDP2 take the loaded weights
         start = found.step
         extra.update(found.data.get("extra") or {})
-    train_model, model = wrap_model(model, env)
+    train_model, model = wrap_model(model, ctx, fsdp)
     opt = build_optimizer(optimizer, model, cfg)
     base_lrs = [g["lr"] for g in opt.param_groups]  # the peaks: a loaded state holds the last scheduled lr
     if found is not None:
         if found.kind == "sharded":
             set_rng_state(load_sharded(run_dir, found.data, model, opt))
         else:
-            if env.fsdp:
+            if fsdp:
                 def build_plain() -> tuple[nn.Module, torch.optim.Optimizer]:
                     plain = build_model(cfg)
                     return plain, build_optimizer(optimizer, plain, cfg)
@@ -338,7 +331,7 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
     ckpt_path = run_dir / CHECKPOINT
 
     tb = None
-    if tensorboard is not None and env.is_main:
+    if tensorboard is not None and main:
         from ..integrations.tensorboard import TensorBoardWriter
 
         try:
@@ -346,7 +339,7 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
         except ImportError as e:
             raise ValueError(f"--tensorboard: {e}") from None
     writer = None
-    if env.is_main:
+    if main:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             with open(run_dir / CONFIG, "w", encoding="utf-8") as f:
@@ -354,30 +347,28 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
         except OSError as e:
             raise OutputError(f"--out {run_dir}: cannot write ({e}); choose another --out") from None
         writer = MetricsWriter(run_dir, cfg.n_layer, keep_until=start if resume else None)
-    val = [(rank_rows(x, env), rank_rows(y, env)) for x, y in
+    val = [(rank_rows(x, ctx, dev), rank_rows(y, ctx, dev)) for x, y in
            val_batches(corpus, n_batches=cfg.eval_batches, batch_size=cfg.batch_size, block_size=cfg.block_size)]
     rms_meter = UpdateRMS(opt, params=_hidden_matrices(model))
     tokens_per_step = cfg.batch_size * cfg.block_size
-    bar = Progress(label or optimizer, cfg.steps, start=start, tokens_per_step=tokens_per_step,
-                   enabled=progress and env.is_main)
+    bar = progress_bar(label or optimizer, cfg.steps, start, tokens_per_step, enabled=progress and main)
     last_saved: Path | None = found.path if found is not None else None
     elapsed0 = float(extra["elapsed"])
     t_start = time.perf_counter()
 
     def save(step: int) -> Path:
         extra["elapsed"] = elapsed0 + time.perf_counter() - t_start
-        if env.active:
-            meta = {"optimizer": optimizer, "config": cfg.to_dict(), "step": step, "extra": dict(extra)}
-            return save_sharded(run_dir, model, opt, env, meta=meta, rng=rng_state())
-        path = save_checkpoint(ckpt_path, {
-            "optimizer": optimizer, "config": cfg.to_dict(), "step": step, "model": model.state_dict(),
-            "optim": opt.state_dict(), "rng": rng_state(), "extra": dict(extra),
-        })
+        meta = {"optimizer": optimizer, "config": cfg.to_dict(), "step": step, "extra": dict(extra)}
+        if active:
+            return save_sharded(run_dir, model, opt, ctx, meta={**meta, "mode": "fsdp" if fsdp else "ddp"},
+                                rng=rng_state())
+        path = save_file(ckpt_path, {**meta, "model": model.state_dict(), "optim": opt.state_dict(),
+                                     "rng": rng_state()})
         remove_sharded(run_dir)  # a resumed sharded run now continues in checkpoint.pt
         return path
 
     flag, old_handler = _install_sigint()
-    old_term = _install_sigterm(flag) if env.active else None
+    old_term = _install_sigterm(flag) if active else None
     train_model.train()
     try:
         for step in range(start, cfg.steps):
@@ -385,12 +376,12 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
             for g, lr in zip(opt.param_groups, base_lrs):
                 g["lr"] = lr * factor
             x, y = train_batch(corpus, step, batch_size=cfg.batch_size, block_size=cfg.block_size, seed=cfg.seed)
-            x, y = rank_rows(x, env), rank_rows(y, env)
+            x, y = rank_rows(x, ctx, dev), rank_rows(y, ctx, dev)
             t0 = time.perf_counter()
             loss = forward_loss(train_model, x, y)
             stop_now = False
-            if env.active:  # one all-reduce: the mean loss (non-finite if any rank's is) and Ctrl-C on any rank
-                loss_value, stops = all_mean([float(loss.detach()), float(flag["stop"])], env)
+            if active:  # one all-reduce: the mean loss (non-finite if any rank's is) and Ctrl-C on any rank
+                loss_value, stops = all_mean([float(loss.detach()), float(flag["stop"])], ctx)
                 stop_now = stops > 0
             else:
                 loss_value = float(loss.detach())
@@ -404,17 +395,16 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
             except NonFiniteGradError as e:
                 rms_meter.discard()
                 raise NonFiniteLossError(step + 1, f"gradient ({e})", last_saved) from None
-            maxes, clipped = read_max_logits(model, opt, env)
-            rms = rms_meter.after(reduce=(lambda v: all_sum(v, env)) if env.fsdp else None)
+            maxes, clipped = read_max_logits(model, opt, ctx)
+            rms = rms_meter.after(reduce=(lambda v: all_sum(v, ctx)) if fsdp else None)
             step_time = time.perf_counter() - t0
             done = step + 1
             val_loss = None
             if done % cfg.eval_every == 0 or done == cfg.steps:
-                val_loss = all_mean([evaluate(model, val)], env)[0]  # the same value on every rank
+                val_loss = all_mean([evaluate(model, val)], ctx)[0]  # the same value on every rank
                 if not math.isfinite(val_loss):
                     raise NonFiniteLossError(done, f"validation loss ({val_loss})", last_saved)
                 extra["last_val_loss"] = val_loss
-                bar.extra = f" | val {val_loss:.4f}"
             row = {
                 "step": done, "tokens": done * tokens_per_step, "loss": loss_value, "val_loss": val_loss,
                 "lr": cfg.lr(optimizer) * factor, "max_logit": max(maxes) if maxes else None,
@@ -426,15 +416,19 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
                 writer.write(row)
             if tb is not None:
                 tb.write(row)
-            bar.update(done, loss_value)
+            shown = f"loss {loss_value:.4f}"
+            if math.isfinite(extra["last_val_loss"]):
+                shown += f", val {extra['last_val_loss']:.4f}"
+            bar.set_postfix_str(shown, refresh=False)
+            bar.update(1)
             if done % cfg.checkpoint_every == 0 or done == cfg.steps:
                 last_saved = save(done)
-            if stop_now or (flag["stop"] and not env.active):
+            if stop_now or (flag["stop"] and not active):
                 if last_saved is None or done % cfg.checkpoint_every:
                     last_saved = save(done)
-                bar.close()
                 raise Interrupted(done, last_saved)
     finally:
+        bar.close()
         if writer is not None:
             writer.close()
         if tb is not None:
@@ -443,12 +437,24 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
             signal.signal(signal.SIGINT, old_handler)
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
-    bar.close()
     return RunResult(optimizer, run_dir, cfg.steps, float(extra["last_val_loss"]),
                      elapsed0 + time.perf_counter() - t_start)
 
 
+def progress_bar(label: str, total: int, start: int, tokens_per_step: int, *, enabled: bool) -> Any:
+    """A tqdm bar of a run on stderr: tokens done of the run's total, the last losses, tokens/s and
+    the ETA (``disable`` when not ``enabled``; ``update(1)`` per step). On a terminal it redraws in
+    place; in a log file or CI it writes at most every 30 s."""
+    from tqdm import tqdm
+
+    tty = sys.stderr.isatty()
+    return tqdm(total=total, initial=start, desc=label, unit="tok", unit_scale=tokens_per_step, disable=not enabled,
+                file=sys.stderr, dynamic_ncols=tty, mininterval=0.1 if tty else 30.0, leave=True,
+                bar_format="{desc}: {n_fmt}/{total_fmt} [{bar:20}] {percentage:3.0f}% | {postfix} | {rate_fmt} "
+                           "| ETA {remaining}")
+
+
 __all__ = [
     "CHECKPOINT", "CONFIG", "Interrupted", "NonFiniteLossError", "OutputError", "RunResult", "build_model",
-    "build_optimizer", "evaluate", "forward_loss", "lr_factor", "read_max_logits", "train_run",
+    "build_optimizer", "evaluate", "forward_loss", "lr_factor", "progress_bar", "read_max_logits", "train_run",
 ]

@@ -22,11 +22,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 OPTIMIZERS = ("adamw", "muon", "muonclip")
 ATTENTIONS = ("mha", "mla")
 ORTH_DTYPES = ("bfloat16", "float32")
+# Fields that fix the model's shape: a checkpoint only resumes into the same ones.
+MODEL_FIELDS = ("block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "attention", "qk_norm")
 
 
 @dataclass
@@ -166,26 +168,35 @@ def check_optimizer(name: str) -> str:
     return name
 
 
-def _parse_value(name: str, raw: str, type_str: str) -> Any:
-    optional = "None" in type_str
-    if optional and raw.strip().lower() in ("none", "null", ""):
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_value(name: str, raw: str) -> Any:
+    """``raw`` (the text of ``--set name=raw``) as a value of `RunConfig` field ``name``'s type.
+
+    The type is the field's own annotation (``typing.get_type_hints``): ``int``, ``float``,
+    ``bool`` (``1/true/yes/on``, ``0/false/no/off``), ``str``, each optionally ``| None``
+    (``none``, ``null`` or an empty value give None).
+
+    Raises:
+        ValueError: ``raw`` is not a value of that type; the message names the field and the type.
+    """
+    hint = get_type_hints(RunConfig)[name]
+    args = get_args(hint)
+    optional = type(None) in args
+    (base,) = [a for a in args if a is not type(None)] or [hint]
+    text = raw.strip()
+    if optional and text.lower() in ("none", "null", ""):
         return None
-    base = type_str.replace("| None", "").replace("None |", "").strip()
+    expected = base.__name__ + (" | None" if optional else "")
     try:
-        if base == "int":
-            return int(raw)
-        if base == "float":
-            return float(raw)
-        if base == "bool":
-            low = raw.strip().lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(raw)
-        return raw
+        if base is bool:
+            if text.lower() not in _TRUE + _FALSE:
+                raise ValueError(raw)
+            return text.lower() in _TRUE
+        return base(text) if base in (int, float) else raw
     except ValueError:
-        raise ValueError(f"--set {name}={raw}: expected {type_str}") from None
+        raise ValueError(f"--set {name}={raw}: expected {expected}") from None
 
 
 def make_config(preset: str = "default", overrides: dict[str, Any] | None = None,
@@ -211,10 +222,10 @@ def apply_overrides(cfg: RunConfig, overrides: dict[str, Any] | None = None,
                     sets: list[str] | None = None) -> RunConfig:
     """A validated copy of ``cfg`` with ``overrides`` (None values ignored) and then ``sets`` applied."""
     values = cfg.to_dict()
-    types = {f.name: str(f.type) for f in dataclasses.fields(RunConfig)}
+    names = {f.name for f in dataclasses.fields(RunConfig)}
     for k, v in (overrides or {}).items():
-        if k not in types:
-            raise ValueError(f"unknown config field {k!r}; fields: {sorted(types)}")
+        if k not in names:
+            raise ValueError(f"unknown config field {k!r}; fields: {sorted(names)}")
         if v is not None:
             values[k] = v
     for item in sets or []:
@@ -222,13 +233,13 @@ def apply_overrides(cfg: RunConfig, overrides: dict[str, Any] | None = None,
             raise ValueError(f"--set expects key=value, got {item!r}")
         k, raw = item.split("=", 1)
         k = k.strip().replace("-", "_")
-        if k not in types or k == "preset":
-            raise ValueError(f"--set {item}: unknown field {k!r}; fields: {sorted(set(types) - {'preset'})}")
-        values[k] = _parse_value(k, raw, types[k])
+        if k not in names or k == "preset":
+            raise ValueError(f"--set {item}: unknown field {k!r}; fields: {sorted(names - {'preset'})}")
+        values[k] = parse_value(k, raw)
     return RunConfig(**values).validate()
 
 
 __all__ = [
-    "ATTENTIONS", "OPTIMIZERS", "ORTH_DTYPES", "PRESETS", "RunConfig", "apply_overrides", "check_optimizer",
-    "make_config",
+    "ATTENTIONS", "MODEL_FIELDS", "OPTIMIZERS", "ORTH_DTYPES", "PRESETS", "RunConfig", "apply_overrides",
+    "check_optimizer", "make_config", "parse_value",
 ]

