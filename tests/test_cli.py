@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 
@@ -33,41 +32,62 @@ def snapshot(folder):
 
 
 def test_compare_end_to_end_writes_a_real_report(tmp_path, text, capsys):
+    """The protocol on the tiny preset (2 seeds; AdamW at 1x and 2x; the stability segment with a
+    tau below the first logits): every run, the figures computed from the runs' own metrics, the
+    plots, both tables and the reading."""
     out = tmp_path / "cmp"
     rc = main(["compare", *TINY, "--data", text, "--out", str(out), "--steps", "12", "--set", "eval_every=4",
-               "--tau", "0.05"])
+               "--set", "stability_steps=6", "--set", "stability_tau=0.05", "--jobs", "1"])
     assert rc == 0
     printed = capsys.readouterr().out
-    for name in ("val_loss.png", "max_logit.png", "clip_events.png"):
+    for name in ("val_loss.png", "budget.png", "max_logit.png", "clip_events.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert (out / name).stat().st_size > 5000
-    summary = json.loads((out / "summary.json").read_text())["summary"]
-    assert [s["optimizer"] for s in summary] == ["adamw", "muon", "muonclip"]
-    for s in summary:
-        assert s["steps"] == 12 and s["tokens"] == 12 * 8 * 32
-        assert math.isfinite(s["final_val_loss"]) and 2.0 < s["final_val_loss"] < 6.0  # ln 256 = 5.55
-        assert math.isfinite(s["peak_max_logit"]) and s["step_time"] > 0 and s["wall_time"] > 0
-        rows = read_rows(out / s["optimizer"])
-        assert [r["step"] for r in rows] == list(range(1, 13))
-        assert s["final_val_loss"] == rows[-1]["val_loss"] and s["peak_max_logit"] == max(r["max_logit"] for r in rows)
-    by = {s["optimizer"]: s for s in summary}
+    data = json.loads((out / "summary.json").read_text())
+    eff, stab = data["efficiency"], data["stability"]
+    assert sorted(p.name for p in (out / "runs").iterdir()) == [
+        "adamw-x1-s0", "adamw-x1-s1", "adamw-x2-s0", "adamw-x2-s1", "muon-x1-s0", "muon-x1-s1"]
+    finals = {}
+    for opt, budget in [("adamw", 1), ("adamw", 2), ("muon", 1)]:
+        for seed in (0, 1):
+            rows = read_rows(out / "runs" / f"{opt}-x{budget}-s{seed}")
+            assert [r["step"] for r in rows] == list(range(1, 12 * budget + 1))
+            assert rows[-1]["tokens"] == 12 * budget * 8 * 32
+            finals[(opt, budget, seed)] = rows[-1]["val_loss"]
+            assert 2.0 < rows[-1]["val_loss"] < 6.0  # ln 256 = 5.55
+    table = {(t["optimizer"], t["budget"]): t for t in eff["table"]}
+    for (opt, budget), t in table.items():
+        vals = [finals[(opt, budget, s)] for s in (0, 1)]
+        assert t["final_val_loss"] == vals
+        assert t["mean"] == pytest.approx(sum(vals) / 2) and t["sd"] == pytest.approx(abs(vals[0] - vals[1]) / 2**0.5)
+    ratio = eff["ratios"]["muon"]
+    for seed, got in zip((0, 1), ratio["budget_matched_per_seed"]):  # the interpolation, by hand
+        l1, l2, target = finals[("adamw", 1, seed)], finals[("adamw", 2, seed)], finals[("muon", 1, seed)]
+        want = 1.0 if l1 <= target else (None if l2 > target else 1 + (l1 - target) / (l1 - l2))
+        assert got == (want if want is None else pytest.approx(want))
     # update_rms, per unit lr with weight decay removed (UpdateRMS): AdamW's first update is
     # m_hat / sqrt(v_hat) = sign(g), RMS 1; Muon's "rms" scale gives 0.2 * RMS of ns5's singular
     # values, which lie in about [0.68, 1.13]
-    assert 0.99 < read_rows(out / "adamw")[0]["update_rms"] <= 1.0
-    for name in ("muon", "muonclip"):
-        assert all(0.2 * 0.68 < r["update_rms"] < 0.2 * 1.13 for r in read_rows(out / name))
-    assert by["adamw"]["step_time_ratio"] == 1.0
+    assert 0.99 < read_rows(out / "runs" / "adamw-x1-s0")[0]["update_rms"] <= 1.0
+    for run in ("runs/muon-x1-s0", "stability/muon-s1", "stability/muonclip-s0"):
+        assert all(0.2 * 0.68 < r["update_rms"] < 0.2 * 1.13 for r in read_rows(out / run))
     # tau = 0.05 is below the initial logits, so MuonClip clips (right from step 1) and plain runs never do
-    assert read_rows(out / "muonclip")[0]["clipped_heads"] > 0
-    assert by["muonclip"]["clip_steps"] >= 1 and by["muon"]["clip_events"] == by["adamw"]["clip_events"] == 0
-    assert by["muonclip"]["final_max_logit"] < by["muon"]["final_max_logit"]
+    by = {t["optimizer"]: t for t in stab["table"]}
+    for seed in (0, 1):
+        clip_rows, plain = read_rows(out / "stability" / f"muonclip-s{seed}"), read_rows(out / "stability" / f"muon-s{seed}")
+        assert clip_rows[0]["clipped_heads"] > 0 and all(r["clipped_heads"] == 0 for r in plain)
+        assert by["muonclip"]["peak_max_logit"][seed] == max(r["max_logit"] for r in clip_rows)
+        assert by["muonclip"]["clip_events"][seed] == sum(r["clipped_heads"] for r in clip_rows)
+        assert by["muonclip"]["final_val_loss"][seed] == clip_rows[-1]["val_loss"]
+        assert read_rows(out / "stability" / f"muonclip-s{seed}")[-1]["tokens"] == 6 * 8 * 32
+    assert sum(by["muonclip"]["clip_events_per_layer"]) == sum(by["muonclip"]["clip_events"])
     md = (out / "summary.md").read_text()
-    table = [line for line in md.splitlines() if line.startswith("| ")]
-    assert len(table) == 4 and f"{by['muon']['final_val_loss']:.4f}" in table[2]
-    assert table[0] in printed and table[3] in printed
-    csv_lines = (out / "muonclip" / "metrics.csv").read_text().splitlines()
-    assert len(csv_lines) == 13 and csv_lines[0].startswith("step,tokens,loss,val_loss,lr,max_logit,max_logit_0")
+    assert "## Token efficiency: AdamW against Muon" in md and "## Stability: Muon against MuonClip" in md
+    assert data["reading"] in md and "2 seeds" in data["reading"] and "Wen et al. 2025" in data["reading"]
+    assert f"{table[('muon', 1.0)]['mean']:.4f} ± {table[('muon', 1.0)]['sd']:.4f}" in md
+    assert "| adamw | 2x | 0.01M |" in printed and data["reading"] in printed
+    csv_lines = (out / "stability" / "muonclip-s0" / "metrics.csv").read_text().splitlines()
+    assert len(csv_lines) == 7 and csv_lines[0].startswith("step,tokens,loss,val_loss,lr,max_logit,max_logit_0")
 
 
 def test_train_interrupt_then_resume_matches_straight_run(tmp_path, text, monkeypatch, capsys):
@@ -125,6 +145,32 @@ def test_nonfinite_loss_stops_names_the_step_and_keeps_the_checkpoint(tmp_path, 
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "config.json", "metrics.csv", "metrics.jsonl"]
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "muonclip"])
+def test_nonfinite_gradient_stops_before_the_step(tmp_path, text, monkeypatch, capsys, optimizer):
+    """A NaN gradient with a finite loss (a hook on the embedding's gradient at step 3): the global norm
+    of the gradient clipping is NaN, so the run stops before the optimizer step, for AdamW too (whose
+    torch step would write the NaN into every weight): exit 3, the last good checkpoint kept."""
+    real = train_mod.forward_loss
+    calls = {"n": 0}
+
+    def forward(model, x, y):
+        if model.training:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                model.wte.weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+        return real(model, x, y)
+
+    monkeypatch.setattr(train_mod, "forward_loss", forward)
+    out = tmp_path / "run"
+    rc = main(["train", *TINY, "--data", text, "--optimizer", optimizer, "--steps", "6", "--set", "checkpoint_every=2",
+               "--out", str(out)])
+    assert rc == 3
+    assert "non-finite gradient (global norm nan) at step 3" in capsys.readouterr().err
+    data = load_file(out / "checkpoint.pt")
+    assert data["step"] == 2 and all(torch.isfinite(v).all() for v in data["model"].values())
+    assert [r["step"] for r in read_rows(out)] == [1, 2]
+
+
 def test_nonfinite_validation_loss_stops_like_a_training_loss(tmp_path, text, monkeypatch, capsys):
     """A NaN validation loss (finite training losses) ends the run with exit 3 at that step:
     no metrics row and no checkpoint for it, the last good checkpoint kept."""
@@ -174,7 +220,7 @@ def test_bad_data_inputs(tmp_path, capsys, command):
 @pytest.mark.parametrize("command", ["train", "compare"])
 def test_small_corpus_warns_before_training(tmp_path, capsys, monkeypatch, command):
     """A corpus the run reads more than 10 times, with a validation split smaller than one
-    batch: two warnings on stderr before the first step (once for compare's three runs), and
+    batch: two warnings on stderr before the first step (once for all of compare's runs), and
     the run goes on."""
     data = tmp_path / "lines.txt"
     data.write_text("Fair is foul, and foul is fair: hover through the fog and filthy air.\n" * 5)  # 350 bytes
@@ -187,13 +233,14 @@ def test_small_corpus_warns_before_training(tmp_path, capsys, monkeypatch, comma
         return real(model, x, y)
 
     monkeypatch.setattr(train_mod, "forward_loss", forward)
+    jobs = ["--jobs", "1", "--set", "budgets=1", "--set", "seeds=1"] if command == "compare" else []
     rc = main([command, *TINY, "--data", str(data), "--steps", "13", "--set", "val_fraction=0.12",  # 308 + 42 bytes
-               "--out", str(tmp_path / "out")])
+               *jobs, "--out", str(tmp_path / "out")])
     assert rc == 0
     before = seen[0]
     assert before.count("muonclip: warning:") == 2
     assert "308 training bytes about 11 times" in before and "validation split holds 42 bytes" in before
-    assert "muonclip: warning:" not in capsys.readouterr().err  # compare: not again for muon and muonclip
+    assert "muonclip: warning:" not in capsys.readouterr().err  # compare: not again for its other runs
 
 
 def test_bad_config_inputs(tmp_path, capsys, text):
@@ -208,8 +255,13 @@ def test_bad_config_inputs(tmp_path, capsys, text):
                        ("--set=lr_adamw=-inf", "lr_adamw"), ("--set=min_lr_ratio=nan", "min_lr_ratio")]:
         _bad(capsys, [*base, "--optimizer", "muon", flag], f"{name} must be a finite number")
     _bad(capsys, ["compare", *TINY, "--data", text, "--out", str(out), "--optimizers", "adamw,sgd"], "'sgd'")
-    _bad(capsys, ["compare", *TINY, "--data", text, "--out", str(out), "--sweep", "1,x"], "--sweep expects")
-    _bad(capsys, ["compare", *TINY, "--data", text, "--out", str(out), "--sweep", "1,inf"], "finite numbers > 0")
+    _bad(capsys, ["compare", *TINY, "--data", text, "--out", str(out), "--sweep", "--sweep-warmups", "10,x"],
+         "--sweep-warmups expects")
+    _bad(capsys, ["compare", *TINY, "--data", text, "--out", str(out), "--sweep-warmups", "10"], "needs --sweep")
+    _bad(capsys, ["compare", *TINY, "--data", text, "--out", str(out), "--jobs", "0"], "--jobs must be >= 1")
+    _bad(capsys, [*base, "--set", "budgets=1.5,3"], "one of them 1")
+    _bad(capsys, [*base, "--set", "lr_adamw_budgets=1e-3"], "one rate > 0 per budget")
+    _bad(capsys, [*base, "--set", "grad_clip=-1"], "grad_clip must be >= 0")
     _bad(capsys, ["compare", *TINY, "--data", text, "--out", str(out), "--set", "lr_muonclip=nan"],
          "lr_muonclip must be a finite number")
     assert not out.exists()
@@ -264,11 +316,18 @@ def test_bad_checkpoints_on_resume(tmp_path, capsys, text):
     assert not (tmp_path / "nothing").exists()
 
 
-def test_presets_are_valid_and_logit_growth_removes_weight_decay():
-    for name in ("default", "tiny", "logit-growth"):
+def test_presets_are_valid_and_the_stability_segment_removes_weight_decay():
+    from muonclip.app.compare import stability_config
+
+    for name in ("default", "tiny", "k2-mini"):
         make_config(name)
-    lg, d = make_config("logit-growth"), make_config("default")
-    assert lg.weight_decay == 0.0 and d.weight_decay > 0 and lg.lr_muon > d.lr_muon
+    d = make_config("default")
+    s = stability_config(d)
+    assert s.weight_decay == 0.0 and d.weight_decay > 0 and s.lr_muon == s.lr_muonclip > d.lr_muon
+    assert s.min_lr_ratio == 1.0 and s.tau == d.stability_tau < d.tau and s.steps == d.stability_steps
+    assert s.warmup("muon") == s.warmup("muonclip") == d.warmup("muon")
+    k2 = make_config("k2-mini")
+    assert k2.attention == "mla" and k2.n_expert > k2.n_expert_active >= 1
 
 
 def test_train_validation_every_step_changes_nothing_and_feeds_no_recorder(tmp_path, text, monkeypatch):

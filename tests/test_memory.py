@@ -151,7 +151,7 @@ def test_available_memory_is_read_from_the_system():
 
 @pytest.mark.parametrize("command", ["train", "compare"])
 def test_impossible_block_size_exits_2_at_once(tmp_path, capsys, monkeypatch, command):
-    """``muonclip train --set block_size=100000 --steps 2`` (66 GiB of activations): exit 2 in
+    """``muonclip train --set block_size=100000 --steps 2`` (23 GiB of activations): exit 2 in
     seconds, naming batch_size and block_size, nothing written (the machine's memory is fixed
     at 16 GiB here, so the outcome does not depend on the machine the test runs on)."""
     monkeypatch.setattr(memory, "available_memory", lambda device, ranks_here=1: 16 * 2**30)
@@ -160,6 +160,6 @@ def test_impossible_block_size_exits_2_at_once(tmp_path, capsys, monkeypatch, co
     rc = main([command, "--set", "block_size=100000", "--steps", "2", "--quiet", "--out", str(out)])
     assert rc == 2 and time.perf_counter() - start < 30
     err = capsys.readouterr().err
-    assert "muonclip: error: one training step needs about 66" in err
+    assert "muonclip: error: one training step needs about 23" in err
     assert "16.0 GiB available. Lower batch_size (now 16; " in err and "or block_size (now 100000; " in err
     assert not out.exists()

@@ -74,11 +74,17 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train the same GPT with the same data order and seed with each optimizer "
                                    "and write plots and summary.md to --out (default out/compare-<preset>-<time>).")
     _common(c)
-    c.add_argument("--optimizers", default=",".join(OPTIMIZERS),
-                   help="comma-separated subset to run (default: adamw,muon,muonclip)")
-    c.add_argument("--sweep", nargs="?", const="0.5,1,2", default=None, metavar="FACTORS",
-                   help="also try these multiples of each optimizer's lr (default when given: 0.5,1,2) "
-                        "and report the best of each")
+    c.add_argument("--optimizers", default="adamw,muon",
+                   help="comma-separated optimizers of the token-efficiency runs (default: adamw,muon; AdamW is the "
+                        "reference of the ratios; the stability segment always runs muon and muonclip)")
+    c.add_argument("--jobs", type=int, default=None,
+                   help="runs at a time, in worker processes (default: one per core)")
+    c.add_argument("--sweep", action="store_true",
+                   help="first tune every optimizer's learning rate on a log grid (5 points, sqrt 2 apart, extended "
+                        "while the best is at an edge), then compare with the tuned values; see muonclip.app.sweep")
+    c.add_argument("--sweep-warmups", default=None, metavar="STEPS",
+                   help="with --sweep: comma-separated warm-up lengths to tune too (default: the config's)")
+    c.add_argument("--sweep-seeds", type=int, default=2, metavar="N", help="with --sweep: seeds per point (default 2)")
     t = sub.add_parser("train", help="train with one optimizer, with checkpoints and --resume",
                        description="Train the GPT with one optimizer. Writes metrics.jsonl/.csv and checkpoint.pt "
                                    "to --out (default out/train-<optimizer>-<time>).")
@@ -154,15 +160,22 @@ def _run_compare(args: argparse.Namespace) -> int:
     cfg = make_config(args.preset or "default", _overrides(args), args.sets)
     optimizers = [o.strip() for o in args.optimizers.split(",") if o.strip()]
     sweep = None
-    if args.sweep is not None:
+    if args.sweep:
         try:
-            sweep = [float(f) for f in args.sweep.split(",")]
+            warmups = None if args.sweep_warmups is None else [int(w) for w in args.sweep_warmups.split(",")]
         except ValueError:
-            raise ValueError(f"--sweep expects comma-separated numbers like 0.5,1,2, got {args.sweep!r}") from None
+            raise ValueError(f"--sweep-warmups expects comma-separated steps like 20,50,100, got "
+                             f"{args.sweep_warmups!r}") from None
+        if (warmups is not None and any(w < 0 for w in warmups)) or args.sweep_seeds < 1:
+            raise ValueError("--sweep-warmups must be >= 0 and --sweep-seeds >= 1")
+        sweep = {"warmups": warmups, "seeds": args.sweep_seeds,
+                 "optimizers": [o for o in ("adamw", "muon") if o in optimizers or o == "muon"]}
+    elif args.sweep_warmups is not None:
+        raise ValueError("--sweep-warmups needs --sweep")
     out = Path(args.out) if args.out else Path("out") / f"compare-{cfg.preset}-{_stamp()}"
-    _, table = compare(cfg, out, optimizers=optimizers, sweep=sweep, progress=not args.quiet)
-    print(table)
-    print(f"\nreport: {out}/summary.md and {out}/val_loss.png, max_logit.png, clip_events.png")
+    _, printed = compare(cfg, out, optimizers=optimizers, jobs=args.jobs, sweep=sweep, progress=not args.quiet)
+    print(printed)
+    print(f"\nreport: {out}/summary.md and the plots in {out}")
     return 0
 
 

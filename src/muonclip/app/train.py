@@ -70,6 +70,7 @@ from .data import Corpus, check_fits, corpus_warnings, load_corpus, train_batch,
 from .launch import all_max, all_mean, all_sum, check_batch, current_group, device, is_active, rank_rows, wrap_model
 from .memory import check_memory
 from .metrics import MetricsWriter
+from .probes import ExpertRMS, MLAClipAudit
 
 CHECKPOINT = FILE_CHECKPOINT
 CONFIG = "config.json"
@@ -84,10 +85,13 @@ class NonFiniteLossError(FloatingPointError):
     good checkpoint is kept."""
 
     def __init__(self, step: int, detail: str, checkpoint: Path | None) -> None:
-        self.step, self.checkpoint = step, checkpoint
+        self.step, self.detail, self.checkpoint = step, detail, checkpoint
         kept = f"the last good checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written yet"
         super().__init__(f"non-finite {detail} at step {step}; training stopped, {kept}. "
                          "Lower the learning rate or resume from the checkpoint with other settings.")
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable: raised in compare's worker processes
+        return type(self), (self.step, self.detail, self.checkpoint)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -96,6 +100,9 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, step: int, checkpoint: Path) -> None:
         self.step, self.checkpoint = step, checkpoint
         super().__init__(f"interrupted after step {step}; checkpoint saved to {checkpoint}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.step, self.checkpoint)
 
 
 @dataclass
@@ -111,11 +118,20 @@ class RunResult:
 
 def build_model(cfg: RunConfig) -> nn.Module:
     """The reference GPT of ``cfg``, initialised from ``torch.manual_seed(cfg.seed)``."""
-    from ..models import GPT, GPTConfig
+    from ..models import GPT
 
     torch.manual_seed(cfg.seed)
-    return GPT(GPTConfig(vocab_size=256, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                         n_kv_head=cfg.n_kv_head, n_embd=cfg.n_embd, attention=cfg.attention, qk_norm=cfg.qk_norm))
+    return GPT(model_config(cfg))
+
+
+def model_config(cfg: RunConfig) -> Any:
+    """The `muonclip.models.GPTConfig` of ``cfg`` (byte vocabulary)."""
+    from ..models import GPTConfig
+
+    return GPTConfig(vocab_size=256, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                     n_kv_head=cfg.n_kv_head, n_embd=cfg.n_embd, attention=cfg.attention, qk_norm=cfg.qk_norm,
+                     n_expert=cfg.n_expert, n_expert_active=cfg.n_expert_active, n_shared_expert=cfg.n_shared_expert,
+                     expert_hidden=cfg.expert_hidden, aux_loss_weight=cfg.aux_loss_weight)
 
 
 def build_optimizer(name: str, model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
@@ -147,13 +163,14 @@ def build_optimizer(name: str, model: nn.Module, cfg: RunConfig) -> torch.optim.
                     orth_dtype=orth_dtype)
 
 
-def lr_factor(step: int, cfg: RunConfig) -> float:
-    """Multiplier of the peak lr at 0-based ``step``: linear warm-up over ``warmup_steps``, then
-    cosine from 1 down to ``min_lr_ratio`` at the last step."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.steps - cfg.warmup_steps - 1)
-    t = min(1.0, (step - cfg.warmup_steps) / span)
+def lr_factor(step: int, cfg: RunConfig, optimizer: str) -> float:
+    """Multiplier of the peak lr at 0-based ``step`` of a run of ``optimizer``: linear warm-up over
+    ``cfg.warmup(optimizer)`` steps, then cosine from 1 down to ``min_lr_ratio`` at the last step."""
+    warmup = cfg.warmup(optimizer)
+    if step < warmup:
+        return (step + 1) / warmup
+    span = max(1, cfg.steps - warmup - 1)
+    t = min(1.0, (step - warmup) / span)
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * t))
 
 
@@ -350,6 +367,9 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
     val = [(rank_rows(x, ctx, dev), rank_rows(y, ctx, dev)) for x, y in
            val_batches(corpus, n_batches=cfg.eval_batches, batch_size=cfg.batch_size, block_size=cfg.block_size)]
     rms_meter = UpdateRMS(opt, params=_hidden_matrices(model))
+    # one process: per-expert update RMS (3-D expert stacks) and the factors of each clipped MLA head
+    expert_meter = ExpertRMS(opt, model) if not active and any(p.ndim == 3 for p in model.parameters()) else None
+    audit = MLAClipAudit(opt, model) if not active else None
     tokens_per_step = cfg.batch_size * cfg.block_size
     bar = progress_bar(label or optimizer, cfg.steps, start, tokens_per_step, enabled=progress and main)
     last_saved: Path | None = found.path if found is not None else None
@@ -372,7 +392,7 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
     train_model.train()
     try:
         for step in range(start, cfg.steps):
-            factor = lr_factor(step, cfg)
+            factor = lr_factor(step, cfg, optimizer)
             for g, lr in zip(opt.param_groups, base_lrs):
                 g["lr"] = lr * factor
             x, y = train_batch(corpus, step, batch_size=cfg.batch_size, block_size=cfg.block_size, seed=cfg.seed)
@@ -389,7 +409,14 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
                 raise NonFiniteLossError(step + 1, f"loss ({loss_value})", last_saved)
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            if cfg.grad_clip > 0:  # on every rank: the norm of DTensor gradients is reduced over the group
+                norm_t = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                norm = float(norm_t.full_tensor() if hasattr(norm_t, "full_tensor") else norm_t)
+                if not math.isfinite(norm):
+                    raise NonFiniteLossError(step + 1, f"gradient (global norm {norm})", last_saved)
             rms_meter.before()
+            if expert_meter is not None:
+                expert_meter.before()
             try:
                 opt.step()
             except NonFiniteGradError as e:
@@ -397,6 +424,11 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
                 raise NonFiniteLossError(step + 1, f"gradient ({e})", last_saved) from None
             maxes, clipped = read_max_logits(model, opt, ctx)
             rms = rms_meter.after(reduce=(lambda v: all_sum(v, ctx)) if fsdp else None)
+            probes: dict[str, Any] = {}
+            if expert_meter is not None:
+                probes["expert_rms"] = expert_meter.after()
+            if audit is not None and (events := audit.events()):
+                probes["clip_audit"] = events
             step_time = time.perf_counter() - t0
             done = step + 1
             val_loss = None
@@ -410,7 +442,7 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
                 "lr": cfg.lr(optimizer) * factor, "max_logit": max(maxes) if maxes else None,
                 "max_logits": maxes, "clipped_heads": sum(clipped), "clipped": clipped,
                 "update_rms": rms, "step_time": step_time,
-                "elapsed": elapsed0 + time.perf_counter() - t_start,
+                "elapsed": elapsed0 + time.perf_counter() - t_start, **probes,
             }
             if writer is not None:
                 writer.write(row)
@@ -456,5 +488,6 @@ def progress_bar(label: str, total: int, start: int, tokens_per_step: int, *, en
 
 __all__ = [
     "CHECKPOINT", "CONFIG", "Interrupted", "NonFiniteLossError", "OutputError", "RunResult", "build_model",
-    "build_optimizer", "evaluate", "forward_loss", "lr_factor", "progress_bar", "read_max_logits", "train_run",
+    "build_optimizer", "evaluate", "forward_loss", "lr_factor", "model_config", "progress_bar", "read_max_logits",
+    "train_run",
 ]
