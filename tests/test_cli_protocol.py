@@ -3,6 +3,7 @@ sweep's bracketing on synthetic loss functions, the parallel runner, the sweep e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -200,3 +201,30 @@ def test_compare_sweep_tunes_then_compares_with_the_tuned_values(tmp_path, corpu
     muon = json.loads((out / "runs" / "muon-x1-s0" / "config.json").read_text())
     assert (lr_1x, lr_2x) == (tuned["lr"]["adamw"], tuned["budget_lr"]["2"])
     assert (muon["lr_muon"], muon["lr_adamw"]) == (tuned["lr"]["muon"], tuned["lr"]["adamw"])
+
+
+def test_an_interrupted_sweep_goes_on_where_it_stopped(tmp_path, corpus, monkeypatch):
+    """A second `tune` into the same folder reuses every finished run (none is trained again) and finds
+    the same points, also when its rates come out one bit apart (a grid centred on a rate computed
+    another way, e.g. ``c * sqrt(2)**2`` against ``2 * c``); a run whose folder holds an unfinished
+    run is trained again from the start."""
+    cfg = make_config("tiny", {"threads": 1, "steps": 3, "seeds": 1, "budgets": (1.0,), "data": str(corpus.source)})
+    first = sweep.tune(cfg, tmp_path, corpus, optimizers=("adamw",), seeds=1, max_extensions=1, progress=False)
+    trained = []
+    real = sweep.run_all
+
+    def counting(specs, *args, **kwargs):
+        trained.extend(s.label for s in specs)
+        return real(specs, *args, **kwargs)
+
+    monkeypatch.setattr(sweep, "run_all", counting)
+    nudged = dataclasses.replace(cfg, lr_adamw=math.nextafter(cfg.lr_adamw, 1.0))  # one bit higher
+    again = sweep.tune(nudged, tmp_path, corpus, optimizers=("adamw",), seeds=1, max_extensions=1, progress=False)
+    assert trained == []
+    assert [p["losses"] for p in again.points] == [p["losses"] for p in first.points]
+    assert again.lr["adamw"] == pytest.approx(first.lr["adamw"], rel=1e-12)
+    victim = tmp_path / f"adamw-x1-w3-lr{first.lr['adamw']:.4g}-s1000"
+    rows = (victim / "metrics.jsonl").read_text().splitlines()
+    (victim / "metrics.jsonl").write_text("\n".join(rows[:-1]) + "\n")  # as if stopped before its last step
+    third = sweep.tune(cfg, tmp_path, corpus, optimizers=("adamw",), seeds=1, max_extensions=1, progress=False)
+    assert trained == [victim.name] and third.points == first.points

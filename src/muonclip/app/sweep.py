@@ -126,13 +126,21 @@ def finished_loss(spec: RunSpec) -> float | None:
     rows = read_rows(spec.run_dir)
     if rows and rows[-1]["step"] == spec.cfg.steps and rows[-1].get("val_loss") is not None:
         saved = json.loads((spec.run_dir / CONFIG).read_text(encoding="utf-8"))
-        if saved == {"optimizer": spec.optimizer, **spec.cfg.to_dict()} | {"budgets": list(spec.cfg.budgets),
-                                                                         "lr_adamw_budgets":
-                                                                         list(spec.cfg.lr_adamw_budgets)}:
+        want = json.loads(json.dumps({"optimizer": spec.optimizer, **spec.cfg.to_dict()}))
+        if saved.keys() == want.keys() and all(_same(saved[k], want[k]) for k in want):
             return float(rows[-1]["val_loss"])
     if spec.run_dir.exists():
         shutil.rmtree(spec.run_dir)
     return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, floats within 1e-9 relative (a rate computed as c * sqrt(2)**k another way)."""
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isclose(a, b, rel_tol=1e-9)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 def sweep_seeds(cfg: RunConfig, n: int) -> list[int]:
