@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -146,6 +147,37 @@ def test_bracket_treats_a_diverged_rate_as_worse_than_any():
     assert b.inside and b.best == 0.008 and b.scores[0.016] is None
     with pytest.raises(ValueError, match="every learning rate tried diverged"):
         sweep.bracket(lambda lrs: [None] * len(lrs), sweep.log_grid(1e-3, 5, 2.0), ratio=2.0, max_extensions=2)
+
+
+def test_tune_brackets_rates_and_warmups_on_a_synthetic_loss(tmp_path, monkeypatch):
+    """`tune` with the training replaced by a synthetic loss (log(lr / 0.012))^2 + 0.01 (log(w / 100))^2
+    for AdamW and (log(lr / 0.03))^2 + 0.01 (log(w / 100))^2 for Muon: per-optimizer warm-ups
+    ({"adamw": [20, 50, 100], "muon": [20, 50]}); AdamW's best warm-up, 100, is at the edge of three,
+    so 200 is added and 100 ends inside; Muon's two are not bracketed (fewer than three) and it keeps
+    50; each best rate is the grid point nearest the optimum, strictly inside its grid."""
+    optimum = {"adamw": 0.012, "muon": 0.03}
+
+    def fake_run_all(specs, corpus, **kwargs):
+        out = []
+        for sp in specs:
+            lr, w = sp.cfg.lr(sp.optimizer), sp.cfg.warmup(sp.optimizer)
+            loss = math.log(lr / optimum[sp.optimizer]) ** 2 + 0.01 * math.log(w / 100) ** 2
+            out.append(SimpleNamespace(final_val_loss=loss, diverged_at=None))
+        return out
+
+    monkeypatch.setattr(sweep, "run_all", fake_run_all)
+    cfg = make_config("default", {"budgets": (1.0,)})
+    t = sweep.tune(cfg, tmp_path, corpus=None, warmups={"adamw": [20, 50, 100], "muon": [20, 50]}, seeds=1,
+                   progress=False)
+    tried = {o: sorted({p["warmup"] for p in t.points if p["optimizer"] == o}) for o in ("adamw", "muon")}
+    assert tried == {"adamw": [20, 50, 100, 200], "muon": [20, 50]}
+    assert t.warmup == {"adamw": 100, "muon": 50}
+    assert "adamw: the best warm-up, 100, is at the high edge of 20..100: added 200" in t.notes
+    assert t.lr["adamw"] == pytest.approx(0.012, rel=1e-9)  # 6e-3 * sqrt(2)^2, added beyond the edge
+    assert t.lr["muon"] == pytest.approx(0.02 * 2**0.5, rel=1e-9)  # of 0.01..0.04, the nearest 0.03 in log
+    for o in ("adamw", "muon"):
+        rates = sorted(p["lr"] for p in t.points if p["optimizer"] == o and p["warmup"] == t.warmup[o])
+        assert len(rates) >= 5 and rates[0] < t.lr[o] < rates[-1]
 
 
 @pytest.fixture(scope="module")

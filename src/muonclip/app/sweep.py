@@ -30,7 +30,7 @@ import dataclasses
 import json
 import math
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -174,8 +174,8 @@ class Tuned:
 
 
 def tune(cfg: RunConfig, out_dir: Path, corpus: Corpus, *, optimizers: Sequence[str] = ("adamw", "muon"),
-         warmups: Sequence[int] | None = None, seeds: int = 2, points: int = 5, ratio: float = SQRT2,
-         max_extensions: int = 4, budgets: Sequence[float] | None = None, jobs: int = 1,
+         warmups: Sequence[int] | Mapping[str, Sequence[int]] | None = None, seeds: int = 2, points: int = 5,
+         ratio: float = SQRT2, max_extensions: int = 4, budgets: Sequence[float] | None = None, jobs: int = 1,
          progress: bool = True) -> Tuned:
     """Run the tuning protocol (module docstring) and write ``out_dir/sweep.json`` and ``sweep.md``.
 
@@ -184,7 +184,8 @@ def tune(cfg: RunConfig, out_dir: Path, corpus: Corpus, *, optimizers: Sequence[
         out_dir: where the runs go (``<out_dir>/<optimizer>-x<budget>-w<warmup>-lr<rate>-s<seed>``).
         corpus: the loaded corpus.
         optimizers: which to tune (default AdamW and Muon; MuonClip shares Muon's rate).
-        warmups: warm-up lengths to try (default None: the config's, per optimizer).
+        warmups: warm-up lengths to try, for every optimizer or per optimizer (a mapping; one it
+            leaves out tries its config's) (default None: the config's, per optimizer).
         seeds: tuning seeds per point (default 2).
         points: rates in the first grid (default 5).
         ratio: factor between neighbouring rates (default sqrt 2).
@@ -234,7 +235,8 @@ def tune(cfg: RunConfig, out_dir: Path, corpus: Corpus, *, optimizers: Sequence[
     warm: dict[str, int] = {}
     for opt in optimizers:
         results: dict[int, tuple[float, float]] = {}  # warm-up -> (score of its best rate, that rate)
-        queue = sorted(set(warmups or [cfg.warmup(opt)]))
+        tried = warmups.get(opt) if isinstance(warmups, Mapping) else warmups
+        queue = sorted(set(tried or [cfg.warmup(opt)]))
         added = 0
         while queue:
             w = queue.pop(0)
