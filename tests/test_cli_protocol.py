@@ -16,6 +16,7 @@ from muonclip.app.data import builtin_corpus_dir, load_corpus, read_document
 from muonclip.app.main import main
 from muonclip.app.metrics import read_rows
 from muonclip.app.runner import RunSpec, run_all
+from muonclip.app.train import OutputError
 
 
 def test_budget_to_reach_interpolates_the_first_crossing():
@@ -154,7 +155,8 @@ def test_tune_brackets_rates_and_warmups_on_a_synthetic_loss(tmp_path, monkeypat
     for AdamW and (log(lr / 0.03))^2 + 0.01 (log(w / 100))^2 for Muon: per-optimizer warm-ups
     ({"adamw": [20, 50, 100], "muon": [20, 50]}); AdamW's best warm-up, 100, is at the edge of three,
     so 200 is added and 100 ends inside; Muon's two are not bracketed (fewer than three) and it keeps
-    50; each best rate is the grid point nearest the optimum, strictly inside its grid."""
+    50; each best rate is the grid point nearest the optimum, strictly inside its grid; AdamW at 2x is
+    tuned with ``budget_seeds`` (1) seeds per point, 1x with ``seeds`` (2)."""
     optimum = {"adamw": 0.012, "muon": 0.03}
 
     def fake_run_all(specs, corpus, **kwargs):
@@ -166,9 +168,9 @@ def test_tune_brackets_rates_and_warmups_on_a_synthetic_loss(tmp_path, monkeypat
         return out
 
     monkeypatch.setattr(sweep, "run_all", fake_run_all)
-    cfg = make_config("default", {"budgets": (1.0,)})
-    t = sweep.tune(cfg, tmp_path, corpus=None, warmups={"adamw": [20, 50, 100], "muon": [20, 50]}, seeds=1,
-                   progress=False)
+    cfg = make_config("default", {"budgets": (1.0, 2.0)})
+    t = sweep.tune(cfg, tmp_path, corpus=None, warmups={"adamw": [20, 50, 100], "muon": [20, 50]}, seeds=2,
+                   budget_seeds=1, progress=False)
     tried = {o: sorted({p["warmup"] for p in t.points if p["optimizer"] == o}) for o in ("adamw", "muon")}
     assert tried == {"adamw": [20, 50, 100, 200], "muon": [20, 50]}
     assert t.warmup == {"adamw": 100, "muon": 50}
@@ -178,6 +180,8 @@ def test_tune_brackets_rates_and_warmups_on_a_synthetic_loss(tmp_path, monkeypat
     for o in ("adamw", "muon"):
         rates = sorted(p["lr"] for p in t.points if p["optimizer"] == o and p["warmup"] == t.warmup[o])
         assert len(rates) >= 5 and rates[0] < t.lr[o] < rates[-1]
+    assert {p["budget"]: p["seeds"] for p in t.points} == {1.0: [1000, 1001], 2.0: [1000]}
+    assert t.budget_lr == {1.0: t.lr["adamw"], 2.0: pytest.approx(0.012, rel=1e-9)}
 
 
 @pytest.fixture(scope="module")
@@ -239,7 +243,7 @@ def test_an_interrupted_sweep_goes_on_where_it_stopped(tmp_path, corpus, monkeyp
     """A second `tune` into the same folder reuses every finished run (none is trained again) and finds
     the same points, also when its rates come out one bit apart (a grid centred on a rate computed
     another way, e.g. ``c * sqrt(2)**2`` against ``2 * c``); a run whose folder holds an unfinished
-    run is trained again from the start."""
+    run is trained again from the start; a finished run of another config is an error, never removed."""
     cfg = make_config("tiny", {"threads": 1, "steps": 3, "seeds": 1, "budgets": (1.0,), "data": str(corpus.source)})
     first = sweep.tune(cfg, tmp_path, corpus, optimizers=("adamw",), seeds=1, max_extensions=1, progress=False)
     trained = []
@@ -260,3 +264,14 @@ def test_an_interrupted_sweep_goes_on_where_it_stopped(tmp_path, corpus, monkeyp
     (victim / "metrics.jsonl").write_text("\n".join(rows[:-1]) + "\n")  # as if stopped before its last step
     third = sweep.tune(cfg, tmp_path, corpus, optimizers=("adamw",), seeds=1, max_extensions=1, progress=False)
     assert trained == [victim.name] and third.points == first.points
+    # the comparison's protocol (here the stability segment's rate) is not part of a run: reused
+    other_protocol = dataclasses.replace(cfg, stability_lr=cfg.stability_lr * 3, seeds=5)
+    sweep.tune(other_protocol, tmp_path, corpus, optimizers=("adamw",), seeds=1, max_extensions=1, progress=False)
+    assert trained == [victim.name]
+    # a finished run of another config is never removed: an error names the field, the folder stays
+    before = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+    with pytest.raises(OutputError, match=r"weight_decay: 0.1 there, 0.2 here"):
+        sweep.tune(dataclasses.replace(cfg, weight_decay=0.2), tmp_path, corpus, optimizers=("adamw",), seeds=1,
+                   max_extensions=1, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == before and trained == [victim.name]
+    assert read_rows(victim)[-1]["step"] == cfg.steps  # still the finished run

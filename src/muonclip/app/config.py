@@ -84,7 +84,8 @@ class RunConfig:
         lr_adamw_budgets: AdamW's peak rate at each budget (default (): lr_adamw at every one).
         stability_steps: steps of the stability segment, Muon against MuonClip with no weight
             decay, a constant rate after warm-up and ``stability_tau`` (default 300; 0: none).
-        stability_lr: peak rate of Muon and MuonClip in that segment (default 0.05).
+        stability_lr: peak rate of Muon and MuonClip in that segment (default 0.1, 2.5 times Muon's
+            tuned rate: plain Muon's max logit then passes 3 tau within the segment on every seed).
         stability_tau: tau of that segment (default 30, K2's small-model setting).
 
     Bookkeeping:
@@ -128,7 +129,7 @@ class RunConfig:
     budgets: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0)
     lr_adamw_budgets: tuple[float, ...] = ()
     stability_steps: int = 300
-    stability_lr: float = 0.05
+    stability_lr: float = 0.1
     stability_tau: float = 30.0
     seed: int = 0
     eval_every: int = 50

@@ -365,9 +365,10 @@ def reading(context: dict[str, Any], eff: dict[str, Any] | None, stab: dict[str,
         orders = math.log10(1e8 / context["params"])
         parts.append(f"Careful comparisons at 0.1–1.2B parameters and 20–160 tokens per parameter (1–8 times the "
                      f"Chinchilla optimum) find Muon's advantage at about 1.4x in tokens at 0.1B, falling to 1.1x at "
-                     f"1.2B (Wen et al. 2025, against an equally tuned AdamW); this model is "
-                     f"{orders:.0f} orders of magnitude smaller than their smallest, so the ratio here describes "
-                     f"small models, not large ones.")
+                     f"1.2B (Wen et al. 2025, against an equally tuned AdamW), and Moonlight's scaling-law fits "
+                     f"about 2x in training compute (Liu et al. 2025); this model is {orders:.0f} orders of "
+                     f"magnitude smaller than their smallest, so the ratio here describes small models, not large "
+                     f"ones.")
         if r["adamw_loss_wall_clock"] is not None:
             parts.append(f"On this machine a {name} step takes {r['step_time'] / r['adamw_step_time']:.2f} times an "
                          f"AdamW step; given the same seconds, AdamW reaches {r['adamw_loss_wall_clock']:.3f}.")

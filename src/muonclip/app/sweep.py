@@ -5,9 +5,9 @@ and each warm-up length of ``warmups``:
 
 1. `log_grid`: ``points`` (at least 5) learning rates ``ratio`` apart (default sqrt 2), centred
    on the config's rate;
-2. every rate is trained with ``seeds`` seeds (different from the seeds `compare` reports,
-   `sweep_seeds`) and scored by the mean of their final validation losses; a diverged run
-   scores +inf;
+2. every rate is trained with ``seeds`` seeds (``budget_seeds`` at AdamW's larger budgets;
+   different from the seeds `compare` reports, `sweep_seeds`) and scored by the mean of their
+   final validation losses; a diverged run scores +inf;
 3. `bracket`: if the best rate is the lowest or the highest of the grid, one more rate
    ``ratio`` beyond it is trained, and again, until the best is strictly inside (each extension is
    reported), or ``max_extensions`` were added (then the report says the best is still at an edge).
@@ -39,7 +39,7 @@ from .config import RunConfig
 from .data import Corpus
 from .metrics import read_rows
 from .runner import RunSpec, run_all
-from .train import CONFIG
+from .train import CONFIG, OutputError
 
 SQRT2 = 2.0**0.5
 SWEEP_SEED_OFFSET = 1000  # tuning seeds: seed + 1000, seed + 1001, ...: never the reported ones
@@ -119,18 +119,39 @@ def bracket(measure: Callable[[list[float]], list[float | None]], grid: Sequence
     return Bracket(scores, order[i], False, notes)
 
 
+# Fields of the comparison's protocol, not of one training run: a sweep run is the same run whatever they are.
+PROTOCOL_FIELDS = ("seeds", "budgets", "lr_adamw_budgets", "stability_steps", "stability_lr", "stability_tau",
+                   "preset")
+
+
 def finished_loss(spec: RunSpec) -> float | None:
     """The final validation loss of ``spec``'s run if its folder holds it finished (an interrupted
-    sweep goes on from where it stopped: finished runs are reused); an unfinished run's folder is
-    removed, so it runs again from the start. None when it has to run."""
+    sweep goes on from where it stopped: finished runs are reused); the folder of an unfinished
+    run of the same config is removed, so it runs again from the start. None when it has to run.
+
+    Raises:
+        OutputError: the folder holds a run of another config (a field other than
+            `PROTOCOL_FIELDS` differs): it is left as it is; tune into a new folder.
+    """
+    if not (spec.run_dir / CONFIG).exists():
+        if spec.run_dir.exists():
+            shutil.rmtree(spec.run_dir)  # stopped before its first write: nothing of it to keep
+        return None
+    try:
+        saved = json.loads((spec.run_dir / CONFIG).read_text(encoding="utf-8"))
+    except json.JSONDecodeError:  # stopped while writing it, before its first step
+        shutil.rmtree(spec.run_dir)
+        return None
+    want = json.loads(json.dumps({"optimizer": spec.optimizer, **spec.cfg.to_dict()}))
+    differ = sorted(k for k in saved.keys() | want.keys()
+                    if k not in PROTOCOL_FIELDS and not (k in saved and k in want and _same(saved[k], want[k])))
+    if differ:
+        what = ", ".join(f"{k}: {saved.get(k)!r} there, {want.get(k)!r} here" for k in differ)
+        raise OutputError(f"{spec.run_dir} holds a run of another config ({what}); tune into a new folder")
     rows = read_rows(spec.run_dir)
     if rows and rows[-1]["step"] == spec.cfg.steps and rows[-1].get("val_loss") is not None:
-        saved = json.loads((spec.run_dir / CONFIG).read_text(encoding="utf-8"))
-        want = json.loads(json.dumps({"optimizer": spec.optimizer, **spec.cfg.to_dict()}))
-        if saved.keys() == want.keys() and all(_same(saved[k], want[k]) for k in want):
-            return float(rows[-1]["val_loss"])
-    if spec.run_dir.exists():
-        shutil.rmtree(spec.run_dir)
+        return float(rows[-1]["val_loss"])
+    shutil.rmtree(spec.run_dir)
     return None
 
 
@@ -175,8 +196,8 @@ class Tuned:
 
 def tune(cfg: RunConfig, out_dir: Path, corpus: Corpus, *, optimizers: Sequence[str] = ("adamw", "muon"),
          warmups: Sequence[int] | Mapping[str, Sequence[int]] | None = None, seeds: int = 2, points: int = 5,
-         ratio: float = SQRT2, max_extensions: int = 4, budgets: Sequence[float] | None = None, jobs: int = 1,
-         progress: bool = True) -> Tuned:
+         ratio: float = SQRT2, max_extensions: int = 4, budgets: Sequence[float] | None = None,
+         budget_seeds: int | None = None, jobs: int = 1, progress: bool = True) -> Tuned:
     """Run the tuning protocol (module docstring) and write ``out_dir/sweep.json`` and ``sweep.md``.
 
     Args:
@@ -191,18 +212,21 @@ def tune(cfg: RunConfig, out_dir: Path, corpus: Corpus, *, optimizers: Sequence[
         ratio: factor between neighbouring rates (default sqrt 2).
         max_extensions: most rates added beyond an edge (default 4).
         budgets: AdamW's token budgets to tune at (default None: ``cfg.budgets``).
+        budget_seeds: tuning seeds per point at the budgets beyond 1x, whose runs are longer
+            (default None: ``seeds``).
         jobs: runs at a time (default 1).
         progress: progress bars (default True).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tuning_seeds = sweep_seeds(cfg, seeds)
     points_log: list[dict[str, Any]] = []
     notes: list[str] = []
     base = cfg
 
     def measure(opt: str, budget: float, warmup: int,
                 run_cfg: RunConfig) -> Callable[[list[float]], list[float | None]]:
+        tuning_seeds = sweep_seeds(cfg, seeds if budget == 1 or budget_seeds is None else budget_seeds)
+
         def f(rates: list[float]) -> list[float | None]:
             specs, done = [], {}
             for lr in rates:
