@@ -31,6 +31,24 @@ def snapshot(folder):
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+def at_training_forward(monkeypatch, n, action):
+    """Patch the training loop's ``forward_loss`` so that at the ``n``-th training forward,
+    ``action(model, loss)`` runs; the loss it returns, if a tensor, replaces that forward's loss."""
+    real = train_mod.forward_loss
+    calls = {"n": 0}
+
+    def forward(model, x, y):
+        loss = real(model, x, y)
+        if model.training:
+            calls["n"] += 1
+            if calls["n"] == n:
+                out = action(model, loss)
+                return out if isinstance(out, torch.Tensor) else loss
+        return loss
+
+    monkeypatch.setattr(train_mod, "forward_loss", forward)
+
+
 def test_compare_end_to_end_writes_a_real_report(tmp_path, text, capsys):
     """The protocol on the tiny preset (2 seeds; AdamW at 1x and 2x; the stability segment with a
     tau below the first logits): every run, the figures computed from the runs' own metrics, the
@@ -97,17 +115,7 @@ def test_train_interrupt_then_resume_matches_straight_run(tmp_path, text, monkey
     args = ["train", *TINY, "--data", text, "--optimizer", "muonclip", "--steps", "6", "--tau", "0.05"]
     assert main([*args, "--out", str(tmp_path / "straight")]) == 0
 
-    real = train_mod.forward_loss
-    calls = {"n": 0}
-
-    def forward(model, x, y):
-        if model.training:
-            calls["n"] += 1
-            if calls["n"] == 3:
-                signal.raise_signal(signal.SIGINT)  # Ctrl-C during step 3
-        return real(model, x, y)
-
-    monkeypatch.setattr(train_mod, "forward_loss", forward)
+    at_training_forward(monkeypatch, 3, lambda model, loss: signal.raise_signal(signal.SIGINT))  # Ctrl-C, step 3
     assert main([*args, "--out", str(tmp_path / "run")]) == 130
     assert "interrupted after step 3" in capsys.readouterr().err
     monkeypatch.undo()
@@ -120,18 +128,7 @@ def test_train_interrupt_then_resume_matches_straight_run(tmp_path, text, monkey
 
 
 def test_nonfinite_loss_stops_names_the_step_and_keeps_the_checkpoint(tmp_path, text, monkeypatch, capsys):
-    real = train_mod.forward_loss
-    calls = {"n": 0}
-
-    def forward(model, x, y):
-        loss = real(model, x, y)
-        if model.training:
-            calls["n"] += 1
-            if calls["n"] == 5:
-                return loss * float("nan")
-        return loss
-
-    monkeypatch.setattr(train_mod, "forward_loss", forward)
+    at_training_forward(monkeypatch, 5, lambda model, loss: loss * float("nan"))
     out = tmp_path / "run"
     rc = main(["train", *TINY, "--data", text, "--optimizer", "muon", "--steps", "8", "--set", "checkpoint_every=2",
                "--out", str(out)])
@@ -150,17 +147,8 @@ def test_nonfinite_gradient_stops_before_the_step(tmp_path, text, monkeypatch, c
     """A NaN gradient with a finite loss (a hook on the embedding's gradient at step 3): the global norm
     of the gradient clipping is NaN, so the run stops before the optimizer step, for AdamW too (whose
     torch step would write the NaN into every weight): exit 3, the last good checkpoint kept."""
-    real = train_mod.forward_loss
-    calls = {"n": 0}
-
-    def forward(model, x, y):
-        if model.training:
-            calls["n"] += 1
-            if calls["n"] == 3:
-                model.wte.weight.register_hook(lambda g: torch.full_like(g, float("nan")))
-        return real(model, x, y)
-
-    monkeypatch.setattr(train_mod, "forward_loss", forward)
+    at_training_forward(monkeypatch, 3,
+                        lambda model, loss: model.wte.weight.register_hook(lambda g: torch.full_like(g, float("nan"))))
     out = tmp_path / "run"
     rc = main(["train", *TINY, "--data", text, "--optimizer", optimizer, "--steps", "6", "--set", "checkpoint_every=2",
                "--out", str(out)])

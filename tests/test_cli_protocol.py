@@ -168,7 +168,7 @@ def test_tune_brackets_rates_and_warmups_on_a_synthetic_loss(tmp_path, monkeypat
         return out
 
     monkeypatch.setattr(sweep, "run_all", fake_run_all)
-    cfg = make_config("default", {"budgets": (1.0, 2.0)})
+    cfg = make_config("default", {"budgets": (1.0, 2.0), "lr_adamw_budgets": (), "lr_adamw": 6e-3, "lr_muon": 2e-2})
     t = sweep.tune(cfg, tmp_path, corpus=None, warmups={"adamw": [20, 50, 100], "muon": [20, 50]}, seeds=2,
                    budget_seeds=1, progress=False)
     tried = {o: sorted({p["warmup"] for p in t.points if p["optimizer"] == o}) for o in ("adamw", "muon")}
