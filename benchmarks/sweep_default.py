@@ -8,8 +8,8 @@ Runs `muonclip.app.sweep.tune` on the ``default`` preset from the rates it had b
 * AdamW at warm-ups 20, 50, 100 (then 200, the warm-up being bracketed too), Muon at 20 and 50,
   2 tuning seeds per point (1000, 1001), 5-point grids sqrt(2) apart, extended while the best
   is at an edge;
-* AdamW again at 1.5x and 3x the tokens at its best warm-up, 1 tuning seed per point (the
-  compute these longer runs take on a shared 2-core machine did not fit 2 seeds, nor a 2x budget).
+* AdamW again at 1.5x, 2x and 3x the tokens at its best warm-up, 1 tuning seed per point (the
+  compute these longer runs take on a shared 2-core machine did not fit 2).
 
 Finished runs in ``--out`` are reused, so a stopped sweep goes on where it stopped. It writes
 ``sweep.md`` and ``sweep.json`` (every point) and prints the ``--set`` arguments of the tuned
@@ -37,7 +37,7 @@ def main() -> None:
     cfg = make_config("default", {"threads": 1, "eval_every": 100000, "checkpoint_every": 100000}, START)
     corpus = load_corpus(cfg.data, cfg.val_fraction)
     tuned = tune(cfg, Path(args.out), corpus, warmups={"adamw": [20, 50, 100], "muon": [20, 50]}, seeds=2,
-                 budget_seeds=1, budgets=(1.0, 1.5, 3.0), jobs=args.jobs, progress=True)
+                 budget_seeds=1, budgets=(1.0, 1.5, 2.0, 3.0), jobs=args.jobs, progress=True)
     print("tuned: " + " ".join(f"--set {s}" for s in tuned.sets()))
 
 

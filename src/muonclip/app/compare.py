@@ -10,7 +10,7 @@ by ``--sweep``, see `muonclip.app.sweep`):
   the embeddings, tied LM head and norm gains of Muon's runs use AdamW at ``lr_adamw``;
 * **token efficiency**: for each of ``seeds`` seeds (``seed``, ``seed + 1``, ...; a seed fixes
   the initial weights and the batch order, shared by the optimizers), Muon trains ``steps``
-  steps (1x), and AdamW trains at every budget of ``budgets`` (1x, 1.5x, 2x, 3x the tokens),
+  steps (1x), and AdamW trains at every budget of ``budgets`` (default 1x, 1.5x, 2x, 3x the tokens),
   each with its own full schedule and its own tuned rate (``lr_adamw_budgets``);
 * **stability**: for the same seeds, Muon and MuonClip train ``stability_steps`` steps with no
   weight decay, a constant rate ``stability_lr`` after warm-up and ``tau = stability_tau``:

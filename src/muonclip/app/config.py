@@ -13,6 +13,7 @@ stability segment). Presets:
   feed-forward (8 routed experts stored as one 3-D stack, top-2, one shared expert, the
   load-balancing loss), 1 seed, a few minutes on 2 cores; the report shows MuonClip's clips per
   layer, the factors applied to each part of a clipped MLA head, and each expert's update RMS.
+  Its rates are not tuned (it shows the clip and the experts, not a token ratio).
 
 Learning rates are per optimizer (``lr_adamw``, ``lr_muon``, ``lr_muonclip``): the
 embeddings, LM head and norm gains are trained by AdamW at ``lr_adamw`` in all three runs, so a
@@ -62,16 +63,18 @@ class RunConfig:
 
     Optimisation:
         steps: optimizer steps (default 400).
-        lr_adamw, lr_muon, lr_muonclip: peak learning rate of each optimizer (defaults: the
-            tuned values of ``muonclip compare --sweep`` on the default preset, see
-            docs/benchmarks.md); the AdamW branch of Muon/MuonClip uses lr_adamw.
+        lr_adamw, lr_muon, lr_muonclip: peak learning rate of each optimizer (defaults 0.03394,
+            0.04, 0.04: the tuned values of ``muonclip compare --sweep`` on the default preset,
+            every one strictly inside its grid, see docs/compare.md; ``k2-mini`` uses 6e-3, 2e-2,
+            2e-2, untuned); the AdamW branch of Muon/MuonClip uses lr_adamw.
         weight_decay: decoupled weight decay on matrices (default 0.1; never on vectors).
         grad_clip: the gradients of all parameters are scaled so that their global L2 norm is at
             most this, before every optimizer's step (``torch.nn.utils.clip_grad_norm_``; default
             1.0; 0 turns it off). A non-finite norm stops the run (exit 3) before the step.
         warmup_steps: linear warm-up steps (default 20), for every optimizer whose own is None.
-        warmup_adamw, warmup_muon, warmup_muonclip: the optimizer's own warm-up (default None:
-            warmup_steps; tuned by ``--sweep``).
+        warmup_adamw, warmup_muon, warmup_muonclip: the optimizer's own warm-up; None:
+            warmup_steps (defaults 200, 20, 20: tuned by ``--sweep`` on the default preset; the
+            ``tiny`` and ``k2-mini`` presets use warmup_steps).
         min_lr_ratio: cosine decay from the peak down to peak * min_lr_ratio (default 0.1).
         tau: QK-Clip threshold on the max logit, also drawn on the plots (default 100, K2's).
         orth_dtype: compute dtype of Muon's orthogonalisation, ``"bfloat16"`` (default, the
@@ -81,7 +84,8 @@ class RunConfig:
     Comparison (``muonclip compare`` only; see `muonclip.app.compare`):
         seeds: seeds per setting, ``seed``, ``seed + 1``, ... (default 3).
         budgets: AdamW's token budgets, in multiples of ``steps`` (default 1, 1.5, 2, 3).
-        lr_adamw_budgets: AdamW's peak rate at each budget (default (): lr_adamw at every one).
+        lr_adamw_budgets: AdamW's peak rate at each budget (default 0.03394, 0.03394, 0.03394, 0.03394: tuned at each
+            budget by ``--sweep``; (): lr_adamw at every one).
         stability_steps: steps of the stability segment, Muon against MuonClip with no weight
             decay, a constant rate after warm-up and ``stability_tau`` (default 300; 0: none).
         stability_lr: peak rate of Muon and MuonClip in that segment (default 0.1, 2.5 times Muon's
@@ -113,21 +117,21 @@ class RunConfig:
     val_fraction: float = 0.05
     batch_size: int = 16
     steps: int = 400
-    lr_adamw: float = 6e-3
-    lr_muon: float = 2e-2
-    lr_muonclip: float = 2e-2
+    lr_adamw: float = 0.03394
+    lr_muon: float = 0.04
+    lr_muonclip: float = 0.04
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     warmup_steps: int = 20
-    warmup_adamw: int | None = None
-    warmup_muon: int | None = None
-    warmup_muonclip: int | None = None
+    warmup_adamw: int | None = 200
+    warmup_muon: int | None = 20
+    warmup_muonclip: int | None = 20
     min_lr_ratio: float = 0.1
     tau: float = 100.0
     orth_dtype: str = "bfloat16"
     seeds: int = 3
     budgets: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0)
-    lr_adamw_budgets: tuple[float, ...] = ()
+    lr_adamw_budgets: tuple[float, ...] = (0.03394, 0.03394, 0.03394, 0.03394)
     stability_steps: int = 300
     stability_lr: float = 0.1
     stability_tau: float = 30.0
@@ -178,7 +182,8 @@ class RunConfig:
         if self.lr_adamw_budgets and (len(self.lr_adamw_budgets) != len(self.budgets)
                                       or any(not v > 0 for v in self.lr_adamw_budgets)):
             raise ValueError(f"lr_adamw_budgets must be empty or one rate > 0 per budget {self.budgets}, "
-                             f"got {self.lr_adamw_budgets}")
+                             f"got {self.lr_adamw_budgets}; set both (--set lr_adamw_budgets= for lr_adamw at "
+                             "every budget)")
         if self.n_expert < 0 or self.n_shared_expert < 0 or self.expert_hidden < 0 or self.aux_loss_weight < 0:
             raise ValueError("n_expert, n_shared_expert, expert_hidden and aux_loss_weight must be >= 0")
         if self.n_expert and not 1 <= self.n_expert_active <= self.n_expert:
@@ -220,12 +225,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "default": {},
     "tiny": dict(
         block_size=32, n_layer=2, n_head=2, n_embd=32, batch_size=8, steps=30, warmup_steps=3,
+        warmup_adamw=None, warmup_muon=None, warmup_muonclip=None,
         eval_every=10, eval_batches=2, checkpoint_every=10, seeds=2, budgets=(1.0, 2.0), lr_adamw_budgets=(),
         stability_steps=10,
     ),
     "k2-mini": dict(
         attention="mla", n_head=4, n_expert=8, n_expert_active=2, n_shared_expert=1, expert_hidden=64,
         block_size=64, steps=300, seeds=1, budgets=(1.0,), lr_adamw_budgets=(), stability_steps=300,
+        lr_adamw=6e-3, lr_muon=2e-2, lr_muonclip=2e-2, warmup_adamw=None, warmup_muon=None, warmup_muonclip=None,
     ),
 }
 
