@@ -3,7 +3,7 @@
 For each shape (a batch of E matrices A x B) and method this prints, from one run:
 
 * time per call (median of interleaved rounds, see timing.py);
-* GFLOP/s: the method's own flops (design.md 1.2; Gram and symmetric forms count the
+* GFLOP/s: the method's own flops (docs/design.md, "Orthogonalisation"; Gram and symmetric forms count the
   products they actually make) / time, and "equiv": the plain quintic's flops / time (so a
   method that saves flops can beat the floor);
 * the flop floor: the rate of the plain matrix products one quintic step makes (X X^T, S S,
@@ -26,10 +26,10 @@ import argparse
 import torch
 from timing import machine, round_robin, setup_threads
 
+from muonclip.fast.symmetric import symmetric_flops
+from muonclip.fast.triton_syrk import triton_available
 from muonclip.ortho import METHODS, orthogonalize
 from muonclip.ortho.gram import GRAM_MIN_ASPECT, gram_flops
-from muonclip.ortho.symmetric import symmetric_flops
-from muonclip.ortho.triton_syrk import triton_available
 
 try:  # private in torch; only used as the comparison point
     from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
@@ -70,7 +70,7 @@ def conditioned(shape: tuple[int, ...], cond: float = 100.0, seed: int = 0) -> t
 
 
 def quintic_flops(m: int, n: int, steps: int = 5) -> int:
-    """Plain quintic Newton–Schulz on one m x n matrix, m <= n (design.md 1.2)."""
+    """Plain quintic Newton–Schulz on one m x n matrix, m <= n (docs/design.md, "Orthogonalisation")."""
     return steps * (4 * m * m * n + 2 * m**3)
 
 

@@ -3,13 +3,14 @@
 The GPT set's 36 hidden matrices (6 layers: q, k, v, o at d x d, c_fc 4d x d, c_proj d x 4d)
 at d = 4 by default, so the arithmetic is negligible and what is timed is Python, dispatch
 and the small elementwise passes, i.e. what a GPU step spends launching kernels. The
-orthogonaliser is replaced by the identity in both muonclip.Muon and torch.optim.Muon (so
-their Newton–Schulz is not timed at all), then, timed round-robin in one run (timing.py):
+orthogonaliser is replaced by the identity in both muonclip.Muon (a backend whose
+``orthogonalize`` returns its input) and torch.optim.Muon (so their Newton–Schulz is not timed
+at all), then, timed round-robin in one run (timing.py):
 
 * ``muonclip.Muon`` default (non-finite check with one host read), and ``on_nonfinite="mask"``
   (no host read);
-* the same with the step structure rebuilt every step (no cache: what the plan, buckets
-  and update scales cost);
+* the same with the step structure rebuilt every step (no cache: what the buckets and update
+  scales cost);
 * ``torch.optim.Muon`` (same lr, weight decay; no non-finite check);
 * ``torch.optim.AdamW(foreach=True)``.
 
@@ -27,7 +28,7 @@ from bench_step import LR, WD, gpt_shapes, make_params
 from timing import machine, round_robin, setup_threads
 
 import muonclip
-import muonclip.optim.muon as muon_module
+from muonclip.optim.backend import CoreBackend
 
 try:
     import torch.optim._muon as torch_muon_module
@@ -35,8 +36,11 @@ except ImportError:  # pragma: no cover
     torch_muon_module = None
 
 
-def _identity(V, *args, buffer=None, **kwargs):
-    return V
+class IdentityBackend(CoreBackend):
+    """muonclip.Muon's buckets, not orthogonalised."""
+
+    def orthogonalize(self, V, *args, **kwargs):
+        return V
 
 
 def _torch_identity(grad, *args, **kwargs):
@@ -45,9 +49,7 @@ def _torch_identity(grad, *args, **kwargs):
 
 @contextmanager
 def no_newton_schulz():
-    """Both optimizers' orthogonalisers replaced by the identity while inside."""
-    ours = muon_module.orthogonalize
-    muon_module.orthogonalize = _identity
+    """torch.optim.Muon's orthogonaliser replaced by the identity while inside."""
     theirs = None
     if torch_muon_module is not None:
         theirs = torch_muon_module._zeropower_via_newtonschulz
@@ -55,9 +57,18 @@ def no_newton_schulz():
     try:
         yield
     finally:
-        muon_module.orthogonalize = ours
         if theirs is not None:
             torch_muon_module._zeropower_via_newtonschulz = theirs
+
+
+def rebuilt_every_step(opt):
+    """``opt.step`` with its cached step structure dropped first."""
+
+    def step():
+        opt._structure = None
+        opt.step()
+
+    return step
 
 
 def main() -> None:
@@ -76,7 +87,8 @@ def main() -> None:
     grads = [torch.randn(s) for s in shapes]
 
     def muon(**kw):
-        return muonclip.Muon(make_params(shapes, grads, args.device), lr=LR, weight_decay=WD, **kw)
+        return muonclip.Muon(make_params(shapes, grads, args.device), lr=LR, weight_decay=WD,
+                             backend=IdentityBackend(), **kw)
 
     opts = {
         "muonclip.Muon (default: check + host read)": muon(),
@@ -84,17 +96,16 @@ def main() -> None:
         "muonclip.Muon, structure rebuilt every step": muon(),
         'muonclip.Muon "mask", structure rebuilt every step': muon(on_nonfinite="mask"),
     }
-    for name, opt in opts.items():
-        if "rebuilt" in name:
-            opt._workspace = None  # no cache: plan, buckets and scales built every step
+    steps = {n: rebuilt_every_step(o) if "rebuilt" in n else o.step for n, o in opts.items()}
     if hasattr(torch.optim, "Muon"):
         opts["torch.optim.Muon"] = torch.optim.Muon(make_params(shapes, grads, args.device), lr=LR, weight_decay=WD)
     kw = {"fused": True} if args.device.startswith("cuda") else {"foreach": True}
     opts[f"torch.optim.AdamW({next(iter(kw))}=True)"] = torch.optim.AdamW(
         make_params(shapes, grads, args.device), lr=LR, weight_decay=WD, **kw
     )
+    steps.update({n: o.step for n, o in opts.items() if n not in steps})
     with no_newton_schulz():
-        times = round_robin({n: o.step for n, o in opts.items()}, rounds=args.rounds, warmup=5,
+        times = round_robin(steps, rounds=args.rounds, warmup=5,
                             clock=args.clock, device=args.device)
     base = times.get("torch.optim.Muon")
     print(f"# Fixed cost per step, Newton–Schulz replaced by the identity ({machine()}, {args.clock} clock)\n")

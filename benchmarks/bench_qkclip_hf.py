@@ -3,7 +3,7 @@
 Builds a small Llama (GQA) from a config (never downloads), then measures in one run:
 
 * forward+backward time with transformers' stock ``"sdpa"`` attention vs ``"muonclip"``
-  (`muonclip.qkclip.hf.attach`: same SDPA output plus the chunked per-head max logit);
+  (`muonclip.integrations.hf.attach`: same SDPA output plus the chunked per-head max logit);
 * ``MuonClip.step()`` vs plain ``Muon.step()`` on the same gradients (the clip's own cost);
 * the clip with its runtime check (`muonclip.qkclip.check`, the default) vs without
   (``on_ineffective_clip="ignore"``), interleaved.
@@ -24,9 +24,9 @@ import warnings
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from muonclip.integrations.hf import attach
 from muonclip.optim import Muon, param_groups
 from muonclip.qkclip.check import QKClipIneffectiveWarning
-from muonclip.qkclip.hf import attach
 from muonclip.qkclip.muonclip import MuonClip
 
 

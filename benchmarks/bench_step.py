@@ -8,17 +8,21 @@ Two parameter sets (float32 weights, fixed gradients):
   1/8). torch.optim.Muon takes 2-D weights only, so it gets the 64 experts as 64 parameters
   (looped); muonclip.Muon takes the 3-D weight and orthogonalises the 64 as one batch.
 
-Contenders: ``muonclip.Muon`` with its defaults (ns5, bf16), with ``method="gram"`` (Gram
+Contenders: ``muonclip.Muon`` with its defaults (ns5, bf16, ``backend="auto"``: the buffered
+backend on CPU), with ``backend="core"`` (the pure functions, fresh tensors every step), with
+the CPU chunking rule (``BufferedBackend(chunk="cache")``), with ``method="gram"`` (Gram
 Newton–Schulz for the rectangular matrices), with ``method="polar_express"`` (the same flops
-as ns5, a tighter band), with ``on_nonfinite="mask"`` (no host sync),
-torch.optim.Muon (same lr, weight decay, ns5 coefficients, 5 steps) and
+as ns5, a tighter band), with ``on_nonfinite="mask"`` (no host sync: the step is snapshot and
+undone on the device), torch.optim.Muon (same lr, weight decay, ns5 coefficients, 5 steps) and
 ``torch.optim.AdamW(foreach=True)``. Times are medians of interleaved rounds (timing.py)
 after warm-up steps. Beside each Muon time: the orthogonality error max |sigma_i - 1| of
 that optimizer's orthogonaliser on the set's matrices, built with singular values
 log-spaced in [0.01, 1] (condition number 100), singular values of the result in float64.
 
-Then Newton–Schulz's achieved GFLOP/s against the plain matmul rate on the GPT shapes (see
-bench_ortho.py for the full table).
+Then, on the GPT set, the first step's time over the median of the next ones, for the default
+``muonclip.Muon`` and for torch.optim.Muon, each in a fresh process (so one-time costs such as
+the matmul library's kernel set-up count for both), and Newton–Schulz's achieved GFLOP/s
+against the plain matmul rate on the GPT shapes (see bench_ortho.py for the full table).
 
 Usage: ``python benchmarks/bench_step.py [--threads 2] [--rounds 9] [--clock wall|process]
 [--device cpu|cuda] [--d 384] [--layers 6]`` (``make bench`` runs it with the defaults; the
@@ -29,6 +33,11 @@ baseline is ``fused=True``).
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
 from functools import partial
 
 import torch
@@ -36,6 +45,7 @@ from bench_ortho import conditioned, matmul_floor, ortho_error, quintic_flops, t
 from timing import machine, round_robin, setup_threads
 
 import muonclip
+from muonclip.fast import BufferedBackend
 from muonclip.ortho import orthogonalize
 
 LR, WD = 0.02, 0.1
@@ -62,6 +72,15 @@ def contenders(shapes, grads, device, torch_shapes=None, torch_grads=None):
             muonclip.Muon(make_params(shapes, grads, device), lr=LR, weight_decay=WD),
             lambda V: orthogonalize(V, "ns5"),
         ),
+        'muonclip.Muon backend="core"': (
+            muonclip.Muon(make_params(shapes, grads, device), lr=LR, weight_decay=WD, backend="core"),
+            lambda V: orthogonalize(V, "ns5"),
+        ),
+        'muonclip.Muon BufferedBackend(chunk="cache")': (
+            muonclip.Muon(make_params(shapes, grads, device), lr=LR, weight_decay=WD,
+                          backend=BufferedBackend(chunk="cache")),
+            lambda V: orthogonalize(V, "ns5"),
+        ),
         "muonclip.Muon method=gram": (
             muonclip.Muon(make_params(shapes, grads, device), lr=LR, weight_decay=WD, method="gram"),
             lambda V: orthogonalize(V, "gram"),
@@ -70,11 +89,9 @@ def contenders(shapes, grads, device, torch_shapes=None, torch_grads=None):
             muonclip.Muon(make_params(shapes, grads, device), lr=LR, weight_decay=WD, method="polar_express"),
             lambda V: orthogonalize(V, "polar_express"),
         ),
-        "muonclip.Muon method=gram on_nonfinite=mask": (
-            muonclip.Muon(
-                make_params(shapes, grads, device), lr=LR, weight_decay=WD, method="gram", on_nonfinite="mask"
-            ),
-            lambda V: orthogonalize(V, "gram"),
+        "muonclip.Muon on_nonfinite=mask": (
+            muonclip.Muon(make_params(shapes, grads, device), lr=LR, weight_decay=WD, on_nonfinite="mask"),
+            lambda V: orthogonalize(V, "ns5"),
         ),
     }
     if hasattr(torch.optim, "Muon"):
@@ -129,8 +146,9 @@ def ns_rate(args) -> None:
     """Newton–Schulz GFLOP/s (ns5 and gram, bf16) vs the bare matmul rate on the GPT buckets.
 
     The input is a bf16 bucket, as `muonclip.Muon` hands it over (V written in the compute
-    dtype), with a scratch for the temporaries and a result buffer kept between calls, as
-    `muonclip.Muon` keeps them; the time includes the normalisation, not a cast.
+    dtype), orthogonalised by the default CPU backend (`muonclip.fast.BufferedBackend`:
+    temporaries and result kept between calls, the bucket normalised in place); the time
+    includes the normalisation, not a cast.
     """
     print("\n## Newton–Schulz rate on the GPT buckets (bf16)\n")
     print("| bucket | method | ms | equiv GFLOP/s | matmul floor GFLOP/s | ratio |")
@@ -139,7 +157,7 @@ def ns_rate(args) -> None:
     for E, A, B in [(4 * L, d, d), (L, 4 * d, d), (L, d, 4 * d)]:
         V = conditioned((E, A, B)).to(args.device, torch.bfloat16)
         t = round_robin(
-            {m: partial(orthogonalize, V, m, buffer=torch.empty_like(V), scratch={}) for m in ("ns5", "gram")},
+            {m: partial(BufferedBackend().orthogonalize, V, m, reuse_result=True) for m in ("ns5", "gram")},
             rounds=args.rounds, clock=args.clock, device=args.device,
         )
         floor = matmul_floor(E, A, B, torch.bfloat16, args.device, args.rounds, args.clock)
@@ -147,6 +165,46 @@ def ns_rate(args) -> None:
         for m, s in t.items():
             rate = flops / s / 1e9
             print(f"| {E}x{A}x{B} | {m} | {s * 1e3:.1f} | {rate:.0f} | {floor:.0f} | {rate / floor:.2f} |")
+
+
+FIRST_STEP = {
+    "muonclip.Muon (default)": lambda params: muonclip.Muon(params, lr=LR, weight_decay=WD),
+    "torch.optim.Muon": lambda params: torch.optim.Muon(params, lr=LR, weight_decay=WD, ns_coefficients=NS5),
+}
+
+
+def first_step_times(name: str, args) -> tuple[float, float]:
+    """In this (fresh) process: the first step of ``FIRST_STEP[name]`` on the GPT set, and the
+    median of the next ``args.rounds`` steps (seconds, wall clock)."""
+    shapes = gpt_shapes(args.d, args.layers)
+    grads = [conditioned(s, seed=i) for i, s in enumerate(shapes)]
+    opt = FIRST_STEP[name](make_params(shapes, grads, args.device))
+    times = []
+    for _ in range(1 + args.rounds):
+        t0 = time.perf_counter()
+        opt.step()
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times[0], statistics.median(times[1:])
+
+
+def first_step(args) -> None:
+    """First step / median later step, each optimizer in fresh processes, alternating."""
+    print("\n## First step on the GPT set (fresh process each)\n")
+    print("| optimizer | first step ms | later step ms (median) | first / later |")
+    print("|---|---|---|---|")
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in FIRST_STEP}
+    for _ in range(2):
+        for name in FIRST_STEP:
+            cmd = [sys.executable, __file__, "--first-step-of", name, "--threads", str(args.threads),
+                   "--rounds", str(args.rounds), "--device", args.device, "--d", str(args.d),
+                   "--layers", str(args.layers)]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            runs[name].append(tuple(json.loads(out.splitlines()[-1])))
+    for name, pairs in runs.items():
+        for first, later in pairs:
+            print(f"| {name} | {first * 1e3:.1f} | {later * 1e3:.1f} | {first / later:.2f} |", flush=True)
 
 
 def main() -> None:
@@ -157,8 +215,12 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--d", type=int, default=384, help="GPT width (default 384; GPT-2 small: 768)")
     parser.add_argument("--layers", type=int, default=6, help="GPT layers (default 6; GPT-2 small: 12)")
+    parser.add_argument("--first-step-of", choices=list(FIRST_STEP), help=argparse.SUPPRESS)  # a subprocess's job
     args = parser.parse_args()
     setup_threads(args.threads)
+    if args.first_step_of:
+        print(json.dumps(first_step_times(args.first_step_of, args)))
+        return
     print(f"# bench_step: {machine()}; clock={args.clock}, median of {args.rounds} interleaved rounds")
     shapes = gpt_shapes(args.d, args.layers)
     grads = [conditioned(s, seed=i) for i, s in enumerate(shapes)]
@@ -169,6 +231,7 @@ def main() -> None:
         [tuple(experts.shape)], [experts], args,
         torch_shapes=[tuple(experts.shape[1:])] * 64, torch_grads=list(experts),
     )
+    first_step(args)
     ns_rate(args)
 
 

@@ -24,7 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArgumen
 
 from muonclip import MuonClip
 from muonclip.app.data import load_corpus
-from muonclip.integrations.hf_trainer import MuonClipTrainerCallback
+from muonclip.integrations.hf import MuonClipTrainerCallback
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""A slow, obviously-correct Muon + AdamW, written from design.md 1.1 for the tests to compare with.
+"""A slow, obviously-correct Muon + AdamW, written from docs/design.md ("Muon") for the tests to compare with.
 
 One parameter at a time, one matrix at a time, float64, no batching, no buffers shared.
 """
@@ -35,7 +35,8 @@ def orth(V: torch.Tensor, method: str, steps: int, dtype: torch.dtype) -> torch.
 
 
 def scale(rule: str, A: int, B: int) -> float:
-    return {"rms": 0.2 * math.sqrt(max(A, B)), "shape": math.sqrt(max(1.0, A / B)), "none": 1.0}[rule]
+    return {"match_rms_adamw": 0.2 * math.sqrt(max(A, B)), "original": math.sqrt(max(1.0, A / B)),
+            "unscaled": 1.0}[rule]
 
 
 def matrices(t: torch.Tensor, flatten: bool, split_sizes):
@@ -58,11 +59,12 @@ def matrices(t: torch.Tensor, flatten: bool, split_sizes):
 class ReferenceMuon:
     """Muon for a list of parameters, in float64, one matrix at a time."""
 
-    def __init__(self, params, lr, momentum=0.95, nesterov=True, weight_decay=0.1, update_scale="rms",
-                 method="ns5", steps=5, orth_dtype=torch.float64, flatten=False, split_sizes=None):
+    def __init__(self, params, lr, momentum=0.95, nesterov=True, weight_decay=0.1,
+                 adjust_lr_fn="match_rms_adamw", method="ns5", ns_steps=5, orth_dtype=torch.float64, flatten=False,
+                 split_sizes=None):
         self.params = list(params)
-        self.opts = dict(lr=lr, mu=momentum, nesterov=nesterov, wd=weight_decay, rule=update_scale,
-                         method=method, steps=steps, dtype=orth_dtype, flatten=flatten, split=split_sizes)
+        self.opts = dict(lr=lr, mu=momentum, nesterov=nesterov, wd=weight_decay, rule=adjust_lr_fn,
+                         method=method, steps=ns_steps, dtype=orth_dtype, flatten=flatten, split=split_sizes)
         self.M = [torch.zeros_like(p, dtype=torch.float64) for p in self.params]
 
     @torch.no_grad()

@@ -175,7 +175,7 @@ def test_recorder_validation():
     with pytest.raises(ValueError, match=r"expected \(3,\)"):
         rec.update(torch.zeros(4))
     q, k, v = qkv()
-    with pytest.raises(ValueError, match="recorder has n_heads=3"):
+    with pytest.raises(ValueError, match="recorder records 3 heads"):
         scaled_dot_product_attention(q, k, v, recorder=rec)
     with pytest.raises(ValueError, match="4-D"):
         scaled_dot_product_attention(q[0], k[0], v[0], recorder=MaxLogitRecorder(4))

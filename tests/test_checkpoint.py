@@ -159,9 +159,8 @@ def test_resume_is_bit_identical(tmp_path, corpus, monkeypatch, optimizer):
     # muonclip with a low tau, so that the clip really fires in these few steps
     """Bit for bit on any machine: the checkpoint holds exact copies of weights, optimizer state and RNG;
     batches depend only on (seed, step); the resumed steps run the same ops on the same values with
-    the same kernels and thread count (threads=1) as the uninterrupted ones, and the CPU chunk
-    choice of Newton-Schulz only ever takes a chunking that equals the whole batch bit for bit
-    (muonclip.ortho.chunks)."""
+    the same kernels and thread count (threads=1) as the uninterrupted ones (Newton-Schulz's CPU
+    batches are chunked only by a fixed rule, never by timing: muonclip.fast.chunks)."""
     cfg = tiny(tau=0.05) if optimizer == "muonclip" else tiny()
     straight = train_run(cfg, optimizer, tmp_path / "straight", corpus=corpus, progress=False)
 

@@ -146,6 +146,19 @@ def test_one_process_checkpoint_resumes_on_two_ranks_with_fsdp(tmp_path, text, r
     assert_same_run(out, reference / "muonclip", 6)
 
 
+def test_fsdp_x_tp_run_resumes_on_one_process_like_one_process(tmp_path, text, reference):
+    """--fsdp --tp 2 on 2 ranks (a 1x2 (dp, tp) mesh: heads split, q/k/v strided-sharded by FSDP2): 3 steps,
+    saved with DCP, resumed on one process to 6 steps: the same run as one process (TOL)."""
+    out = tmp_path / "tp"
+    proc = run_ok(["train", *EXACT, "--data", text, "--optimizer", "muonclip", "--steps", "3", "--out", str(out),
+                   "--fsdp", "--tp", "2"])
+    assert "3 steps on 2 processes (fsdp x tp)" in proc.stdout
+    assert find_checkpoint(out).kind == "sharded"
+    assert read_rows(out)[0]["clipped_heads"] > 0
+    assert main(["train", "--quiet", "--out", str(out), "--resume", "--steps", "6", "--threads", "1"]) == 0
+    assert_same_run(out, reference / "muonclip", 6)
+
+
 def test_fsdp_without_torchrun_says_how_to_launch(tmp_path, text, capsys):
     rc = main(["train", *EXACT, "--data", text, "--fsdp", "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err

@@ -3,7 +3,7 @@
 Every multi-rank check runs in processes started by ``torch.multiprocessing`` (a free port,
 gloo, a 60 s collective timeout, a wall-clock limit so that a hang fails instead of stalling)
 and compares against the single-process run of the same model on the same data, computed in
-the same process with ``process_group="local"`` (design.md 1.4).
+the same process with ``process_group="local"`` (docs/design.md, "Distributed Muon").
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import muonclip
-import muonclip.optim.muon as muon_mod
 from muonclip import Muon, param_groups
 from muonclip.distributed import assign_owners, checkpoint, local_rows, ns_flops, shard_rows
 from muonclip.distributed.plan import matrix_rows
 from muonclip.models import GPT, GPTConfig
+from muonclip.optim.backend import AutoBackend
 from muonclip.optim.matrices import matrix_blocks
 from muonclip.qkclip.muonclip import MuonClip
 
@@ -144,12 +144,13 @@ def _muon_matrices(model) -> list[tuple[int, int]]:
 
 
 def _spy(collectives, calls):
-    """Wrap the collectives and ``orthogonalize`` as Muon sees them; return an undo function."""
-    real_orth = muon_mod.orthogonalize
+    """Wrap the collectives and the default backend's ``orthogonalize`` (every bucket of a Muon
+    built with the default ``backend="auto"`` goes through it); return an undo function."""
+    real_orth = AutoBackend.orthogonalize
 
-    def counting(V, *a, **k):
+    def counting(self, V, *a, **k):
         calls.append(tuple(V.shape))
-        return real_orth(V, *a, **k)
+        return real_orth(self, V, *a, **k)
 
     wrapped = {}
     for op in ("all_reduce", "all_gather_into_tensor", "all_to_all_single"):
@@ -160,10 +161,10 @@ def _spy(collectives, calls):
             return _real(*a, **k)
 
         setattr(dist, op, spy)
-    muon_mod.orthogonalize = counting
+    AutoBackend.orthogonalize = counting
 
     def undo():
-        muon_mod.orthogonalize = real_orth
+        AutoBackend.orthogonalize = real_orth
         for op, real in wrapped.items():
             setattr(dist, op, real)
 
@@ -520,7 +521,7 @@ def test_muonclip_fsdp2_gpt_neox_per_head_interleaved_qkv(tmp_path):
     pytest.importorskip("transformers")
     from hf_probe import assert_only_clipped_rows_changed, replay_max, save_attention_inputs
 
-    from muonclip.qkclip.hf import attach
+    from muonclip.integrations.hf import attach
 
     _launch(_neox_clip_worker, str(tmp_path))
     model = _neox(shard=False)
@@ -661,6 +662,10 @@ def _errors_worker(rank, world, out_dir):
     c = torch.nn.Parameter(torch.randn(6, 4 + rank))
     c.grad = torch.ones_like(c)
     _expect(ValueError, "differ across ranks", Muon([c], lr=0.1).step)
+    # a plain tensor that holds different values on each rank (a shard passed as a local tensor) is refused
+    shard = torch.nn.Parameter(torch.full((6, 4), float(rank)))
+    shard.grad = torch.ones_like(shard)
+    _expect(ValueError, "plain tensor with different values on different ranks", Muon([shard], lr=0.1).step)
     # parameters present on every rank without a gradient anywhere are skipped, consistently
     a.grad, b.grad = torch.ones_like(a), None
     before = b.detach().clone()
@@ -688,10 +693,17 @@ def _errors_worker(rank, world, out_dir):
     for d in (d1, d2):
         d.grad = torch.ones_like(d)
     _expect(ValueError, "mixed meshes", Muon([d1, d2], lr=0.1).step)
-    # a sharding Muon cannot gather rows from
-    d3 = torch.nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh_a, [Shard(1)]))
+    # a placement whose values are not there (a pending reduction) is refused
+    from torch.distributed.tensor import DTensor, Partial
+
+    d3 = torch.nn.Parameter(DTensor.from_local(torch.randn(6, 4), mesh_a, [Partial()]))
     d3.grad = torch.ones_like(d3)
-    _expect(ValueError, "Shard\\(0\\)", Muon([d3], lr=0.1).step)
+    _expect(ValueError, "Partial placement", Muon([d3], lr=0.1).step)
+    # a local shard that is not what its placements say (rank 0 claims 4 of 6 rows): refused before any data moves
+    d4 = torch.nn.Parameter(DTensor.from_local(torch.randn(4 - 2 * rank, 4), mesh_a, [Shard(0)], run_check=False,
+                                               shape=torch.Size([6, 4]), stride=(4, 1)))
+    d4.grad = torch.ones_like(d4)
+    _expect(ValueError, "differ from what the DTensor says", Muon([d4], lr=0.1).step)
     # a DTensor parameter after the process group is gone
     opt = Muon([d1], lr=0.1)
     dist.barrier()  # no rank tears the group down while the other is still in distribute_tensor's scatter

@@ -35,7 +35,8 @@ def torchrun(script: str, *args: str) -> str:
 
 
 def test_every_example_has_a_smoke_test():
-    tested = {"plain_pytorch.py", "hf_trainer_llama.py", "lightning_gpt.py", "torchrun_ddp.py", "torchrun_fsdp.py"}
+    tested = {"plain_pytorch.py", "hf_trainer_llama.py", "lightning_gpt.py", "torchrun_ddp.py", "torchrun_fsdp.py",
+              "torchrun_fsdp_tp.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -66,7 +67,8 @@ def test_lightning_gpt():
     assert "resumed from step 1 to 2: weights identical to the uninterrupted run: True" in out
 
 
-@pytest.mark.parametrize("script,tag", [("torchrun_ddp.py", "ddp"), ("torchrun_fsdp.py", "fsdp")])
+@pytest.mark.parametrize("script,tag", [("torchrun_ddp.py", "ddp"), ("torchrun_fsdp.py", "fsdp"),
+                                        ("torchrun_fsdp_tp.py", "fsdp_tp")])
 def test_torchrun(script, tag):
     out = torchrun(script, "--steps", "2", "--batch-size", "2", "--block-size", "16", "--tau", "0.03", "--check")
     rows = re.findall(r"step (\d) \| loss\(rank 0\) [\d.]+ \| max logit [\d.]+ \| clipped heads (\d+)", out)

@@ -12,7 +12,7 @@
   callback's figures equal the record; train 1 epoch, checkpoint, resume to 2 epochs ==
   2 epochs uninterrupted, bit for bit (same CPU kernels in the same order; data not shuffled).
 * ``update_rms`` against a known result: with exact orthogonalisation (``method="svd"``) and
-  ``update_scale="rms"`` the update of a full-rank matrix has RMS exactly 0.2.
+  ``adjust_lr_fn="match_rms_adamw"`` (the default) the update of a full-rank matrix has RMS exactly 0.2.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _figures(max_logits: dict, clipped: dict) -> tuple[float, float]:
 def test_update_rms_is_0_2_for_exact_orthogonalisation_with_rms_scale():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 24, bias=False), nn.Linear(24, 8, bias=False))
-    opt = muonclip.Muon(model.parameters(), lr=0.01, weight_decay=0.1, update_scale="rms", method="svd",
+    opt = muonclip.Muon(model.parameters(), lr=0.01, weight_decay=0.1, adjust_lr_fn="match_rms_adamw", method="svd",
                         orth_dtype=torch.float64)
     meter = UpdateRMS(opt)
     for _ in range(2):
@@ -92,7 +92,7 @@ def test_update_rms_is_0_2_for_exact_orthogonalisation_with_rms_scale():
         # every U = 0.2 sqrt(max(A, B)) * (orthogonal A x B), so mean(U^2) = 0.04 max(A,B) min(A,B) / (A B)
         assert meter.after() == pytest.approx(0.2, rel=1e-4)
     # "shape" scale sqrt(max(1, A/B)): RMS = sqrt(sum_i scale_i^2 min_i / sum_i A_i B_i) — a different, known value
-    opt2 = muonclip.Muon(model.parameters(), lr=0.01, update_scale="shape", method="svd", orth_dtype=torch.float64)
+    opt2 = muonclip.Muon(model.parameters(), lr=0.01, adjust_lr_fn="original", method="svd", orth_dtype=torch.float64)
     meter2 = UpdateRMS(opt2)
     model(torch.randn(32, 16)).square().mean().backward()
     meter2.before()
@@ -187,7 +187,7 @@ def test_hf_trainer_grad_accumulation_clip_sees_both_micro_batches_and_callback_
     pytest.importorskip("accelerate")
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-    from muonclip.integrations.hf_trainer import MuonClipTrainerCallback
+    from muonclip.integrations.hf import MuonClipTrainerCallback
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

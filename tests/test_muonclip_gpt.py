@@ -311,14 +311,13 @@ def test_nonfinite_step_skips_the_clip_too_and_resets_the_recorders(policy, monk
     on_nonfinite="raise" does (in "mask" mode: the Muon matrices, q/k included; AdamW's
     bias-correction step number advances on a masked step, as documented).
 
-    Exact on any machine: a skipped step writes nothing, a masked one multiplies by exactly 1 and
-    adds exactly 0; the later finite step's gated coefficients round as the plain scalars do
-    (test_ortho_fast.test_step_gate_rounds_like_the_plain_scalars).
+    Exact on any machine: a skipped step writes nothing, a masked one is undone by copies and its
+    clip multiplies by exactly 1; the later finite step is the default step itself.
 
     The runtime check of the clip is off here: on the CPU it reads its evidence where it lies,
     in host memory, which this proxy for device syncs cannot tell from a device read; on CUDA
     it reads a pinned copy and never the device (test_qkclip_check, on a GPU)."""
-    from test_ortho_fast import _HostReads
+    from test_nonfinite import _HostReads
 
     model, ref = tiny(), tiny()
     opt = MuonClip(model, lr=0.02, tau=0.05, on_nonfinite=policy, on_ineffective_clip="ignore")

@@ -13,10 +13,11 @@ import muonclip
 
 CONFIGS = {
     "default": dict(),
-    "no-nesterov-shape": dict(nesterov=False, update_scale="shape"),
+    "no-nesterov-original": dict(nesterov=False, adjust_lr_fn="original"),
     "polar-fp32": dict(method="polar_express", orth_dtype=torch.float32),
-    "svd-none": dict(method="svd", orth_dtype=torch.float64, update_scale="none"),
+    "svd-unscaled": dict(method="svd", orth_dtype=torch.float64, adjust_lr_fn="unscaled"),
     "torch-kwargs": dict(adjust_lr_fn="match_rms_adamw", ns_steps=4, eps=1e-6),
+    "core-backend": dict(backend="core"),
     "skip-nonfinite": dict(on_nonfinite="skip", betas=(0.8, 0.99)),
 }
 configs = pytest.mark.parametrize("cfg", list(CONFIGS), ids=list(CONFIGS))
@@ -49,8 +50,7 @@ def assert_same(a, b):
 @configs
 def test_state_dict_round_trip_continues_bit_identically(cfg):
     """Bit for bit on any machine: the state dict holds exact copies, and the continued steps run the same
-    ops on the same values with the same kernels (the CPU chunk choice only takes chunkings equal to
-    the whole batch)."""
+    ops on the same values with the same kernels."""
     model, opt = build(cfg)
     train(model, opt, 3)
     saved_model = copy.deepcopy(model.state_dict())
@@ -234,6 +234,52 @@ def test_fp32_buffers_survive_resume_with_bf16_params():
     opt2.step()  # bf16 grads meet fp32 buffers
 
 
+def _as_saved_before_the_redesign(sd):
+    """``sd`` in the keys muonclip 0.1 wrote before docs/changelog.md's renames."""
+    old_scale = {"match_rms_adamw": "rms", "original": "shape", "unscaled": "none"}
+    groups = []
+    for g in sd["param_groups"]:
+        g = dict(g)
+        g["update_scale"] = old_scale[g.pop("adjust_lr_fn")]
+        g["steps"] = g.pop("ns_steps")
+        adamw_eps = g.pop("adamw_eps")
+        if g["algorithm"] == "adamw":
+            g["eps"] = adamw_eps
+        g.pop("split_groups")
+        groups.append(g)
+    return {**sd, "param_groups": groups}
+
+
+@pytest.mark.parametrize("adjust_lr_fn", ["match_rms_adamw", "original"])
+def test_a_state_dict_saved_before_the_renames_resumes_identically(adjust_lr_fn):
+    """An old state dict (update_scale, steps, an adamw group's eps) loads into the keys of today
+    and the next steps are bit-identical to a resume from today's state dict: the same code runs
+    on the same values (the upgrade copies numbers, it computes nothing)."""
+    over = dict(adjust_lr_fn=adjust_lr_fn, ns_steps=4, adamw_eps=1e-6)
+    model, opt = build("default", **over)
+    train(model, opt, 2)
+    sd = copy.deepcopy(opt.state_dict())
+    results = []
+    for saved in (sd, _as_saved_before_the_redesign(sd)):
+        model2, opt2 = build("default", seed=1, **over)
+        model2.load_state_dict(model.state_dict())
+        opt2.load_state_dict(copy.deepcopy(saved))
+        assert [{k: v for k, v in g.items() if k != "params"} for g in opt2.param_groups] == [
+            {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        train(model2, opt2, 2, start=2)
+        results.append(params_of(model2))
+    assert_same(*results)
+
+
+def test_a_state_dict_with_an_unknown_old_scale_is_refused():
+    model, opt = build("default")
+    train(model, opt, 1)
+    sd = _as_saved_before_the_redesign(opt.state_dict())
+    sd["param_groups"][0]["update_scale"] = "spectral"
+    with pytest.raises(ValueError, match="update_scale='spectral'"):
+        build("default")[1].load_state_dict(sd)
+
+
 # ----------------------------------------------------------------------------------------------
 # bad input
 # ----------------------------------------------------------------------------------------------
@@ -246,14 +292,14 @@ def test_fp32_buffers_survive_resume_with_bf16_params():
         (dict(momentum=-0.1), "momentum"),
         (dict(momentum=1.0), "momentum"),
         (dict(weight_decay=-0.1), "weight_decay"),
-        (dict(update_scale="adamw"), "update_scale"),
+        (dict(adjust_lr_fn="adamw"), "adjust_lr_fn"),
         (dict(method="newton"), "method"),
         (dict(orth_dtype=torch.int32), "dtype"),
-        (dict(steps=0), "steps"),
+        (dict(ns_steps=0), "steps"),
         (dict(betas=(0.9, 1.0)), "betas"),
         (dict(on_nonfinite="ignore"), "on_nonfinite"),
         (dict(adjust_lr_fn="sqrt"), "adjust_lr_fn"),
-        (dict(split_sizes=[3, 3]), "split_sizes"),
+        (dict(backend="gpu"), "backend"),
         # nan and +-inf: never a setting (each would reach every weight); the error names it
         (dict(lr=math.inf), "lr"),
         (dict(lr=math.nan), "lr"),
@@ -279,15 +325,15 @@ def test_bad_options_raise_value_error(kwargs, match):
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize("key", ["lr", "weight_decay", "eps"])
 def test_nonfinite_group_options_are_refused(key, bad):
-    """A group's own lr, weight decay or eps (AdamW's, in an adamw group), at construction and
+    """A group's own lr, weight decay or epsilon (``adamw_eps``, in an adamw group), at construction and
     through add_param_group: a ValueError naming it, and the group is not added. A finite 0-D
     tensor lr is accepted (read once, when the group is added)."""
     W, b = torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4))
-    name = "eps (adamw_eps)" if key == "eps" else key
-    with pytest.raises(ValueError, match=rf"param group's {re.escape(name)} must be a finite number"):
+    key = "adamw_eps" if key == "eps" else key
+    with pytest.raises(ValueError, match=rf"param group's {re.escape(key)} must be a finite number"):
         muonclip.Muon([{"params": [W]}, {"params": [b], "algorithm": "adamw", key: bad}])
     opt = muonclip.Muon([W], lr=torch.tensor(0.01))
-    with pytest.raises(ValueError, match=rf"param group's {re.escape(name)} must be a finite number"):
+    with pytest.raises(ValueError, match=rf"param group's {re.escape(key)} must be a finite number"):
         opt.add_param_group({"params": [b], "algorithm": "adamw", key: bad})
     assert len(opt.param_groups) == 1
 

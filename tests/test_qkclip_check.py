@@ -204,7 +204,7 @@ def test_hidden_normalisation_is_reported_naming_each_layer(lr):
 def test_a_clip_that_acts_is_never_reported(lr, same_batch):
     """The same model without the normalisation: the clip acts, and is checked (armed heads), but
     never reported — with lr=0 on one batch the next max is exactly min(S, tau); with lr=0.02 (ten
-    times a usual lr for update_scale="rms") the updates grow the logits between clips."""
+    times a usual lr for the default adjust_lr_fn="match_rms_adamw") the updates grow the logits between clips."""
     net = Net(normalise=False)
     opt = MuonClip(net, lr=lr, tau=TAU, layers=net.layers(), on_ineffective_clip="raise")
     log = _train(net, opt, 12, same_batch=same_batch)

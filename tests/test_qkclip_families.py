@@ -24,8 +24,8 @@ from hf_probe import (  # noqa: E402
     tau_between_heads,
 )
 
+from muonclip.integrations.hf import attach  # noqa: E402
 from muonclip.qkclip import MuonClip, StridedRows  # noqa: E402
-from muonclip.qkclip.hf import attach  # noqa: E402
 
 VOCAB, B, T = 64, 2, 12
 C = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, pad_token_id=0, bos_token_id=1,

@@ -39,7 +39,7 @@ from transformers import (  # noqa: E402
     Qwen3ForCausalLM,
 )
 
-from muonclip.qkclip.hf import ATTN_IMPLEMENTATION, RECORDER_ATTR, attach  # noqa: E402
+from muonclip.integrations.hf import ATTN_IMPLEMENTATION, RECORDER_ATTR, attach  # noqa: E402
 from muonclip.qkclip.layouts import GQALayout, MHALayout, MLALayout, Rows  # noqa: E402
 
 VOCAB, B, T = 64, 3, 9
@@ -222,7 +222,7 @@ def test_mask_is_lost_without_the_mask_registration():
 
 
 def test_detach_restores_sdpa():
-    from muonclip.qkclip.hf import detach
+    from muonclip.integrations.hf import detach
 
     model = build("llama-gqa")
     attach(model)
@@ -399,3 +399,27 @@ def test_attach_fused_projections_as_row_ranges(kind):
         assert torch.equal(x[untouched], t[untouched])
     with pytest.raises(ValueError, match="do not fit the 6 rows"):
         MHALayout(Rows(t, 0, 8), Rows(t, 0, 4), 2, 2).check()
+
+
+# ----------------------------------------------------------------------------------------------
+# discovery: MuonClip(model) finds a transformers model's layers through the registered discoverer
+# ----------------------------------------------------------------------------------------------
+
+
+def test_discover_layers_asks_the_registered_discoverers_in_order(monkeypatch):
+    """`import muonclip` registers `hf_layers`; a discoverer answering None passes the model on."""
+    from muonclip.integrations import hf_layers
+    from muonclip.qkclip import discovery
+
+    assert hf_layers in discovery.DISCOVERERS
+    asked = []
+    monkeypatch.setattr(discovery, "DISCOVERERS", [lambda m: asked.append(m) or None, *discovery.DISCOVERERS])
+    model = build("llama-gqa")
+    found = discovery.discover_layers(model)
+    assert asked == [model]
+    assert [(l.name, type(l.layout)) for l in found] == [(l.name, type(l.layout)) for l in attach(build("llama-gqa"))]
+    assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    assert hf_layers(plain) is None
+    with pytest.raises(ValueError, match="could not find attention layers in Sequential"):
+        discovery.discover_layers(plain)

@@ -90,7 +90,7 @@ def test_known_classes_are_refused_without_a_norm_module():
 def test_attach_refuses_a_custom_attention_with_a_norm_child():
     """The check runs in attach, on any module that looks like an attention module, before anything is switched."""
     pytest.importorskip("transformers")
-    from muonclip.qkclip.hf import RECORDER_ATTR, attach
+    from muonclip.integrations.hf import RECORDER_ATTR, attach
 
     model = nn.ModuleDict({"attn": Block(scaler=HeadwiseUnitNorm())})
     with pytest.raises(ValueError, match=r"attention layer 'attn' \(Block\) normalises q/k.*scaler \(HeadwiseUnitNorm\)"):

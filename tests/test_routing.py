@@ -1,4 +1,4 @@
-"""param_groups: routing exactly as design.md 1.1 says, every parameter exactly once."""
+"""param_groups: routing exactly as docs/design.md ("Which matrices") says, every parameter exactly once."""
 
 import pytest
 import torch
@@ -142,7 +142,7 @@ def test_gpt2_from_transformers_routes_conv1d_transposed_and_tied_head_to_adamw(
     assert all(r[n][1]["transposed"] is True for n in muon)
     assert r["transformer.wte.weight"][0] == r["transformer.wpe.weight"][0] == "adamw"  # lm_head is tied to wte
     # "shape" scale of c_fc: stored (32, 128) = (in, out), so the matrix is 128 x 32 and the scale sqrt(4) = 2
-    opt = muonclip.Muon(groups, lr=0.01, weight_decay=0.0, update_scale="shape", momentum=0.0, nesterov=False,
+    opt = muonclip.Muon(groups, lr=0.01, weight_decay=0.0, adjust_lr_fn="original", momentum=0.0, nesterov=False,
                         method="svd", orth_dtype=torch.float64)
     w = model.transformer.h[0].mlp.c_fc.weight
     before = w.detach().clone()

@@ -1,4 +1,4 @@
-"""The Triton symmetric-product kernel (`muonclip.ortho.triton_syrk`).
+"""The Triton symmetric-product kernel (`muonclip.fast.triton_syrk`).
 
 Without a GPU the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``): the tiling,
 the upper-triangle selection, the mirrored stores, the masks of partial tiles and the fused
@@ -12,10 +12,10 @@ import torch
 from test_ortho_fast import conditioned, sigma
 
 from muonclip import orthogonalize
-from muonclip.ortho import triton_syrk
+from muonclip.fast import triton_syrk
+from muonclip.fast.symmetric import symmetric_flops, symmetric_quintic
+from muonclip.fast.triton_syrk import syrk, usable
 from muonclip.ortho.newton_schulz import NS5_COEFFICIENTS
-from muonclip.ortho.symmetric import symmetric_flops, symmetric_quintic_iteration
-from muonclip.ortho.triton_syrk import syrk, usable
 
 # imported before any test switches the interpreter on, as a program that compiled something
 # first would have it (the kernel must not call Triton's own jit functions then)
@@ -126,14 +126,14 @@ def test_iteration_uses_the_kernel_only_where_usable(monkeypatch):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("muonclip.ortho.symmetric.syrk", counting)
+    monkeypatch.setattr("muonclip.fast.symmetric.syrk", counting)
     X = conditioned((2, 16, 40)).float()
     X = X / torch.linalg.matrix_norm(X, keepdim=True)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    strips = symmetric_quintic_iteration(X.clone(), [NS5_COEFFICIENTS] * 2)
+    strips = symmetric_quintic(X.clone(), [NS5_COEFFICIENTS] * 2)
     assert calls == []
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    kernel = symmetric_quintic_iteration(X.clone(), [NS5_COEFFICIENTS] * 2)
+    kernel = symmetric_quintic(X.clone(), [NS5_COEFFICIENTS] * 2)
     assert len(calls) == 4  # S and P, each of 2 steps
     torch.testing.assert_close(kernel, strips, atol=1e-5, rtol=0)
 

@@ -52,17 +52,40 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def current_group(fsdp: bool = False) -> GroupContext:
+def current_group(fsdp: bool = False, tp: int = 1) -> GroupContext:
     """The `GroupContext` of an already initialised default process group (`SINGLE` if there is none).
 
+    ``tp`` > 1: tensor parallel over groups of ``tp`` consecutive ranks, FSDP2 over the rest
+    (needs ``fsdp``; see `wrap_model`).
+
     Raises:
-        ValueError: ``fsdp`` is asked for but no process group is initialised.
+        ValueError: ``fsdp`` or ``tp`` > 1 is asked for but no process group is initialised;
+            ``tp`` without ``fsdp``, or not dividing the number of processes.
     """
+    if tp > 1 and not fsdp:
+        raise ValueError(f"--tp {tp} shards each block over {tp} ranks and FSDP2 over the rest: add --fsdp")
     if not (dist.is_available() and dist.is_initialized()):
         if fsdp:
             raise ValueError(f"--fsdp shards the model over several processes; {LAUNCH_HINT}")
         return SINGLE
-    return GroupContext(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
+    world = dist.get_world_size()
+    if tp < 1 or world % tp:
+        raise ValueError(f"--tp {tp} must divide the number of processes ({world})")
+    return GroupContext(dist.group.WORLD, dist.get_rank(), world)
+
+
+def data_parallel(ctx: GroupContext, tp: int = 1) -> tuple[int, int]:
+    """``(dp_size, dp_rank)``: the data-parallel ranks, ``world_size / tp`` (the ranks of one
+    tensor-parallel group share a batch), and this rank's index among them on the ``(dp, tp)``
+    mesh (global rank = dp_rank * tp + tp_rank)."""
+    return ctx.world_size // tp, ctx.rank // tp
+
+
+def mode(ctx: GroupContext, fsdp: bool, tp: int = 1) -> str:
+    """``"fsdp x tp"``, ``"fsdp"``, ``"ddp"`` or ``"single"``."""
+    if tp > 1:
+        return "fsdp x tp"
+    return "fsdp" if fsdp else ("ddp" if is_active(ctx, fsdp) else "single")
 
 
 def device(ctx: GroupContext) -> torch.device:
@@ -79,13 +102,14 @@ def is_active(ctx: GroupContext, fsdp: bool) -> bool:
 
 
 @contextlib.contextmanager
-def session(fsdp: bool = False) -> Iterator[GroupContext]:
+def session(fsdp: bool = False, tp: int = 1) -> Iterator[GroupContext]:
     """Context manager: initialise the default process group from torchrun's environment (NCCL on
     CUDA, else gloo) and destroy it on leaving (also on errors and Ctrl-C) if this call created it.
     Without ``RANK``/``WORLD_SIZE`` nothing is initialised and `SINGLE` is yielded.
 
     Raises:
-        ValueError: ``fsdp`` without torchrun (the message says how to launch).
+        ValueError: ``fsdp`` without torchrun (the message says how to launch); a bad ``tp``
+            (`current_group`).
     """
     created = launched_by_torchrun() and not (dist.is_available() and dist.is_initialized())
     if created:
@@ -94,19 +118,21 @@ def session(fsdp: bool = False) -> Iterator[GroupContext]:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
     try:
-        yield current_group(fsdp)
+        yield current_group(fsdp, tp)
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def wrap_model(model: nn.Module, ctx: GroupContext, fsdp: bool) -> tuple[nn.Module, nn.Module]:
+def wrap_model(model: nn.Module, ctx: GroupContext, fsdp: bool, tp: int = 1) -> tuple[nn.Module, nn.Module]:
     """Wrap ``model`` for this launch; return ``(train_module, inner)``.
 
     ``train_module`` is what the training forward calls (DDP wrapper, or the model itself);
     ``inner`` is the module with the original parameter names, to build the optimizer on, read
     max logits from, evaluate with and checkpoint. FSDP2: ``fully_shard`` on every block of
     ``model.blocks`` (the muonclip GPT), then on the root; both returned values are the model.
+    With ``tp`` > 1, first tensor parallel on the ``"tp"`` dimension of a ``(dp, tp)`` mesh
+    (`muonclip.models.parallel.tensor_parallel`), then FSDP2 on its ``"dp"`` dimension.
     """
     if not is_active(ctx, fsdp):
         return model, model
@@ -115,9 +141,18 @@ def wrap_model(model: nn.Module, ctx: GroupContext, fsdp: bool) -> tuple[nn.Modu
     if fsdp:
         from torch.distributed.fsdp import fully_shard
 
+        mesh = None
+        if tp > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            from ..models.parallel import tensor_parallel
+
+            mesh2 = init_device_mesh(dev.type, (ctx.world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+            tensor_parallel(model, mesh2["tp"])
+            mesh = mesh2["dp"]
         for block in getattr(model, "blocks", []):
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model, model
     from torch.nn.parallel import DistributedDataParallel
 
@@ -125,22 +160,24 @@ def wrap_model(model: nn.Module, ctx: GroupContext, fsdp: bool) -> tuple[nn.Modu
     return DistributedDataParallel(model, device_ids=ids), model
 
 
-def check_batch(batch_size: int, ctx: GroupContext) -> None:
-    """Raise ValueError unless the global ``batch_size`` splits evenly over the ranks."""
-    if batch_size % ctx.world_size:
+def check_batch(batch_size: int, ctx: GroupContext, tp: int = 1) -> None:
+    """Raise ValueError unless the global ``batch_size`` splits evenly over the data-parallel ranks."""
+    n, _ = data_parallel(ctx, tp)
+    if batch_size % n:
         raise ValueError(
-            f"batch_size ({batch_size}) is the global batch, split between the {ctx.world_size} processes; "
-            f"it must be divisible by {ctx.world_size}: e.g. "
-            f"--set batch_size={ctx.world_size * max(1, batch_size // ctx.world_size)}"
+            f"batch_size ({batch_size}) is the global batch, split between the {n} data-parallel processes; "
+            f"it must be divisible by {n}: e.g. --set batch_size={n * max(1, batch_size // n)}"
         )
 
 
-def rank_rows(t: Tensor, ctx: GroupContext, dev: torch.device | None = None) -> Tensor:
+def rank_rows(t: Tensor, ctx: GroupContext, dev: torch.device | None = None, tp: int = 1) -> Tensor:
     """This rank's contiguous block of rows of a global batch ``t`` (all of it in one process), on
-    ``dev`` (default: the CPU, where batches are made)."""
-    if ctx.world_size > 1:
-        n = t.shape[0] // ctx.world_size
-        t = t[ctx.rank * n:(ctx.rank + 1) * n]
+    ``dev`` (default: the CPU, where batches are made); the ranks of one tensor-parallel group
+    (``tp``) take the same block."""
+    dp_size, dp_rank = data_parallel(ctx, tp)
+    if dp_size > 1:
+        n = t.shape[0] // dp_size
+        t = t[dp_rank * n:(dp_rank + 1) * n]
     return t if dev is None else t.to(dev)
 
 
@@ -171,5 +208,5 @@ def all_max(values: Sequence[float], ctx: GroupContext) -> list[float]:
 
 __all__ = [
     "LAUNCH_HINT", "SINGLE", "all_max", "all_mean", "all_sum", "check_batch", "current_group", "device",
-    "is_active", "launched_by_torchrun", "rank_rows", "session", "wrap_model",
+    "data_parallel", "is_active", "launched_by_torchrun", "mode", "rank_rows", "session", "wrap_model",
 ]

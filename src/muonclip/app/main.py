@@ -26,7 +26,7 @@ from typing import Any
 from ..distributed.checkpoint import CheckpointError, find_checkpoint
 from .config import OPTIMIZERS, PRESETS, RunConfig, apply_overrides, make_config
 from .data import DataError
-from .launch import LAUNCH_HINT, is_active, launched_by_torchrun, session
+from .launch import LAUNCH_HINT, is_active, launched_by_torchrun, mode, session
 from .train import Interrupted, NonFiniteLossError, OutputError
 
 EXIT_INPUT, EXIT_NONFINITE, EXIT_INTERRUPTED = 2, 3, 130
@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard the model with FSDP2 (fully_shard) instead of DDP; "
                         "e.g. torchrun --nproc_per_node=2 -m muonclip.app train --fsdp")
+    t.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="under torchrun with --fsdp: tensor parallel over groups of N ranks (heads split), FSDP2 "
+                        "over the rest (a 2-D mesh); e.g. torchrun --nproc_per_node=4 $(which muonclip) train "
+                        "--fsdp --tp 2")
     return parser
 
 
@@ -139,12 +143,12 @@ def _run_train(args: argparse.Namespace) -> int:
             over[f"lr_{optimizer}"] = args.lr
         cfg = make_config(args.preset or "default", over, args.sets)
         out = Path(args.out) if args.out else Path("out") / f"train-{optimizer}-{_stamp()}"
-    with session(args.fsdp) as ctx:
+    with session(args.fsdp, args.tp) as ctx:
         result = train_run(cfg, optimizer, out, resume=args.resume, progress=not args.quiet,
-                           tensorboard=args.tensorboard, fsdp=args.fsdp)
+                           tensorboard=args.tensorboard, fsdp=args.fsdp, tp=args.tp)
         if ctx.rank == 0:
-            mode = "fsdp" if args.fsdp else "ddp"
-            ranks = f" on {ctx.world_size} processes ({mode})" if is_active(ctx, args.fsdp) else ""
+            ranks = f" on {ctx.world_size} processes ({mode(ctx, args.fsdp, args.tp)})" if is_active(ctx, args.fsdp) \
+                else ""
             print(f"{optimizer}: {result.steps} steps{ranks}, final validation loss {result.final_val_loss:.4f}, "
                   f"{result.wall_time:.0f}s; run folder {out}")
     return 0

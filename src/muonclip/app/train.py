@@ -67,7 +67,18 @@ from ..integrations.stats import UpdateRMS
 from ..optim import NonFiniteGradError, param_groups
 from .config import MODEL_FIELDS, RunConfig, check_optimizer
 from .data import Corpus, check_fits, corpus_warnings, load_corpus, train_batch, val_batches
-from .launch import all_max, all_mean, all_sum, check_batch, current_group, device, is_active, rank_rows, wrap_model
+from .launch import (
+    all_max,
+    all_mean,
+    all_sum,
+    check_batch,
+    current_group,
+    device,
+    is_active,
+    mode,
+    rank_rows,
+    wrap_model,
+)
 from .memory import check_memory
 from .metrics import MetricsWriter
 from .probes import ExpertRMS, MLAClipAudit
@@ -277,7 +288,8 @@ def _hidden_matrices(model: nn.Module) -> list[Tensor]:
 
 def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bool = False,
               corpus: Corpus | None = None, progress: bool = True, label: str | None = None,
-              tensorboard: str | Path | None = None, fsdp: bool = False, warn: bool = True) -> RunResult:
+              tensorboard: str | Path | None = None, fsdp: bool = False, warn: bool = True,
+              tp: int = 1) -> RunResult:
     """Train one run; see the module docstring. Every input is checked before anything is written.
 
     Args:
@@ -295,6 +307,9 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
         warn: print `muonclip.app.data.corpus_warnings` (a run that reads its training text more
             than 10 times, a validation split smaller than one batch) to stderr before training
             (default True; `muonclip.app.compare.compare` prints them once for all its runs).
+        tp: tensor-parallel size (default 1: none); > 1 needs ``fsdp``: the ranks form a
+            ``(world / tp, tp)`` mesh, each block tensor-parallel over ``tp`` ranks
+            (`muonclip.models.parallel`), FSDP2 over the other dimension.
 
     Raises:
         DataError, OutputError, CheckpointError, ValueError: bad input (also: one step would not fit
@@ -305,9 +320,9 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
     check_optimizer(optimizer)
     run_dir = Path(run_dir)
     cfg.validate()
-    ctx = current_group(fsdp)
+    ctx = current_group(fsdp, tp)
     active, main, dev = is_active(ctx, fsdp), ctx.rank == 0, device(ctx)
-    check_batch(cfg.batch_size, ctx)
+    check_batch(cfg.batch_size, ctx, tp)
     _check_memory(cfg, optimizer, ctx, fsdp)
     check_out_dir(run_dir, resume=resume)
     if corpus is None:
@@ -329,7 +344,7 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
             model.load_state_dict(found.data["model"])  # before wrapping: DDP/FSDP2 take the loaded weights
         start = found.step
         extra.update(found.data.get("extra") or {})
-    train_model, model = wrap_model(model, ctx, fsdp)
+    train_model, model = wrap_model(model, ctx, fsdp, tp)
     opt = build_optimizer(optimizer, model, cfg)
     base_lrs = [g["lr"] for g in opt.param_groups]  # the peaks: a loaded state holds the last scheduled lr
     if found is not None:
@@ -364,7 +379,7 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
         except OSError as e:
             raise OutputError(f"--out {run_dir}: cannot write ({e}); choose another --out") from None
         writer = MetricsWriter(run_dir, cfg.n_layer, keep_until=start if resume else None)
-    val = [(rank_rows(x, ctx, dev), rank_rows(y, ctx, dev)) for x, y in
+    val = [(rank_rows(x, ctx, dev, tp), rank_rows(y, ctx, dev, tp)) for x, y in
            val_batches(corpus, n_batches=cfg.eval_batches, batch_size=cfg.batch_size, block_size=cfg.block_size)]
     rms_meter = UpdateRMS(opt, params=_hidden_matrices(model))
     # one process: per-expert update RMS (3-D expert stacks) and the factors of each clipped MLA head
@@ -380,7 +395,7 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
         extra["elapsed"] = elapsed0 + time.perf_counter() - t_start
         meta = {"optimizer": optimizer, "config": cfg.to_dict(), "step": step, "extra": dict(extra)}
         if active:
-            return save_sharded(run_dir, model, opt, ctx, meta={**meta, "mode": "fsdp" if fsdp else "ddp"},
+            return save_sharded(run_dir, model, opt, ctx, meta={**meta, "mode": mode(ctx, fsdp, tp)},
                                 rng=rng_state())
         path = save_file(ckpt_path, {**meta, "model": model.state_dict(), "optim": opt.state_dict(),
                                      "rng": rng_state()})
@@ -396,7 +411,7 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
             for g, lr in zip(opt.param_groups, base_lrs):
                 g["lr"] = lr * factor
             x, y = train_batch(corpus, step, batch_size=cfg.batch_size, block_size=cfg.block_size, seed=cfg.seed)
-            x, y = rank_rows(x, ctx, dev), rank_rows(y, ctx, dev)
+            x, y = rank_rows(x, ctx, dev, tp), rank_rows(y, ctx, dev, tp)
             t0 = time.perf_counter()
             loss = forward_loss(train_model, x, y)
             stop_now = False

@@ -103,7 +103,7 @@ class MaxLogitMonitor:
     Args:
         layers: the layers to watch: `muonclip.qkclip.AttentionLayer` objects (or anything with
             ``name`` and ``recorder``), e.g. ``MuonClip.layers``,
-            ``muonclip.qkclip.discover_layers(model)`` or ``muonclip.qkclip.hf.attach(model)``;
+            ``muonclip.qkclip.discover_layers(model)`` or ``muonclip.integrations.hf.attach(model)``;
             or a mapping from layer name to the layer's `MaxLogitRecorder`.
 
     Raises:
@@ -128,7 +128,7 @@ class MaxLogitMonitor:
                 )
             if name in names or id(recorder) in self._watched:
                 raise ValueError(f"MaxLogitMonitor: layer {name!r} (or its recorder) is given twice")
-            names[name] = MaxLogitRecorder(recorder.n_heads)
+            names[name] = MaxLogitRecorder(recorder.n_heads, recorder.heads)
             self._watched[id(recorder)] = names[name]
         self._sources = [recorder for _, recorder in pairs]  # keeps the ids above valid
         self._mine = names

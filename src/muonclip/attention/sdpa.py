@@ -1,5 +1,5 @@
 """`scaled_dot_product_attention`: a drop-in for ``F.scaled_dot_product_attention`` that also
-records each query head's max logit into a `MaxLogitRecorder` (design.md 1.3, 2).
+records each query head's max logit into a `MaxLogitRecorder` (docs/design.md, "QK-Clip").
 
 Without a recorder it is exactly ``F.scaled_dot_product_attention``. With one, the output is
 still SDPA's (same kernel, same autograd graph) and, on a training forward (``training`` true
@@ -89,8 +89,8 @@ def scaled_dot_product_attention(
     """
     if recorder is not None:
         hq, _ = check_shapes(query, key, enable_gqa)
-        if recorder.n_heads != hq:
-            raise ValueError(f"recorder has n_heads={recorder.n_heads} but query has {hq} heads")
+        if len(recorder.heads) != hq:
+            raise ValueError(f"recorder records {len(recorder.heads)} heads but query has {hq} heads")
     targets = recorders_to_feed(recorder, training)
     if not targets:  # no recorder, or evaluation / generation with no monitor watching: no max to compute
         return F.scaled_dot_product_attention(

@@ -1,18 +1,26 @@
-"""Distributed Muon: one code path for one process, DDP and FSDP2 (design.md 1.4).
+"""Distributed Muon: the layer on top of the core for DDP, FSDP2, TP, HSDP and EP (docs/design.md, "Distributed Muon").
 
-* `context` — which process group a step runs on; how each parameter is laid out (replicated
-  or row-sharded), `local_rows` for QK-Clip on sharded weights.
+Importing this package registers `engine.DistributedEngine` with the core
+(`muonclip.optim.engine`), which hands it every step whose parameters are DTensors or live in a
+multi-rank process group; ``import muonclip`` imports it.
+
+* `engine` — the step: the core's update phases, one owner rank per matrix, the exchanges.
+* `context` — which process group a step runs on (every rank of the parameters' mesh),
+  `local_rows` for QK-Clip on sharded weights.
+* `layout` — which global indices each rank's local tensor holds, for any placement.
 * `plan` — which rank orthogonalises which matrix, balanced by Newton–Schulz flops.
-* `exchange` — the batched collectives: gather row shards to owners and scatter results back
-  (FSDP2), all-gather owned results (DDP), and the cross-rank agreement check.
+* `exchange` — the batched collectives: one all-to-all moves pieces of V to owners, one moves
+  pieces of results back, and the cross-rank agreement check.
+* `tensor_parallel` — which attention heads a rank computes, for QK-Clip under TP.
 * `checkpoint` — save/load through ``torch.distributed.checkpoint``, reshardable N -> M ranks.
 """
 
 from .context import GroupContext, local_rows, resolve_group, shard_rows
+from .engine import DistributedEngine
 from .exchange import CommStats
 from .plan import Plan, assign_owners, matrix_rows, ns_flops
 
 __all__ = [
-    "CommStats", "GroupContext", "Plan", "assign_owners", "local_rows", "matrix_rows", "ns_flops",
-    "resolve_group", "shard_rows",
+    "CommStats", "DistributedEngine", "GroupContext", "Plan", "assign_owners", "local_rows", "matrix_rows",
+    "ns_flops", "resolve_group", "shard_rows",
 ]

@@ -1,26 +1,23 @@
 """Which process group a step runs on, and how each parameter is laid out across it.
 
-`muonclip.Muon` runs one code path for one process, DDP and FSDP2 (design.md 1.4). This
-module answers, once per step, the two questions that path needs:
+`muonclip.distributed.engine` runs one Muon step over a process group (docs/design.md,
+"Distributed Muon"). This module answers, once per step, the two questions it needs:
 
-* the group: the device mesh of the DTensor parameters (FSDP2's ``fully_shard``), or, for
-  plain tensors, the default group when ``torch.distributed`` is initialised with more than
-  one rank (DDP: parameters and gradients are replicated), or no group at all (one process;
-  world size 1 is the degenerate case of the same path);
-* the layout of each parameter: ``"replicated"`` (a plain tensor, or a DTensor placed
-  ``Replicate()``) or ``"rows"`` (a DTensor placed ``Shard(0)``: each rank holds a contiguous
-  block of rows, split like ``torch.chunk``, so rank r's block starts at row
-  ``local_rows(p)[1]``).
+* the group: every rank of the DTensor parameters' device mesh, of any dimension (FSDP2's
+  ``fully_shard``, tensor parallel, FSDP2 x TP, HSDP, expert parallel), or, for plain tensors,
+  the default group when ``torch.distributed`` is initialised with more than one rank (DDP:
+  parameters and gradients are replicated), or no group at all (world size 1, the trivial case
+  of the same step);
+* the layout of each parameter: for every rank of the group, the global indices its local
+  tensor holds (`GroupContext.pieces`, computed by `muonclip.distributed.layout`).
 
 Anything else is refused with an error that says what to change: a DTensor whose process
-group was destroyed, parameters on different meshes, a 2-D mesh (HSDP), a placement other
-than ``Shard(0)``/``Replicate()``, a local shard whose shape is not the one ``torch.chunk``
-gives.
+group was destroyed, parameters on different meshes, a ``Partial`` placement, a local shard
+whose shape is not the one its placements give.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,26 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-REPLICATED = "replicated"
-ROWS = "rows"
-LOCAL = "local"  # the value of Muon(process_group=...) that turns communication off
-
-
-_DTENSOR: list[type] = []
-
-
-def is_dtensor(t: Any) -> bool:
-    """True for a `torch.distributed.tensor.DTensor` (an FSDP2 / tensor-parallel parameter).
-
-    Without importing ``torch.distributed.tensor`` (about 1 s): if nobody imported it, no
-    DTensor can exist.
-    """
-    if not _DTENSOR:
-        cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-        if cls is None:
-            return False
-        _DTENSOR.append(cls)  # found once imported; looked up once per process after that
-    return isinstance(t, _DTENSOR[0])
+from ..optim.engine import LOCAL, is_dtensor
+from .layout import Piece, piece_of, piece_shape
 
 
 def local(t: Tensor) -> Tensor:
@@ -72,25 +51,37 @@ def shard_rows(n_rows: int, world_size: int, rank: int) -> tuple[int, int]:
 def local_rows(param: Tensor) -> tuple[Tensor, int]:
     """``(local_tensor, row_offset)``: the rows of ``param`` this rank holds and where they start.
 
-    A plain tensor or a replicated DTensor: the whole tensor, offset 0. A DTensor split only
-    along dim 0 (FSDP2 ``Shard(0)``, also on a 2-D HSDP mesh): its local shard (an alias:
-    writes go through) and the global index of its first row, so a per-row factor ``f``
-    (indexed by global row) applies as ``local * f[offset : offset + len(local)]``. Used by
-    QK-Clip to scale each head's rows where they live (a head's rows may be split between two
-    ranks). Raises ValueError for a DTensor split along any other dimension.
+    A plain tensor or a replicated DTensor: the whole tensor, offset 0. A DTensor whose local
+    tensor holds every column and a contiguous block of rows — FSDP2 ``Shard(0)``, tensor-parallel
+    ``ColwiseParallel`` (``Shard(0)``), FSDP2 on top of it (the strided shard of a 2-D mesh),
+    HSDP — its local shard (an alias: writes go through) and the global index of its first row,
+    so a per-row factor ``f`` (indexed by global row) applies as
+    ``local * f[offset : offset + len(local)]``. Used by QK-Clip to scale each head's rows where
+    they live (a head's rows may be split between two ranks). Raises ValueError for a DTensor
+    split along any other dimension, or whose rows here are not contiguous.
     """
     data = param.data if isinstance(param, torch.nn.Parameter) else param
     if not is_dtensor(data):
         return data, 0
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(data.shape, data.device_mesh, data.placements)
-    if any(o != 0 for o in offset[1:]) or tuple(shape[1:]) != tuple(data.shape[1:]):
+    piece = piece_of(data.shape, data.device_mesh.shape, data.device_mesh.get_coordinate(), data.placements)
+    if any(ix != range(n) for ix, n in zip(piece[1:], data.shape[1:])) or not isinstance(piece[0], range):
         raise ValueError(
             f"a weight of shape {tuple(data.shape)} placed {data.placements} is split along a dimension other than "
-            "the rows; per-row scaling (QK-Clip) needs row shards (Shard(0), what fully_shard uses) or replicas"
+            "the rows (or in non-contiguous rows); per-row scaling (QK-Clip) needs row shards (Shard(0): "
+            "fully_shard, ColwiseParallel) or replicas"
         )
-    return data._local_tensor, int(offset[0])
+    return data._local_tensor, piece[0].start if len(piece[0]) else 0
+
+
+def mesh_group(mesh: Any) -> Any:
+    """One process group spanning every rank of ``mesh``: its group for a 1-D mesh, the default
+    group when the mesh spans the world, else the mesh flattened to one dimension (a collective
+    every rank of the mesh enters)."""
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    if mesh.size() == dist.get_world_size():
+        return dist.group.WORLD
+    return mesh._flatten().get_group()
 
 
 def locals_and_group(tensors: Sequence[Tensor]) -> tuple[list[Tensor], Any]:
@@ -104,41 +95,68 @@ def locals_and_group(tensors: Sequence[Tensor]) -> tuple[list[Tensor], Any]:
     out = []
     for t in tensors:
         if is_dtensor(t):
-            if group is None and t.device_mesh.size() > 1:
-                group = t.device_mesh.get_group() if t.device_mesh.ndim == 1 else dist.group.WORLD
+            if group is None and root_mesh(t.device_mesh).size() > 1:
+                group = mesh_group(root_mesh(t.device_mesh))
             t = t._local_tensor
         out.append(t)
     return out, group
 
 
-def layout_of(t: Tensor, name: str) -> str:
-    """``"replicated"`` or ``"rows"`` for a DTensor; raise ValueError naming ``name`` otherwise."""
-    from torch.distributed.tensor import Replicate, Shard
+def root_mesh(mesh: Any) -> Any:
+    """The mesh ``mesh`` was sliced from (itself when it is not a submesh)."""
+    get = getattr(mesh, "_get_root_mesh", None)
+    return get() if get is not None else mesh
 
-    mesh = t.device_mesh
-    if mesh.ndim != 1:
+
+def root_placements(p: Tensor, name: str = "a parameter") -> tuple[Any, ...]:
+    """``p``'s placements stated on its root mesh: a DTensor on a submesh (FSDP2 over the
+    ``"dp"`` dimension of a ``("dp", "tp")`` mesh, for the weights tensor parallelism leaves
+    whole) is replicated over the root's other dimensions. Dimensions are matched by name.
+
+    Raises:
+        ValueError: a submesh whose dimension names are not the root's (e.g. flattened).
+    """
+    from torch.distributed.tensor import Replicate
+
+    mesh = p.device_mesh
+    root = root_mesh(mesh)
+    if root is mesh or root == mesh:
+        return tuple(p.placements)
+    names, root_names = mesh.mesh_dim_names or (), root.mesh_dim_names or ()
+    if not names or any(n not in root_names for n in names):
         raise ValueError(
-            f"{name} lives on a {mesh.ndim}-D device mesh; muonclip.Muon supports 1-D meshes (FSDP2 "
-            "fully_shard over one group, or DDP). Flatten the mesh, or use one optimizer per replica group"
+            f"{name} lives on a submesh with dimensions {names} of a mesh with dimensions {root_names}; Muon maps "
+            "a submesh's placements to its root mesh by dimension name. Slice submeshes by name (mesh['dp'])"
         )
-    (placement,) = t.placements
-    if isinstance(placement, Replicate):
-        return REPLICATED
-    if isinstance(placement, Shard) and placement.dim == 0:
-        return ROWS
-    raise ValueError(
-        f"{name} is placed {placement}; Muon needs whole matrices and gathers them from row shards "
-        "(Shard(0), what fully_shard uses) or replicas only. Shard this parameter on dim 0"
-    )
+    by_name = dict(zip(names, p.placements))
+    return tuple(by_name.get(n, Replicate()) for n in root_names)
 
 
 @dataclass(frozen=True)
 class GroupContext:
-    """The process group of one step: ``group`` None means one process (no collective)."""
+    """The process group of one step: ``group`` None means one process (no collective).
+
+    Attributes:
+        group, rank, world_size: the group spanning every rank that holds a piece of a Muon
+            parameter, this rank's index in it, its size.
+        mesh_shape: the shape of the DTensor parameters' device mesh (``(world_size,)`` when
+            there is none: every parameter is replicated).
+        coords: ``coords[r]`` is the mesh coordinate of group rank r.
+    """
 
     group: Any
     rank: int
     world_size: int
+    mesh_shape: tuple[int, ...] = (1,)
+    coords: tuple[tuple[int, ...], ...] = ((0,),)
+
+    def pieces(self, p: Tensor, name: str = "a parameter") -> list[Piece]:
+        """Every group rank's piece of ``p`` (`muonclip.distributed.layout.piece_of`); the whole
+        tensor on every rank for a plain tensor."""
+        if not is_dtensor(p):
+            return [tuple(range(n) for n in p.shape)] * self.world_size
+        placements = root_placements(p, name)
+        return [piece_of(p.shape, self.mesh_shape, c, placements, name) for c in self.coords]
 
 
 SINGLE = GroupContext(None, 0, 1)
@@ -148,18 +166,20 @@ def resolve_group(params: Sequence[Tensor], name_of: Callable[[int], str], proce
     """Find the group the Muon parameters ``params`` live on; validate their layouts.
 
     Args:
-        params: the Muon parameters of the step (plain tensors and/or DTensors).
+        params: the Muon parameters of the step (plain tensors and/or DTensors on one mesh of
+            any dimension: FSDP2, tensor parallel, FSDP2 x TP, HSDP, expert parallel).
         name_of: ``name_of(i)`` is a readable name of ``params[i]``, for errors.
-        process_group: ``None`` (default, automatic: the DTensors' mesh, else the default
-            group when torch.distributed is initialised with world size > 1, else none),
-            ``"local"`` (no communication: each process optimises on its own; not allowed with
-            sharded DTensors), or a ``ProcessGroup`` for plain replicated tensors.
+        process_group: ``None`` (default, automatic: every rank of the DTensors' mesh, else the
+            default group when torch.distributed is initialised with world size > 1, else
+            none), ``"local"`` (no communication: each process optimises on its own; not allowed
+            with sharded DTensors), or a ``ProcessGroup`` for plain replicated tensors.
 
     Raises:
         RuntimeError: a DTensor parameter is seen while torch.distributed is not initialised.
-        ValueError: parameters on different meshes, or a layout Muon cannot handle.
+        ValueError: parameters on different meshes, a ``Partial`` placement, or a local shard
+            whose shape is not the one its placements give.
     """
-    meshes, first = [], None
+    first = None
     for i, p in enumerate(params):
         if not is_dtensor(p):
             continue
@@ -169,27 +189,31 @@ def resolve_group(params: Sequence[Tensor], name_of: Callable[[int], str], proce
                 f"{name} is a DTensor but torch.distributed is not initialised (was the process group "
                 "destroyed?). Call torch.distributed.init_process_group before the optimizer step"
             )
-        kind = layout_of(p, name)
-        mesh = p.device_mesh
+        mesh = root_mesh(p.device_mesh)
         if first is None:
             first = (mesh, name)
         elif mesh != first[0]:
             raise ValueError(
-                f"{name} is on device mesh {mesh} but {first[1]} is on {first[0]}: all Muon parameters of "
-                "one optimizer must share one mesh (mixed meshes). Use one optimizer per mesh"
+                f"{name} is on device mesh {p.device_mesh} but {first[1]} is on {first[0]}: all Muon parameters of "
+                "one optimizer must share one mesh, or submeshes of one (mixed meshes). Use one optimizer per mesh"
             )
-        if kind == ROWS:
-            _check_shard_shape(p, name)
-        meshes.append(mesh)
+        _check_local_shape(p, name)
+        root_placements(p, name)
     if process_group == LOCAL:
-        if meshes and any(m.size() > 1 for m in meshes):
+        if first is not None and any(is_dtensor(p) and p.device_mesh.size() > 1 for p in params):
             raise ValueError("process_group='local' cannot be used with parameters sharded over several ranks")
         return SINGLE
     if first is not None:
-        group = first[0].get_group()
+        mesh = first[0]
+        if mesh.size() == 1:
+            return SINGLE
+        group = mesh_group(mesh)
         if process_group is not None and process_group is not group:
             raise ValueError("process_group differs from the device mesh group of the DTensor parameters")
-    elif process_group is not None:
+        ranks = dist.get_process_group_ranks(group)
+        where = {int(g): tuple(int(c) for c in torch.nonzero(mesh.mesh == g)[0].tolist()) for g in mesh.mesh.flatten()}
+        return GroupContext(group, dist.get_rank(group), len(ranks), tuple(mesh.shape), tuple(where[g] for g in ranks))
+    if process_group is not None:
         group = process_group
     elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         group = dist.group.WORLD
@@ -198,35 +222,24 @@ def resolve_group(params: Sequence[Tensor], name_of: Callable[[int], str], proce
     world = dist.get_world_size(group)
     if world == 1:
         return SINGLE
-    return GroupContext(group, dist.get_rank(group), world)
+    return GroupContext(group, dist.get_rank(group), world, (world,), tuple((r,) for r in range(world)))
 
 
-def _check_shard_shape(p: Tensor, name: str) -> None:
+def _check_local_shape(p: Tensor, name: str) -> None:
+    """The local shard must have the shape its placements give, or pieces would be misplaced."""
     mesh = p.device_mesh
-    offset, rows = shard_rows(p.shape[0], mesh.size(), mesh.get_local_rank())
-    expect = (rows, *p.shape[1:])
+    piece = piece_of(p.shape, mesh.shape, mesh.get_coordinate(), p.placements, name)
     got = tuple(p._local_tensor.shape)
-    if got != expect:
+    if got != piece_shape(piece):
         raise ValueError(
-            f"{name}: this rank holds a shard of shape {got} but a Shard(0) split of {tuple(p.shape)} over "
-            f"{mesh.size()} ranks gives {expect} (rows {offset}..{offset + rows}); the shards differ from what "
-            "the DTensor says. Build the parameter with distribute_tensor / fully_shard"
+            f"{name}: this rank holds a shard of shape {got} but the placements {p.placements} of "
+            f"{tuple(p.shape)} on a mesh of shape {tuple(mesh.shape)} give {piece_shape(piece)} here; the shards "
+            "differ from what the DTensor says. Build the parameter with distribute_tensor / fully_shard / "
+            "parallelize_module"
         )
 
 
-def item_layout(p: Tensor, ctx: GroupContext) -> str:
-    """``"rows"`` for a Shard(0) DTensor in a multi-rank step, ``"replicated"`` otherwise."""
-    if ctx.world_size > 1 and is_dtensor(p) and p.placements[0].is_shard():
-        return ROWS
-    return REPLICATED
-
-
-def row_blocks(n_rows: int, ctx: GroupContext) -> list[tuple[int, int]]:
-    """``(offset, rows)`` of every rank's block of a Shard(0) tensor with ``n_rows`` rows."""
-    return [shard_rows(n_rows, ctx.world_size, r) for r in range(ctx.world_size)]
-
-
 __all__ = [
-    "GroupContext", "LOCAL", "REPLICATED", "ROWS", "SINGLE", "is_dtensor", "item_layout", "layout_of",
-    "local", "local_rows", "locals_and_group", "resolve_group", "row_blocks", "shard_rows",
+    "GroupContext", "LOCAL", "SINGLE", "is_dtensor", "local", "local_rows", "locals_and_group", "mesh_group",
+    "resolve_group", "shard_rows",
 ]

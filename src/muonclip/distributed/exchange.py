@@ -1,19 +1,18 @@
 """The collectives of a distributed Muon step, each batched into one call for all matrices.
 
-Three exchanges (design.md 1.4), every one called on every rank of the group, in the same
+Two kinds of collective (docs/design.md, "Distributed Muon"), every one called on every rank of the group, in the same
 order, whatever that rank holds (a rank that owns nothing, or holds an empty shard, still
 sends and receives zero-length pieces):
 
 * `agree` — one small int64 MAX all-reduce that checks, before any data moves, that every
-  rank has the same parameters (a signature of global shapes and options) and the same set
-  of gradients. On a mismatch every rank raises the same error, so no rank is left waiting
-  in a collective the others never enter.
-* `gather_rows` / `scatter_rows` — FSDP2 (``Shard(0)`` parameters): one ``all_to_all`` sends
-  each owner the row shards of its matrices, the owner orthogonalises whole matrices, and a
-  second ``all_to_all`` sends each rank its rows of the result. Momentum never leaves its
-  shard except as this transient V.
-* `all_gather_owned` — DDP (replicated parameters): each rank contributes the results of
-  the matrices it owns, padded to the longest share, in one all-gather into a single tensor.
+  rank has the same parameters (a signature of global shapes, placements and options) and the
+  same set of gradients. On a mismatch every rank raises the same error, so no rank is left
+  waiting in a collective the others never enter.
+* `exchange` — one ``all_to_all_single`` that moves a list of pieces (`Route`: source rank,
+  destination rank, shape), all matrices at once. A step uses it twice: each owner receives
+  the pieces of its matrices' V from ranks that hold them (for replicated pieces, from one
+  holder only), and each rank that holds a piece of a matrix receives that piece of the
+  result from the owner. Momentum never leaves its shard except as this transient V.
 
 ``comm_dtype`` (default: the momentum dtype, float32) is the wire dtype. bfloat16 halves the
 bytes; with ``orth_dtype=bfloat16`` and the built-in methods (which cast V to bf16 before
@@ -25,27 +24,15 @@ Tensors may live on any device the backend supports (gloo: CPU; NCCL: CUDA).
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .context import GroupContext, row_blocks
-
-
-@dataclass
-class CommStats:
-    """What this rank sent in the last step: bytes (ring-algorithm count) and collective calls."""
-
-    bytes_sent: int = 0
-    calls: dict[str, int] = field(default_factory=dict)
-
-    def add(self, op: str, nbytes: int) -> None:
-        self.bytes_sent += int(nbytes)
-        self.calls[op] = self.calls.get(op, 0) + 1
+from ..optim.engine import CommStats
+from .context import GroupContext
 
 
 def signature(parts: Sequence[object]) -> int:
@@ -81,112 +68,82 @@ def agree(ctx: GroupContext, sig: int, has_grad: Sequence[bool], names: Sequence
         )
 
 
-def _rest(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape[1:]:
-        n *= s
-    return n
+def fingerprint(t: Tensor) -> Tensor:
+    """An exact int64 checksum of ``t``'s bits (sum of its elements' bit patterns, and of their
+    products with their positions): equal tensors give equal values on any hardware, with no
+    floating-point rounding."""
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    b = t.detach().contiguous().reshape(-1).view(bits).to(torch.int64)
+    pos = torch.arange(1, b.numel() + 1, dtype=torch.int64, device=b.device)
+    return torch.stack([b.sum(), (b * pos).sum()])
 
 
-def gather_rows(
-    ctx: GroupContext,
-    shards: Sequence[Tensor],  # item i: (rows_i on this rank, *shape_i[1:]), momentum dtype
-    shapes: Sequence[torch.Size],  # item i: global shape
-    owners: Sequence[int],
-    comm_dtype: torch.dtype,
-    stats: CommStats,
-) -> dict[int, Tensor]:
-    """All-to-all the row shards of each item to its owner; return ``{i: whole (shape_i)}`` for owned items."""
+def agree_replicas(ctx: GroupContext, tensors: Sequence[Tensor], names: Sequence[str], device: torch.device,
+                   stats: CommStats) -> None:
+    """Check that plain (non-DTensor) parameters, which the step treats as replicated, hold the same
+    values on every rank; raise ValueError on every rank otherwise.
+
+    One MAX all-reduce of ``[f, -f]`` per tensor (`fingerprint`). Run when a step's structure is
+    new (the first step, or after a change): a plain tensor that is really a shard (tensor
+    parallelism with local tensors instead of DTensors) would otherwise get another rank's update.
+    """
+    if not tensors:
+        return
+    f = torch.cat([fingerprint(t).to(device) for t in tensors])
+    packed = torch.cat([f, -f])
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=ctx.group)
+    stats.add("all_reduce", 2 * packed.numel() * 8 * (ctx.world_size - 1) // ctx.world_size)
+    hi, lo = packed[: f.numel()].view(-1, 2), -packed[f.numel():].view(-1, 2)
+    bad = [names[i] for i in (hi != lo).any(dim=1).nonzero().flatten().tolist()]
+    if bad:
+        raise ValueError(
+            f"{', '.join(bad[:5])} is a plain tensor with different values on different ranks; Muon treats plain "
+            "tensors as replicated (DDP). A weight sharded by tensor parallelism must be a DTensor "
+            "(parallelize_module, distribute_tensor, DTensor.from_local), so that Muon can assemble whole "
+            "matrices; replicated weights must start equal on every rank (DDP broadcasts them)"
+        )
+
+
+@dataclass(frozen=True)
+class Route:
+    """One piece that moves: from group rank ``src`` to ``dst``, of ``shape``."""
+
+    src: int
+    dst: int
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        """Elements of the piece."""
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def exchange(ctx: GroupContext, routes: Sequence[Route], payload: Callable[[int], Tensor],
+             comm_dtype: torch.dtype, device: torch.device, stats: CommStats) -> dict[int, Tensor]:
+    """Move every piece of ``routes`` in ONE ``all_to_all_single``; return ``{j: piece}`` of the
+    routes whose ``dst`` is this rank (shaped ``routes[j].shape``, in ``comm_dtype``).
+
+    ``payload(j)`` gives the tensor of route j for the routes this rank sends. Every rank must
+    pass the same ``routes`` (computed from the plan, identical everywhere); a rank with nothing
+    to send or receive still enters the collective, with zero-length splits.
+    """
     me, world = ctx.rank, ctx.world_size
-    blocks = [row_blocks(s[0], ctx) for s in shapes]
-    send_parts: list[list[Tensor]] = [[] for _ in range(world)]
-    for i, shard in enumerate(shards):
-        send_parts[owners[i]].append(shard.reshape(-1))
-    in_splits = [sum(t.numel() for t in parts) for parts in send_parts]
-    mine = [i for i in range(len(shards)) if owners[i] == me]
-    out_splits = [sum(blocks[i][src][1] * _rest(shapes[i]) for i in mine) for src in range(world)]
-    dtype = shards[0].dtype if shards else torch.float32
-    device = shards[0].device if shards else torch.device("cpu")
-    send = _cat([t for parts in send_parts for t in parts], comm_dtype, device)
+    outgoing = [[j for j, r in enumerate(routes) if r.src == me and r.dst == dst] for dst in range(world)]
+    incoming = [[j for j, r in enumerate(routes) if r.dst == me and r.src == src] for src in range(world)]
+    in_splits = [sum(routes[j].numel for j in js) for js in outgoing]
+    out_splits = [sum(routes[j].numel for j in js) for js in incoming]
+    send = _cat([payload(j).reshape(-1) for js in outgoing for j in js], comm_dtype, device)
     recv = torch.empty(sum(out_splits), dtype=comm_dtype, device=device)
     dist.all_to_all_single(recv, send, out_splits, in_splits, group=ctx.group)
-    stats.add("all_to_all", (send.numel() - in_splits[me]) * send.element_size())
-    pieces: dict[int, list[Tensor]] = {i: [] for i in mine}
-    for src, chunk in enumerate(recv.split(out_splits)):
-        sizes = [blocks[i][src][1] * _rest(shapes[i]) for i in mine]
-        for i, piece in zip(mine, chunk.split(sizes)):
-            pieces[i].append(piece.view(blocks[i][src][1], *shapes[i][1:]))
-    return {i: torch.cat(pieces[i]).to(dtype) for i in mine}
-
-
-def scatter_rows(
-    ctx: GroupContext,
-    wholes: dict[int, Tensor],  # owned item i: (shape_i) result, momentum dtype
-    shapes: Sequence[torch.Size],
-    owners: Sequence[int],
-    comm_dtype: torch.dtype,
-    dtype: torch.dtype,
-    device: torch.device,
-    stats: CommStats,
-) -> list[Tensor]:
-    """All-to-all each owned result's rows back to the rank that holds them; return this rank's rows per item."""
-    me, world = ctx.rank, ctx.world_size
-    blocks = [row_blocks(s[0], ctx) for s in shapes]
-    mine = [i for i in range(len(shapes)) if owners[i] == me]
-    send_list: list[Tensor] = []
-    in_splits = []
-    for dst in range(world):
-        parts = [wholes[i].narrow(0, *blocks[i][dst]).reshape(-1) for i in mine]
-        send_list += parts
-        in_splits.append(sum(t.numel() for t in parts))
-    theirs = [[i for i in range(len(shapes)) if owners[i] == src] for src in range(world)]
-    out_splits = [sum(blocks[i][me][1] * _rest(shapes[i]) for i in theirs[src]) for src in range(world)]
-    send = _cat(send_list, comm_dtype, device)
-    recv = torch.empty(sum(out_splits), dtype=comm_dtype, device=device)
-    dist.all_to_all_single(recv, send, out_splits, in_splits, group=ctx.group)
-    stats.add("all_to_all", (send.numel() - in_splits[me]) * send.element_size())
-    out: list[Tensor | None] = [None] * len(shapes)
-    for src, chunk in enumerate(recv.split(out_splits)):
-        sizes = [blocks[i][me][1] * _rest(shapes[i]) for i in theirs[src]]
-        for i, piece in zip(theirs[src], chunk.split(sizes)):
-            out[i] = piece.view(blocks[i][me][1], *shapes[i][1:]).to(dtype)
-    return out  # type: ignore[return-value]
-
-
-def all_gather_owned(
-    ctx: GroupContext,
-    wholes: dict[int, Tensor],  # owned item i: (shape_i) result, momentum dtype
-    shapes: Sequence[torch.Size],
-    owners: Sequence[int],
-    comm_dtype: torch.dtype,
-    dtype: torch.dtype,
-    device: torch.device,
-    stats: CommStats,
-) -> list[Tensor]:
-    """One all-gather of every rank's owned results (padded to the longest share); return all results."""
-    world = ctx.world_size
-    numel = [torch.Size(s).numel() for s in shapes]
-    owned = [[i for i in range(len(shapes)) if owners[i] == r] for r in range(world)]
-    length = max(sum(numel[i] for i in idx) for idx in owned)
-    buf = torch.zeros(length, dtype=comm_dtype, device=device)
-    mine = owned[ctx.rank]
-    if mine:
-        buf[: sum(numel[i] for i in mine)] = _cat([wholes[i].reshape(-1) for i in mine], comm_dtype, device)
-    out = torch.empty(world * length, dtype=comm_dtype, device=device)
-    _all_gather_single(out, buf, group=ctx.group)
-    stats.add("all_gather", (world - 1) * length * buf.element_size())
-    result: list[Tensor | None] = [None] * len(shapes)
-    for r, chunk in enumerate(out.split(length)):
-        sizes = [numel[i] for i in owned[r]]
-        for i, piece in zip(owned[r], chunk[: sum(sizes)].split(sizes)):
-            result[i] = piece.view(shapes[i]).to(dtype)
-    return result  # type: ignore[return-value]
-
-
-def _all_gather_single(out: Tensor, inp: Tensor, group: Any) -> None:
-    """``dist.all_gather_single`` where torch has it, else its older name ``all_gather_into_tensor``."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
+    stats.add("all_to_all", send.numel() * send.element_size())
+    out: dict[int, Tensor] = {}
+    for js, chunk in zip(incoming, recv.split(out_splits)):
+        for j, piece in zip(js, chunk.split([routes[j].numel for j in js])):
+            out[j] = piece.view(routes[j].shape)
+    return out
 
 
 def _cat(parts: list[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -195,4 +152,4 @@ def _cat(parts: list[Tensor], dtype: torch.dtype, device: torch.device) -> Tenso
     return torch.cat([p.to(dtype) for p in parts])
 
 
-__all__ = ["CommStats", "agree", "all_gather_owned", "gather_rows", "scatter_rows", "signature"]
+__all__ = ["CommStats", "Route", "agree", "agree_replicas", "exchange", "fingerprint", "signature"]

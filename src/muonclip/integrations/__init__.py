@@ -1,9 +1,10 @@
-"""Integrations: Hugging Face Trainer and PyTorch Lightning callbacks, a TensorBoard writer.
+"""Integrations: Hugging Face (QK-Clip for transformers models and the Trainer callback),
+PyTorch Lightning, TensorBoard.
 
 Each integration lives in its own module and imports its framework only when that module is
 imported, so ``import muonclip`` (and ``import muonclip.integrations``) needs only torch::
 
-    from muonclip.integrations.hf_trainer import MuonClipTrainerCallback      # pip install 'muonclip[hf]'
+    from muonclip.integrations.hf import MuonClipTrainerCallback, attach     # pip install 'muonclip[hf]'
     from muonclip.integrations.lightning import MuonClipLightningCallback     # pip install 'muonclip[lightning]'
     from muonclip.integrations.tensorboard import TensorBoardWriter           # pip install 'muonclip[tensorboard]'
 
@@ -11,17 +12,25 @@ The names are also reachable as attributes of this package (``muonclip.integrati
 MuonClipTrainerCallback``), imported on first access. The framework-free pieces the callbacks
 share — finding the `muonclip.Muon` under a framework's optimizer wrapper, the update RMS and
 the per-step metrics — are in `muonclip.integrations.stats`.
+
+Importing this package registers `hf_layers` with `muonclip.qkclip.discovery`, so that
+`muonclip.MuonClip` finds a transformers model's attention layers (``import muonclip`` does).
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
+from torch import nn
+
+from ..qkclip.discovery import register_discoverer
+from ..qkclip.layouts import AttentionLayer
 from .stats import StepMetrics, UpdateRMS, step_metrics, unwrap_optimizer
 
 _LAZY = {
-    "MuonClipTrainerCallback": ".hf_trainer",
+    "MuonClipTrainerCallback": ".hf",
     "MuonClipLightningCallback": ".lightning",
     "TensorBoardWriter": ".tensorboard",
 }
@@ -33,7 +42,23 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def hf_layers(model: nn.Module) -> list[AttentionLayer] | None:
+    """`muonclip.integrations.hf.attach` for a transformers ``PreTrainedModel``, else None
+    (transformers is imported only when it already is: a transformers model means it is)."""
+    if "transformers" not in sys.modules:
+        return None
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        return None
+    from .hf import attach
+
+    return attach(model)
+
+
+register_discoverer(hf_layers)
+
 __all__ = [
     "MuonClipLightningCallback", "MuonClipTrainerCallback", "StepMetrics", "TensorBoardWriter", "UpdateRMS",
-    "step_metrics", "unwrap_optimizer",
+    "hf_layers", "step_metrics", "unwrap_optimizer",
 ]

@@ -11,7 +11,8 @@ Every attention call goes through `muonclip.scaled_dot_product_attention` with t
 (training mode, grad enabled) feed the clip, never evaluation or a forward under ``no_grad``
 (`muonclip.attention.recording`). Every attention module has ``qk_clip_layer(name)``
 returning the `AttentionLayer` that `MuonClip` clips. No QK-norm by default; with
-``qk_norm=True`` QK-Clip is refused (the norm undoes any scaling of W_q/W_k; design.md 1.3).
+``qk_norm=True`` QK-Clip is refused (the norm undoes any scaling of W_q/W_k; docs/design.md,
+"QK-Clip is never a silent no-op").
 
 Pre-norm blocks (RMSNorm), GELU MLP, no biases unless ``bias=True``, tied embeddings unless
 ``tie_embeddings=False``. With ``n_expert > 0`` the MLP of every block is a mixture of experts
@@ -161,9 +162,10 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         B, T, _ = x.shape  # x: (B, T, C)
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        # -1 heads: under tensor parallelism (`muonclip.models.parallel`) this rank computes a slice of them
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, self.cos[:T], self.sin[:T]), apply_rope(k, self.cos[:T], self.sin[:T])
@@ -171,7 +173,7 @@ class CausalSelfAttention(nn.Module):
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=self.n_kv_head != self.n_head, recorder=self.recorder, training=self.training,
         )  # (B, nh, T, hs)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
     def qk_clip_layer(self, name: str) -> AttentionLayer:
         """The `AttentionLayer` QK-Clip acts on (MHA layout, or GQA/MQA with the per-head policy)."""
@@ -229,21 +231,21 @@ class MultiHeadLatentAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         B, T, _ = x.shape  # x: (B, T, C)
-        nh, cos, sin = self.n_head, self.cos[:T], self.sin[:T]
+        cos, sin = self.cos[:T], self.sin[:T]
         q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))) if hasattr(self, "q_b_proj") else self.q_proj(x)
-        q = q.view(B, T, nh, self.nope + self.rope).transpose(1, 2)  # (B, nh, T, nope+rope)
+        q = q.view(B, T, -1, self.nope + self.rope).transpose(1, 2)  # (B, nh, T, nope+rope)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_norm(c_kv)).view(B, T, nh, self.nope + self.v_dim).transpose(1, 2)
+        kv = self.kv_b_proj(self.kv_a_norm(c_kv)).view(B, T, -1, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # (B, nh, T, nope), (B, nh, T, v)
         k_rope = apply_rope(k_rope.view(B, 1, T, self.rope), cos, sin)  # (B, 1, T, rope): shared by all heads
         q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)  # (B, nh, T, nope+rope)
-        k = torch.cat([k_nope, k_rope.expand(B, nh, T, self.rope)], dim=-1)  # (B, nh, T, nope+rope)
+        k = torch.cat([k_nope, k_rope.expand(B, q.shape[1], T, self.rope)], dim=-1)  # (B, nh, T, nope+rope)
         y = scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0, scale=self.scale,
             recorder=self.recorder, training=self.training,
         )  # (B, nh, T, v)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, nh * self.v_dim))
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
     def qk_clip_layer(self, name: str) -> AttentionLayer:
         """The `AttentionLayer` QK-Clip acts on (MLA layout; the shared k^R is never touched)."""

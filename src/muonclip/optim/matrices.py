@@ -1,6 +1,6 @@
 """How a parameter tensor is seen as a batch of matrices for orthogonalisation.
 
-Declared, not guessed (design.md 1.1):
+Declared, not guessed (docs/design.md, "Which matrices: fused projections, heads and routers"):
 
 * 2-D ``(A, B)``: one matrix.
 * ``flatten=True`` or ndim >= 4 (convolutions ``(out, in, kh, kw)``): one ``(out, in*kh*kw)``
@@ -112,6 +112,38 @@ def block_rows(rows: int, split_sizes: Sequence[int] | None = None,
         out.append([(g * period + a, g * period + a + s) for g in range(split_groups)])
         a += s
     return out
+
+
+def matrix_rows(
+    shape: Sequence[int], flatten: bool = False, split_sizes: Sequence[int] | None = None,
+    transposed: bool = False, split_groups: int = 1,
+) -> tuple[int, list[list[tuple[int, int]]], int, int]:
+    """How a parameter of global ``shape`` is cut into matrices, stated as row ranges.
+
+    Mirrors `matrix_blocks` without touching data, so that the optimizer knows each block's
+    shape and update scale, and a rank holding only some rows (FSDP2) which matrix block each
+    of its rows belongs to.
+
+    Returns:
+        ``(axis, blocks, cols, batch)``: block k is the rows ``blocks[k]`` (half-open ranges
+        ``[a, b)``, one per group of an interleaved layout, in group order; one range
+        otherwise) along ``axis`` of the parameter (0 for 2-D and flattened weights, 1 for
+        stacked experts ``(E, A, B)`` and for ``transposed`` 2-D weights stored ``(in, out)``,
+        whose matrix rows are the stored columns, 2 for ``transposed`` stacked experts
+        ``(E, in, out)``); each block has ``cols`` columns and ``batch`` matrices (E for
+        stacked experts, else 1).
+    """
+    if transposed:
+        axis, rows, cols = len(shape) - 1, shape[-1], shape[-2]
+        batch = shape[0] if len(shape) == 3 else 1
+    elif flatten or len(shape) >= 4 or len(shape) == 2:
+        axis, rows, batch = 0, shape[0], 1
+        cols = 1
+        for s in shape[1:]:
+            cols *= s
+    else:
+        axis, batch, rows, cols = 1, shape[0], shape[1], shape[2]
+    return axis, block_rows(rows, split_sizes, split_groups), cols, batch
 
 
 def _check_sizes(split_sizes: list[int], split_groups: int, rows: int, shape: tuple[int, ...]) -> None:

@@ -1,6 +1,6 @@
 """`param_groups`: which parameters get Muon and which get AdamW.
 
-Rules (design.md 1.1), first match wins:
+Rules (docs/design.md, "Which matrices: fused projections, heads and routers"), first match wins:
 
 1. ``adamw=`` / ``muon=`` name patterns given by the user (``fnmatch`` style).
 2. Weights of ``nn.Embedding``/``nn.EmbeddingBag`` -> AdamW ("embedding").

@@ -15,8 +15,8 @@ symmetric. In exact arithmetic the result equals the plain quintic's.
 **Restarts.** In low precision R drifts: its eigenvectors stop matching X's and round-off
 creates spurious negative eigenvalues, which the polynomial then blows up. A *restart* before
 step i forms ``X = Q X`` and ``R = X X^T`` afresh (costing two m x n products). Dao-AILab
-restart once, before step 2 of 5, computing in fp16. In bf16 (8-bit mantissa; fp16 matmul
-is ~100x slower than bf16 on CPUs) we measured, on 6 matrices 384 x 1536 with singular values
+restart once, before step 2 of 5, computing in fp16. In bf16 (8-bit mantissa; CPUs have no fast
+fp16 matmul) we measured, on 6 matrices 384 x 1536 with singular values
 log-spaced in [0.01, 1] (max |sigma - 1|; plain bf16 quintic / float64 quintic in brackets):
 ns5 5 steps: no restart 1.26, restart (2,) 0.40, (3,) 0.325 [0.320 / 0.318];
 Over 24 cases (48 x 192 to 384 x 1536, singular values down to 1e-3, 2 seeds) the worst
@@ -33,6 +33,9 @@ float32/float64 (tested) if wanted.
 n is more than about 1.5 m (0.67x at n = 4 m); for squarer matrices `gram_newton_schulz` runs
 the plain quintic (``min_aspect``).
 
+Pure functions, like `muonclip.ortho.newton_schulz` (`muonclip.fast.buffered` runs the same
+products into kept buffers).
+
 Reference: J. Zhang, N. Amsel, B. Chen, T. Dao, "Gram Newton–Schulz: A Fast, Hardware-Aware
 Newton–Schulz Algorithm for Muon" (2026), https://tridao.me/blog/2026/gram-newton-schulz/.
 """
@@ -40,13 +43,11 @@ Newton–Schulz Algorithm for Muon" (2026), https://tridao.me/blog/2026/gram-new
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from functools import partial
 
 import torch
 from torch import Tensor
 
-from .newton_schulz import gram, gram_shape, into, newton_schulz, quintic_iteration, small_side, tracked
-from .scratch import kept
+from .newton_schulz import gram, normalized, quintic, small_side
 
 GRAM_MIN_ASPECT = 1.5
 
@@ -63,45 +64,37 @@ def gram_iteration(
     X: Tensor,  # (batch, p, q), wide or tall, normalised so that ||X||_2 <= 1
     coefficients: Sequence[tuple[float, float, float]],
     restarts: Collection[int] | None = None,
-    out: Tensor | None = None,
-    scratch: dict | None = None,
 ) -> Tensor:
     """The quintic steps of ``coefficients`` on X, done on its small Gram matrix (`gram`: ``X X^T``
-    wide, ``X^T X`` tall; Q applied on that side by `small_side`); returns X's shape.
+    wide, ``X^T X`` tall; Q applied on that side by `small_side`); returns a new tensor of X's shape.
 
     ``restarts``: step indices before which X and its Gram matrix are recomputed (index 0 is
-    ignored: step 0 always starts from X); None means `default_restarts`. ``out`` and
-    ``scratch``: as in `muonclip.ortho.newton_schulz.quintic_iteration`.
+    ignored: step 0 always starts from X); None means `default_restarts`.
     """
     if restarts is None:
         restarts = default_restarts(len(coefficients))
-    dtype, device, shape = X.dtype, X.device, gram_shape(X)
-
-    def keep(role: str, avoid: Tensor | None = None) -> Tensor | None:
-        return kept(scratch, role, shape, dtype, device, avoid)
-
-    differentiable = tracked(X)  # autograd: new tensors, no out=
-    R = gram(X, out=keep("ns.R"))  # (batch, m, m)
+    R = gram(X)  # (batch, m, m)
     Q: Tensor | None = None
     last = len(coefficients) - 1
     for i, (a, b, c) in enumerate(coefficients):
         if i != 0 and i in restarts and Q is not None:
-            X = small_side(Q, X, out=kept(scratch, "ns.X", X.shape, dtype, device, avoid=X))
-            R = gram(X, out=None if differentiable else R)
-            Q = None
-        Z = torch.baddbmm(R, R, R, beta=b, alpha=c, out=keep("ns.Z"))  # b R + c R^2
+            X = small_side(Q, X)
+            R, Q = gram(X), None
+        Z = torch.baddbmm(R, R, R, beta=b, alpha=c)  # b R + c R^2
         if Q is None:
-            q = keep("ns.Q")
-            Q = Z.clone() if q is None else q.copy_(Z)
+            Q = Z.clone()
             Q.diagonal(dim1=-2, dim2=-1).add_(a)  # a I + Z
         else:
-            Q = torch.baddbmm(Q, Q, Z, beta=a, out=keep("ns.Q", avoid=Q))  # Q (a I + Z)
+            Q = torch.baddbmm(Q, Q, Z, beta=a)  # Q (a I + Z)
         if i < last and (i + 1) not in restarts:
-            RZ = torch.baddbmm(R, R, Z, beta=a, out=keep("ns.RZ"))  # a R + R Z
-            R = torch.baddbmm(RZ, Z, RZ, beta=a, out=None if differentiable else R)  # (a I + Z) R (a I + Z)
-    if Q is None:
-        return into(out, X)
-    return small_side(Q, X, out=out)
+            RZ = torch.baddbmm(R, R, Z, beta=a)  # a R + R Z
+            R = torch.baddbmm(RZ, Z, RZ, beta=a)  # (a I + Z) R (a I + Z)
+    return X.clone() if Q is None else small_side(Q, X)
+
+
+def uses_gram(A: int, B: int, min_aspect: float = GRAM_MIN_ASPECT) -> bool:
+    """True when an A x B matrix runs on its Gram matrix: ``max(A, B) >= min_aspect * min(A, B)``."""
+    return max(A, B) >= min_aspect * min(A, B)
 
 
 def gram_newton_schulz(
@@ -113,16 +106,13 @@ def gram_newton_schulz(
     norm_scale: float = 1.0,
     restarts: Collection[int] | None = None,
     min_aspect: float = GRAM_MIN_ASPECT,
-    buffer: Tensor | None = None,
-    scratch: dict | None = None,
-    overwrite: bool = False,
 ) -> Tensor:
     """Approximate the polar factor of each matrix in ``V`` by Gram Newton–Schulz.
 
     Same contract and pre-processing as `muonclip.ortho.newton_schulz.newton_schulz` (cast,
     divide by ``||X||_F * norm_scale + eps``, work on the small Gram matrix's side); the steps
-    run on the Gram matrix when ``max(A, B) >= min_aspect * min(A, B)``, otherwise as the
-    plain quintic (no flops to save on squarish matrices).
+    run on the Gram matrix when ``max(A, B) >= min_aspect * min(A, B)`` (`uses_gram`), otherwise
+    as the plain quintic (no flops to save on squarish matrices).
 
     Args:
         V: matrices of shape ``(..., A, B)``; leading dimensions are a batch.
@@ -130,24 +120,18 @@ def gram_newton_schulz(
         dtype: compute dtype (default bf16; float32 and float64 also work. float16 works but
             is very slow on CPUs without native fp16 matmul).
         eps: added to the Frobenius norm before the division (default 1e-7).
-        norm_scale: the Frobenius norm is multiplied by this first (Polar Express uses 1.01).
+        norm_scale: the Frobenius norm is multiplied by this first (default 1.0).
         restarts: step indices before which X and R are recomputed (default None:
             `default_restarts`, i.e. (3,) for 5 steps).
         min_aspect: smallest ``max(A, B) / min(A, B)`` that uses the Gram form (default 1.5).
-        buffer, scratch, overwrite: storage for the result and for the temporaries (default
-            None), and whether ``V`` may be overwritten (default False), as in
-            `muonclip.ortho.newton_schulz.newton_schulz`.
 
     Returns:
-        A tensor of ``V``'s shape, in ``dtype``.
+        A new tensor of ``V``'s shape, in ``dtype``.
     """
-    A, B = V.shape[-2:]
-    if max(A, B) >= min_aspect * min(A, B):
-        iteration = partial(gram_iteration, restarts=restarts)
-    else:
-        iteration = quintic_iteration
-    return newton_schulz(V, coefficients, dtype=dtype, eps=eps, norm_scale=norm_scale, iteration=iteration,
-                         buffer=buffer, scratch=scratch, overwrite=overwrite)
+    X = normalized(V, dtype, eps, norm_scale)
+    if uses_gram(*V.shape[-2:], min_aspect):
+        return gram_iteration(X, coefficients, restarts).reshape(V.shape)
+    return quintic(X, coefficients).reshape(V.shape)
 
 
 def gram_flops(m: int, n: int, steps: int, restarts: Collection[int] | None = None) -> int:

@@ -1,8 +1,12 @@
-"""QK-Clip: head layouts, the clip, layer discovery, the checks that it acts, and the `MuonClip` optimizer."""
+"""QK-Clip: head layouts, the clip, layer discovery, the checks that it acts, and the `MuonClip` optimizer.
+
+Hugging Face transformers models are found through `muonclip.integrations.hf` (registered with
+`register_discoverer` by `muonclip.integrations`).
+"""
 
 from .check import QKClipIneffectiveError, QKClipIneffectiveWarning
 from .clip import all_reduce_max_, apply_qk_clip, compute_gamma
-from .discovery import discover_layers
+from .discovery import discover_layers, register_discoverer
 from .layouts import GQA_POLICIES, AttentionLayer, GQALayout, Layout, MHALayout, MLALayout, Rows, StridedRows
 from .muonclip import MuonClip
 
@@ -22,4 +26,5 @@ __all__ = [
     "apply_qk_clip",
     "compute_gamma",
     "discover_layers",
+    "register_discoverer",
 ]

@@ -1,4 +1,4 @@
-"""The QK-Clip step (Kimi K2, arXiv 2507.20534, section 2.1, Algorithm 1; design.md 1.3).
+"""The QK-Clip step (Kimi K2, arXiv 2507.20534, section 2.1, Algorithm 1; docs/design.md, "QK-Clip").
 
 After the optimizer update, with ``S_h`` each head's max logit recorded since the last clip::
 

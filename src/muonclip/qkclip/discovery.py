@@ -1,29 +1,35 @@
 """`discover_layers`: find the attention layers QK-Clip acts on, without the user editing model code.
 
-Order (design.md 2, cases a–c):
+Order:
 
 1. Modules with a method ``qk_clip_layer(name) -> AttentionLayer`` — the project's reference
    GPT (`muonclip.models.GPT`) and any model written against this protocol.
-2. A Hugging Face transformers ``PreTrainedModel``: `muonclip.qkclip.hf.attach` registers the
-   max-logit attention function and returns the layers (Llama, Qwen2, DeepSeek-V3, Phi-3, GPT-2, ...).
+2. The registered discoverers (`register_discoverer`), in order: each returns the layers of a
+   model it recognises, else None. `muonclip.integrations` registers Hugging Face transformers'
+   (`muonclip.integrations.hf.attach`: Llama, Qwen2, DeepSeek-V3, Phi-3, GPT-2, ...), which
+   imports transformers only for a model that is one.
 3. Anything else: a ValueError asking for ``layers=[AttentionLayer(...)]``.
 """
 
 from __future__ import annotations
 
-import sys
+from collections.abc import Callable
 
 from torch import nn
 
 from .layouts import AttentionLayer
 
+Discoverer = Callable[[nn.Module], "list[AttentionLayer] | None"]
 
-def _is_hf_model(model: nn.Module) -> bool:
-    if "transformers" not in sys.modules:  # a transformers model means transformers is imported
-        return False
-    from transformers import PreTrainedModel
+DISCOVERERS: list[Discoverer] = []
+"""The functions `discover_layers` asks after the ``qk_clip_layer`` protocol, in order."""
 
-    return isinstance(model, PreTrainedModel)
+
+def register_discoverer(discoverer: Discoverer) -> None:
+    """Ask ``discoverer(model)`` for the layers of a model without ``qk_clip_layer`` modules; it
+    returns them, or None for a model it does not know (registering it again is a no-op)."""
+    if discoverer not in DISCOVERERS:
+        DISCOVERERS.append(discoverer)
 
 
 def discover_layers(model: nn.Module) -> list[AttentionLayer]:
@@ -40,10 +46,10 @@ def discover_layers(model: nn.Module) -> list[AttentionLayer]:
     ]
     if layers:
         return layers
-    if _is_hf_model(model):
-        from .hf import attach
-
-        return attach(model)
+    for discoverer in DISCOVERERS:
+        found = discoverer(model)
+        if found is not None:
+            return found
     raise ValueError(
         f"could not find attention layers in {type(model).__name__}: it is neither a muonclip.models.GPT-style "
         "model (modules with qk_clip_layer(name)) nor a Hugging Face PreTrainedModel. Name them yourself: "
@@ -52,4 +58,4 @@ def discover_layers(model: nn.Module) -> list[AttentionLayer]:
     )
 
 
-__all__ = ["discover_layers"]
+__all__ = ["DISCOVERERS", "discover_layers", "register_discoverer"]

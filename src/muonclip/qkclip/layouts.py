@@ -1,6 +1,6 @@
 """Head layouts: which rows of which weights make up each attention head's q and k.
 
-QK-Clip (design.md 1.3) rescales, after the optimizer step, the query/key projection rows of
+QK-Clip (docs/design.md, "QK-Clip") rescales, after the optimizer step, the query/key projection rows of
 every head whose max logit ``S_h`` passed ``tau``, so that head h's logits ``scale * q.k`` are
 multiplied by exactly ``gamma_h = tau / S_h`` (1 for heads at or below tau) and nothing else
 changes. How to do that depends on how heads are laid out in the weights, and a layout is
@@ -29,7 +29,7 @@ of q and k as `StridedRows`: equal blocks of rows at a fixed stride. Any layout 
 may be a `Rows` or a `StridedRows`.
 
 Weights sharded by rows as a DTensor (FSDP2 ``Shard(0)``) are scaled on their local rows with
-the global row offset (design.md 1.4); a transposed `Rows` scales columns, which every local row
+the global row offset (docs/design.md, "QK-Clip"); a transposed `Rows` scales columns, which every local row
 holds.
 """
 

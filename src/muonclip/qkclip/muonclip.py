@@ -45,7 +45,7 @@ class MuonClip(Muon):
     A clip that does not act is reported, never silent: when a head clipped by gamma <= 0.5
     records at the next step a max logit still >= 0.9 of its max before the clip, on two clips
     in a row, something between its projections and its logits undoes the rescaling (a q/k
-    normalisation the structural check of `muonclip.qkclip.hf.attach` could not see, e.g.
+    normalisation the structural check of `muonclip.integrations.hf.attach` could not see, e.g.
     ``F.normalize`` in the attention's forward). `muonclip.qkclip.check` states the rule, why a
     clip that acts does not trip it, and its cost: no host sync on CUDA.
 

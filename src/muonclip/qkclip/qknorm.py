@@ -1,6 +1,7 @@
 """Structural check: does anything inside an attention block undo a rescaling of W_q / W_k rows?
 
-QK-Clip bounds head h's logits by multiplying rows of the query/key projections (design.md 1.3).
+QK-Clip bounds head h's logits by multiplying rows of the query/key projections (docs/design.md,
+"QK-Clip is never a silent no-op").
 A normalisation applied to q or k after the projection — QK-norm (Qwen3, Gemma 3, OLMo 2), Llama
 4's L2 norm, Phi / StableLM / Persimmon's ``qk_layernorm`` — divides that factor out again: the
 weights shrink, the logits do not move, and the clip is a silent no-op. `find_qk_norms` looks

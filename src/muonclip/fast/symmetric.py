@@ -1,8 +1,9 @@
 """Symmetric products for Newton–Schulz: compute only the upper triangle of X X^T and S S.
 
 In the quintic step ``S = X X^T``, ``X <- a X + (b S + c S S) X`` both ``S`` and ``S S``
-(= ``S S^T``) are symmetric, so half of each product is redundant (design.md 1.2: a symmetric
-kernel needs about ``3 m^2 n + m^3`` flops a step instead of ``4 m^2 n + 2 m^3``).
+(= ``S S^T``) are symmetric, so half of each product is redundant: a symmetric kernel needs
+about ``3 m^2 n + m^3`` flops a step instead of ``4 m^2 n + 2 m^3`` (docs/design.md, "Faster
+variants of the quintic").
 
 Without a symmetric (syrk) kernel for bf16 we cut the rows into ``blocks`` strips of height h
 and compute strip i against rows ``i h ..`` only (``X_i @ X[i h:]^T``: a (h, m - i h) block
@@ -10,26 +11,23 @@ of the upper triangle), then mirror it into the lower triangle. That costs
 ``(blocks + 1) / (2 blocks)`` of the full product's flops (0.75 for 2 strips, 0.625 for 4),
 in ``blocks`` smaller matrix products and one mirror copy per strip.
 
-Measured on a 2-core AMD EPYC (Zen 5, avx512_bf16), torch 2.13, one thread, bf16
-(benchmarks/RESULTS.md): the strips run at a lower rate than one big product and the mirror
-copies cost more than the saved flops, so ``ns5_sym`` is 1.1-1.5x *slower* than plain ns5 at
-every GPT/expert shape (384 x 384, 384 x 1536, 64 x 256 x 176); only at 1536 x 1536 did 2
-strips gain (0.92x). It is kept as a user option (``method="ns5_sym"``), not a default.
+On the CPUs we measured (docs/benchmarks.md) the strips run at a lower rate than one big product
+and the mirror copies cost more than the saved flops, so ``ns5_sym`` is slower than plain ns5
+at the GPT and expert shapes. It is a method of its own (``method="ns5_sym"``), never a default.
 
 On a CUDA device with Triton, both symmetric products run in the Triton kernel of
-`muonclip.ortho.triton_syrk` instead (upper-triangle tiles only, ``P = b S + c S S`` fused into
+`muonclip.fast.triton_syrk` instead (upper-triangle tiles only, ``P = b S + c S S`` fused into
 its epilogue); the product with X stays with cuBLAS.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
 
 import torch
 from torch import Tensor
 
-from .newton_schulz import into, newton_schulz, small_side
+from ..ortho.newton_schulz import normalized, small_side
 from .triton_syrk import syrk, triangle_fraction, usable
 
 SYM_BLOCKS = 2
@@ -55,23 +53,16 @@ def sym_gram(X: Tensor, blocks: int = SYM_BLOCKS) -> Tensor:  # X: (batch, m, n)
     return S
 
 
-def symmetric_quintic_iteration(
+def symmetric_quintic(
     X: Tensor,  # (batch, p, q), wide or tall, normalised so that ||X||_2 <= 1
     coefficients: Sequence[tuple[float, float, float]],
     blocks: int = SYM_BLOCKS,
-    out: Tensor | None = None,
-    scratch: dict | None = None,
 ) -> Tensor:
-    """`quintic_iteration` with ``X X^T`` and ``S S`` from `sym_gram` (of ``X^T`` for a tall X),
-    or, where `muonclip.ortho.triton_syrk.usable` (CUDA and Triton), from its kernel with
-    ``b S + c S S`` in one rounding; returns X's shape.
-
-    ``out``: as in `muonclip.ortho.newton_schulz.quintic_iteration`; ``scratch`` is accepted
-    and unused (this opt-in form allocates its strips per step).
-    """
-    last = len(coefficients) - 1
+    """`muonclip.ortho.newton_schulz.quintic` with ``X X^T`` and ``S S`` from `sym_gram` (of
+    ``X^T`` for a tall X), or, where `muonclip.fast.triton_syrk.usable` (CUDA and Triton), from
+    its kernel with ``b S + c S S`` in one rounding; returns a new tensor of X's shape."""
     kernel = usable(X)
-    for i, (a, b, c) in enumerate(coefficients):
+    for a, b, c in coefficients:
         G = X.mT if X.shape[-2] > X.shape[-1] else X
         if kernel:
             S = syrk(G)  # (batch, m, m)
@@ -79,8 +70,8 @@ def symmetric_quintic_iteration(
         else:
             S = sym_gram(G, blocks)
             P = sym_gram(S, blocks).mul_(c).add_(S, alpha=b)
-        X = small_side(P, X, beta=a, out=out if i == last else None)  # a X + P X
-    return into(out, X)
+        X = small_side(P, X, beta=a)  # a X + P X
+    return X
 
 
 def symmetric_newton_schulz(
@@ -91,18 +82,11 @@ def symmetric_newton_schulz(
     eps: float = 1e-7,
     norm_scale: float = 1.0,
     blocks: int = SYM_BLOCKS,
-    buffer: Tensor | None = None,
-    scratch: dict | None = None,
-    overwrite: bool = False,
 ) -> Tensor:
-    """`muonclip.ortho.newton_schulz.newton_schulz` with the symmetric products of `sym_gram`.
-
-    Same arguments (``buffer``, ``scratch`` and ``overwrite`` included) and result (``V``'s shape, in
-    ``dtype``); ``blocks`` row strips per symmetric product (default 2).
-    """
-    iteration = partial(symmetric_quintic_iteration, blocks=blocks)
-    return newton_schulz(V, coefficients, dtype=dtype, eps=eps, norm_scale=norm_scale, iteration=iteration,
-                         buffer=buffer, scratch=scratch, overwrite=overwrite)
+    """`muonclip.ortho.newton_schulz.newton_schulz` with the symmetric products of `sym_gram`
+    (``method="ns5_sym"``): the same arguments and result (a new tensor of ``V``'s shape, in
+    ``dtype``); ``blocks`` row strips per symmetric product (default 2)."""
+    return symmetric_quintic(normalized(V, dtype, eps, norm_scale), coefficients, blocks).reshape(V.shape)
 
 
 def symmetric_flops(m: int, n: int, steps: int, blocks: int = SYM_BLOCKS, kernel: bool = False) -> int:

@@ -7,13 +7,11 @@ orthogonalisation is compiled, so optimizer hyperparameters (lr, weight decay, m
 are not inputs and changing them never recompiles; the coefficients and eps are constants
 of the graph.
 
-Measured on a 2-core AMD EPYC (Zen 5), torch 2.13, one thread, bf16, 24 x 384 x 384: about
-19 s to compile, then 0.89x the eager time (148.8 -> 131.8 ms); on a 2-core Intel Xeon with
-AMX, two threads, the same shape from float32: 6.8 s to compile, then 0.89x (29.2 -> 26.0 ms),
-and about the eager time on the GPT set's MLP bucket and the 64 experts. The matrix products
+On CPU it compiles for seconds per shape and then runs about as fast as eager
+(docs/benchmarks.md has the figures, with the machine). The matrix products
 dominate and inductor only fuses the normalisation and the casts; its C++ GEMM template
 (``max_autotune``), which could fuse the quintic's additions into the products, ran those
-products slower than eager ``baddbmm`` there (`benchmarks/bench_accumulate.py`). It does not
+products slower than eager ``baddbmm`` on the CPUs we measured (`benchmarks/bench_accumulate.py`). It does not
 pay for short CPU runs; on GPU it removes launch overhead and is CUDA-graph friendly. Results
 differ from eager by bf16 round-off (different fusion): tests compare at bf16 tolerance.
 """
@@ -25,7 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .newton_schulz import newton_schulz
+from ..ortho.newton_schulz import newton_schulz
 
 _COMPILED: list[Callable[..., Tensor]] = []
 

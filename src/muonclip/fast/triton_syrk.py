@@ -8,7 +8,8 @@ tiles (T = m / BLOCK): close to half the flops of the product for m >> BLOCK. Wi
 quintic's ``P = b S + c S S`` fused into the kernel's epilogue (``alpha = c``, ``beta = b``,
 ``add = S``: one rounding of the float32 accumulator, as cuBLAS's ``baddbmm``), a step costs
 ``m^2 n + m^3`` symmetric flops plus the ``2 m^2 n`` of ``P X`` (cuBLAS), against
-``4 m^2 n + 2 m^3`` for the plain step (design.md 1.2): 0.67x at m = n, 0.72x at n = 4 m.
+``4 m^2 n + 2 m^3`` for the plain step: 0.67x at m = n, 0.72x at n = 4 m (docs/design.md,
+"Faster variants of the quintic").
 
 Every result is exactly symmetric (both triangles hold the same rounded values), by
 construction and on any hardware: an off-diagonal tile is stored once as itself and once
@@ -29,7 +30,7 @@ our count of the tiles; Triton's own allocation is seen only on a GPU.) BLOCK_K 
 throughout, the first choice, would have asked 192 KiB for float32 at BLOCK 128: more than an
 A100 (164 KiB) has. Float32 tiles multiply in full float32 unless torch's float32 matmul
 precision allows TF32 (as cuBLAS does for torch; never on ROCm). bfloat16, float16 and
-float32 only (float64 matrices keep `muonclip.ortho.symmetric`'s row strips). The sizes are
+float32 only (float64 matrices keep `muonclip.fast.symmetric`'s row strips). The sizes are
 untuned first choices: whether the kernel beats cuBLAS at the shapes users have (m >= 2048)
 is measured by ``benchmarks/bench_ortho.py --device cuda --big`` (``ns5_sym`` against
 ``ns5``), which needs a GPU.

@@ -1,0 +1,205 @@
+"""Non-finite gradients: detection, and ``on_nonfinite="mask"`` (the step undone on the device,
+with no host sync) against ``"skip"`` and the default mode."""
+
+import copy
+
+import pytest
+import torch
+
+import muonclip
+from muonclip.optim.masked import MaskedStep
+from muonclip.optim.nonfinite import finite_per_tensor, nonfinite_indices
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nonfinite_detection(bad, dtype):
+    grads = [torch.randn(4, 5, dtype=dtype), torch.zeros(0, 3, dtype=dtype), torch.randn(7, dtype=dtype)]
+    assert nonfinite_indices(finite_per_tensor(grads)) == []
+    grads[2][3] = bad
+    finite = finite_per_tensor(grads)
+    assert nonfinite_indices(finite) == [2] and torch.equal(finite, torch.tensor([True, True, False]))
+    assert nonfinite_indices(finite_per_tensor([])) == []
+
+
+def _model():
+    torch.manual_seed(0)
+    return [
+        torch.nn.Parameter(torch.randn(12, 20)),  # muon
+        torch.nn.Parameter(torch.randn(3, 8, 6)),  # muon, stacked experts
+        torch.nn.Parameter(torch.randn(20)),  # adamw
+    ]
+
+
+def _opt(params, mode):
+    return muonclip.Muon(
+        [{"params": params[:2]}, {"params": params[2:], "algorithm": "adamw"}], lr=0.05, on_nonfinite=mode
+    )
+
+
+def _grads(params, step, bad=False):
+    g = torch.Generator().manual_seed(step)
+    out = [torch.randn(p.shape, generator=g) for p in params]
+    if bad:
+        out[1][1, 2, 3] = float("nan")
+    return out
+
+
+def _set(params, grads):
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+
+
+@pytest.mark.parametrize("bad_step", [0, 2])
+def test_mask_leaves_weights_and_state_untouched(bad_step):
+    """Exact on any machine: a masked step is undone by restoring copies; a state tensor created
+    during it is computed from zeroed gradients (0 * mu + 0 = 0, IEEE)."""
+    params = _model()
+    opt = _opt(params, "mask")
+    for step in range(4):
+        before_w = [p.detach().clone() for p in params]
+        before_state = copy.deepcopy(opt.state_dict()["state"])
+        _set(params, _grads(params, step, bad=step == bad_step))
+        opt.step()
+        if step == bad_step:
+            assert all(torch.equal(a, p) for a, p in zip(before_w, params))
+            after = opt.state_dict()["state"]
+            for k, st in after.items():
+                for key, v in st.items():
+                    if key in ("momentum_buffer", "exp_avg", "exp_avg_sq"):
+                        ref = before_state[k][key] if k in before_state else torch.zeros_like(v)
+                        assert torch.equal(v, ref), (k, key)
+        else:
+            assert not torch.equal(before_w[0], params[0])
+        assert all(torch.isfinite(p).all() for p in params)
+    assert opt.steps_skipped == 1
+    assert opt.state_dict()["muonclip"]["steps_skipped"] == 1
+
+
+def test_mask_matches_skip_on_muon_parameters():
+    """Masking a step gives bit-identical Muon weights to skipping it on the host.
+
+    Bit for bit: the masked step is undone by copies, and a finite step is the default step
+    itself (the same batches and kernels in both)."""
+    a, b = _model(), _model()
+    oa, ob = _opt(a, "mask"), _opt(b, "skip")
+    for step in range(4):
+        grads = _grads(a, step, bad=step == 1)
+        _set(a, grads)
+        _set(b, grads)
+        oa.step()
+        ob.step()
+    for pa, pb in zip(a[:2], b[:2]):
+        assert torch.equal(pa, pb)
+    assert oa.steps_skipped == ob.steps_skipped == 1
+
+
+class _HostReads:
+    """Count the Tensor methods that copy a value to the host (a sync on GPU)."""
+
+    NAMES = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
+
+    def __init__(self, monkeypatch):
+        self.calls: list[str] = []
+        for name in self.NAMES:
+            real = getattr(torch.Tensor, name)
+
+            def wrapper(t, *a, _real=real, _name=name, **k):
+                self.calls.append(_name)
+                return _real(t, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, wrapper)
+
+
+@pytest.mark.parametrize("method", ["ns5", "gram"])
+def test_mask_mode_step_reads_nothing_on_the_host(monkeypatch, method):
+    params = _model()
+    opt = muonclip.Muon(
+        [{"params": params[:2], "method": method}, {"params": params[2:], "algorithm": "adamw"}],
+        lr=0.05, on_nonfinite="mask",
+    )
+    _set(params, _grads(params, 0))
+    opt.step()  # first step creates state
+    reads = _HostReads(monkeypatch)
+    for step in (1, 2):
+        _set(params, _grads(params, step, bad=step == 2))
+        opt.step()
+    assert reads.calls == []
+    raise_opt = _opt(_model(), "raise")
+    _set(raise_opt.param_groups[0]["params"] + raise_opt.param_groups[1]["params"], _grads(params, 3))
+    raise_opt.step()
+    assert reads.calls, "the counter must see the host sync of on_nonfinite='raise'"
+
+
+def test_masked_step_guard_alone():
+    """Exact: zeroing and restoring are copies; a clear flag keeps the step's values."""
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.tensor([1.0, float("inf"), 2.0])
+    state = {"buf": torch.full((3,), 5.0), "step": 3}
+    guard = MaskedStep([p], [state], ~finite_per_tensor([p.grad]).all())
+    assert torch.equal(p.grad, torch.zeros(3))
+    with torch.no_grad():
+        p.add_(1.0)
+        state["buf"].mul_(2.0)
+    guard.restore()
+    assert torch.equal(p, torch.ones(3)) and torch.equal(state["buf"], torch.full((3,), 5.0))
+    p.grad = torch.tensor([1.0, 3.0, 2.0])
+    cache = []
+    guard = MaskedStep([p], [state], torch.tensor(False), cache=cache)
+    assert torch.equal(p.grad, torch.tensor([1.0, 3.0, 2.0])) and len(cache) == 2
+    with torch.no_grad():
+        p.add_(1.0)
+    guard.restore()
+    assert torch.equal(p, torch.full((3,), 2.0))
+    guard = MaskedStep([p], [state], torch.tensor(False), cache=cache)
+    assert guard._copies is cache  # the copies are reused while the layout is the same
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("lr", ["float", "cpu tensor"])
+def test_mask_mode_no_cuda_sync(lr):
+    """A masked step on CUDA, with lr a float or a 0-D CPU tensor (as for compiled steps), makes
+    no host sync."""
+    params = [torch.nn.Parameter(t.cuda()) for t in _model()]
+    opt = _opt(params, "mask")
+    if lr == "cpu tensor":
+        for g in opt.param_groups:
+            g["lr"] = torch.tensor(g["lr"])
+    _set(params, [g.cuda() for g in _grads(params, 0)])
+    opt.step()
+    _set(params, [g.cuda() for g in _grads(params, 1, bad=True)])
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert opt.steps_skipped == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mask_mode_equals_the_default_on_finite_steps(dtype):
+    """Finite steps in mask mode are the default mode's steps bit for bit, for float32 and bf16
+    weights alike (Muon and AdamW branches); a masked step then leaves every weight and state
+    tensor bit-identical.
+
+    Bit for bit on any machine: mask mode runs the default step itself on the same values (its
+    zeroing multiplies nothing, its restore selects the new values); a masked step is undone by
+    copies."""
+    params = [torch.nn.Parameter(p.detach().to(dtype)) for p in _model()]
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, ref = _opt(params, "mask"), _opt(twin, "raise")
+    for step in range(3):
+        grads = [g.to(dtype) for g in _grads(params, step)]
+        _set(params, grads)
+        _set(twin, grads)
+        opt.step()
+        ref.step()
+        for p, q in zip(params, twin):
+            assert p.dtype == dtype and torch.equal(p, q)
+    before = [(p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)})
+              for p in params]
+    _set(params, [g.to(dtype) for g in _grads(params, 3, bad=True)])
+    opt.step()
+    for p, (w, st) in zip(params, before):
+        assert torch.equal(p, w)
+        assert all(torch.equal(opt.state[p][k], v) for k, v in st.items())
