@@ -66,7 +66,7 @@ class RunConfig:
         lr_adamw, lr_muon, lr_muonclip: peak learning rate of each optimizer (defaults 0.03394,
             0.04, 0.04: the tuned values of ``muonclip compare --sweep`` on the default preset,
             every one strictly inside its grid, see docs/compare.md; ``k2-mini`` uses 6e-3, 2e-2,
-            2e-2, untuned); the AdamW branch of Muon/MuonClip uses lr_adamw.
+            2e-2, untuned, and so does ``tiny``); the AdamW branch of Muon/MuonClip uses lr_adamw.
         weight_decay: decoupled weight decay on matrices (default 0.1; never on vectors).
         grad_clip: the gradients of all parameters are scaled so that their global L2 norm is at
             most this, before every optimizer's step (``torch.nn.utils.clip_grad_norm_``; default
@@ -225,7 +225,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "default": {},
     "tiny": dict(
         block_size=32, n_layer=2, n_head=2, n_embd=32, batch_size=8, steps=30, warmup_steps=3,
-        warmup_adamw=None, warmup_muon=None, warmup_muonclip=None,
+        lr_adamw=6e-3, lr_muon=2e-2, lr_muonclip=2e-2, warmup_adamw=None, warmup_muon=None, warmup_muonclip=None,
         eval_every=10, eval_batches=2, checkpoint_every=10, seeds=2, budgets=(1.0, 2.0), lr_adamw_budgets=(),
         stability_steps=10,
     ),

@@ -42,6 +42,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -266,6 +267,29 @@ def _install_sigterm(flag: dict[str, bool]) -> Any:
     return signal.signal(signal.SIGTERM, handler)
 
 
+def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> float:
+    """Scale the gradients so that their global L2 norm is at most ``max_norm``; return the norm
+    before scaling (non-finite: the caller stops the run before the optimizer step).
+
+    Plain tensors: ``torch.nn.utils.clip_grad_norm_``. DTensor gradients (FSDP2, tensor
+    parallel) may live on different meshes (FSDP2's data-parallel mesh and a 2-D one), which
+    torch's version cannot stack; each gradient's norm is then reduced on its own mesh (one
+    scalar all-reduce each: call on every rank) and the gradients are scaled in place.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
+    if not any(hasattr(g, "full_tensor") for g in grads):
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    norms = [torch.linalg.vector_norm(g) for g in grads]
+    total = float(torch.linalg.vector_norm(torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n
+                                                        for n in norms])))
+    if math.isfinite(total) and total > max_norm:
+        coef = max_norm / (total + 1e-6)
+        for g in grads:
+            g.mul_(coef)
+    return total
+
+
 def _check_memory(cfg: RunConfig, optimizer: str, ctx: GroupContext, fsdp: bool) -> None:
     """`muonclip.app.memory.check_memory` on every rank; under torchrun all ranks stop together
     (one all-reduce) when one of them has too little memory, rank 0 with the message."""
@@ -425,8 +449,7 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if cfg.grad_clip > 0:  # on every rank: the norm of DTensor gradients is reduced over the group
-                norm_t = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                norm = float(norm_t.full_tensor() if hasattr(norm_t, "full_tensor") else norm_t)
+                norm = clip_grad_norm(model.parameters(), cfg.grad_clip)
                 if not math.isfinite(norm):
                     raise NonFiniteLossError(step + 1, f"gradient (global norm {norm})", last_saved)
             rms_meter.before()
