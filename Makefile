@@ -11,12 +11,12 @@ STAMP := $(VENV)/.installed
 setup: $(STAMP)
 
 # torch==2.13.0 first (the CPU wheel on local disk; an unpinned torch would pull a CUDA build),
-# then the package with every optional extra the tests exercise.
+# then the package with the app's extra (cli) and every optional extra the tests exercise.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[dev,hf,lightning,tensorboard,docs]"
+	$(BIN)/python -m pip install -q -e ".[cli,dev,hf,lightning,tensorboard,docs]"
 	touch $(STAMP)
 
 compare: $(STAMP)

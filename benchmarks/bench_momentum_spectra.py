@@ -28,9 +28,9 @@ import torch
 from timing import setup_threads
 
 import muonclip
-from muonclip.cli.config import RunConfig
-from muonclip.data.batches import train_batch
-from muonclip.data.corpus import load_corpus
+from muonclip.app.config import RunConfig
+from muonclip.app.data.batches import train_batch
+from muonclip.app.data.corpus import load_corpus
 from muonclip.models import GPT, GPTConfig
 from muonclip.ortho import orthogonalize
 from muonclip.ortho.newton_schulz import NS5_COEFFICIENTS

@@ -9,6 +9,9 @@ Trainer's usual schedule). With ``gradient_accumulation_steps=2`` the Trainer ca
 ``opt.step()`` once per two micro-batches, so the clip sees the max over both.
 `MuonClipTrainerCallback` adds ``muonclip/max_logit``, ``muonclip/clipped_heads`` and
 ``muonclip/update_rms`` to every training log (console, ``log_history``, ``report_to``).
+
+``muonclip.Muon``/``MuonClip`` need torch alone; the text (the app's built-in corpus) needs
+``pip install "muonclip[cli]"``, and ``transformers``/``accelerate`` ``pip install "muonclip[hf]"``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from muonclip import MuonClip
-from muonclip.data import load_corpus
+from muonclip.app.data import load_corpus
 from muonclip.integrations.hf import MuonClipTrainerCallback
 
 

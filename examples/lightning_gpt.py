@@ -8,6 +8,9 @@
 ``muonclip/update_rms`` after every optimizer step. The script trains half the steps, saves a
 Lightning checkpoint, resumes from it in a fresh Trainer for the other half, and checks the
 weights against an uninterrupted run: a resume continues identically.
+
+The text (the app's built-in corpus) needs ``pip install "muonclip[cli]"``, Lightning
+``pip install "muonclip[lightning]"``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from muonclip import MuonClip
-from muonclip.data import load_corpus
+from muonclip.app.data import load_corpus
 from muonclip.integrations.lightning import MuonClipLightningCallback
 from muonclip.models import GPT, GPTConfig
 

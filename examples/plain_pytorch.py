@@ -6,6 +6,9 @@ One optimizer for the whole model: `MuonClip` routes hidden matrices to Muon and
 norms and the head to AdamW (`muonclip.param_groups`), and clips the attention heads whose max
 logit passed ``tau`` after each step. Gradient accumulation needs nothing special: every
 micro-batch's forward pass records its max logits and ``step()`` clips with the max of all.
+
+The optimizer and the reference GPT need torch alone; the text (the app's built-in corpus,
+`muonclip.app.data`) needs ``pip install "muonclip[cli]"``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import time
 import torch
 
 import muonclip
-from muonclip.data import load_corpus, train_batch
+from muonclip.app.data import load_corpus, train_batch
 from muonclip.models import GPT, GPTConfig
 
 

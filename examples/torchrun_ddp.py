@@ -8,6 +8,8 @@ folds every rank's max logits into the clip with one MAX all-reduce per step —
 up beyond passing the unwrapped model. Each rank reads different batches; the script checks
 that all ranks end with the same weights and, with ``--check``, that they equal one process
 trained on the same global batches (``--check`` costs rank 0 a second, single-process run).
+
+The text (the app's built-in corpus) needs ``pip install "muonclip[cli]"``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from muonclip import MuonClip
-from muonclip.data import load_corpus, train_batch
+from muonclip.app.data import load_corpus, train_batch
 from muonclip.models import GPT, GPTConfig
 
 

@@ -8,6 +8,8 @@ owner rank, orthogonalises it there once and scatters the result back; QK-Clip s
 local rows of each clipped head. The script checks, with ``--check``, that the gathered
 weights equal one process trained on the same global batches (a per-shard Newton–Schulz would
 be a different optimizer and fail this by orders of magnitude).
+
+The text (the app's built-in corpus) needs ``pip install "muonclip[cli]"``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from muonclip import MuonClip
-from muonclip.data import load_corpus, train_batch
+from muonclip.app.data import load_corpus, train_batch
 from muonclip.models import GPT, GPTConfig
 
 

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from muonclip import MuonClip
-from muonclip.data import load_corpus, train_batch
+from muonclip.app.data import load_corpus, train_batch
 from muonclip.models import GPT, GPTConfig
 from muonclip.models.parallel import tensor_parallel
 

@@ -7,13 +7,20 @@ import signal
 import pytest
 import torch
 
-import muonclip.cli.checkpoint as ckpt_mod
-import muonclip.cli.train as train_mod
-from muonclip.cli.checkpoint import CheckpointError, check_compatible, load_checkpoint, save_checkpoint
-from muonclip.cli.config import make_config
-from muonclip.cli.metrics import read_rows
-from muonclip.cli.train import CHECKPOINT, Interrupted, build_model, build_optimizer, train_run
-from muonclip.data import builtin_corpus_dir, load_corpus, read_document
+import muonclip.app.train as train_mod
+import muonclip.distributed.checkpoint as ckpt_mod
+from muonclip.app.config import MODEL_FIELDS, make_config
+from muonclip.app.data import builtin_corpus_dir, load_corpus, read_document
+from muonclip.app.metrics import read_rows
+from muonclip.app.train import CHECKPOINT, Interrupted, build_model, build_optimizer, train_run
+from muonclip.distributed.checkpoint import (
+    CheckpointError,
+    FoundCheckpoint,
+    check_compatible,
+    find_checkpoint,
+    load_file,
+    save_file,
+)
 
 
 @pytest.fixture(scope="module")
@@ -66,12 +73,13 @@ def test_roundtrip(tmp_path):
     """Exact: a checkpoint holds copies of the tensors' bytes."""
     cfg = tiny()
     model, opt = _trained(cfg)
-    save_checkpoint(tmp_path / "c.pt", _payload(model, opt, 1))
-    data = load_checkpoint(tmp_path / "c.pt")
+    save_file(tmp_path / "c.pt", _payload(model, opt, 1))
+    data = load_file(tmp_path / "c.pt")
     assert data["step"] == 1 and data["optimizer"] == "muon"
     assert_same_state(data["model"], model.state_dict())
     assert_same_state(data["optim"]["state"], opt.state_dict()["state"])
-    check_compatible(data, optimizer="muon", config=cfg.to_dict(), model=model)
+    check_compatible(FoundCheckpoint("file", tmp_path / "c.pt", data), optimizer="muon", config=cfg.to_dict(),
+                     model=model, fields=MODEL_FIELDS)
     assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
 
 
@@ -79,7 +87,7 @@ def test_interrupted_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     cfg = tiny()
     model, opt = _trained(cfg)
     path = tmp_path / "c.pt"
-    save_checkpoint(path, _payload(model, opt, 1))
+    save_file(path, _payload(model, opt, 1))
     before = path.read_bytes()
     real_save = torch.save
 
@@ -91,34 +99,44 @@ def test_interrupted_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ckpt_mod.torch, "save", crash_half_way)
     with pytest.raises(OSError, match="disk full"):
-        save_checkpoint(path, _payload(model, opt, 2))
+        save_file(path, _payload(model, opt, 2))
     monkeypatch.undo()
     assert path.read_bytes() == before
-    assert load_checkpoint(path)["step"] == 1
+    assert load_file(path)["step"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]  # no temp file left
 
 
 def test_corrupt_and_foreign_files(tmp_path):
     (tmp_path / "torn.pt").write_bytes(b"PK\x03\x04 not really a zip")
     with pytest.raises(CheckpointError, match="corrupt or unreadable"):
-        load_checkpoint(tmp_path / "torn.pt")
+        load_file(tmp_path / "torn.pt")
     torch.save({"weights": torch.zeros(2)}, tmp_path / "foreign.pt")
     with pytest.raises(CheckpointError, match="not a muonclip checkpoint"):
-        load_checkpoint(tmp_path / "foreign.pt")
+        load_file(tmp_path / "foreign.pt")
     with pytest.raises(CheckpointError, match="no checkpoint"):
-        load_checkpoint(tmp_path / "absent.pt")
+        load_file(tmp_path / "absent.pt")
 
 
 def test_mismatched_checkpoint(tmp_path):
     cfg = tiny()
     model, opt = _trained(cfg)
-    save_checkpoint(tmp_path / "c.pt", _payload(model, opt, 1))
-    data = load_checkpoint(tmp_path / "c.pt")
+    save_file(tmp_path / "c.pt", _payload(model, opt, 1))
+    found = FoundCheckpoint("file", tmp_path / "c.pt", load_file(tmp_path / "c.pt"))
     with pytest.raises(CheckpointError, match="'muon' run, this run uses 'adamw'"):
-        check_compatible(data, optimizer="adamw", config=cfg.to_dict(), model=model)
+        check_compatible(found, optimizer="adamw", config=cfg.to_dict(), model=model, fields=MODEL_FIELDS)
     wide = tiny(n_embd=64)
     with pytest.raises(CheckpointError, match="another shape.*n_embd: checkpoint 32, now 64"):
-        check_compatible(data, optimizer="muon", config=wide.to_dict(), model=build_model(wide))
+        check_compatible(found, optimizer="muon", config=wide.to_dict(), model=build_model(wide), fields=MODEL_FIELDS)
+    # without the config check, the tensors' shapes tell the same, for a file and for a sharded checkpoint
+    with pytest.raises(CheckpointError, match=r"another shape: .*\(256, 32\) vs \(256, 64\)"):
+        check_compatible(found, optimizer="muon", config=wide.to_dict(), model=build_model(wide))
+    ckpt_mod.save_sharded(tmp_path / "sharded", model, opt, meta={"optimizer": "muon", "config": cfg.to_dict(),
+                                                                   "step": 1}, rng=ckpt_mod.rng_state())
+    sharded = find_checkpoint(tmp_path / "sharded")
+    assert sharded.kind == "sharded"
+    check_compatible(sharded, optimizer="muon", config=cfg.to_dict(), model=build_model(cfg), fields=MODEL_FIELDS)
+    with pytest.raises(CheckpointError, match=r"another shape: .*\(256, 32\) vs \(256, 64\)"):
+        check_compatible(sharded, optimizer="muon", config=wide.to_dict(), model=build_model(wide))
 
 
 def _interrupt_at(monkeypatch, at_step):
@@ -150,12 +168,12 @@ def test_resume_is_bit_identical(tmp_path, corpus, monkeypatch, optimizer):
     with pytest.raises(Interrupted) as info:
         train_run(cfg, optimizer, tmp_path / "resumed", corpus=corpus, progress=False)
     assert info.value.step == 4
-    assert load_checkpoint(tmp_path / "resumed" / CHECKPOINT)["step"] == 4
+    assert load_file(tmp_path / "resumed" / CHECKPOINT)["step"] == 4
     monkeypatch.undo()
     resumed = train_run(cfg, optimizer, tmp_path / "resumed", resume=True, corpus=corpus, progress=False)
 
-    a = load_checkpoint(straight.run_dir / CHECKPOINT)
-    b = load_checkpoint(resumed.run_dir / CHECKPOINT)
+    a = load_file(straight.run_dir / CHECKPOINT)
+    b = load_file(resumed.run_dir / CHECKPOINT)
     assert a["step"] == b["step"] == 6
     assert_same_state(a["model"], b["model"])
     assert_same_state(a["optim"], b["optim"])

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 
 import pytest
 import torch
 
-import muonclip.cli.train as train_mod
-from muonclip.cli.checkpoint import load_checkpoint
-from muonclip.cli.config import make_config
-from muonclip.cli.main import main
-from muonclip.cli.metrics import read_rows
-from muonclip.data import builtin_corpus_dir, read_document
+import muonclip.app.train as train_mod
+from muonclip.app.config import make_config
+from muonclip.app.data import builtin_corpus_dir, read_document
+from muonclip.app.main import main
+from muonclip.app.metrics import read_rows
+from muonclip.distributed.checkpoint import load_file
 
 TINY = ["--preset", "tiny", "--quiet", "--threads", "1"]
 
@@ -32,45 +31,87 @@ def snapshot(folder):
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+def at_training_forward(monkeypatch, n, action):
+    """Patch the training loop's ``forward_loss`` so that at the ``n``-th training forward,
+    ``action(model, loss)`` runs; the loss it returns, if a tensor, replaces that forward's loss."""
+    real = train_mod.forward_loss
+    calls = {"n": 0}
+
+    def forward(model, x, y):
+        loss = real(model, x, y)
+        if model.training:
+            calls["n"] += 1
+            if calls["n"] == n:
+                out = action(model, loss)
+                return out if isinstance(out, torch.Tensor) else loss
+        return loss
+
+    monkeypatch.setattr(train_mod, "forward_loss", forward)
+
+
 def test_compare_end_to_end_writes_a_real_report(tmp_path, text, capsys):
+    """The protocol on the tiny preset (2 seeds; AdamW at 1x and 2x; the stability segment with a
+    tau below the first logits): every run, the figures computed from the runs' own metrics, the
+    plots, both tables and the reading."""
     out = tmp_path / "cmp"
     rc = main(["compare", *TINY, "--data", text, "--out", str(out), "--steps", "12", "--set", "eval_every=4",
-               "--tau", "0.05"])
+               "--set", "stability_steps=6", "--set", "stability_tau=0.05", "--jobs", "1"])
     assert rc == 0
     printed = capsys.readouterr().out
-    for name in ("val_loss.png", "max_logit.png", "clip_events.png"):
+    for name in ("val_loss.png", "budget.png", "max_logit.png", "clip_events.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert (out / name).stat().st_size > 5000
-    summary = json.loads((out / "summary.json").read_text())["summary"]
-    assert [s["optimizer"] for s in summary] == ["adamw", "muon", "muonclip"]
-    for s in summary:
-        assert s["steps"] == 12 and s["tokens"] == 12 * 8 * 32
-        assert math.isfinite(s["final_val_loss"]) and 2.0 < s["final_val_loss"] < 6.0  # ln 256 = 5.55
-        assert math.isfinite(s["peak_max_logit"]) and s["step_time"] > 0 and s["wall_time"] > 0
-        rows = read_rows(out / s["optimizer"])
-        assert [r["step"] for r in rows] == list(range(1, 13))
-        assert s["final_val_loss"] == rows[-1]["val_loss"] and s["peak_max_logit"] == max(r["max_logit"] for r in rows)
-    by = {s["optimizer"]: s for s in summary}
+    data = json.loads((out / "summary.json").read_text())
+    eff, stab = data["efficiency"], data["stability"]
+    assert sorted(p.name for p in (out / "runs").iterdir()) == [
+        "adamw-x1-s0", "adamw-x1-s1", "adamw-x2-s0", "adamw-x2-s1", "muon-x1-s0", "muon-x1-s1"]
+    finals = {}
+    for opt, budget in [("adamw", 1), ("adamw", 2), ("muon", 1)]:
+        for seed in (0, 1):
+            rows = read_rows(out / "runs" / f"{opt}-x{budget}-s{seed}")
+            assert [r["step"] for r in rows] == list(range(1, 12 * budget + 1))
+            assert rows[-1]["tokens"] == 12 * budget * 8 * 32
+            finals[(opt, budget, seed)] = rows[-1]["val_loss"]
+            assert 2.0 < rows[-1]["val_loss"] < 6.0  # ln 256 = 5.55
+    table = {(t["optimizer"], t["budget"]): t for t in eff["table"]}
+    for (opt, budget), t in table.items():
+        vals = [finals[(opt, budget, s)] for s in (0, 1)]
+        assert t["final_val_loss"] == vals
+        assert t["mean"] == pytest.approx(sum(vals) / 2) and t["sd"] == pytest.approx(abs(vals[0] - vals[1]) / 2**0.5)
+    ratio = eff["ratios"]["muon"]
+    for seed, got in zip((0, 1), ratio["budget_matched_per_seed"]):  # the interpolation, by hand
+        l1, l2, target = finals[("adamw", 1, seed)], finals[("adamw", 2, seed)], finals[("muon", 1, seed)]
+        want = 1.0 if l1 <= target else (None if l2 > target else 1 + (l1 - target) / (l1 - l2))
+        assert got == (want if want is None else pytest.approx(want))
     # update_rms, per unit lr with weight decay removed (UpdateRMS): AdamW's first update is
     # m_hat / sqrt(v_hat) = sign(g), RMS 1; Muon's "rms" scale gives 0.2 * RMS of ns5's singular
     # values, which lie in about [0.68, 1.13]
-    assert 0.99 < read_rows(out / "adamw")[0]["update_rms"] <= 1.0
-    for name in ("muon", "muonclip"):
-        assert all(0.2 * 0.68 < r["update_rms"] < 0.2 * 1.13 for r in read_rows(out / name))
-    assert by["adamw"]["step_time_ratio"] == 1.0
+    assert 0.99 < read_rows(out / "runs" / "adamw-x1-s0")[0]["update_rms"] <= 1.0
+    for run in ("runs/muon-x1-s0", "stability/muon-s1", "stability/muonclip-s0"):
+        assert all(0.2 * 0.68 < r["update_rms"] < 0.2 * 1.13 for r in read_rows(out / run))
     # tau = 0.05 is below the initial logits, so MuonClip clips (right from step 1) and plain runs never do
-    assert read_rows(out / "muonclip")[0]["clipped_heads"] > 0
-    assert by["muonclip"]["clip_steps"] >= 1 and by["muon"]["clip_events"] == by["adamw"]["clip_events"] == 0
-    assert by["muonclip"]["final_max_logit"] < by["muon"]["final_max_logit"]
-    # exact maxima without a threshold (AdamW, Muon); MuonClip's bounds only ever at or below tau
-    assert all(r["max_logit_is_bound"] == 0 for n in ("adamw", "muon") for r in read_rows(out / n))
-    assert all(r["max_logit"] <= 0.05 for r in read_rows(out / "muonclip") if r["max_logit_is_bound"])
+    by = {t["optimizer"]: t for t in stab["table"]}
+    for seed in (0, 1):
+        clip_rows, plain = read_rows(out / "stability" / f"muonclip-s{seed}"), read_rows(out / "stability" / f"muon-s{seed}")
+        assert clip_rows[0]["clipped_heads"] > 0 and all(r["clipped_heads"] == 0 for r in plain)
+        assert by["muonclip"]["peak_max_logit"][seed] == max(r["max_logit"] for r in clip_rows)
+        assert by["muonclip"]["clip_events"][seed] == sum(r["clipped_heads"] for r in clip_rows)
+        assert by["muonclip"]["final_val_loss"][seed] == clip_rows[-1]["val_loss"]
+        assert read_rows(out / "stability" / f"muonclip-s{seed}")[-1]["tokens"] == 6 * 8 * 32
+    assert sum(by["muonclip"]["clip_events_per_layer"]) == sum(by["muonclip"]["clip_events"])
+    # AdamW and Muon record exact maxima (no threshold); MuonClip's LSE bounds only ever at or below tau
+    assert all(r["max_logit_is_bound"] == 0 for d in (out / "runs").iterdir() for r in read_rows(d))
+    for seed in (0, 1):
+        assert all(r["max_logit_is_bound"] == 0 for r in read_rows(out / "stability" / f"muon-s{seed}"))
+        assert all(r["max_logit"] <= 0.05 for r in read_rows(out / "stability" / f"muonclip-s{seed}")
+                   if r["max_logit_is_bound"])
     md = (out / "summary.md").read_text()
-    table = [line for line in md.splitlines() if line.startswith("| ")]
-    assert len(table) == 4 and f"{by['muon']['final_val_loss']:.4f}" in table[2]
-    assert table[0] in printed and table[3] in printed
-    csv_lines = (out / "muonclip" / "metrics.csv").read_text().splitlines()
-    assert len(csv_lines) == 13 and csv_lines[0].startswith("step,tokens,loss,val_loss,lr,max_logit,max_logit_0")
+    assert "## Token efficiency: AdamW against Muon" in md and "## Stability: Muon against MuonClip" in md
+    assert data["reading"] in md and "2 seeds" in data["reading"] and "Wen et al. 2025" in data["reading"]
+    assert f"{table[('muon', 1.0)]['mean']:.4f} ± {table[('muon', 1.0)]['sd']:.4f}" in md
+    assert "| adamw | 2x | 0.01M |" in printed and data["reading"] in printed
+    csv_lines = (out / "stability" / "muonclip-s0" / "metrics.csv").read_text().splitlines()
+    assert len(csv_lines) == 7 and csv_lines[0].startswith("step,tokens,loss,val_loss,lr,max_logit,max_logit_0")
 
 
 def test_train_interrupt_then_resume_matches_straight_run(tmp_path, text, monkeypatch, capsys):
@@ -80,52 +121,48 @@ def test_train_interrupt_then_resume_matches_straight_run(tmp_path, text, monkey
     args = ["train", *TINY, "--data", text, "--optimizer", "muonclip", "--steps", "6", "--tau", "0.05"]
     assert main([*args, "--out", str(tmp_path / "straight")]) == 0
 
-    real = train_mod.forward_loss
-    calls = {"n": 0}
-
-    def forward(model, x, y):
-        if model.training:
-            calls["n"] += 1
-            if calls["n"] == 3:
-                signal.raise_signal(signal.SIGINT)  # Ctrl-C during step 3
-        return real(model, x, y)
-
-    monkeypatch.setattr(train_mod, "forward_loss", forward)
+    at_training_forward(monkeypatch, 3, lambda model, loss: signal.raise_signal(signal.SIGINT))  # Ctrl-C, step 3
     assert main([*args, "--out", str(tmp_path / "run")]) == 130
     assert "interrupted after step 3" in capsys.readouterr().err
     monkeypatch.undo()
     assert main(["train", "--out", str(tmp_path / "run"), "--resume", "--quiet"]) == 0
-    a = load_checkpoint(tmp_path / "straight" / "checkpoint.pt")
-    b = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
+    a = load_file(tmp_path / "straight" / "checkpoint.pt")
+    b = load_file(tmp_path / "run" / "checkpoint.pt")
     assert a["step"] == b["step"] == 6
     for k, v in a["model"].items():
         assert torch.equal(v, b["model"][k]), k
 
 
 def test_nonfinite_loss_stops_names_the_step_and_keeps_the_checkpoint(tmp_path, text, monkeypatch, capsys):
-    real = train_mod.forward_loss
-    calls = {"n": 0}
-
-    def forward(model, x, y):
-        loss = real(model, x, y)
-        if model.training:
-            calls["n"] += 1
-            if calls["n"] == 5:
-                return loss * float("nan")
-        return loss
-
-    monkeypatch.setattr(train_mod, "forward_loss", forward)
+    at_training_forward(monkeypatch, 5, lambda model, loss: loss * float("nan"))
     out = tmp_path / "run"
     rc = main(["train", *TINY, "--data", text, "--optimizer", "muon", "--steps", "8", "--set", "checkpoint_every=2",
                "--out", str(out)])
     assert rc == 3
     err = capsys.readouterr().err
     assert "non-finite loss (nan) at step 5" in err and "checkpoint.pt" in err
-    data = load_checkpoint(out / "checkpoint.pt")
+    data = load_file(out / "checkpoint.pt")
     assert data["step"] == 4
     assert all(torch.isfinite(v).all() for v in data["model"].values())
     assert [r["step"] for r in read_rows(out)] == [1, 2, 3, 4]
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "config.json", "metrics.csv", "metrics.jsonl"]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muonclip"])
+def test_nonfinite_gradient_stops_before_the_step(tmp_path, text, monkeypatch, capsys, optimizer):
+    """A NaN gradient with a finite loss (a hook on the embedding's gradient at step 3): the global norm
+    of the gradient clipping is NaN, so the run stops before the optimizer step, for AdamW too (whose
+    torch step would write the NaN into every weight): exit 3, the last good checkpoint kept."""
+    at_training_forward(monkeypatch, 3,
+                        lambda model, loss: model.wte.weight.register_hook(lambda g: torch.full_like(g, float("nan"))))
+    out = tmp_path / "run"
+    rc = main(["train", *TINY, "--data", text, "--optimizer", optimizer, "--steps", "6", "--set", "checkpoint_every=2",
+               "--out", str(out)])
+    assert rc == 3
+    assert "non-finite gradient (global norm nan) at step 3" in capsys.readouterr().err
+    data = load_file(out / "checkpoint.pt")
+    assert data["step"] == 2 and all(torch.isfinite(v).all() for v in data["model"].values())
+    assert [r["step"] for r in read_rows(out)] == [1, 2]
 
 
 def test_nonfinite_validation_loss_stops_like_a_training_loss(tmp_path, text, monkeypatch, capsys):
@@ -145,7 +182,7 @@ def test_nonfinite_validation_loss_stops_like_a_training_loss(tmp_path, text, mo
     assert rc == 3
     err = capsys.readouterr().err
     assert "non-finite validation loss (nan) at step 6" in err and "checkpoint.pt" in err
-    assert load_checkpoint(out / "checkpoint.pt")["step"] == 3
+    assert load_file(out / "checkpoint.pt")["step"] == 3
     assert [r["step"] for r in read_rows(out)] == [1, 2, 3, 4, 5]
 
 
@@ -177,7 +214,7 @@ def test_bad_data_inputs(tmp_path, capsys, command):
 @pytest.mark.parametrize("command", ["train", "compare"])
 def test_small_corpus_warns_before_training(tmp_path, capsys, monkeypatch, command):
     """A corpus the run reads more than 10 times, with a validation split smaller than one
-    batch: two warnings on stderr before the first step (once for compare's three runs), and
+    batch: two warnings on stderr before the first step (once for all of compare's runs), and
     the run goes on."""
     data = tmp_path / "lines.txt"
     data.write_text("Fair is foul, and foul is fair: hover through the fog and filthy air.\n" * 5)  # 350 bytes
@@ -190,13 +227,14 @@ def test_small_corpus_warns_before_training(tmp_path, capsys, monkeypatch, comma
         return real(model, x, y)
 
     monkeypatch.setattr(train_mod, "forward_loss", forward)
+    jobs = ["--jobs", "1", "--set", "budgets=1", "--set", "seeds=1"] if command == "compare" else []
     rc = main([command, *TINY, "--data", str(data), "--steps", "13", "--set", "val_fraction=0.12",  # 308 + 42 bytes
-               "--out", str(tmp_path / "out")])
+               *jobs, "--out", str(tmp_path / "out")])
     assert rc == 0
     before = seen[0]
     assert before.count("muonclip: warning:") == 2
     assert "308 training bytes about 11 times" in before and "validation split holds 42 bytes" in before
-    assert "muonclip: warning:" not in capsys.readouterr().err  # compare: not again for muon and muonclip
+    assert "muonclip: warning:" not in capsys.readouterr().err  # compare: not again for its other runs
 
 
 def test_bad_config_inputs(tmp_path, capsys, text):
@@ -211,8 +249,13 @@ def test_bad_config_inputs(tmp_path, capsys, text):
                        ("--set=lr_adamw=-inf", "lr_adamw"), ("--set=min_lr_ratio=nan", "min_lr_ratio")]:
         _bad(capsys, [*base, "--optimizer", "muon", flag], f"{name} must be a finite number")
     _bad(capsys, ["compare", *TINY, "--data", text, "--out", str(out), "--optimizers", "adamw,sgd"], "'sgd'")
-    _bad(capsys, ["compare", *TINY, "--data", text, "--out", str(out), "--sweep", "1,x"], "--sweep expects")
-    _bad(capsys, ["compare", *TINY, "--data", text, "--out", str(out), "--sweep", "1,inf"], "finite numbers > 0")
+    _bad(capsys, ["compare", *TINY, "--data", text, "--out", str(out), "--sweep", "--sweep-warmups", "10,x"],
+         "--sweep-warmups expects")
+    _bad(capsys, ["compare", *TINY, "--data", text, "--out", str(out), "--sweep-warmups", "10"], "needs --sweep")
+    _bad(capsys, ["compare", *TINY, "--data", text, "--out", str(out), "--jobs", "0"], "--jobs must be >= 1")
+    _bad(capsys, [*base, "--set", "budgets=1.5,3"], "one of them 1")
+    _bad(capsys, [*base, "--set", "lr_adamw_budgets=1e-3"], "one rate > 0 per budget")
+    _bad(capsys, [*base, "--set", "grad_clip=-1"], "grad_clip must be >= 0")
     _bad(capsys, ["compare", *TINY, "--data", text, "--out", str(out), "--set", "lr_muonclip=nan"],
          "lr_muonclip must be a finite number")
     assert not out.exists()
@@ -267,11 +310,18 @@ def test_bad_checkpoints_on_resume(tmp_path, capsys, text):
     assert not (tmp_path / "nothing").exists()
 
 
-def test_presets_are_valid_and_logit_growth_removes_weight_decay():
-    for name in ("default", "tiny", "logit-growth"):
+def test_presets_are_valid_and_the_stability_segment_removes_weight_decay():
+    from muonclip.app.compare import stability_config
+
+    for name in ("default", "tiny", "k2-mini"):
         make_config(name)
-    lg, d = make_config("logit-growth"), make_config("default")
-    assert lg.weight_decay == 0.0 and d.weight_decay > 0 and lg.lr_muon > d.lr_muon
+    d = make_config("default")
+    s = stability_config(d)
+    assert s.weight_decay == 0.0 and d.weight_decay > 0 and s.lr_muon == s.lr_muonclip > d.lr_muon
+    assert s.min_lr_ratio == 1.0 and s.tau == d.stability_tau < d.tau and s.steps == d.stability_steps
+    assert s.warmup("muon") == s.warmup("muonclip") == d.warmup("muon")
+    k2 = make_config("k2-mini")
+    assert k2.attention == "mla" and k2.n_expert > k2.n_expert_active >= 1
 
 
 def test_train_validation_every_step_changes_nothing_and_feeds_no_recorder(tmp_path, text, monkeypatch):
@@ -307,14 +357,30 @@ def test_train_validation_every_step_changes_nothing_and_feeds_no_recorder(tmp_p
     assert [r["val_loss"] is not None for r in often] == [True] * 4
     assert [(r["max_logits"], r["clipped"]) for r in rarely] == [(r["max_logits"], r["clipped"]) for r in often]
     assert sum(r["clipped_heads"] for r in often) > 0
-    a, b = load_checkpoint(tmp_path / "rarely" / "checkpoint.pt"), load_checkpoint(tmp_path / "often" / "checkpoint.pt")
+    a, b = load_file(tmp_path / "rarely" / "checkpoint.pt"), load_file(tmp_path / "often" / "checkpoint.pt")
     for k, v in a["model"].items():
         assert torch.equal(v, b["model"][k]), k
 
 
+def test_set_values_are_parsed_by_the_fields_own_types():
+    """``--set`` reads each value as its RunConfig field's annotated type (``typing.get_type_hints``)."""
+    cfg = make_config("tiny", sets=["n_kv_head=1", "qk_norm=yes", "lr_muon=2e-2", "orth_dtype=float32",
+                                    "data=plays.txt", "steps=7"])
+    assert (cfg.n_kv_head, cfg.qk_norm, cfg.lr_muon, cfg.orth_dtype, cfg.data, cfg.steps) == (
+        1, True, 0.02, "float32", "plays.txt", 7)
+    assert make_config("tiny", sets=["n_kv_head=None", "data=none", "qk_norm=off"]).n_kv_head is None
+    assert make_config("tiny", sets=["data=none"]).data is None
+    for item, expected in [("n_kv_head=two", "expected int | None"), ("qk_norm=maybe", "expected bool"),
+                           ("steps=7.5", "expected int"), ("lr_adamw=fast", "expected float"),
+                           ("steps=none", "expected int")]:
+        with pytest.raises(ValueError, match=f"--set {item}: {expected}$"):
+            make_config("tiny", sets=[item])
+
+
 def test_summary_marks_max_logits_that_are_lse_bounds():
-    """A peak or final max logit that MuonClip logged as an LSE upper bound is marked "≤" in the table."""
-    from muonclip.cli.report import markdown_table, summarize_run
+    """A max logit MuonClip logged as an LSE upper bound (at or below tau) carries the flag into
+    the run's figures and a "≤" into the stability table; exact values print as they are."""
+    from muonclip.app.report import stability_markdown, summarize_run
 
     rows = [{"step": 1, "tokens": 10, "val_loss": 3.0, "max_logit": 9.0, "max_logit_is_bound": 0, "clipped_heads": 1,
              "step_time": 0.1, "elapsed": 1.0},
@@ -322,6 +388,10 @@ def test_summary_marks_max_logits_that_are_lse_bounds():
              "step_time": 0.1, "elapsed": 2.0}]
     s = summarize_run(rows)
     assert s["peak_max_logit_is_bound"] is False and s["final_max_logit_is_bound"] is True
-    s.update(optimizer="muonclip", lr=0.01, tokens_to_target=None, ratio_to_target=None, step_time_ratio=None)
-    line = markdown_table([s]).splitlines()[-1]
-    assert "| 9.0 | ≤ 7.5 |" in line
+    row = {"optimizer": "muonclip", "peak_max_logit": [9.0, 8.0], "peak_after_first_clip": [7.5, 6.0],
+           "peak_after_first_clip_is_bound": [True, False], "clip_events": [1, 1], "clip_steps": [1, 1],
+           "clip_events_per_layer": [2], "mean": 2.0, "sd": 0.0}
+    table = stability_markdown({"tau": 7.5, "seeds": [0, 1], "table": [row]})
+    assert "| ≤ 7.5 (1.00x) |" in table
+    row["peak_after_first_clip_is_bound"] = [False, True]
+    assert "| 7.5 (1.00x) |" in stability_markdown({"tau": 7.5, "seeds": [0, 1], "table": [row]})

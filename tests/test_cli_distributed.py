@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from muonclip.cli.config import RunConfig
-from muonclip.cli.distributed import SHARDED_POINTER, find_checkpoint, load_sharded
-from muonclip.cli.main import main
-from muonclip.cli.metrics import read_rows
-from muonclip.cli.train import build_model, build_optimizer
-from muonclip.data import builtin_corpus_dir, read_document
+from muonclip.app.config import RunConfig
+from muonclip.app.data import builtin_corpus_dir, read_document
+from muonclip.app.main import main
+from muonclip.app.metrics import read_rows
+from muonclip.app.train import build_model, build_optimizer
+from muonclip.distributed.checkpoint import SHARDED_POINTER, find_checkpoint, load_sharded
 
 TOL = 1e-5
 EXACT = ["--preset", "tiny", "--quiet", "--set", "orth_dtype=float32", "--set", "warmup_steps=0",
@@ -41,7 +41,7 @@ def text(tmp_path_factory):
 
 def torchrun(args, nproc=2, timeout=120):
     """Run ``muonclip <args>`` on ``nproc`` CPU processes with torchrun; return the CompletedProcess."""
-    launcher = [SCRIPT] if SCRIPT else ["-m", "muonclip.cli.main"]
+    launcher = [SCRIPT] if SCRIPT else ["-m", "muonclip.app.main"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            *launcher, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -182,22 +182,23 @@ def test_bad_input_under_torchrun_exits_on_every_rank_without_hanging(tmp_path, 
 
 def test_each_rank_takes_its_block_of_the_global_batch():
     """Exact: pure indexing."""
-    from muonclip.cli.distributed import DistEnv, check_batch, rank_rows
+    from muonclip.app.launch import check_batch, rank_rows
+    from muonclip.distributed.context import SINGLE, GroupContext
 
     x = torch.arange(8 * 3).reshape(8, 3)
-    parts = [rank_rows(x, DistEnv(rank=r, world_size=4)) for r in range(4)]
+    parts = [rank_rows(x, GroupContext(None, r, 4)) for r in range(4)]
     assert all(p.shape == (2, 3) for p in parts) and torch.equal(torch.cat(parts), x)
-    assert torch.equal(rank_rows(x, DistEnv()), x)
+    assert torch.equal(rank_rows(x, SINGLE), x)
     with pytest.raises(ValueError, match="must be divisible by 3"):
-        check_batch(8, DistEnv(rank=0, world_size=3))
+        check_batch(8, GroupContext(None, 0, 3))
 
 
 def test_interrupted_sharded_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     """Exact: the checkpoint that is kept holds copies of the tensors' bytes."""
     import muonclip.distributed.checkpoint as dcp_ckpt
-    from muonclip.cli.checkpoint import rng_state
-    from muonclip.cli.config import make_config
-    from muonclip.cli.distributed import SINGLE, save_sharded
+    from muonclip.app.config import make_config
+    from muonclip.distributed.checkpoint import rng_state, save_sharded
+    from muonclip.distributed.context import SINGLE
 
     cfg = make_config("tiny", {"threads": 1})
     model = build_model(cfg)

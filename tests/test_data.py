@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from muonclip.data import (
+from muonclip.app.data import (
     CONTROL_SHARE,
     MAX_EPOCHS,
     DataError,

@@ -18,7 +18,8 @@ def tiny(**kw) -> GPT:
 
 
 VARIANTS = [dict(), dict(n_kv_head=2), dict(n_kv_head=1), dict(attention="mla"),
-            dict(attention="mla", q_lora_rank=8, bias=True), dict(qk_norm=True), dict(bias=True, tie_embeddings=False)]
+            dict(attention="mla", q_lora_rank=8, bias=True), dict(qk_norm=True), dict(bias=True, tie_embeddings=False),
+            dict(attention="mla", n_expert=4, n_expert_active=2, n_shared_expert=1)]
 
 
 @pytest.mark.parametrize("kw", VARIANTS)
@@ -28,7 +29,8 @@ def test_forward_shapes_loss_and_causality(kw):
     targets = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
     logits, loss = model(idx, targets)
     assert logits.shape == (2, 16, 64)
-    assert abs(loss.item() - math.log(64)) < 0.3  # near-uniform at init
+    assert abs(loss.item() - math.log(64)) < 0.3 + (0.05 if kw.get("n_expert") else 0)  # near-uniform at init
+    # (with experts the training loss adds 0.01 x the load-balancing loss, about 1 per layer)
     assert model(idx)[1] is None
     idx2 = idx.clone()
     idx2[:, 10:] = (idx2[:, 10:] + 1) % 64  # change the future: the past must not move
@@ -101,6 +103,7 @@ def test_mla_shared_rotary_key_is_one_head():
         (dict(n_kv_head=3), "multiple of n_kv_head"),
         (dict(attention="mla", qk_norm=True), "qk_norm"),
         (dict(attention="mla", qk_rope_head_dim=3), "even"),
+        (dict(n_expert=4, n_expert_active=5), "n_expert_active=5 must be between 1 and n_expert=4"),
     ],
 )
 def test_config_errors(kw, match):
@@ -111,3 +114,70 @@ def test_config_errors(kw, match):
 def test_sequence_longer_than_block_size():
     with pytest.raises(ValueError, match="block_size"):
         tiny()(torch.zeros(1, 17, dtype=torch.long))
+
+
+def _moe_reference(moe, x):
+    """Token by token: softmax over the router's scores, the top-k renormalised, each chosen expert's
+    GELU MLP (its slices of the 3-D stacks), plus the shared expert; and the load-balancing loss
+    E * sum_e f_e P_e with f_e the share of token-slots routed to e and P_e the mean probability."""
+    flat = x.reshape(-1, x.shape[-1])
+    E, k = moe.experts.num_experts, moe.top_k
+    outs, counts, probs_sum = [], [0] * E, torch.zeros(E)
+    for token in flat:
+        p = torch.softmax(moe.router.weight @ token, dim=0)
+        probs_sum += p
+        top = sorted(range(E), key=lambda e: -p[e])[:k]
+        y = moe.shared_expert(token)
+        for e in top:
+            counts[e] += 1
+            h = torch.nn.functional.gelu(moe.experts.w_fc[e] @ token)
+            y = y + p[e] / sum(p[j] for j in top) * (moe.experts.w_proj[e] @ h)
+        outs.append(y)
+    aux = E * sum(counts[e] / (len(flat) * k) * probs_sum[e] / len(flat) for e in range(E))
+    return torch.stack(outs).reshape(x.shape), aux
+
+
+def test_moe_equals_its_token_by_token_definition():
+    torch.manual_seed(0)
+    model = tiny(n_expert=4, n_expert_active=2, n_shared_expert=1, expert_hidden=24)
+    moe = model.blocks[0].mlp
+    assert moe.experts.w_fc.shape == (4, 24, 32) and moe.experts.w_proj.shape == (4, 32, 24)
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        got = moe(x)
+        want, aux = _moe_reference(moe, x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(moe.aux_loss, aux.float(), rtol=1e-5, atol=1e-6)
+    idx = torch.randint(0, 64, (2, 16))
+    model.train()
+    ce_plus_aux = model(idx, idx)[1]
+    model.eval()
+    ce = model(idx, idx)[1]  # evaluation: cross-entropy alone
+    model.train()
+    model(idx, idx)
+    torch.testing.assert_close(ce_plus_aux, ce + 0.01 * model.aux_loss(), rtol=1e-6, atol=1e-6)
+
+
+def test_muon_orthogonalises_each_expert_of_a_stack_on_its_own():
+    """The experts of a 3-D stack (E, out, in) are E matrices: one Muon step on the stack equals, expert
+    by expert, the step on E separate 2-D parameters with the same gradients (float32 orthogonalisation;
+    a tolerance, as a batched matmul need not round like per-matrix ones). Orthogonalising the stack as
+    one (E out, in) matrix would be another update."""
+    torch.manual_seed(0)
+    grads = torch.randn(4, 24, 32)
+    stack = torch.nn.Parameter(torch.zeros(4, 24, 32))
+    parts = [torch.nn.Parameter(torch.zeros(24, 32)) for _ in range(4)]
+    opts = [muonclip.Muon([{"params": ps, "algorithm": "muon"}], lr=1.0, weight_decay=0.0, orth_dtype=torch.float32)
+            for ps in ([stack], parts)]
+    stack.grad = grads.clone()
+    for p, g in zip(parts, grads):
+        p.grad = g.clone()
+    for o in opts:
+        o.step()
+    whole = muonclip.orthogonalize(grads.reshape(96, 32).float(), method="svd").reshape(4, 24, 32)
+    for e in range(4):
+        torch.testing.assert_close(stack.detach()[e], parts[e].detach(), rtol=1e-4, atol=1e-5)
+        rms = stack.detach()[e].pow(2).mean().sqrt()
+        assert 0.2 * 0.68 < rms < 0.2 * 1.13  # each expert moved by Muon's rms scale on its own
+        mine, joint = -stack.detach()[e], whole[e]
+        assert (mine / mine.norm() - joint / joint.norm()).norm() > 0.1  # not a block of the stack's polar factor

@@ -521,9 +521,9 @@ def test_cli_train_tensorboard_matches_the_jsonl_metrics_and_resume_purges(tmp_p
     pytest.importorskip("tensorboard")
     import shutil
 
-    from muonclip.cli.main import main
-    from muonclip.cli.metrics import read_rows
-    from muonclip.data import builtin_corpus_dir, read_document
+    from muonclip.app.data import builtin_corpus_dir, read_document
+    from muonclip.app.main import main
+    from muonclip.app.metrics import read_rows
     from muonclip.integrations.tensorboard import read_scalars
 
     text = tmp_path / "macbeth.txt"

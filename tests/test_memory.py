@@ -1,4 +1,4 @@
-"""The peak-memory estimate of a training step (`muonclip.cli.memory`) and the refusal of runs
+"""The peak-memory estimate of a training step (`muonclip.app.memory`) and the refusal of runs
 that cannot fit: against measured peaks, against torch's own choice of attention kernel, and
 through the command line."""
 
@@ -14,18 +14,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from muonclip.cli import memory
-from muonclip.cli.config import make_config
-from muonclip.cli.main import main
-from muonclip.cli.train import build_model
+from muonclip.app import memory
+from muonclip.app.config import make_config
+from muonclip.app.main import main
+from muonclip.app.train import build_model
 
 # One process: RSS after importing torch, then the peak RSS (VmHWM) over two training steps
 # and a validation pass of the config given as argv (the CLI's own model, optimizer and step).
 MEASURE = """
 import json, resource, sys
 import torch
-from muonclip.cli.config import make_config
-from muonclip.cli.train import build_model, build_optimizer, evaluate, forward_loss
+from muonclip.app.config import make_config
+from muonclip.app.train import build_model, build_optimizer, evaluate, forward_loss
 
 def rss():
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS:"))
@@ -151,7 +151,7 @@ def test_available_memory_is_read_from_the_system():
 
 @pytest.mark.parametrize("command", ["train", "compare"])
 def test_impossible_block_size_exits_2_at_once(tmp_path, capsys, monkeypatch, command):
-    """``muonclip train --set block_size=100000 --steps 2`` (66 GiB of activations): exit 2 in
+    """``muonclip train --set block_size=100000 --steps 2`` (23 GiB of activations): exit 2 in
     seconds, naming batch_size and block_size, nothing written (the machine's memory is fixed
     at 16 GiB here, so the outcome does not depend on the machine the test runs on)."""
     monkeypatch.setattr(memory, "available_memory", lambda device, ranks_here=1: 16 * 2**30)
@@ -160,6 +160,6 @@ def test_impossible_block_size_exits_2_at_once(tmp_path, capsys, monkeypatch, co
     rc = main([command, "--set", "block_size=100000", "--steps", "2", "--quiet", "--out", str(out)])
     assert rc == 2 and time.perf_counter() - start < 30
     err = capsys.readouterr().err
-    assert "muonclip: error: one training step needs about 66" in err
+    assert "muonclip: error: one training step needs about 23" in err
     assert "16.0 GiB available. Lower batch_size (now 16; " in err and "or block_size (now 100000; " in err
     assert not out.exists()

@@ -1,6 +1,6 @@
 """`TensorBoardWriter`: a run's per-step metrics as TensorBoard scalars (``muonclip train --tensorboard DIR``).
 
-Each row written by the CLI (see `muonclip.cli.metrics`) becomes scalars at ``global_step =
+Each row written by the CLI (see `muonclip.app.metrics`) becomes scalars at ``global_step =
 row["step"]``: every finite number under its key (``loss``, ``val_loss``, ``lr``,
 ``max_logit``, ``clipped_heads``, ``update_rms``, ``step_time``, ...), and list values per
 element, ``max_logits`` as ``max_logits/<i>`` and ``clipped`` as ``clipped/<i>`` (layer i).

@@ -11,10 +11,16 @@ Every attention call goes through `muonclip.scaled_dot_product_attention` with t
 (training mode, grad enabled) feed the clip, never evaluation or a forward under ``no_grad``
 (`muonclip.attention.recording`). Every attention module has ``qk_clip_layer(name)``
 returning the `AttentionLayer` that `MuonClip` clips. No QK-norm by default; with
-``qk_norm=True`` QK-Clip is refused (the norm undoes any scaling of W_q/W_k; design.md 1.3).
+``qk_norm=True`` QK-Clip is refused (the norm undoes any scaling of W_q/W_k; docs/design.md,
+"QK-Clip is never a silent no-op").
 
 Pre-norm blocks (RMSNorm), GELU MLP, no biases unless ``bias=True``, tied embeddings unless
-``tie_embeddings=False``.
+``tie_embeddings=False``. With ``n_expert > 0`` the MLP of every block is a mixture of experts
+(`MoE`, DeepSeek-V3 / Kimi K2 style): a router picks the top ``n_expert_active`` of
+``n_expert`` routed experts per token, whose weights are stored as one 3-D stack per projection
+(`Experts`: ``(E, out, in)``, which `muonclip.Muon` orthogonalises as E separate matrices in one
+batched call), plus ``n_shared_expert`` always-on shared experts; the training loss adds
+``aux_loss_weight`` times the load-balancing loss (`MoE.aux_loss`).
 """
 
 from __future__ import annotations
@@ -52,6 +58,13 @@ class GPTConfig:
         qk_norm: RMSNorm on per-head q and k (default False; MHA only; blocks QK-Clip).
         tie_embeddings: share the token embedding and the LM head (default True).
         dropout: dropout in attention and residuals (default 0.0).
+        n_expert: routed experts per block (default 0: a dense MLP instead of `MoE`).
+        n_expert_active: routed experts per token, top-k (default 2).
+        n_shared_expert: shared experts every token goes through (default 1).
+        expert_hidden: hidden width of each expert (default 0: ``4 * n_embd // (n_expert_active +
+            n_shared_expert)``, the dense MLP's width split over the experts a token uses).
+        aux_loss_weight: weight of the load-balancing loss added to the training loss
+            (default 0.01; only with experts, only in training mode).
     """
 
     vocab_size: int = 256
@@ -71,8 +84,19 @@ class GPTConfig:
     qk_norm: bool = False
     tie_embeddings: bool = True
     dropout: float = 0.0
+    n_expert: int = 0
+    n_expert_active: int = 2
+    n_shared_expert: int = 1
+    expert_hidden: int = 0
+    aux_loss_weight: float = 0.01
 
     def __post_init__(self) -> None:
+        if self.n_expert:
+            if not 1 <= self.n_expert_active <= self.n_expert:
+                raise ValueError(
+                    f"n_expert_active={self.n_expert_active} must be between 1 and n_expert={self.n_expert}")
+            if not self.expert_hidden:
+                self.expert_hidden = max(1, 4 * self.n_embd // (self.n_expert_active + self.n_shared_expert))
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         if self.attention not in ("mha", "mla"):
@@ -237,13 +261,77 @@ class MultiHeadLatentAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    """``c_proj(gelu(c_fc(x)))`` with ``hidden`` units (default 4 * n_embd)."""
+
+    def __init__(self, config: GPTConfig, hidden: int | None = None) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        hidden = hidden or 4 * config.n_embd
+        self.c_fc = nn.Linear(config.n_embd, hidden, bias=config.bias)
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class Experts(nn.Module):
+    """``num_experts`` GELU MLPs stored as one 3-D stack per projection: ``w_fc (E, H, C)`` and
+    ``w_proj (E, C, H)``, each expert's matrix laid out as ``nn.Linear`` stores it, (out, in).
+
+    ``forward(x (N, C), index (N, k), weight (N, k))``: token n's output is
+    ``sum_j weight[n, j] * expert_{index[n, j]}(x[n])``; each expert runs once on the tokens routed to it.
+    """
+
+    def __init__(self, num_experts: int, n_embd: int, hidden: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w_fc = nn.Parameter(torch.empty(num_experts, hidden, n_embd))
+        self.w_proj = nn.Parameter(torch.empty(num_experts, n_embd, hidden))
+
+    def forward(self, x: Tensor, index: Tensor, weight: Tensor) -> Tensor:
+        out = torch.zeros_like(x)
+        token = torch.arange(x.shape[0], device=x.device).repeat_interleave(index.shape[1])  # (N k,)
+        flat_index, flat_weight = index.reshape(-1), weight.reshape(-1)
+        for e in range(self.num_experts):
+            slots = (flat_index == e).nonzero().squeeze(1)
+            if slots.numel():
+                rows = token[slots]
+                h = F.gelu(x[rows] @ self.w_fc[e].T) @ self.w_proj[e].T  # (n_e, C)
+                out.index_add_(0, rows, h * flat_weight[slots, None])
+        return out
+
+
+class MoE(nn.Module):
+    """Mixture-of-experts feed-forward: ``router`` (a linear map to E scores, softmax), the top
+    ``n_expert_active`` routed experts per token weighted by their renormalised probabilities
+    (`Experts`), plus a shared dense expert of ``n_shared_expert * expert_hidden`` hidden units.
+
+    After a forward pass ``aux_loss`` holds the load-balancing loss of Switch Transformer /
+    GShard, ``E * sum_e f_e * P_e`` (f_e: share of the token-slots routed to expert e; P_e: mean
+    router probability of e), which is 1 when the load is uniform.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        C, H, E = config.n_embd, config.expert_hidden, config.n_expert
+        self.top_k = config.n_expert_active
+        self.router = nn.Linear(C, E, bias=False)
+        self.experts = Experts(E, C, H)
+        self.shared_expert = MLP(config, hidden=H * config.n_shared_expert) if config.n_shared_expert else None
+        self.aux_loss: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        flat = x.reshape(B * T, C)
+        probs = F.softmax(self.router(flat).float(), dim=-1)  # (N, E)
+        top, index = probs.topk(self.top_k, dim=-1)  # (N, k)
+        weight = (top / top.sum(dim=-1, keepdim=True)).to(x.dtype)
+        out = self.experts(flat, index, weight)
+        E = probs.shape[1]
+        share = torch.bincount(index.reshape(-1), minlength=E).to(probs.dtype) / index.numel()  # f_e (no gradient)
+        self.aux_loss = E * (share * probs.mean(dim=0)).sum()
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(flat)
+        return out.reshape(B, T, C)
 
 
 class Block(nn.Module):
@@ -252,7 +340,7 @@ class Block(nn.Module):
         self.ln_1 = nn.RMSNorm(config.n_embd)
         self.attn = CausalSelfAttention(config) if config.attention == "mha" else MultiHeadLatentAttention(config)
         self.ln_2 = nn.RMSNorm(config.n_embd)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.n_expert else MLP(config)
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -263,7 +351,8 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Decoder-only transformer: ``forward(idx (B, T) long, targets=None) -> (logits (B, T, V), loss)``.
 
-    ``loss`` is the mean cross-entropy against ``targets (B, T)`` (``-1`` = ignore), or None.
+    ``loss`` is the mean cross-entropy against ``targets (B, T)`` (``-1`` = ignore), or None; with
+    experts, in training mode, plus ``aux_loss_weight`` times the load-balancing loss (`aux_loss`).
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -278,8 +367,10 @@ class GPT(nn.Module):
             self.lm_head.weight = self.wte.weight
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2: scaled init of residual projections
-            if name.endswith(("o_proj.weight", "c_proj.weight")):
+            if name.endswith(("o_proj.weight", "c_proj.weight", "experts.w_proj")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+            elif name.endswith("experts.w_fc"):
+                nn.init.normal_(p, mean=0.0, std=0.02)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -301,7 +392,15 @@ class GPT(nn.Module):
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+            if self.training and self.config.n_expert and self.config.aux_loss_weight:
+                loss = loss + self.config.aux_loss_weight * self.aux_loss()
         return logits, loss
+
+    def aux_loss(self) -> Tensor:
+        """Sum over the blocks of the load-balancing loss of the last forward pass (`MoE.aux_loss`;
+        0 without experts)."""
+        parts = [b.mlp.aux_loss for b in self.blocks if isinstance(b.mlp, MoE) and b.mlp.aux_loss is not None]
+        return torch.stack(parts).sum() if parts else torch.zeros(())
 
     def attention_modules(self) -> list[nn.Module]:
         """The attention module of every block, in order."""
@@ -320,5 +419,6 @@ class GPT(nn.Module):
 
 
 __all__ = [
-    "GPT", "GPTConfig", "Block", "CausalSelfAttention", "MultiHeadLatentAttention", "MLP", "apply_rope", "rope_tables",
+    "GPT", "GPTConfig", "Block", "CausalSelfAttention", "Experts", "MLP", "MoE", "MultiHeadLatentAttention",
+    "apply_rope", "rope_tables",
 ]

@@ -3,9 +3,9 @@
 A run lives in one folder (``run_dir``)::
 
     config.json      the RunConfig and the optimizer
-    metrics.jsonl    one row per step (see muonclip.cli.metrics)
+    metrics.jsonl    one row per step (see muonclip.app.metrics)
     metrics.csv      the same rows as CSV
-    checkpoint.pt    the latest checkpoint (see muonclip.cli.checkpoint)
+    checkpoint.pt    the latest checkpoint (see muonclip.distributed.checkpoint)
 
 Step s (0-based) of every run: the batch ``train_batch(corpus, s, seed)``, learning rate
 ``peak * lr_factor(s)`` (linear warm-up, cosine decay to ``peak * min_lr_ratio``), forward,
@@ -18,7 +18,7 @@ a checkpoint every ``checkpoint_every`` steps and at the end.
 Resume is bit-identical: batches depend only on (seed, step), the learning rate only on
 the step, and the checkpoint holds model, optimizer and RNG state.
 
-Under ``torchrun`` (see `muonclip.cli.distributed`): DDP, or FSDP2 with ``fsdp=True``;
+Under ``torchrun`` (see `muonclip.app.launch`): DDP, or FSDP2 with ``fsdp=True``;
 ``batch_size`` is the global batch and each rank trains on its block of rows, so the run
 equals the one-process run up to float reduction order; rank 0 alone prints and writes
 metrics; checkpoints are sharded (``checkpoint.dcp.json`` + ``checkpoint-step<N>.dcp/``) and
@@ -42,6 +42,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,33 +50,41 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..data import Corpus, check_fits, corpus_warnings, load_corpus, train_batch, val_batches
-from ..integrations.stats import UpdateRMS
-from ..optim import NonFiniteGradError, param_groups
-from .checkpoint import check_compatible, rng_state, save_checkpoint, set_rng_state
-from .config import RunConfig, check_optimizer
-from .distributed import (
-    SINGLE,
-    DistEnv,
-    all_max,
-    all_mean,
-    all_sum,
-    check_batch,
-    current_env,
+from ..distributed.checkpoint import (
+    FILE_CHECKPOINT,
+    check_compatible,
     find_checkpoint,
     has_checkpoint,
     load_full_into_sharded,
     load_sharded,
-    rank_rows,
     remove_sharded,
+    rng_state,
+    save_file,
     save_sharded,
+    set_rng_state,
+)
+from ..distributed.context import SINGLE, GroupContext
+from ..integrations.stats import UpdateRMS
+from ..optim import NonFiniteGradError, param_groups
+from .config import MODEL_FIELDS, RunConfig, check_optimizer
+from .data import Corpus, check_fits, corpus_warnings, load_corpus, train_batch, val_batches
+from .launch import (
+    all_max,
+    all_mean,
+    all_sum,
+    check_batch,
+    current_group,
+    device,
+    is_active,
+    mode,
+    rank_rows,
     wrap_model,
 )
 from .memory import check_memory
 from .metrics import MetricsWriter
-from .progress import Progress
+from .probes import ExpertRMS, MLAClipAudit
 
-CHECKPOINT = "checkpoint.pt"
+CHECKPOINT = FILE_CHECKPOINT
 CONFIG = "config.json"
 
 
@@ -88,10 +97,13 @@ class NonFiniteLossError(FloatingPointError):
     good checkpoint is kept."""
 
     def __init__(self, step: int, detail: str, checkpoint: Path | None) -> None:
-        self.step, self.checkpoint = step, checkpoint
+        self.step, self.detail, self.checkpoint = step, detail, checkpoint
         kept = f"the last good checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written yet"
         super().__init__(f"non-finite {detail} at step {step}; training stopped, {kept}. "
                          "Lower the learning rate or resume from the checkpoint with other settings.")
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable: raised in compare's worker processes
+        return type(self), (self.step, self.detail, self.checkpoint)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -100,6 +112,9 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, step: int, checkpoint: Path) -> None:
         self.step, self.checkpoint = step, checkpoint
         super().__init__(f"interrupted after step {step}; checkpoint saved to {checkpoint}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.step, self.checkpoint)
 
 
 @dataclass
@@ -115,11 +130,20 @@ class RunResult:
 
 def build_model(cfg: RunConfig) -> nn.Module:
     """The reference GPT of ``cfg``, initialised from ``torch.manual_seed(cfg.seed)``."""
-    from ..models import GPT, GPTConfig
+    from ..models import GPT
 
     torch.manual_seed(cfg.seed)
-    return GPT(GPTConfig(vocab_size=256, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                         n_kv_head=cfg.n_kv_head, n_embd=cfg.n_embd, attention=cfg.attention, qk_norm=cfg.qk_norm))
+    return GPT(model_config(cfg))
+
+
+def model_config(cfg: RunConfig) -> Any:
+    """The `muonclip.models.GPTConfig` of ``cfg`` (byte vocabulary)."""
+    from ..models import GPTConfig
+
+    return GPTConfig(vocab_size=256, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                     n_kv_head=cfg.n_kv_head, n_embd=cfg.n_embd, attention=cfg.attention, qk_norm=cfg.qk_norm,
+                     n_expert=cfg.n_expert, n_expert_active=cfg.n_expert_active, n_shared_expert=cfg.n_shared_expert,
+                     expert_hidden=cfg.expert_hidden, aux_loss_weight=cfg.aux_loss_weight)
 
 
 def build_optimizer(name: str, model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
@@ -151,13 +175,14 @@ def build_optimizer(name: str, model: nn.Module, cfg: RunConfig) -> torch.optim.
                     orth_dtype=orth_dtype)
 
 
-def lr_factor(step: int, cfg: RunConfig) -> float:
-    """Multiplier of the peak lr at 0-based ``step``: linear warm-up over ``warmup_steps``, then
-    cosine from 1 down to ``min_lr_ratio`` at the last step."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.steps - cfg.warmup_steps - 1)
-    t = min(1.0, (step - cfg.warmup_steps) / span)
+def lr_factor(step: int, cfg: RunConfig, optimizer: str) -> float:
+    """Multiplier of the peak lr at 0-based ``step`` of a run of ``optimizer``: linear warm-up over
+    ``cfg.warmup(optimizer)`` steps, then cosine from 1 down to ``min_lr_ratio`` at the last step."""
+    warmup = cfg.warmup(optimizer)
+    if step < warmup:
+        return (step + 1) / warmup
+    span = max(1, cfg.steps - warmup - 1)
+    t = min(1.0, (step - warmup) / span)
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * t))
 
 
@@ -177,7 +202,7 @@ def evaluate(model: nn.Module, batches: list[tuple[Tensor, Tensor]]) -> float:
 
 
 def read_max_logits(model: nn.Module, optimizer: torch.optim.Optimizer,
-                    env: DistEnv = SINGLE) -> tuple[list[float], list[int]]:
+                    ctx: GroupContext = SINGLE) -> tuple[list[float], list[int]]:
     """Per-layer max logit of the step and per-layer count of clipped heads (0 without QK-Clip).
 
     Under torchrun, call on every rank: MuonClip's maxima are already reduced over the ranks;
@@ -197,7 +222,7 @@ def read_max_logits(model: nn.Module, optimizer: torch.optim.Optimizer,
     keys = names if all(k in logits_map for k in names) else list(logits_map)
     maxes = [float(logits_map[k].max()) for k in keys]
     if reduce:
-        maxes = all_max(maxes, env)
+        maxes = all_max(maxes, ctx)
     clipped = [int(clipped_map[k].sum()) if k in clipped_map else 0 for k in keys]
     return maxes, clipped
 
@@ -242,16 +267,40 @@ def _install_sigterm(flag: dict[str, bool]) -> Any:
     return signal.signal(signal.SIGTERM, handler)
 
 
-def _check_memory(cfg: RunConfig, optimizer: str, env: DistEnv) -> None:
-    """`muonclip.cli.memory.check_memory` on every rank; under torchrun all ranks stop together
+def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> float:
+    """Scale the gradients so that their global L2 norm is at most ``max_norm``; return the norm
+    before scaling (non-finite: the caller stops the run before the optimizer step).
+
+    Plain tensors: ``torch.nn.utils.clip_grad_norm_``. DTensor gradients (FSDP2, tensor
+    parallel) may live on different meshes (FSDP2's data-parallel mesh and a 2-D one), which
+    torch's version cannot stack; each gradient's norm is then reduced on its own mesh (one
+    scalar all-reduce each: call on every rank) and the gradients are scaled in place.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
+    if not any(hasattr(g, "full_tensor") for g in grads):
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    norms = [torch.linalg.vector_norm(g) for g in grads]
+    total = float(torch.linalg.vector_norm(torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n
+                                                        for n in norms])))
+    if math.isfinite(total) and total > max_norm:
+        coef = max_norm / (total + 1e-6)
+        for g in grads:
+            g.mul_(coef)
+    return total
+
+
+def _check_memory(cfg: RunConfig, optimizer: str, ctx: GroupContext, fsdp: bool) -> None:
+    """`muonclip.app.memory.check_memory` on every rank; under torchrun all ranks stop together
     (one all-reduce) when one of them has too little memory, rank 0 with the message."""
+    dev = device(ctx)
     try:
-        check_memory(cfg, optimizer, env.device, world_size=env.world_size, fsdp=env.fsdp,
-                     ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env.device.type == "cpu" else 1)
+        check_memory(cfg, optimizer, dev, world_size=ctx.world_size, fsdp=fsdp,
+                     ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if dev.type == "cpu" else 1)
         short: ValueError | None = None
     except ValueError as e:
         short = e
-    if env.active and all_max([float(short is not None)], env)[0] > 0:
+    if is_active(ctx, fsdp) and all_max([float(short is not None)], ctx)[0] > 0:
         raise short or ValueError("another rank has too little memory for one training step; see rank 0's message")
     if short is not None:
         raise short
@@ -273,64 +322,60 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
         run_dir: the run's folder (created).
         resume: continue from ``run_dir/checkpoint.pt`` (default False).
         corpus: a loaded corpus (default None: ``load_corpus(cfg.data, cfg.val_fraction)``).
-        progress: show the progress bar on stderr (default True).
+        progress: show a progress bar (tqdm) on stderr (default True).
         label: progress-bar label (default: the optimizer name).
         tensorboard: also write every metrics row as TensorBoard scalars to this folder (default
             None; needs the ``tensorboard`` extra; see `muonclip.integrations.tensorboard`).
         fsdp: shard the model with FSDP2 (default False: DDP when a process group of several
-            ranks is initialised, see `muonclip.cli.distributed.session`; else one process).
-        warn: print `muonclip.data.corpus_warnings` (a run that reads its training text more
+            ranks is initialised, see `muonclip.app.launch.session`; else one process).
+        warn: print `muonclip.app.data.corpus_warnings` (a run that reads its training text more
             than 10 times, a validation split smaller than one batch) to stderr before training
-            (default True; `muonclip.cli.compare.compare` prints them once for all its runs).
+            (default True; `muonclip.app.compare.compare` prints them once for all its runs).
         tp: tensor-parallel size (default 1: none); > 1 needs ``fsdp``: the ranks form a
             ``(world / tp, tp)`` mesh, each block tensor-parallel over ``tp`` ranks
             (`muonclip.models.parallel`), FSDP2 over the other dimension.
 
     Raises:
         DataError, OutputError, CheckpointError, ValueError: bad input (also: one step would not fit
-            in memory, `muonclip.cli.memory`); nothing written.
+            in memory, `muonclip.app.memory`); nothing written.
         NonFiniteLossError: NaN/inf loss, gradient or validation loss; last good checkpoint kept.
         Interrupted: Ctrl-C; checkpoint of the last finished step written.
     """
     check_optimizer(optimizer)
     run_dir = Path(run_dir)
     cfg.validate()
-    env = current_env(fsdp, tp)
-    check_batch(cfg.batch_size, env)
-    _check_memory(cfg, optimizer, env)
+    ctx = current_group(fsdp, tp)
+    active, main, dev = is_active(ctx, fsdp), ctx.rank == 0, device(ctx)
+    check_batch(cfg.batch_size, ctx, tp)
+    _check_memory(cfg, optimizer, ctx, fsdp)
     check_out_dir(run_dir, resume=resume)
     if corpus is None:
         corpus = load_corpus(cfg.data, cfg.val_fraction)
     check_fits(corpus, cfg.batch_size, cfg.block_size)
-    if warn and env.is_main:
+    if warn and main:
         for warning in corpus_warnings(corpus, steps=cfg.steps, batch_size=cfg.batch_size, block_size=cfg.block_size):
             print(f"muonclip: warning: {warning}", file=sys.stderr)
-    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // env.world_size))
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // ctx.world_size))
 
     model = build_model(cfg)
     start, extra = 0, {"elapsed": 0.0, "last_val_loss": float("nan")}
     found = find_checkpoint(run_dir) if resume else None
     if found is not None:
-        if found.kind == "file":
-            check_compatible(found.data, optimizer=optimizer, config=cfg.to_dict(), model=model, path=found.path)
-        else:
-            shapes = {k: torch.empty(v, device="meta") for k, v in found.data["shapes"].items()}
-            check_compatible({**found.data, "model": shapes}, optimizer=optimizer, config=cfg.to_dict(),
-                             model=model, path=found.path)
+        check_compatible(found, optimizer=optimizer, config=cfg.to_dict(), model=model, fields=MODEL_FIELDS)
         if found.step > cfg.steps:
             raise ValueError(f"the checkpoint is at step {found.step}, past steps={cfg.steps}; raise --steps")
         if found.kind == "file":
             model.load_state_dict(found.data["model"])  # before wrapping: DDP/FSDP2 take the loaded weights
         start = found.step
         extra.update(found.data.get("extra") or {})
-    train_model, model = wrap_model(model, env)
+    train_model, model = wrap_model(model, ctx, fsdp, tp)
     opt = build_optimizer(optimizer, model, cfg)
     base_lrs = [g["lr"] for g in opt.param_groups]  # the peaks: a loaded state holds the last scheduled lr
     if found is not None:
         if found.kind == "sharded":
             set_rng_state(load_sharded(run_dir, found.data, model, opt))
         else:
-            if env.fsdp:
+            if fsdp:
                 def build_plain() -> tuple[nn.Module, torch.optim.Optimizer]:
                     plain = build_model(cfg)
                     return plain, build_optimizer(optimizer, plain, cfg)
@@ -342,7 +387,7 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
     ckpt_path = run_dir / CHECKPOINT
 
     tb = None
-    if tensorboard is not None and env.is_main:
+    if tensorboard is not None and main:
         from ..integrations.tensorboard import TensorBoardWriter
 
         try:
@@ -350,7 +395,7 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
         except ImportError as e:
             raise ValueError(f"--tensorboard: {e}") from None
     writer = None
-    if env.is_main:
+    if main:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             with open(run_dir / CONFIG, "w", encoding="utf-8") as f:
@@ -358,43 +403,44 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
         except OSError as e:
             raise OutputError(f"--out {run_dir}: cannot write ({e}); choose another --out") from None
         writer = MetricsWriter(run_dir, cfg.n_layer, keep_until=start if resume else None)
-    val = [(rank_rows(x, env), rank_rows(y, env)) for x, y in
+    val = [(rank_rows(x, ctx, dev, tp), rank_rows(y, ctx, dev, tp)) for x, y in
            val_batches(corpus, n_batches=cfg.eval_batches, batch_size=cfg.batch_size, block_size=cfg.block_size)]
     rms_meter = UpdateRMS(opt, params=_hidden_matrices(model))
+    # one process: per-expert update RMS (3-D expert stacks) and the factors of each clipped MLA head
+    expert_meter = ExpertRMS(opt, model) if not active and any(p.ndim == 3 for p in model.parameters()) else None
+    audit = MLAClipAudit(opt, model) if not active else None
     tokens_per_step = cfg.batch_size * cfg.block_size
-    bar = Progress(label or optimizer, cfg.steps, start=start, tokens_per_step=tokens_per_step,
-                   enabled=progress and env.is_main)
+    bar = progress_bar(label or optimizer, cfg.steps, start, tokens_per_step, enabled=progress and main)
     last_saved: Path | None = found.path if found is not None else None
     elapsed0 = float(extra["elapsed"])
     t_start = time.perf_counter()
 
     def save(step: int) -> Path:
         extra["elapsed"] = elapsed0 + time.perf_counter() - t_start
-        if env.active:
-            meta = {"optimizer": optimizer, "config": cfg.to_dict(), "step": step, "extra": dict(extra)}
-            return save_sharded(run_dir, model, opt, env, meta=meta, rng=rng_state())
-        path = save_checkpoint(ckpt_path, {
-            "optimizer": optimizer, "config": cfg.to_dict(), "step": step, "model": model.state_dict(),
-            "optim": opt.state_dict(), "rng": rng_state(), "extra": dict(extra),
-        })
+        meta = {"optimizer": optimizer, "config": cfg.to_dict(), "step": step, "extra": dict(extra)}
+        if active:
+            return save_sharded(run_dir, model, opt, ctx, meta={**meta, "mode": mode(ctx, fsdp, tp)},
+                                rng=rng_state())
+        path = save_file(ckpt_path, {**meta, "model": model.state_dict(), "optim": opt.state_dict(),
+                                     "rng": rng_state()})
         remove_sharded(run_dir)  # a resumed sharded run now continues in checkpoint.pt
         return path
 
     flag, old_handler = _install_sigint()
-    old_term = _install_sigterm(flag) if env.active else None
+    old_term = _install_sigterm(flag) if active else None
     train_model.train()
     try:
         for step in range(start, cfg.steps):
-            factor = lr_factor(step, cfg)
+            factor = lr_factor(step, cfg, optimizer)
             for g, lr in zip(opt.param_groups, base_lrs):
                 g["lr"] = lr * factor
             x, y = train_batch(corpus, step, batch_size=cfg.batch_size, block_size=cfg.block_size, seed=cfg.seed)
-            x, y = rank_rows(x, env), rank_rows(y, env)
+            x, y = rank_rows(x, ctx, dev, tp), rank_rows(y, ctx, dev, tp)
             t0 = time.perf_counter()
             loss = forward_loss(train_model, x, y)
             stop_now = False
-            if env.active:  # one all-reduce: the mean loss (non-finite if any rank's is) and Ctrl-C on any rank
-                loss_value, stops = all_mean([float(loss.detach()), float(flag["stop"])], env)
+            if active:  # one all-reduce: the mean loss (non-finite if any rank's is) and Ctrl-C on any rank
+                loss_value, stops = all_mean([float(loss.detach()), float(flag["stop"])], ctx)
                 stop_now = stops > 0
             else:
                 loss_value = float(loss.detach())
@@ -402,45 +448,59 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
                 raise NonFiniteLossError(step + 1, f"loss ({loss_value})", last_saved)
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            if cfg.grad_clip > 0:  # on every rank: the norm of DTensor gradients is reduced over the group
+                norm = clip_grad_norm(model.parameters(), cfg.grad_clip)
+                if not math.isfinite(norm):
+                    raise NonFiniteLossError(step + 1, f"gradient (global norm {norm})", last_saved)
             rms_meter.before()
+            if expert_meter is not None:
+                expert_meter.before()
             try:
                 opt.step()
             except NonFiniteGradError as e:
                 rms_meter.discard()
                 raise NonFiniteLossError(step + 1, f"gradient ({e})", last_saved) from None
             clip_stats = opt.clip_stats() if callable(getattr(opt, "clip_stats", None)) else {}
-            maxes, clipped = read_max_logits(model, opt, env)
-            rms = rms_meter.after(reduce=(lambda v: all_sum(v, env)) if env.fsdp else None)
+            maxes, clipped = read_max_logits(model, opt, ctx)
+            rms = rms_meter.after(reduce=(lambda v: all_sum(v, ctx)) if fsdp else None)
+            probes: dict[str, Any] = {}
+            if expert_meter is not None:
+                probes["expert_rms"] = expert_meter.after()
+            if audit is not None and (events := audit.events()):
+                probes["clip_audit"] = events
             step_time = time.perf_counter() - t0
             done = step + 1
             val_loss = None
             if done % cfg.eval_every == 0 or done == cfg.steps:
-                val_loss = all_mean([evaluate(model, val)], env)[0]  # the same value on every rank
+                val_loss = all_mean([evaluate(model, val)], ctx)[0]  # the same value on every rank
                 if not math.isfinite(val_loss):
                     raise NonFiniteLossError(done, f"validation loss ({val_loss})", last_saved)
                 extra["last_val_loss"] = val_loss
-                bar.extra = f" | val {val_loss:.4f}"
             row = {
                 "step": done, "tokens": done * tokens_per_step, "loss": loss_value, "val_loss": val_loss,
                 "lr": cfg.lr(optimizer) * factor, "max_logit": max(maxes) if maxes else None,
                 "max_logits": maxes, "clipped_heads": sum(clipped), "clipped": clipped,
                 "max_logit_is_bound": int(clip_stats.get("max_logit_is_bound", 0.0)) if maxes else None,
                 "update_rms": rms, "step_time": step_time,
-                "elapsed": elapsed0 + time.perf_counter() - t_start,
+                "elapsed": elapsed0 + time.perf_counter() - t_start, **probes,
             }
             if writer is not None:
                 writer.write(row)
             if tb is not None:
                 tb.write(row)
-            bar.update(done, loss_value)
+            shown = f"loss {loss_value:.4f}"
+            if math.isfinite(extra["last_val_loss"]):
+                shown += f", val {extra['last_val_loss']:.4f}"
+            bar.set_postfix_str(shown, refresh=False)
+            bar.update(1)
             if done % cfg.checkpoint_every == 0 or done == cfg.steps:
                 last_saved = save(done)
-            if stop_now or (flag["stop"] and not env.active):
+            if stop_now or (flag["stop"] and not active):
                 if last_saved is None or done % cfg.checkpoint_every:
                     last_saved = save(done)
-                bar.close()
                 raise Interrupted(done, last_saved)
     finally:
+        bar.close()
         if writer is not None:
             writer.close()
         if tb is not None:
@@ -449,12 +509,25 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
             signal.signal(signal.SIGINT, old_handler)
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
-    bar.close()
     return RunResult(optimizer, run_dir, cfg.steps, float(extra["last_val_loss"]),
                      elapsed0 + time.perf_counter() - t_start)
 
 
+def progress_bar(label: str, total: int, start: int, tokens_per_step: int, *, enabled: bool) -> Any:
+    """A tqdm bar of a run on stderr: tokens done of the run's total, the last losses, tokens/s and
+    the ETA (``disable`` when not ``enabled``; ``update(1)`` per step). On a terminal it redraws in
+    place; in a log file or CI it writes at most every 30 s."""
+    from tqdm import tqdm
+
+    tty = sys.stderr.isatty()
+    return tqdm(total=total, initial=start, desc=label, unit="tok", unit_scale=tokens_per_step, disable=not enabled,
+                file=sys.stderr, dynamic_ncols=tty, mininterval=0.1 if tty else 30.0, leave=True,
+                bar_format="{desc}: {n_fmt}/{total_fmt} [{bar:20}] {percentage:3.0f}% | {postfix} | {rate_fmt} "
+                           "| ETA {remaining}")
+
+
 __all__ = [
     "CHECKPOINT", "CONFIG", "Interrupted", "NonFiniteLossError", "OutputError", "RunResult", "build_model",
-    "build_optimizer", "evaluate", "forward_loss", "lr_factor", "read_max_logits", "train_run",
+    "build_optimizer", "evaluate", "forward_loss", "lr_factor", "model_config", "progress_bar", "read_max_logits",
+    "train_run",
 ]

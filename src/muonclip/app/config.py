@@ -1,0 +1,326 @@
+"""The typed configuration of a run, its presets, and command-line overrides.
+
+One `RunConfig` describes the model, the data, the optimisation and the bookkeeping of a
+`muonclip train` run, and the protocol of a `muonclip compare` (seeds, token budgets, the
+stability segment). Presets:
+
+* ``default`` — what ``muonclip compare`` (``make compare``) runs: a 2-layer, 64-wide GPT on
+  the built-in Shakespeare corpus; token efficiency (AdamW at 1x–3x the tokens against Muon)
+  and stability (Muon against MuonClip), 3 seeds each, in about 5 minutes on 2 CPU cores. Its
+  learning rates and warm-ups are the tuned values of ``muonclip compare --sweep``.
+* ``tiny`` — a 2-layer, 32-wide GPT, 2 seeds, 2 budgets, for tests: seconds.
+* ``k2-mini`` — a mini Kimi K2: MLA attention with decoupled RoPE and a mixture-of-experts
+  feed-forward (8 routed experts stored as one 3-D stack, top-2, one shared expert, the
+  load-balancing loss), 1 seed, a few minutes on 2 cores; the report shows MuonClip's clips per
+  layer, the factors applied to each part of a clipped MLA head, and each expert's update RMS.
+  Its rates are not tuned (it shows the clip and the experts, not a token ratio).
+
+Learning rates are per optimizer (``lr_adamw``, ``lr_muon``, ``lr_muonclip``): the
+embeddings, LM head and norm gains are trained by AdamW at ``lr_adamw`` in all three runs, so a
+comparison isolates what Muon does to the hidden matrices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, get_args, get_origin, get_type_hints
+
+OPTIMIZERS = ("adamw", "muon", "muonclip")
+ATTENTIONS = ("mha", "mla")
+ORTH_DTYPES = ("bfloat16", "float32")
+# Fields that fix the model's shape: a checkpoint only resumes into the same ones.
+MODEL_FIELDS = ("block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "attention", "qk_norm", "n_expert",
+                "n_expert_active", "n_shared_expert", "expert_hidden")
+
+
+@dataclass
+class RunConfig:
+    """Everything that defines a run, and the protocol of a comparison. Defaults are the ``default`` preset.
+
+    Model (the reference GPT, `muonclip.models.GPT`; byte vocabulary of 256):
+        block_size: context length in tokens (default 128).
+        n_layer: transformer blocks (default 2).
+        n_head: query heads per layer (default 2).
+        n_kv_head: key/value heads, for GQA/MQA (default None: = n_head, plain MHA).
+        n_embd: model width (default 64).
+        attention: ``"mha"`` (covers GQA/MQA with n_kv_head) or ``"mla"`` (default "mha").
+        qk_norm: RMSNorm on q and k after the projections (default False; QK-Clip cannot
+            clip such heads and says so).
+        n_expert: routed experts of a mixture-of-experts feed-forward, stored as one 3-D stack
+            (default 0: a dense MLP); see `muonclip.models.GPTConfig`.
+        n_expert_active: experts per token, top-k (default 2).
+        n_shared_expert: always-on shared experts (default 1).
+        expert_hidden: hidden width of each expert (default 0: 4 * n_embd / (n_expert_active +
+            n_shared_expert), the dense MLP's active width).
+        aux_loss_weight: weight of the load-balancing loss added to the training loss (default 0.01).
+
+    Data:
+        data: a text file or folder of .txt/.md files (default None: the built-in plays).
+        val_fraction: share of each document's end held out for validation (default 0.05).
+        batch_size: sequences per step (default 16).
+
+    Optimisation:
+        steps: optimizer steps (default 400).
+        lr_adamw, lr_muon, lr_muonclip: peak learning rate of each optimizer (defaults 0.03394,
+            0.04, 0.04: the tuned values of ``muonclip compare --sweep`` on the default preset,
+            every one strictly inside its grid, see docs/compare.md; ``k2-mini`` uses 6e-3, 2e-2,
+            2e-2, untuned, and so does ``tiny``); the AdamW branch of Muon/MuonClip uses lr_adamw.
+        weight_decay: decoupled weight decay on matrices (default 0.1; never on vectors).
+        grad_clip: the gradients of all parameters are scaled so that their global L2 norm is at
+            most this, before every optimizer's step (``torch.nn.utils.clip_grad_norm_``; default
+            1.0; 0 turns it off). A non-finite norm stops the run (exit 3) before the step.
+        warmup_steps: linear warm-up steps (default 20), for every optimizer whose own is None.
+        warmup_adamw, warmup_muon, warmup_muonclip: the optimizer's own warm-up; None:
+            warmup_steps (defaults 200, 20, 20: tuned by ``--sweep`` on the default preset; the
+            ``tiny`` and ``k2-mini`` presets use warmup_steps).
+        min_lr_ratio: cosine decay from the peak down to peak * min_lr_ratio (default 0.1).
+        tau: QK-Clip threshold on the max logit, also drawn on the plots (default 100, K2's).
+        orth_dtype: compute dtype of Muon's orthogonalisation, ``"bfloat16"`` (default, the
+            paper's) or ``"float32"`` (slower; for exact comparisons, e.g. a torchrun run
+            against one process).
+
+    Comparison (``muonclip compare`` only; see `muonclip.app.compare`):
+        seeds: seeds per setting, ``seed``, ``seed + 1``, ... (default 3).
+        budgets: AdamW's token budgets, in multiples of ``steps`` (default 1, 1.5, 2, 3).
+        lr_adamw_budgets: AdamW's peak rate at each budget (default 0.03394, 0.03394, 0.03394, 0.03394: tuned at each
+            budget by ``--sweep``; (): lr_adamw at every one).
+        stability_steps: steps of the stability segment, Muon against MuonClip with no weight
+            decay, a constant rate after warm-up and ``stability_tau`` (default 300; 0: none).
+        stability_lr: peak rate of Muon and MuonClip in that segment (default 0.1, 2.5 times Muon's
+            tuned rate: plain Muon's max logit then passes 3 tau within the segment on every seed).
+        stability_tau: tau of that segment (default 30, K2's small-model setting).
+
+    Bookkeeping:
+        seed: model initialisation and batch order (default 0).
+        eval_every: steps between validation passes (default 50; the last step always).
+        eval_batches: validation batches per pass (default 16).
+        checkpoint_every: steps between checkpoints (default 100; the last step always).
+        threads: torch CPU threads (default 0: every core; ``compare`` with several jobs: the
+            cores shared between them).
+    """
+
+    block_size: int = 128
+    n_layer: int = 2
+    n_head: int = 2
+    n_kv_head: int | None = None
+    n_embd: int = 64
+    attention: str = "mha"
+    qk_norm: bool = False
+    n_expert: int = 0
+    n_expert_active: int = 2
+    n_shared_expert: int = 1
+    expert_hidden: int = 0
+    aux_loss_weight: float = 0.01
+    data: str | None = None
+    val_fraction: float = 0.05
+    batch_size: int = 16
+    steps: int = 400
+    lr_adamw: float = 0.03394
+    lr_muon: float = 0.04
+    lr_muonclip: float = 0.04
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    warmup_steps: int = 20
+    warmup_adamw: int | None = 200
+    warmup_muon: int | None = 20
+    warmup_muonclip: int | None = 20
+    min_lr_ratio: float = 0.1
+    tau: float = 100.0
+    orth_dtype: str = "bfloat16"
+    seeds: int = 3
+    budgets: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0)
+    lr_adamw_budgets: tuple[float, ...] = (0.03394, 0.03394, 0.03394, 0.03394)
+    stability_steps: int = 300
+    stability_lr: float = 0.1
+    stability_tau: float = 30.0
+    seed: int = 0
+    eval_every: int = 50
+    eval_batches: int = 16
+    checkpoint_every: int = 100
+    threads: int = 0
+    preset: str = field(default="default", metadata={"doc": "the preset this config started from"})
+
+    def warmup(self, optimizer: str) -> int:
+        """The warm-up steps of ``optimizer``: its own field, else ``warmup_steps``."""
+        check_optimizer(optimizer)
+        own = getattr(self, f"warmup_{optimizer}")
+        return self.warmup_steps if own is None else int(own)
+
+    def lr(self, optimizer: str) -> float:
+        """The peak learning rate of ``optimizer`` ("adamw", "muon" or "muonclip")."""
+        check_optimizer(optimizer)
+        return float(getattr(self, f"lr_{optimizer}"))
+
+    def validate(self) -> RunConfig:
+        """Raise ValueError naming the field and the fix if any value is out of range (nan and
+        +-inf are out of every range); return self."""
+        positive = ("block_size", "n_layer", "n_head", "n_embd", "batch_size", "steps", "eval_every",
+                    "eval_batches", "checkpoint_every")
+        for name in positive:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for f in dataclasses.fields(self):  # nan and inf are never a setting: they end as NaN weights
+            v = getattr(self, f.name)
+            for x in v if isinstance(v, (tuple, list)) else [v]:
+                if isinstance(x, float) and not math.isfinite(x):
+                    raise ValueError(f"{f.name} must be a finite number, got {v!r}")
+        for name in ("lr_adamw", "lr_muon", "lr_muonclip", "tau", "stability_lr", "stability_tau"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("warmup_adamw", "warmup_muon", "warmup_muonclip"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 or None, got {getattr(self, name)!r}")
+        if self.seeds < 1 or self.stability_steps < 0:
+            raise ValueError(f"seeds must be >= 1 and stability_steps >= 0, got {self.seeds}, {self.stability_steps}")
+        budgets = list(self.budgets)
+        if 1.0 not in budgets or any(not b > 0 for b in budgets) or len(set(budgets)) != len(budgets) \
+                or budgets != sorted(budgets):
+            raise ValueError(f"budgets must be increasing multiples > 0 of steps, one of them 1, got {self.budgets}")
+        if self.lr_adamw_budgets and (len(self.lr_adamw_budgets) != len(self.budgets)
+                                      or any(not v > 0 for v in self.lr_adamw_budgets)):
+            raise ValueError(f"lr_adamw_budgets must be empty or one rate > 0 per budget {self.budgets}, "
+                             f"got {self.lr_adamw_budgets}; set both (--set lr_adamw_budgets= for lr_adamw at "
+                             "every budget)")
+        if self.n_expert < 0 or self.n_shared_expert < 0 or self.expert_hidden < 0 or self.aux_loss_weight < 0:
+            raise ValueError("n_expert, n_shared_expert, expert_hidden and aux_loss_weight must be >= 0")
+        if self.n_expert and not 1 <= self.n_expert_active <= self.n_expert:
+            raise ValueError(f"n_expert_active ({self.n_expert_active}) must be between 1 and n_expert "
+                             f"({self.n_expert})")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.grad_clip < 0:
+            raise ValueError(f"grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
+        if self.warmup_steps < 0 or self.threads < 0:
+            raise ValueError("warmup_steps and threads must be >= 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        if self.orth_dtype not in ORTH_DTYPES:
+            raise ValueError(f"orth_dtype must be one of {ORTH_DTYPES}, got {self.orth_dtype!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.n_kv_head is not None and (self.n_kv_head < 1 or self.n_head % self.n_kv_head):
+            raise ValueError(f"n_kv_head ({self.n_kv_head}) must divide n_head ({self.n_head})")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown config fields {sorted(unknown)}")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})  # JSON lists: tuples
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "tiny": dict(
+        block_size=32, n_layer=2, n_head=2, n_embd=32, batch_size=8, steps=30, warmup_steps=3,
+        lr_adamw=6e-3, lr_muon=2e-2, lr_muonclip=2e-2, warmup_adamw=None, warmup_muon=None, warmup_muonclip=None,
+        eval_every=10, eval_batches=2, checkpoint_every=10, seeds=2, budgets=(1.0, 2.0), lr_adamw_budgets=(),
+        stability_steps=10,
+    ),
+    "k2-mini": dict(
+        attention="mla", n_head=4, n_expert=8, n_expert_active=2, n_shared_expert=1, expert_hidden=64,
+        block_size=64, steps=300, seeds=1, budgets=(1.0,), lr_adamw_budgets=(), stability_steps=300,
+        lr_adamw=6e-3, lr_muon=2e-2, lr_muonclip=2e-2, warmup_adamw=None, warmup_muon=None, warmup_muonclip=None,
+    ),
+}
+
+
+def check_optimizer(name: str) -> str:
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)}, got {name!r}")
+    return name
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_value(name: str, raw: str) -> Any:
+    """``raw`` (the text of ``--set name=raw``) as a value of `RunConfig` field ``name``'s type.
+
+    The type is the field's own annotation (``typing.get_type_hints``): ``int``, ``float``,
+    ``bool`` (``1/true/yes/on``, ``0/false/no/off``), ``str``, each optionally ``| None``
+    (``none``, ``null`` or an empty value give None), or ``tuple[float, ...]`` (comma-separated).
+
+    Raises:
+        ValueError: ``raw`` is not a value of that type; the message names the field and the type.
+    """
+    hint = get_type_hints(RunConfig)[name]
+    if get_origin(hint) is tuple:  # tuple[float, ...]: comma-separated, empty for ()
+        (item, _) = get_args(hint)
+        try:
+            return tuple(item(x) for x in raw.split(",") if x.strip())
+        except ValueError:
+            raise ValueError(f"--set {name}={raw}: expected comma-separated {item.__name__}s") from None
+    args = get_args(hint)
+    optional = type(None) in args
+    (base,) = [a for a in args if a is not type(None)] or [hint]
+    text = raw.strip()
+    if optional and text.lower() in ("none", "null", ""):
+        return None
+    expected = base.__name__ + (" | None" if optional else "")
+    try:
+        if base is bool:
+            if text.lower() not in _TRUE + _FALSE:
+                raise ValueError(raw)
+            return text.lower() in _TRUE
+        return base(text) if base in (int, float) else raw
+    except ValueError:
+        raise ValueError(f"--set {name}={raw}: expected {expected}") from None
+
+
+def make_config(preset: str = "default", overrides: dict[str, Any] | None = None,
+                sets: list[str] | None = None) -> RunConfig:
+    """Build a validated `RunConfig` from a preset, typed overrides and ``key=value`` strings.
+
+    Args:
+        preset: a name in `PRESETS` (default "default").
+        overrides: field -> value, applied after the preset (None values are ignored, so
+            unset command-line flags can be passed straight through).
+        sets: ``"key=value"`` strings (``--set``), applied last, parsed by the field's type
+            (``none`` for optional fields).
+
+    Raises:
+        ValueError: unknown preset or field, unparsable value, or an invalid config.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {list(PRESETS)}")
+    return apply_overrides(RunConfig(**{**PRESETS[preset], "preset": preset}), overrides, sets)
+
+
+def apply_overrides(cfg: RunConfig, overrides: dict[str, Any] | None = None,
+                    sets: list[str] | None = None) -> RunConfig:
+    """A validated copy of ``cfg`` with ``overrides`` (None values ignored) and then ``sets`` applied."""
+    values = cfg.to_dict()
+    names = {f.name for f in dataclasses.fields(RunConfig)}
+    for k, v in (overrides or {}).items():
+        if k not in names:
+            raise ValueError(f"unknown config field {k!r}; fields: {sorted(names)}")
+        if v is not None:
+            values[k] = v
+    for item in sets or []:
+        if "=" not in item:
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        k, raw = item.split("=", 1)
+        k = k.strip().replace("-", "_")
+        if k not in names or k == "preset":
+            raise ValueError(f"--set {item}: unknown field {k!r}; fields: {sorted(names - {'preset'})}")
+        values[k] = parse_value(k, raw)
+    return RunConfig(**values).validate()
+
+
+__all__ = [
+    "ATTENTIONS", "MODEL_FIELDS", "OPTIMIZERS", "ORTH_DTYPES", "PRESETS", "RunConfig", "apply_overrides",
+    "check_optimizer", "make_config", "parse_value",
+]
