@@ -253,8 +253,14 @@ def _hf_worker_part(rank, out, path):
         return
     model = _load_llama(path, WORLD)
     opt = Muon(param_groups(model), **OPT)
-    _train_llama(model, opt, STEPS)
+    calls, collectives = [], []
+    undo = _spy(collectives, calls)
+    try:
+        _train_llama(model, opt, STEPS)
+    finally:
+        undo()
     out["hf_muon"] = _params(model)
+    out["hf_calls"] = calls
     model = _load_llama(path, WORLD)
     opt = MuonClip(model, tau=TAU, **OPT)
     log: list = []
@@ -434,7 +440,8 @@ def _load_one_process(out_dir):
 def test_hf_llama_with_its_own_tp_plan_matches_one_process_and_clips_the_same_heads(ranks):
     """A Hugging Face Llama (GQA, 8 query / 4 key heads) loaded on 4 ranks with transformers' own TP plan
     (``DistributedConfig(tp_plan="auto")``: q/k/v/gate/up colwise ``Shard(0)``, o/down rowwise ``Shard(1)``,
-    embedding and LM head sharded on the vocabulary): Muon gives the same params as one process (REL); with
+    embedding and LM head sharded on the vocabulary): Muon gives the same params as one process (REL), each
+    matrix orthogonalised once per step over the 4 ranks, whole; with
     MuonClip (layers found by `muonclip.integrations.hf`, the "muonclip" attention function) rank r's recorders
     hold heads 2r, 2r+1 only, and every step the same heads are clipped with the same factors as one process."""
     out_dir, rk = ranks
@@ -445,6 +452,9 @@ def test_hf_llama_with_its_own_tp_plan_matches_one_process_and_clips_the_same_he
     start = _params(model)
     _train_llama(model, Muon(param_groups(model), process_group="local", **OPT), STEPS)
     want = _params(model)
+    matrices = [tuple(p.shape) for g in param_groups(model) if g["algorithm"] == "muon" for p in g["params"]]
+    assert sum(sum(c[0] for c in r["hf_calls"]) for r in rk) == STEPS * len(matrices)  # once per matrix, mesh-wide
+    assert {c[1:] for r in rk for c in r["hf_calls"]} <= set(matrices)  # whole matrices only, never a shard
     model = _load_llama(path, 1)
     opt = MuonClip(model, tau=TAU, process_group="local", **OPT)
     ref: list = []
@@ -456,6 +466,7 @@ def test_hf_llama_with_its_own_tp_plan_matches_one_process_and_clips_the_same_he
         placements = r["hf_clip"]["placements"]
         assert placements["model.layers.0.self_attn.q_proj.weight"] == (Shard(0),)
         assert placements["model.layers.0.self_attn.o_proj.weight"] == (Shard(1),)
+        assert placements["model.embed_tokens.weight"] == placements["lm_head.weight"] == (Shard(0),)
         print(f"HF Llama TP + Muon: max diff / max movement = {_rel(r['hf_muon'], want, start):.2g}")
         assert _rel(r["hf_muon"], want, start) <= REL
         assert r["hf_clip"]["heads"] == [[2 * i, 2 * i + 1]] * LLAMA["num_hidden_layers"]
