@@ -48,7 +48,10 @@ Trainer's logs.
 ``Shard(0)`` on the tensor-parallel mesh, each rank's attention computing a contiguous range of
 heads. `attach` reads that range from the q weight and tells the layer's recorder
 (`muonclip.distributed.tensor_parallel.record_local_heads`), so `MuonClip` reduces and clips per
-global head; a tensor-parallel *fused* q projection is refused (ValueError).
+global head; a tensor-parallel *fused* q projection is refused (ValueError). Weights managed by
+FSDP2 (``fully_shard``: gathered whole for the forward, every head computed) are left alone, so
+FSDP2 *on top of* tensor parallelism is not covered here: its first training forward stops with
+the recorder's shape error (not a silent wrong clip).
 
 The recorder of each layer lives on its attention module (attribute ``muonclip_recorder``), so
 the attention function finds it from ``module`` alone; calling `attach` again reuses it.
@@ -345,6 +348,18 @@ def _layout(name: str, module: nn.Module, config: Any, gqa_policy: str) -> MHALa
     )
 
 
+def _fsdp_managed(model: nn.Module, name: str, module: nn.Module) -> bool:
+    """Whether FSDP2 (``fully_shard``) manages the attention module ``name``'s weights: it or an ancestor,
+    or one of its submodules, is an ``FSDPModule`` (FSDP2 gathers them whole for the forward)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    parts = name.split(".") if name else []
+    ancestors = [model] + [model.get_submodule(".".join(parts[:i])) for i in range(1, len(parts))]
+    return any(isinstance(m, FSDPModule) for m in (*ancestors, *module.modules()))
+
+
 def _record_tp_heads(name: str, layout: MHALayout | GQALayout | MLALayout, recorder: MaxLogitRecorder) -> None:
     """Tell ``recorder`` which heads this rank computes when transformers' TP plan split the q projection.
 
@@ -352,6 +367,7 @@ def _record_tp_heads(name: str, layout: MHALayout | GQALayout | MLALayout, recor
     has its q/k/v projections column-parallel (``"colwise"``: DTensor weights ``Shard(0)`` on the
     tensor-parallel mesh), so its attention calls see this rank's heads only; the recorder keeps
     them at their global positions (`muonclip.distributed.tensor_parallel.record_local_heads`).
+    Called only for weights FSDP2 does not manage (`attach`).
     """
     q = layout.q_weight
     if not is_dtensor(q if isinstance(q, Tensor) else q.tensor):
@@ -409,7 +425,8 @@ def attach(model: nn.Module, *, gqa_policy: str = "per_head") -> list[AttentionL
         recorder = getattr(module, RECORDER_ATTR, None)
         if not isinstance(recorder, MaxLogitRecorder) or recorder.n_heads != layout.n_heads:
             recorder = MaxLogitRecorder(layout.n_heads)
-        _record_tp_heads(name, layout, recorder)
+        if not _fsdp_managed(model, name, module):  # FSDP2 shards are gathered whole: every head computed
+            _record_tp_heads(name, layout, recorder)
         layer = AttentionLayer(name, layout, recorder)
         layer.check()
         layers.append(layer)
