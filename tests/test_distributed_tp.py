@@ -31,6 +31,9 @@ TAU = 0.8
 GQA = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
 MLA = dict(vocab_size=64, block_size=16, n_layer=1, n_head=4, n_embd=32, attention="mla", q_lora_rank=16,
            kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+# Hugging Face Llama, TP over the 4 ranks by its own plan: 8 query heads (2 per rank), 4 key heads (GQA)
+LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=4, head_dim=4, max_position_embeddings=32, tie_word_embeddings=False)
 
 
 def _rel(a: dict, b: dict, start: dict) -> float:
@@ -206,6 +209,67 @@ def _models_worker_part(rank, out, out_dir):
     out["tp_mla"] = {"params": _params(mla), "log": log, "heads": list(mla.blocks[0].attn.recorder.heads)}
 
 
+# ------------------------------------------------------------------------------------------
+# Hugging Face Llama loaded with its own TP plan (transformers' DistributedConfig(tp_plan="auto"))
+# ------------------------------------------------------------------------------------------
+
+
+def _save_llama(path) -> None:
+    """A tiny Llama, q/k scaled so that some heads' logits exceed TAU and others do not, saved for loading."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            q = layer.self_attn.q_proj.weight
+            q.mul_(torch.linspace(4.0, 30.0, q.shape[0])[:, None])
+            layer.self_attn.k_proj.weight.mul_(8.0)
+    model.save_pretrained(path)
+
+
+def _load_llama(path, tp: int):
+    from transformers import LlamaForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    kw = {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=tp)} if tp > 1 else {}
+    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
+
+
+def _train_llama(model, opt, steps, log=None):
+    """``steps`` steps, the same whole batch on every rank (tensor parallel only)."""
+    model.train()
+    for s in range(steps):
+        x = torch.randint(0, LLAMA["vocab_size"], (4, 16), generator=torch.Generator().manual_seed(2000 + s))
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if log is not None:
+            log.append({k: (opt.last_max_logits[k].clone(), opt.last_clipped[k].clone()) for k in opt.last_max_logits})
+
+
+def _hf_worker_part(rank, out, path):
+    if not os.path.isdir(path):  # transformers not installed: the test skips
+        return
+    model = _load_llama(path, WORLD)
+    opt = Muon(param_groups(model), **OPT)
+    calls, collectives = [], []
+    undo = _spy(collectives, calls)
+    try:
+        _train_llama(model, opt, STEPS)
+    finally:
+        undo()
+    out["hf_muon"] = _params(model)
+    out["hf_calls"] = calls
+    model = _load_llama(path, WORLD)
+    opt = MuonClip(model, tau=TAU, **OPT)
+    log: list = []
+    _train_llama(model, opt, STEPS, log)
+    placements = {n: tuple(p.placements) for n, p in model.named_parameters() if hasattr(p, "placements")}
+    out["hf_clip"] = {"params": _params(model), "log": log, "heads": [list(ly.recorder.heads) for ly in opt.layers],
+                      "placements": placements}
+
+
 def _state(net, opt):
     from torch.distributed.tensor import DTensor
 
@@ -221,6 +285,7 @@ def _worker(rank, world, out_dir):
     out: dict = {}
     _bag_worker_part(rank, out)
     _models_worker_part(rank, out, out_dir)
+    _hf_worker_part(rank, out, os.path.join(out_dir, "llama"))
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
 
@@ -228,6 +293,10 @@ def _worker(rank, world, out_dir):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("tp")
+    try:
+        _save_llama(out_dir / "llama")
+    except ImportError:  # the hf extra is not installed: only the HF Llama test skips
+        pass
     _launch(_worker, str(out_dir), world=WORLD, limit_s=300)
     return out_dir, [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
 
@@ -366,3 +435,41 @@ def _load_one_process(out_dir):
     extra = checkpoint.load(out_dir / "ckpt_2x2", model, opt)
     assert extra == {"step": STEPS}
     return _state(model, opt)
+
+
+def test_hf_llama_with_its_own_tp_plan_matches_one_process_and_clips_the_same_heads(ranks):
+    """A Hugging Face Llama (GQA, 8 query / 4 key heads) loaded on 4 ranks with transformers' own TP plan
+    (``DistributedConfig(tp_plan="auto")``: q/k/v/gate/up colwise ``Shard(0)``, o/down rowwise ``Shard(1)``,
+    embedding and LM head sharded on the vocabulary): Muon gives the same params as one process (REL), each
+    matrix orthogonalised once per step over the 4 ranks, whole; with
+    MuonClip (layers found by `muonclip.integrations.hf`, the "muonclip" attention function) rank r's recorders
+    hold heads 2r, 2r+1 only, and every step the same heads are clipped with the same factors as one process."""
+    out_dir, rk = ranks
+    if "hf_muon" not in rk[0]:
+        pytest.skip("transformers (the hf extra) is not installed")
+    path = out_dir / "llama"
+    model = _load_llama(path, 1)
+    start = _params(model)
+    _train_llama(model, Muon(param_groups(model), process_group="local", **OPT), STEPS)
+    want = _params(model)
+    matrices = [tuple(p.shape) for g in param_groups(model) if g["algorithm"] == "muon" for p in g["params"]]
+    assert sum(sum(c[0] for c in r["hf_calls"]) for r in rk) == STEPS * len(matrices)  # once per matrix, mesh-wide
+    assert {c[1:] for r in rk for c in r["hf_calls"]} <= set(matrices)  # whole matrices only, never a shard
+    model = _load_llama(path, 1)
+    opt = MuonClip(model, tau=TAU, process_group="local", **OPT)
+    ref: list = []
+    _train_llama(model, opt, STEPS, ref)
+    want_clip = _params(model)
+    from torch.distributed.tensor import Shard
+
+    for i, r in enumerate(rk):
+        placements = r["hf_clip"]["placements"]
+        assert placements["model.layers.0.self_attn.q_proj.weight"] == (Shard(0),)
+        assert placements["model.layers.0.self_attn.o_proj.weight"] == (Shard(1),)
+        assert placements["model.embed_tokens.weight"] == placements["lm_head.weight"] == (Shard(0),)
+        print(f"HF Llama TP + Muon: max diff / max movement = {_rel(r['hf_muon'], want, start):.2g}")
+        assert _rel(r["hf_muon"], want, start) <= REL
+        assert r["hf_clip"]["heads"] == [[2 * i, 2 * i + 1]] * LLAMA["num_hidden_layers"]
+        print(f"HF Llama TP + MuonClip: max diff / max movement = {_rel(r['hf_clip']['params'], want_clip, start):.2g}")
+        assert _rel(r["hf_clip"]["params"], want_clip, start) <= REL
+        _assert_same_clips(r["hf_clip"]["log"], ref)

@@ -132,6 +132,28 @@ def root_placements(p: Tensor, name: str = "a parameter") -> tuple[Any, ...]:
     return tuple(by_name.get(n, Replicate()) for n in root_names)
 
 
+def replicas(t: Tensor) -> int:
+    """How many ranks of the default process group hold each element of this rank's piece of ``t``.
+
+    A plain tensor: every rank (the world size; 1 without ``torch.distributed``). A DTensor: the
+    product of its root mesh's sizes along the dimensions it is replicated over
+    (`root_placements`: a DTensor on a submesh is replicated over the root's other dimensions),
+    times the number of root meshes the world holds (1 when the mesh spans every rank). So a sum
+    over all ranks of ``x / replicas(t)``, ``x`` a per-element figure of each rank's piece,
+    counts every element of ``t`` once: MLA's rotary down-projection, which tensor parallelism
+    leaves whole on each TP rank, counts once, not ``tp`` times.
+    """
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if not is_dtensor(t):
+        return world
+    root = root_mesh(t.device_mesh)
+    copies = max(world // root.size(), 1)
+    for size, placement in zip(root.shape, root_placements(t)):
+        if placement.is_replicate():
+            copies *= size
+    return copies
+
+
 @dataclass(frozen=True)
 class GroupContext:
     """The process group of one step: ``group`` None means one process (no collective).
@@ -241,5 +263,5 @@ def _check_local_shape(p: Tensor, name: str) -> None:
 
 __all__ = [
     "GroupContext", "LOCAL", "SINGLE", "is_dtensor", "local", "local_rows", "locals_and_group", "mesh_group",
-    "resolve_group", "shard_rows",
+    "replicas", "resolve_group", "shard_rows",
 ]

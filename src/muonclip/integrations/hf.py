@@ -42,6 +42,17 @@ Trainer's logs.
      attention module's children, not by name alone (`muonclip.qkclip.qknorm`); MLA's
      ``q_a_layernorm`` / ``kv_a_layernorm`` feed the scaled projections and are allowed.
 
+**Tensor parallelism.** A model loaded with transformers' own TP plan
+(``from_pretrained(path, distributed_config=DistributedConfig(tp_plan="auto"))`` under
+``torchrun``; gloo on CPU works too) has column-parallel q/k/v projections: DTensor weights
+``Shard(0)`` on the tensor-parallel mesh, each rank's attention computing a contiguous range of
+heads. `attach` reads that range from the q weight and tells the layer's recorder
+(`muonclip.distributed.tensor_parallel.record_local_heads`), so `MuonClip` reduces and clips per
+global head; a tensor-parallel *fused* q projection is refused (ValueError). Weights managed by
+FSDP2 (``fully_shard``: gathered whole for the forward, every head computed) are left alone, so
+FSDP2 *on top of* tensor parallelism is not covered here: its first training forward stops with
+the recorder's shape error (not a silent wrong clip).
+
 The recorder of each layer lives on its attention module (attribute ``muonclip_recorder``), so
 the attention function finds it from ``module`` alone; calling `attach` again reuses it.
 Only training forwards are recorded (``module.training`` and grad enabled, the rule of
@@ -105,6 +116,8 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from ..attention.recorder import MaxLogitRecorder
 from ..attention.sdpa import scaled_dot_product_attention
+from ..distributed.tensor_parallel import record_local_heads
+from ..optim.engine import is_dtensor
 from ..qkclip.layouts import AttentionLayer, GQALayout, MHALayout, MLALayout, Rows, StridedRows
 from ..qkclip.qknorm import check_no_qk_norm
 from .stats import StepMetrics
@@ -335,6 +348,39 @@ def _layout(name: str, module: nn.Module, config: Any, gqa_policy: str) -> MHALa
     )
 
 
+def _fsdp_managed(model: nn.Module, name: str, module: nn.Module) -> bool:
+    """Whether FSDP2 (``fully_shard``) manages the attention module ``name``'s weights: it or an ancestor,
+    or one of its submodules, is an ``FSDPModule`` (FSDP2 gathers them whole for the forward)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    parts = name.split(".") if name else []
+    ancestors = [model] + [model.get_submodule(".".join(parts[:i])) for i in range(1, len(parts))]
+    return any(isinstance(m, FSDPModule) for m in (*ancestors, *module.modules()))
+
+
+def _record_tp_heads(name: str, layout: MHALayout | GQALayout | MLALayout, recorder: MaxLogitRecorder) -> None:
+    """Tell ``recorder`` which heads this rank computes when transformers' TP plan split the q projection.
+
+    A model loaded with ``from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))``
+    has its q/k/v projections column-parallel (``"colwise"``: DTensor weights ``Shard(0)`` on the
+    tensor-parallel mesh), so its attention calls see this rank's heads only; the recorder keeps
+    them at their global positions (`muonclip.distributed.tensor_parallel.record_local_heads`).
+    Called only for weights FSDP2 does not manage (`attach`).
+    """
+    q = layout.q_weight
+    if not is_dtensor(q if isinstance(q, Tensor) else q.tensor):
+        return
+    if not isinstance(q, Tensor):
+        raise ValueError(
+            f"attention layer '{name}': its fused q projection is a tensor-parallel DTensor; muonclip reads the heads "
+            "a rank computes from a separate column-parallel q projection (q_proj / q_b_proj) only"
+        )
+    rows = layout.qk_nope_head_dim + layout.qk_rope_head_dim if isinstance(layout, MLALayout) else layout.head_dim
+    record_local_heads(recorder, q, rows)
+
+
 def _set_implementation(model: nn.Module) -> None:
     """Switch every outermost PreTrainedModel inside ``model`` (``model`` itself included) to ours."""
     covered: set[int] = set()
@@ -363,7 +409,8 @@ def attach(model: nn.Module, *, gqa_policy: str = "per_head") -> list[AttentionL
         ValueError: no attention module found; an attention module that normalises q/k after
             its projections (`muonclip.qkclip.qknorm.check_no_qk_norm`) or without projections
             we know; a weight that does not fit the head counts in the config; a model whose
-            attention implementation cannot be switched.
+            attention implementation cannot be switched; a tensor-parallel q weight split inside a
+            head, or a tensor-parallel fused q projection.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"attach expects a torch.nn.Module (a transformers model), got {type(model).__name__}")
@@ -378,6 +425,8 @@ def attach(model: nn.Module, *, gqa_policy: str = "per_head") -> list[AttentionL
         recorder = getattr(module, RECORDER_ATTR, None)
         if not isinstance(recorder, MaxLogitRecorder) or recorder.n_heads != layout.n_heads:
             recorder = MaxLogitRecorder(layout.n_heads)
+        if not _fsdp_managed(model, name, module):  # FSDP2 shards are gathered whole: every head computed
+            _record_tp_heads(name, layout, recorder)
         layer = AttentionLayer(name, layout, recorder)
         layer.check()
         layers.append(layer)

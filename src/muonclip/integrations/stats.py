@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..distributed.context import local
+from ..distributed.context import local, replicas
 from ..optim import Muon
 
 
@@ -63,8 +63,12 @@ class UpdateRMS:
     For a `MuonClip` (an optimizer with a ``clip()`` method called by ``step()``), `before`
     wraps ``optimizer.clip`` for the duration of the step so the update is measured just before
     the clip; `after` (or `discard`) restores it. Each parameter's ``lr`` and ``weight_decay``
-    are read from its param group at `before`. Row-sharded parameters (FSDP2 DTensors) are
-    measured on this rank's rows; `after` takes a ``reduce`` that sums over the ranks.
+    are read from its param group at `before`. Sharded parameters (DTensors: FSDP2, tensor
+    parallel, HSDP) are measured on this rank's piece; `after` takes a ``reduce`` that sums over
+    all ranks of the default process group. Each element's square and count are weighted by
+    1 / the number of ranks holding it (`muonclip.distributed.context.replicas`: 1 for a shard,
+    the tensor-parallel size for a weight that tensor parallelism leaves whole, the world size
+    for a plain replicated tensor), so that sum counts every element of every matrix once.
 
     Args:
         optimizer: the optimizer that takes the step: a `muonclip.Muon` (or `MuonClip`), or any
@@ -124,22 +128,24 @@ class UpdateRMS:
             self._patched = True
 
     @torch.no_grad()
-    def _measure(self) -> tuple[float, int]:
-        """(sum of U^2, element count) over this rank's rows of the copied parameters."""
-        sums, count = [], 0
+    def _measure(self) -> tuple[float, float]:
+        """(sum of U^2, element count) over this rank's piece of the copied parameters, each
+        element weighted by 1 / the number of ranks holding it (`muonclip.distributed.context.replicas`)."""
+        sums, count = [], 0.0
         for p, w0, lr, wd in self._before:
             u = (w0.mul(1.0 - lr * wd) - local(p.detach())).double() / lr  # same rounding as p.mul_(1 - lr*wd)
-            sums.append(u.pow(2).sum().to(sums[0].device if sums else u.device))
-            count += u.numel()
+            copies = replicas(p)
+            sums.append(u.pow(2).sum().div(copies).to(sums[0].device if sums else u.device))
+            count += u.numel() / copies
         return (float(torch.stack(sums).sum()) if sums else 0.0), count  # one host read for all parameters
 
     def after(self, reduce: Callable[[list[float]], list[float]] | None = None) -> float | None:
         """RMS of the update since `before` (None if nothing was measured); forgets the copies.
 
         Args:
-            reduce: sums ``[sum of squares, count]`` over the ranks when parameters are
-                row-sharded (default None: this process's figures). Called on every rank
-                whenever `before` was, so a collective inside it is safe.
+            reduce: sums ``[sum of squares, count]`` over all ranks of the default process
+                group when parameters are sharded (default None: this process's figures).
+                Called on every rank whenever `before` was, so a collective inside it is safe.
         """
         self._restore()
         sq, n = self._measured if self._measured is not None else self._measure()
