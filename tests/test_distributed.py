@@ -53,6 +53,10 @@ def _entry(rank, world, port, fn, args):
                             timeout=datetime.timedelta(seconds=60))
     try:
         fn(rank, world, *args)
+        # leave together: a rank that tears its gloo group down while another still talks to it
+        # can abort the other ("terminate called without an active exception"), seen under load
+        if dist.is_initialized():
+            dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
