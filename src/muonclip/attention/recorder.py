@@ -108,14 +108,18 @@ class MaxLogitRecorder:
         m = per_head_max.detach().to(torch.float32)
         e = m if is_bound is None else m.masked_fill(is_bound.to(m.device), -math.inf)
         if n != self.n_heads:  # tensor parallel: this rank's heads at their global positions
-            m, e = (torch.full((self.n_heads,), -torch.inf, dtype=torch.float32, device=m.device)
-                    .index_copy_(0, torch.arange(self.heads.start, self.heads.stop, device=m.device), x)
-                    for x in (m, e))
+            m, e = self._globally(m), self._globally(e)
         if self.value is None:
             self.value, self.exact = m.clone(), e.clone()
         else:
             self.value = torch.maximum(self.value, m.to(self.value.device))
             self.exact = torch.maximum(self.exact, e.to(self.exact.device))
+
+    def _globally(self, local: Tensor) -> Tensor:
+        """``(n_heads,)``: ``local`` at the positions of `heads`, ``-inf`` (MAX's identity) elsewhere."""
+        full = torch.full((self.n_heads,), -math.inf, dtype=local.dtype, device=local.device)
+        full[self.heads.start : self.heads.stop] = local
+        return full
 
     @property
     def bounded(self) -> Tensor | None:
