@@ -79,7 +79,7 @@ def _straddle(q, k, kw, tau=TAU):
     scales every logit of the head, so the max moves by that factor)."""
     m = chunked_max_logits(q, k, kw.get("attn_mask"), kw.get("is_causal", False), kw.get("scale"),
                            kw.get("enable_gqa", False))
-    factor = torch.tensor(TARGETS) * tau / m
+    factor = torch.tensor(TARGETS, device=m.device) * tau / m
     assert bool((m > 0).all())
     return q * factor.view(1, -1, 1, 1)
 
@@ -191,7 +191,7 @@ def test_gate_flags_nan_heads_for_the_exact_path():
 def test_fallback_when_the_kernel_with_the_lse_is_absent(monkeypatch):
     """Forced: a torch without the CPU op (or with another schema) takes the exact path on every call,
     with SDPA's output, and records no bound."""
-    monkeypatch.setattr(lse_mod, "schema_matches", lambda op: False)
+    monkeypatch.setattr(lse_mod, "schema_matches", lambda op, spec=None: False)
     lse_mod.cpu_lse_op.cache_clear()
     try:
         assert lse_mod.cpu_lse_op() is None
@@ -219,6 +219,19 @@ def test_schema_detection():
         )
     assert not lse_mod.schema_matches(torch.ops.aten._scaled_dot_product_efficient_attention)
     assert not lse_mod.schema_matches(object())
+
+
+def test_cuda_op_detection():
+    """The CUDA ops' schemas are registered in every build (CPU too): each backend's op is found with
+    the arguments it is called with (flash, efficient, cuDNN), the math backend and unknown numbers
+    have none, and an op is refused under another backend's schema."""
+    for backend, name in ((1, "_scaled_dot_product_flash_attention"), (2, "_scaled_dot_product_efficient_attention"),
+                          (3, "_scaled_dot_product_cudnn_attention")):
+        op = getattr(torch.ops.aten, name, None)
+        if op is not None:  # present since torch 2.2 (cuDNN) / 2.0 (the others)
+            assert lse_mod.cuda_lse_op(backend) is op
+    assert lse_mod.cuda_lse_op(0) is None and lse_mod.cuda_lse_op(4) is None and lse_mod.cuda_lse_op(-1) is None
+    assert not lse_mod.schema_matches(torch.ops.aten._scaled_dot_product_cudnn_attention, lse_mod._CUDA_OPS[2])
 
 
 @needs_lse

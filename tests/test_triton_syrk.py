@@ -185,15 +185,18 @@ def test_launch_config_fits_shared_memory(dtype, m):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shape", [(1, 2048, 2048), (2, 1024, 4096), (8, 384, 1536)])
 def test_syrk_matches_cublas_on_cuda(monkeypatch, shape):
-    """The compiled kernel (bf16, tensor cores) against cuBLAS's product, and ns5_sym in ns5's
-    band."""
+    """The compiled kernel (bf16, tensor cores) against cuBLAS's product, and ns5_sym's singular values
+    those of ns5 on the same matrix (bf16 round-off apart). A fixed band was wrong here: on these
+    matrices (singular values down to 0.02) five quintic steps leave ns5 itself at 0.57-1.203 on an
+    H100, and ns5_sym matched it to four decimals."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     torch.manual_seed(3)
     A = (torch.randn(shape, device="cuda") / shape[-1] ** 0.5).bfloat16()
     assert _rel(syrk(A), A.double() @ A.double().mT) < RTOL[torch.bfloat16]
     V = conditioned(shape[1:]).cuda()
     s = sigma(orthogonalize(V, "ns5_sym").cpu())
-    assert s.min() > 0.6 and s.max() < 1.2
+    ref = sigma(orthogonalize(V, "ns5").cpu())
+    assert (s - ref).abs().max() < 1e-2
 
 
 def test_flops_count_the_tiles_computed():

@@ -39,9 +39,19 @@ Folded into a running max over micro-batches (and ranks), a head's value is then
 every bound is \(\le \tau\): the decision and \(\gamma_h = \tau / S_h\) are those of the exact
 path. A NaN anywhere in the bound sends the head to the exact path.
 
+**Computing only the flagged heads.** On CPU (no device sync to fear) the flagged heads are
+picked out by index and their exact max computed by `chunked_max_logits` on those heads alone.
+On a GPU, reading flags on the host would stall the stream at every attention call, so the gate
+runs inside `muonclip.attention.triton_max_logits`'s kernel, per program (a block of 64 query
+rows of one head and batch element): the same bound over that block's rows (with that block's
+``max|q|``), the bound stored where it is ``<= tau``, the exact max of the block otherwise; a
+head's value is the max over its programs. Above tau it is the exact max (every stored bound is
+``<= tau`` and ``>=`` its block's exact max); at or below tau no clip is due, exactly as on the
+exact path. Without Triton (or for a call it does not take: float64, head dim > 256) every
+head is computed exactly and nothing is flagged.
+
 Cost: a max over the LSE ``(B, H, Tq)``, a min/max pass over q and over k, and a min over the finite
 entries of an additive mask; plus the exact max of the flagged heads (none, in most steps).
-On CPU choosing the heads costs no device sync.
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ import math
 import torch
 from torch import Tensor
 
+from . import triton_max_logits as triton_max
 from .max_logits import allowed_pairs, check_shapes, chunked_max_logits
 
 
@@ -70,6 +81,14 @@ def bias_floor(attn_mask: Tensor | None) -> Tensor | float:
         return 0.0
     allowed = allowed_pairs(attn_mask)
     return torch.where(allowed, attn_mask, 0.0).amin().clamp(max=0.0).to(torch.float32)
+
+
+def margins(head_dim: int, dtype: torch.dtype, scale: float,
+            lse_dtype: torch.dtype = torch.float32) -> tuple[float, float]:
+    """The two round-off allowances of the bound (module docstring): ``eps_h = dot * max|q| max|k|
+    + lse * (|B_h| + 1)`` with ``dot = (2D + 8) D u |scale|`` (``u`` the unit round-off of the
+    accumulation) and ``lse = 8 u_lse``. Returns ``(dot, lse)``."""
+    return (2 * head_dim + 8) * head_dim * _roundoff(dtype) * abs(scale), 4 * torch.finfo(lse_dtype).eps
 
 
 @torch.no_grad()
@@ -99,9 +118,8 @@ def lse_bound(query: Tensor, key: Tensor, lse: Tensor, attn_mask: Tensor | None 
     row_max = lse.detach().movedim(1, -1).reshape(-1, hq).amax(dim=0)
     bound = row_max.to(torch.float32) - bias_floor(attn_mask)
     # |q_i||k_j| <= D max|q| max|k|: one cheap pass over q and k instead of their row norms
-    eps = (2 * D + 8) * D * _roundoff(query.dtype) * abs(scale) * _max_abs(query) * _max_abs(key)
-    eps = eps + 4 * torch.finfo(lse.dtype).eps * (bound.abs() + 1)  # 8 units of the LSE's own round-off
-    return bound + eps
+    dot, own = margins(D, query.dtype, scale, lse.dtype)
+    return bound + dot * _max_abs(query) * _max_abs(key) + own * (bound.abs() + 1)
 
 
 def _head_slice(attn_mask: Tensor | None, idx: Tensor) -> Tensor | None:
@@ -136,14 +154,19 @@ def gated_max_logits(
         that is ``<= threshold``.
     """
     hq, hkv = check_shapes(query, key, enable_gqa)
+    if triton_max.usable(query, key, scale):  # GPU: the gate runs inside the kernel, per block of rows
+        dot, own = margins(query.shape[-1], query.dtype, 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale,
+                           lse.dtype)
+        return triton_max.triton_gated_max_logits(
+            query, key, lse, threshold, attn_mask, is_causal, scale, enable_gqa,
+            bias_floor=bias_floor(attn_mask), dot_margin=dot, lse_margin=own,
+        )
     bound = lse_bound(query, key, lse, attn_mask, scale, enable_gqa)
     is_bound = bound <= threshold  # False for NaN: such a head takes the exact path
-    if query.device.type == "cpu":
-        flagged = (~is_bound).nonzero().flatten()  # CPU: no device sync
-        n = flagged.numel()
-    else:  # never reached from the drop-in (CPU only); kept exact and sync-free for direct callers
-        flagged, n = torch.arange(hq, device=query.device), hq
-        is_bound = torch.zeros_like(is_bound)
+    if query.device.type != "cpu":  # no way to skip heads without a host read: every head exact
+        return exact_max_logits(query, key, attn_mask, is_causal, scale, enable_gqa), torch.zeros_like(is_bound)
+    flagged = (~is_bound).nonzero().flatten()  # CPU: no device sync
+    n = flagged.numel()
     if n == 0:
         return bound, is_bound
     if n == hq:  # every head: today's exact call, unchanged
@@ -156,4 +179,21 @@ def gated_max_logits(
     return bound.index_put((flagged,), exact), is_bound
 
 
-__all__ = ["bias_floor", "gated_max_logits", "lse_bound"]
+@torch.no_grad()
+def exact_max_logits(
+    query: Tensor,
+    key: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """Every head's exact max logit (``(Hq,)`` float32, arguments as `chunked_max_logits`), on the
+    fastest path the call can take: `muonclip.attention.triton_max_logits` where it runs (a CUDA
+    GPU with Triton), `chunked_max_logits` elsewhere."""
+    if triton_max.usable(query, key, scale):
+        return triton_max.triton_max_logits(query, key, attn_mask, is_causal, scale, enable_gqa)
+    return chunked_max_logits(query, key, attn_mask, is_causal, scale, enable_gqa)
+
+
+__all__ = ["bias_floor", "exact_max_logits", "gated_max_logits", "lse_bound", "margins"]

@@ -13,15 +13,18 @@ How the max is computed (`set_max_logit_backend`):
 
 * ``"gated"`` (default): when every recorder fed by the call has a threshold (the clip's tau,
   which `MuonClip` sets) and SDPA runs on a kernel that returns its log-sum-exp
-  (`muonclip.attention.lse`: the CPU flash kernel of torch 2.x), the output and the LSE come
-  from that kernel, the LSE bounds every head's max, and only heads whose bound passes the
-  threshold get their exact max (`muonclip.attention.gate`). Clip decisions and gammas are
-  those of the exact path; heads far below tau cost a max over the LSE. Anywhere else
-  (a recorder without a threshold, a monitor, dropout, CUDA, a torch without that kernel) it is
-  ``"chunked"``.
-* ``"chunked"``: SDPA, then the exact max of every head by
+  (`muonclip.attention.lse`: the CPU flash kernel; on CUDA the cuDNN, memory-efficient and
+  flash kernels), the output and the LSE come from that kernel, the LSE bounds every head's
+  max, and only heads whose bound passes the threshold get their exact max
+  (`muonclip.attention.gate`; on a GPU the flags stay on the device and a Triton kernel skips
+  the bounded heads: no host sync). Clip decisions and gammas are those of the exact path;
+  heads far below tau cost a max over the LSE. Anywhere else (a recorder without a threshold,
+  a monitor, dropout, a call SDPA runs with its math backend, a torch without those kernels,
+  and on a GPU a call too small for the gate to pay: `gate_pays`) it is ``"chunked"``.
+* ``"chunked"``: SDPA, then the exact max of every head: on CPU (or without Triton)
   `muonclip.attention.max_logits.chunked_max_logits` (bounded memory; never the full
-  ``(B, H, Tq, Tk)`` scores at once): about one more causal ``Q K^T`` per call.
+  ``(B, H, Tq, Tk)`` scores at once), on a CUDA GPU the same computation in one Triton kernel
+  (`muonclip.attention.triton_max_logits`). About one more causal ``Q K^T`` per call.
 * ``"flex"`` (CUDA): eligible calls (no dropout, no mask or a boolean mask) run FlexAttention,
   which returns output and row maxima from one fused kernel. FlexAttention is compiled with
   ``dynamic=False``: each new (shape, dtype, mask kind) compiles once, and past dynamo's
@@ -38,9 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .gate import gated_max_logits
+from .gate import exact_max_logits, gated_max_logits
 from .lse import sdpa_with_lse
-from .max_logits import check_shapes, chunked_max_logits, flex_attention_with_max, flex_available
+from .max_logits import check_shapes, flex_attention_with_max, flex_available
 from .recorder import MaxLogitRecorder
 from .recording import recorders_to_feed
 
@@ -51,7 +54,7 @@ _backend = "gated"
 def set_max_logit_backend(name: str) -> None:
     """Choose how recorded max logits are computed (module docstring): ``"gated"`` (default; the
     LSE gate where the kernel returns the LSE and the recorders know tau, else exact),
-    ``"chunked"`` (always exact, one more ``Q K^T``) or ``"flex"`` (CUDA only; falls back to
+    ``"chunked"`` (always exact, one more ``Q K^T``; one Triton kernel on a GPU) or ``"flex"`` (CUDA only; falls back to
     ``"gated"`` where FlexAttention is unavailable, the mask is additive, or dropout is on)."""
     global _backend
     if name not in BACKENDS:
@@ -123,7 +126,7 @@ def scaled_dot_product_attention(
     ):
         out, per_head = flex_attention_with_max(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     else:
-        threshold = call_threshold(targets) if _backend != "chunked" else None
+        threshold = call_threshold(targets) if _backend != "chunked" and gate_pays(query, key) else None
         with_lse = None if threshold is None else sdpa_with_lse(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
         )
@@ -135,10 +138,26 @@ def scaled_dot_product_attention(
                 query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                 enable_gqa=enable_gqa,
             )
-            per_head = chunked_max_logits(query, key, attn_mask, is_causal, scale, enable_gqa)
+            per_head = exact_max_logits(query, key, attn_mask, is_causal, scale, enable_gqa)
     for target in targets:
         target.update(per_head, is_bound)
     return out
+
+
+# On a GPU the exact max is one Triton kernel, and the gate's fixed cost (the LSE-returning op's
+# dispatch, a reduction over k, two small reductions: host time, about 0.1-0.3 ms a call on an H100)
+# only pays where that kernel has real work: B * Hq * Tq * Tk * D at least this (measured crossover
+# on an H100, benchmarks/bench_gated_capture.py; docs/benchmarks.md). Both paths give the same decisions.
+GPU_GATE_MIN_WORK = {torch.float32: 2**31, torch.float16: 2**34, torch.bfloat16: 2**34}
+
+
+def gate_pays(query: Tensor, key: Tensor) -> bool:
+    """Whether the LSE gate is the cheaper exact-decision path for this call: always on CPU (where
+    the exact max is the chunked loop), on a GPU from `GPU_GATE_MIN_WORK` up."""
+    if query.device.type == "cpu":
+        return True
+    B, hq, tq, d = query.shape
+    return B * hq * tq * key.shape[2] * d >= GPU_GATE_MIN_WORK.get(query.dtype, 0)
 
 
 def call_threshold(targets: list[MaxLogitRecorder]) -> float | None:
@@ -148,5 +167,6 @@ def call_threshold(targets: list[MaxLogitRecorder]) -> float | None:
 
 
 __all__ = [
-    "BACKENDS", "call_threshold", "get_max_logit_backend", "scaled_dot_product_attention", "set_max_logit_backend",
+    "BACKENDS", "GPU_GATE_MIN_WORK", "call_threshold", "gate_pays", "get_max_logit_backend",
+    "scaled_dot_product_attention", "set_max_logit_backend",
 ]

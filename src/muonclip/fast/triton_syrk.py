@@ -62,8 +62,10 @@ SHARED_BYTES = 96 * 2**10  # shared memory a program may use (consumer GPUs allo
 MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension (the matrices of one launch)
 
 
+@functools.cache
 def triton_available() -> bool:
-    """True when the ``triton`` package can be imported (it comes with CUDA builds of PyTorch)."""
+    """True when the ``triton`` package can be imported (it comes with CUDA builds of PyTorch);
+    looked up once (the lookup costs tens of microseconds, and attention calls ask on every call)."""
     return importlib.util.find_spec("triton") is not None
 
 
