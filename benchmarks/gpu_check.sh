@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Every GPU item of the project, for a machine with one CUDA GPU whose python3 already has a
 # CUDA build of PyTorch (nothing is installed; the package runs from src/). Parts:
-#   tests      the CUDA-only tests (FlexAttention max_scores backend, no host sync in step(),
-#              the Triton symmetric kernel against cuBLAS);
-#   attention  bench_attention.py: capture with the flex backend vs plain FlexAttention and SDPA;
+#   tests      the CUDA-only tests (FlexAttention max_scores backend, the LSE gate on SDPA's CUDA
+#              kernels and the Triton max-logit kernel, no host sync in step() or in a gated
+#              attention call, the Triton symmetric kernel against cuBLAS);
+#   attention  bench_gated_capture.py (bf16 and float32): exact and gated capture vs SDPA;
+#              bench_attention.py: capture with the flex backend vs plain FlexAttention and SDPA;
 #   step       bench_step.py on the GPT-2-small hidden set (d=768, 12 layers) vs fused AdamW, and
 #              bench_overhead.py on CUDA (the launch-bound fixed cost per step, NS stubbed);
 #   ortho      bench_ortho.py --big: 4096 x 4096, 4096 x 14336, 64 x 2048 x 1408 vs the matmul floor
@@ -30,8 +32,12 @@ print('torch', torch.__version__, torch.cuda.get_device_name(0))" || exit 1
   for part in "${parts[@]}"; do
     echo "## gpu_check: $part"
     case "$part" in
-      tests) "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_attention_capture.py tests/test_ortho_fast.py tests/test_triton_syrk.py -k cuda ;;
-      attention) "$PY" benchmarks/bench_attention.py --device cuda ;;
+      tests) PYTHONPATH="src:tests" "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_attention_capture.py \
+               tests/test_attention_gate_device.py tests/test_ortho_fast.py tests/test_triton_syrk.py \
+               tests/test_nonfinite.py tests/test_qkclip_check.py -k cuda ;;
+      attention) "$PY" benchmarks/bench_gated_capture.py --device cuda --dtype bfloat16 --queue 10 &&
+                 "$PY" benchmarks/bench_gated_capture.py --device cuda --dtype float32 --queue 10 --skip-train &&
+                 "$PY" benchmarks/bench_attention.py --device cuda ;;
       step) "$PY" benchmarks/bench_step.py --device cuda --d 768 --layers 12 &&
             "$PY" benchmarks/bench_overhead.py --device cuda --rounds 100 ;;
       ortho) "$PY" benchmarks/bench_ortho.py --device cuda --big ;;

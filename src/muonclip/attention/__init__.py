@@ -1,8 +1,9 @@
-"""Attention with max-logit capture: the drop-in SDPA, the exact chunked max, the LSE gate that
-makes it nearly free (`gate`, on the kernels of `lse`), the recorder, the rule for which
-forwards feed the clip and the monitor for those that must not (`recording`)."""
+"""Attention with max-logit capture: the drop-in SDPA, the exact chunked max (one Triton kernel on a
+GPU: `triton_max_logits`), the LSE gate that makes it nearly free (`gate`, on the kernels of
+`lse`), the recorder, the rule for which forwards feed the clip and the monitor for those that
+must not (`recording`)."""
 
-from .gate import gated_max_logits, lse_bound
+from .gate import exact_max_logits, gated_max_logits, lse_bound
 from .lse import sdpa_with_lse
 from .max_logits import DEFAULT_CHUNK_ELEMENTS, chunked_max_logits
 from .recorder import MaxLogitRecorder
@@ -14,6 +15,7 @@ __all__ = [
     "MaxLogitMonitor",
     "MaxLogitRecorder",
     "chunked_max_logits",
+    "exact_max_logits",
     "gated_max_logits",
     "get_max_logit_backend",
     "is_training_forward",
