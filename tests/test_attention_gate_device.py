@@ -222,12 +222,16 @@ def test_cuda_gated_call_never_syncs(monkeypatch):
     assert len(TARGETS) == q.shape[1]
 
 
-def test_gpu_gate_threshold_rule():
+def test_gpu_gate_threshold_rule(monkeypatch):
     """On CPU the gate always runs; on a GPU from the measured work threshold up (per dtype), so a call
-    too small for the gate to pay takes the one-kernel exact path (same decisions either way)."""
+    too small for the gate to pay takes the one-kernel exact path (same decisions either way), and
+    never where the Triton kernel cannot run (meta tensors stand in for a GPU's)."""
     q, k = torch.empty(1, 1, 8, 8), torch.empty(1, 1, 8, 8)
     assert sdpa_mod.gate_pays(q, k)
     meta = dict(device="meta")
+    huge = torch.empty(64, 64, 4096, 128, **meta)
+    assert not sdpa_mod.gate_pays(huge, huge)  # no Triton kernel for it: no gate
+    monkeypatch.setattr(triton_max, "usable", lambda *a, **kw: True)
     small = torch.empty(16, 4, 128, 32, dtype=torch.bfloat16, **meta)
     big = torch.empty(8, 16, 2048, 128, dtype=torch.bfloat16, **meta)
     assert not sdpa_mod.gate_pays(small, small) and sdpa_mod.gate_pays(big, big)

@@ -16,8 +16,8 @@ How the max is computed (`set_max_logit_backend`):
   (`muonclip.attention.lse`: the CPU flash kernel; on CUDA the cuDNN, memory-efficient and
   flash kernels), the output and the LSE come from that kernel, the LSE bounds every head's
   max, and only heads whose bound passes the threshold get their exact max
-  (`muonclip.attention.gate`; on a GPU the flags stay on the device and a Triton kernel skips
-  the bounded heads: no host sync). Clip decisions and gammas are those of the exact path;
+  (`muonclip.attention.gate`; on a GPU the gate runs inside the Triton max-logit kernel, per
+  block of query rows: no host sync). Clip decisions and gammas are those of the exact path;
   heads far below tau cost a max over the LSE. Anywhere else (a recorder without a threshold,
   a monitor, dropout, a call SDPA runs with its math backend, a torch without those kernels,
   and on a GPU a call too small for the gate to pay: `gate_pays`) it is ``"chunked"``.
@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import triton_max_logits as triton_max
 from .gate import exact_max_logits, gated_max_logits
 from .lse import sdpa_with_lse
 from .max_logits import check_shapes, flex_attention_with_max, flex_available
@@ -54,8 +55,9 @@ _backend = "gated"
 def set_max_logit_backend(name: str) -> None:
     """Choose how recorded max logits are computed (module docstring): ``"gated"`` (default; the
     LSE gate where the kernel returns the LSE and the recorders know tau, else exact),
-    ``"chunked"`` (always exact, one more ``Q K^T``; one Triton kernel on a GPU) or ``"flex"`` (CUDA only; falls back to
-    ``"gated"`` where FlexAttention is unavailable, the mask is additive, or dropout is on)."""
+    ``"chunked"`` (always exact, one more ``Q K^T``; one Triton kernel on a GPU) or ``"flex"``
+    (CUDA only; falls back to ``"gated"`` where FlexAttention is unavailable, the mask is
+    additive, or dropout is on)."""
     global _backend
     if name not in BACKENDS:
         raise ValueError(f"max-logit backend must be one of {BACKENDS}, got {name!r}")
@@ -153,9 +155,12 @@ GPU_GATE_MIN_WORK = {torch.float32: 2**31, torch.float16: 2**34, torch.bfloat16:
 
 def gate_pays(query: Tensor, key: Tensor) -> bool:
     """Whether the LSE gate is the cheaper exact-decision path for this call: always on CPU (where
-    the exact max is the chunked loop), on a GPU from `GPU_GATE_MIN_WORK` up."""
+    the exact max is the chunked loop), on a GPU from `GPU_GATE_MIN_WORK` up and only where the
+    Triton kernel runs (without it the gate could not skip any work there)."""
     if query.device.type == "cpu":
         return True
+    if not triton_max.usable(query, key):
+        return False
     B, hq, tq, d = query.shape
     return B * hq * tq * key.shape[2] * d >= GPU_GATE_MIN_WORK.get(query.dtype, 0)
 
