@@ -124,6 +124,55 @@ def _bag_worker_part(rank, out):
 
 
 # ------------------------------------------------------------------------------------------
+# meshes built as torchtitan builds them: unflattened from a 1-D ("world",) mesh, sliced, flattened
+# ------------------------------------------------------------------------------------------
+
+
+def _unflattened_specs():
+    """name: (shape, mesh key, placements); the meshes are `_unflattened_meshes`."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return {
+        "fsdp_x_colwise": ((12, 6), "fsdp_tp", (_StridedShard(0, split_factor=2), Shard(0))),
+        "fsdp_x_rowwise": ((10, 12), "fsdp_tp", (Shard(0), Shard(1))),
+        "fsdp_sliced": ((9, 5), "fsdp", (Shard(0),)),
+        "tp_sliced": ((7, 12), "tp", (Shard(1),)),
+        "flattened": ((11, 7), "flat", (Shard(0),)),
+        "other_unflatten_inner": ((6, 10), "y", (Shard(0),)),
+        "experts": ((3, 4, 6), "fsdp_tp", (Shard(0), Replicate())),
+    }
+
+
+def _unflattened_meshes():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("world",))
+    m = world._unflatten(0, (2, 2), ("fsdp", "tp"))
+    other = world._unflatten(0, (2, 2), ("x", "y"))
+    return {"fsdp_tp": m, "fsdp": m["fsdp"], "tp": m["tp"], "flat": m._flatten("fsdp_tp_flat"), "y": other["y"]}
+
+
+def _unflattened_worker_part(rank, out):
+    """One Muon over parameters on several meshes unflattened from one 1-D mesh (none sliced from a
+    mesh with the same dimension names); the error, if any, is kept for the test."""
+    from torch.distributed.tensor import distribute_tensor
+
+    try:
+        meshes = _unflattened_meshes()
+        specs = _unflattened_specs()
+        torch.manual_seed(8)
+        start = [torch.randn(shape) for shape, _, _ in specs.values()]
+        where = [(meshes[key], pl) for _, key, pl in specs.values()]
+        params = [torch.nn.Parameter(distribute_tensor(t.clone(), m, pl)) for t, (m, pl) in zip(start, where)]
+        _bag_run(params, STEPS, lambda s: [distribute_tensor(g, m, pl) for g, (m, pl)
+                                           in zip(_bag_grads([p.shape for p in params], s), where)])
+        out["unflattened"] = {"params": [p.full_tensor() for p in params]}
+    except Exception as e:  # noqa: BLE001 - reported by the test, not by the whole launch
+        out["unflattened"] = {"error": f"{type(e).__name__}: {e}"}
+
+
+# ------------------------------------------------------------------------------------------
 # models: FSDP2 x TP with MuonClip (GQA), HSDP, TP-only MLA with MuonClip; DCP 2x2 -> 4x1
 # ------------------------------------------------------------------------------------------
 
@@ -284,6 +333,7 @@ def _state(net, opt):
 def _worker(rank, world, out_dir):
     out: dict = {}
     _bag_worker_part(rank, out)
+    _unflattened_worker_part(rank, out)
     _models_worker_part(rank, out, out_dir)
     _hf_worker_part(rank, out, os.path.join(out_dir, "llama"))
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -334,6 +384,49 @@ def test_every_placement_matches_one_process_with_ns_once_per_whole_matrix(ranks
     for r in rk:
         assert {c[1:] for c in r["bag"]["calls"]} <= whole  # never a shard
     assert sum(r["bag"]["matrices"] for r in rk) == n_matrices
+
+
+def test_meshes_unflattened_from_a_world_mesh_map_by_rank_layout(ranks):
+    """torchtitan's meshes: a 1-D ("world",) mesh unflattened to ("fsdp", "tp"), the 2-D mesh, its slices, its
+    flattening and a slice of a second unflattening, all in one optimizer: placements are mapped by each
+    mesh's rank layout, and every rank's result equals one process's to REL."""
+    _, rk = ranks
+    specs = _unflattened_specs()
+    torch.manual_seed(8)
+    start = [torch.randn(shape) for shape, _, _ in specs.values()]
+    params = [torch.nn.Parameter(t.clone()) for t in start]
+    _bag_run(params, STEPS, lambda s: _bag_grads([p.shape for p in params], s), process_group="local")
+    a = {n: p.detach() for n, p in zip(specs, params)}
+    s0 = dict(zip(specs, start))
+    for r in rk:
+        assert "error" not in r["unflattened"], r["unflattened"].get("error")
+        got = dict(zip(specs, r["unflattened"]["params"]))
+        print(f"unflattened meshes: max diff / max movement = {_rel(got, a, s0):.2g}")
+        assert _rel(got, a, s0) <= REL
+
+
+class _MeshWithoutLayout:
+    """A device mesh as torch without ``DeviceMesh._layout`` has it: its own ranks, names, its root."""
+
+    def __init__(self, mesh, names, root=None):
+        self.mesh, self.mesh_dim_names, self._root = torch.as_tensor(mesh), names, root
+        self.shape, self.ndim = tuple(self.mesh.shape), self.mesh.ndim
+
+    def _get_root_mesh(self):
+        return self._root or self
+
+
+def test_mesh_grid_without_rank_layouts_maps_by_root_names_and_refuses_other_names():
+    """Older torch: a submesh sliced by name maps to its root's copies; a name its root lacks is refused."""
+    from muonclip.distributed.context import mesh_grid
+
+    root = _MeshWithoutLayout([[0, 1, 2], [3, 4, 5]], ("dp", "tp"))
+    grid, where = mesh_grid(_MeshWithoutLayout([1, 4], ("dp",), root))
+    assert grid == (3, 2) and where[4] == (1, 1) and where[2] == (2, 0) and len(where) == 6
+    grid, where = mesh_grid(root)
+    assert grid == (1, 2, 3) and where[5] == (0, 1, 2)
+    with pytest.raises(ValueError, match="slice submeshes by name"):
+        mesh_grid(_MeshWithoutLayout([0, 1, 2, 3, 4, 5], ("flat",), root))
 
 
 def test_expert_parallel_orthogonalises_locally_with_no_data_moved(ranks):

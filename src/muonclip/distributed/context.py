@@ -18,6 +18,8 @@ whose shape is not the one its placements give.
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -108,47 +110,62 @@ def root_mesh(mesh: Any) -> Any:
     return get() if get is not None else mesh
 
 
-def root_placements(p: Tensor, name: str = "a parameter") -> tuple[Any, ...]:
-    """``p``'s placements stated on its root mesh: a DTensor on a submesh (FSDP2 over the
-    ``"dp"`` dimension of a ``("dp", "tp")`` mesh, for the weights tensor parallelism leaves
-    whole) is replicated over the root's other dimensions. Dimensions are matched by name.
+@functools.lru_cache(maxsize=64)
+def mesh_grid(mesh: Any) -> tuple[tuple[int, ...], dict[int, tuple[int, ...]]]:
+    """Every copy of ``mesh`` among the ranks of its root mesh, mapped by rank layout (not by name).
+
+    A submesh has one copy per coordinate of the root dimensions it leaves out (FSDP2 over the
+    ``"dp"`` dimension of a ``("dp", "tp")`` mesh: one ``"dp"`` mesh per tensor-parallel rank),
+    and a DTensor on it holds the same tensor on every copy. This returns the grid
+    ``(copies, *mesh.shape)`` and, for every global rank in one of the copies, its coordinate
+    ``(copy, *coordinate in mesh)`` on that grid; the DTensor's placements on the grid are
+    ``(Replicate(), *placements)``. The copies come from the mesh's own rank layout (torch's
+    ``DeviceMesh._layout`` over the root's rank map), so any mesh torch builds maps: sliced by
+    name, unflattened from a 1-D ``("world",)`` mesh (how torchtitan builds its meshes),
+    flattened, or sliced from those. Without ``_layout`` (older torch) a submesh maps by the
+    names of its root's dimensions. Cached per mesh: the caller must not modify the mapping.
 
     Raises:
-        ValueError: a submesh whose dimension names are not the root's (e.g. flattened).
+        ValueError: (older torch only) a submesh whose dimension names are not its root's.
     """
-    from torch.distributed.tensor import Replicate
-
-    mesh = p.device_mesh
-    root = root_mesh(mesh)
-    if root is mesh or root == mesh:
-        return tuple(p.placements)
-    names, root_names = mesh.mesh_dim_names or (), root.mesh_dim_names or ()
-    if not names or any(n not in root_names for n in names):
-        raise ValueError(
-            f"{name} lives on a submesh with dimensions {names} of a mesh with dimensions {root_names}; Muon maps "
-            "a submesh's placements to its root mesh by dimension name. Slice submeshes by name (mesh['dp'])"
-        )
-    by_name = dict(zip(names, p.placements))
-    return tuple(by_name.get(n, Replicate()) for n in root_names)
+    layout, rank_map = getattr(mesh, "_layout", None), getattr(mesh, "_rank_map", None)
+    shape = tuple(mesh.shape)
+    if layout is not None and rank_map is not None:
+        grid = layout.remap_to_tensor(rank_map).reshape(-1, *shape)
+    else:
+        root = root_mesh(mesh)
+        if root is mesh or root == mesh:
+            grid = mesh.mesh.reshape(1, *shape)
+        else:
+            names, root_names = mesh.mesh_dim_names or (), root.mesh_dim_names or ()
+            if not names or any(n not in root_names for n in names):
+                raise ValueError(
+                    f"a submesh with dimensions {names} of a mesh with dimensions {root_names} cannot be mapped to "
+                    "its root by this torch (no DeviceMesh._layout): slice submeshes by name (mesh['dp'])"
+                )
+            inner = [root_names.index(n) for n in names]
+            outer = [d for d in range(root.ndim) if d not in inner]
+            grid = root.mesh.permute(*outer, *inner).reshape(-1, *shape)
+    coords = dict(zip(grid.flatten().tolist(), itertools.product(*(range(n) for n in grid.shape))))
+    return tuple(grid.shape), coords
 
 
 def replicas(t: Tensor) -> int:
     """How many ranks of the default process group hold each element of this rank's piece of ``t``.
 
     A plain tensor: every rank (the world size; 1 without ``torch.distributed``). A DTensor: the
-    product of its root mesh's sizes along the dimensions it is replicated over
-    (`root_placements`: a DTensor on a submesh is replicated over the root's other dimensions),
-    times the number of root meshes the world holds (1 when the mesh spans every rank). So a sum
-    over all ranks of ``x / replicas(t)``, ``x`` a per-element figure of each rank's piece,
-    counts every element of ``t`` once: MLA's rotary down-projection, which tensor parallelism
-    leaves whole on each TP rank, counts once, not ``tp`` times.
+    product of its mesh's sizes along the dimensions it is replicated over, times the number of
+    copies of its mesh the world holds (a DTensor on a submesh is the same tensor on every copy,
+    `mesh_grid`). So a sum over all ranks of ``x / replicas(t)``, ``x`` a per-element figure of
+    each rank's piece, counts every element of ``t`` once: MLA's rotary down-projection, which
+    tensor parallelism leaves whole on each TP rank, counts once, not ``tp`` times.
     """
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if not is_dtensor(t):
         return world
-    root = root_mesh(t.device_mesh)
-    copies = max(world // root.size(), 1)
-    for size, placement in zip(root.shape, root_placements(t)):
+    mesh = t.device_mesh
+    copies = max(world // mesh.size(), 1)
+    for size, placement in zip(mesh.shape, t.placements):
         if placement.is_replicate():
             copies *= size
     return copies
@@ -164,6 +181,7 @@ class GroupContext:
         mesh_shape: the shape of the DTensor parameters' device mesh (``(world_size,)`` when
             there is none: every parameter is replicated).
         coords: ``coords[r]`` is the mesh coordinate of group rank r.
+        ranks: ``ranks[r]`` is the global rank of group rank r.
     """
 
     group: Any
@@ -171,14 +189,30 @@ class GroupContext:
     world_size: int
     mesh_shape: tuple[int, ...] = (1,)
     coords: tuple[tuple[int, ...], ...] = ((0,),)
+    ranks: tuple[int, ...] = (0,)
 
     def pieces(self, p: Tensor, name: str = "a parameter") -> list[Piece]:
-        """Every group rank's piece of ``p`` (`muonclip.distributed.layout.piece_of`); the whole
-        tensor on every rank for a plain tensor."""
+        """Every group rank's piece of ``p`` (`muonclip.distributed.layout.piece_of`) from the
+        rank layout of its mesh (`mesh_grid`); the whole tensor on every rank for a plain tensor.
+
+        Raises:
+            ValueError: ``p``'s mesh does not cover every rank of the group (its pieces there are
+                undefined).
+        """
         if not is_dtensor(p):
             return [tuple(range(n) for n in p.shape)] * self.world_size
-        placements = root_placements(p, name)
-        return [piece_of(p.shape, self.mesh_shape, c, placements, name) for c in self.coords]
+        from torch.distributed.tensor import Replicate
+
+        grid, where = mesh_grid(p.device_mesh)
+        missing = [g for g in self.ranks if g not in where]
+        if missing:
+            raise ValueError(
+                f"{name} lives on device mesh {p.device_mesh}, whose copies hold none of the ranks {missing} of the "
+                f"group its optimizer steps on (global ranks {list(self.ranks)}): Muon cannot say what those ranks "
+                "hold. Put every Muon parameter of one optimizer on one mesh or on submeshes of it"
+            )
+        placements = (Replicate(), *p.placements)
+        return [piece_of(p.shape, grid, where[g], placements, name) for g in self.ranks]
 
 
 SINGLE = GroupContext(None, 0, 1)
@@ -220,7 +254,7 @@ def resolve_group(params: Sequence[Tensor], name_of: Callable[[int], str], proce
                 "one optimizer must share one mesh, or submeshes of one (mixed meshes). Use one optimizer per mesh"
             )
         _check_local_shape(p, name)
-        root_placements(p, name)
+        mesh_grid(p.device_mesh)
     if process_group == LOCAL:
         if first is not None and any(is_dtensor(p) and p.device_mesh.size() > 1 for p in params):
             raise ValueError("process_group='local' cannot be used with parameters sharded over several ranks")
@@ -234,7 +268,8 @@ def resolve_group(params: Sequence[Tensor], name_of: Callable[[int], str], proce
             raise ValueError("process_group differs from the device mesh group of the DTensor parameters")
         ranks = dist.get_process_group_ranks(group)
         where = {int(g): tuple(int(c) for c in torch.nonzero(mesh.mesh == g)[0].tolist()) for g in mesh.mesh.flatten()}
-        return GroupContext(group, dist.get_rank(group), len(ranks), tuple(mesh.shape), tuple(where[g] for g in ranks))
+        return GroupContext(group, dist.get_rank(group), len(ranks), tuple(mesh.shape), tuple(where[g] for g in ranks),
+                            tuple(ranks))
     if process_group is not None:
         group = process_group
     elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -244,7 +279,8 @@ def resolve_group(params: Sequence[Tensor], name_of: Callable[[int], str], proce
     world = dist.get_world_size(group)
     if world == 1:
         return SINGLE
-    return GroupContext(group, dist.get_rank(group), world, (world,), tuple((r,) for r in range(world)))
+    return GroupContext(group, dist.get_rank(group), world, (world,), tuple((r,) for r in range(world)),
+                        tuple(dist.get_process_group_ranks(group)))
 
 
 def _check_local_shape(p: Tensor, name: str) -> None:
@@ -262,6 +298,6 @@ def _check_local_shape(p: Tensor, name: str) -> None:
 
 
 __all__ = [
-    "GroupContext", "LOCAL", "SINGLE", "is_dtensor", "local", "local_rows", "locals_and_group", "mesh_group",
-    "replicas", "resolve_group", "shard_rows",
+    "GroupContext", "LOCAL", "SINGLE", "is_dtensor", "local", "local_rows", "locals_and_group", "mesh_grid",
+    "mesh_group", "replicas", "resolve_group", "shard_rows",
 ]

@@ -207,10 +207,10 @@ class DistributedEngine:
     def _cached_structure(self, live: list[tuple[dict[str, Any], Tensor]], names: list[Callable[[], str]],
                           ctx: GroupContext) -> tuple[_Structure, bool]:
         """The step's `_Structure` and whether it is new: rebuilt only when the items' global shapes,
-        placements, devices, structural options, the rank or the group changed."""
+        placements, meshes, devices, structural options, the rank or the group changed."""
         key = (ctx.world_size, ctx.rank, ctx.mesh_shape, ctx.coords,
-               tuple((options_key(g), tuple(p.shape), str(getattr(p, "placements", "")), local(p).device)
-                     for g, p in live))
+               tuple((options_key(g), tuple(p.shape), str(getattr(p, "placements", "")),
+                      getattr(p, "device_mesh", None), local(p).device) for g, p in live))
         if key in self._structures:
             self._structures.move_to_end(key)
             return self._structures[key], False
