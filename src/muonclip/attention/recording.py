@@ -34,6 +34,14 @@ its ``training`` argument (``training=self.training``, as for ``F.dropout``). He
 * ``use_reentrant=True``: the forward runs under ``no_grad`` and records nothing; the backward
   recomputes with grad enabled and records, once.
 
+* **Selective** recomputation (``create_selective_checkpoint_contexts``: torch's SAC, torchtitan's
+  default) replays the forward's operations against what the forward saved, one by one, and
+  fails on any operation the forward did not run. The recording's own operations (the max, the
+  recorder's running max, which takes another path once something is recorded) therefore run
+  outside checkpointing's dispatch modes (`unseen_by_selective_checkpointing`): checkpointing
+  neither counts, saves nor replays them, and the maxima and the clips are those of the same
+  run without checkpointing.
+
 (With ``preserve_rng_state=False`` and dropout, the recomputation draws other dropout masks, so
 the layers after a dropout see other inputs than in the forward: then the gradients and the
 maxima describe two different passes.)
@@ -44,7 +52,8 @@ generation) for logging, into recorders of its own; the clip's recorders are nev
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -79,6 +88,32 @@ def recorders_to_feed(recorder: MaxLogitRecorder | None, training: bool) -> list
         if mine is not None:
             out.append(mine)
     return out
+
+
+@contextlib.contextmanager
+def unseen_by_selective_checkpointing() -> Iterator[None]:
+    """Run the block outside selective activation checkpointing's dispatch modes.
+
+    Inside a region checkpointed with ``create_selective_checkpoint_contexts``, torch counts
+    every operation of the forward and, in the recomputation, hands each one the output it
+    saved at the same count: an operation run in only one of the two passes fails the backward
+    ("invocation index ... not found in storage") or shifts what later operations receive. The
+    max-logit recording (its max and the recorder's running max) is such an operation, so it
+    runs here: when a selective-checkpointing mode is active (and not under ``torch.compile``,
+    whose checkpointing does not replay by count), every dispatch mode active at that point is
+    left for the block and restored after it. Elsewhere the block runs as is.
+    """
+    if not torch.compiler.is_compiling():
+        from torch.utils import checkpoint
+        from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+
+        modes = tuple(getattr(checkpoint, n) for n in ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode")
+                      if hasattr(checkpoint, n))
+        if any(isinstance(m, modes) for m in _get_current_dispatch_mode_stack()):
+            with _disable_current_modes():
+                yield
+            return
+    yield
 
 
 class MaxLogitMonitor:
@@ -180,4 +215,4 @@ class MaxLogitMonitor:
         return f"MaxLogitMonitor(layers={list(self._mine)}, active={self.active})"
 
 
-__all__ = ["MaxLogitMonitor", "is_training_forward", "recorders_to_feed"]
+__all__ = ["MaxLogitMonitor", "is_training_forward", "recorders_to_feed", "unseen_by_selective_checkpointing"]

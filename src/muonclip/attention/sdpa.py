@@ -46,7 +46,7 @@ from .gate import exact_max_logits, gated_max_logits
 from .lse import sdpa_with_lse
 from .max_logits import check_shapes, flex_attention_with_max, flex_available
 from .recorder import MaxLogitRecorder
-from .recording import recorders_to_feed
+from .recording import recorders_to_feed, unseen_by_selective_checkpointing
 
 BACKENDS = ("gated", "chunked", "flex")
 _backend = "gated"
@@ -134,15 +134,19 @@ def scaled_dot_product_attention(
         )
         if with_lse is not None:
             out, lse = with_lse
-            per_head, is_bound = gated_max_logits(query, key, lse, threshold, attn_mask, is_causal, scale, enable_gqa)
+            with unseen_by_selective_checkpointing():
+                per_head, is_bound = gated_max_logits(query, key, lse, threshold, attn_mask, is_causal, scale,
+                                                      enable_gqa)
         else:
             out = F.scaled_dot_product_attention(
                 query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                 enable_gqa=enable_gqa,
             )
-            per_head = exact_max_logits(query, key, attn_mask, is_causal, scale, enable_gqa)
-    for target in targets:
-        target.update(per_head, is_bound)
+            with unseen_by_selective_checkpointing():
+                per_head = exact_max_logits(query, key, attn_mask, is_causal, scale, enable_gqa)
+    with unseen_by_selective_checkpointing():
+        for target in targets:
+            target.update(per_head, is_bound)
     return out
 
 
