@@ -1,0 +1,322 @@
+"""muonclip.integrations.torchtitan on CPU: torchtitan's llama3 and deepseek_v3 (shrunk), built as its
+trainer builds them (meta init, its parallelize function with FSDP2 / tensor parallel / selective
+activation checkpointing, our container from its config), on gloo ranks, against one process.
+
+Two launches, one per mesh shape (the suite's time budget): 2 ranks (FSDP2) and 4 ranks (FSDP2 x TP,
+2 x 2). The reference runs in the test process, unparallelised, from the same weights and batches.
+
+* FSDP2 and FSDP2 x TP, Muon and MuonClip: max |distributed - one process| relative to the largest
+  movement of any weight <= 1e-5 (float32 Newton-Schulz); the same max logits and the same heads clipped.
+* The exact clip on the fused ``wqkv`` (GQA, one process): clipped heads' max logits land on tau, every
+  other row of ``wqkv`` (unclipped heads' q, every k and v) bit-identical.
+* deepseek_v3 (MLA + MoE) under FSDP2 with MuonClip: the same as one process; the MLA clip by K2's rule
+  (one process): clipped heads land on tau, V and the shared rotary key untouched.
+* DCP through torchtitan's flat optimizer state dict: resuming on 2 ranks is bit-identical to not
+  stopping; the 2-rank checkpoint loaded on 4 ranks (FSDP2 x TP) continues like one process.
+
+Skipped when the torchtitan extra is not installed (CI installs it).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan", reason="the torchtitan extra is not installed (pip install 'muonclip[torchtitan]')")
+
+sys.path.insert(0, os.path.dirname(__file__))
+import torchtitan_harness as H  # noqa: E402
+from test_distributed import _launch  # noqa: E402
+
+REL = 1e-5
+STEPS = 3
+TAU = 1.0
+
+
+def _rel(got: dict, ref: dict, start: dict) -> float:
+    move = max((ref[k] - start[k]).abs().max().item() for k in ref)
+    return max((got[k] - ref[k]).abs().max().item() for k in ref) / move
+
+
+def _same_clips(log, ref, tol=1e-5):
+    assert len(log) == len(ref)
+    for got, want in zip(log, ref):
+        assert got.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(got[name][0], want[name][0], rtol=tol, atol=0)
+            assert torch.equal(got[name][1], want[name][1]), name
+
+
+def _save(path, model, opt):
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.components.checkpointer.base import ModelWrapper
+
+    dcp.save({"model": ModelWrapper(model).state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=path)
+
+
+def _load(path, model, opt):
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.components.checkpointer.base import ModelWrapper
+
+    wrapper = ModelWrapper(model)
+    state = {"model": wrapper.state_dict(), "optimizer": opt.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    wrapper.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+
+
+def _run(cfg, world, start, steps, *, part, parts, log=None, begin=0, model_opt=None):
+    model, opt = model_opt or (None, None)
+    if model is None:
+        model = H.build(cfg, world, "")
+        H.load_params(model, start)
+        opt = cfg.optimizer.build(model_parts=[model])
+    H.train(model, opt, steps, part=part, parts=parts, start=begin, log=log)
+    return model, opt
+
+
+def _worker2(rank, world, out_dir, starts):
+    os.environ.update(LOCAL_RANK=str(rank))
+    out = {}
+    llama, deepseek = starts["llama"], starts["deepseek"]
+    _, opt = m_o = _run(H.trainer_config(H.tiny_llama(), dp=2, name="Muon"), world, llama, STEPS, part=rank, parts=2)
+    out["muon"] = H.canonical_params(m_o[0])
+    cfg = H.trainer_config(H.tiny_llama(), dp=2, tau=TAU)
+    log: list = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # torchtitan's zero-gradient warm-up must not warn
+        model, opt = _run(cfg, world, llama, 2, part=rank, parts=2, log=log)
+        _save(os.path.join(out_dir, "ckpt2"), model, opt)
+    _run(cfg, world, llama, 1, part=rank, parts=2, log=log, begin=2, model_opt=(model, opt))
+    out["clip"] = {"params": H.canonical_params(model), "log": log}
+    # resume on 2 ranks from the step-2 checkpoint: a fresh model (other weights) and optimizer
+    cfg = H.trainer_config(H.tiny_llama(), dp=2, tau=TAU)
+    model = H.build(cfg, world, "")
+    opt = cfg.optimizer.build(model_parts=[model])
+    _load(os.path.join(out_dir, "ckpt2"), model, opt)
+    log = []
+    H.train(model, opt, 1, part=rank, parts=2, start=2, log=log)
+    out["resumed"] = {"params": H.canonical_params(model), "log": log}
+    log = []
+    model, _ = _run(H.deepseek_config(H.tiny_deepseek(), dp=2, tau=TAU), world, deepseek, 2, part=rank, parts=2,
+                    log=log)
+    out["deepseek"] = {"params": H.canonical_params(model), "log": log}
+    torch.save(out, os.path.join(out_dir, f"two{rank}.pt"))
+
+
+def _worker4(rank, world, out_dir, starts):
+    os.environ.update(LOCAL_RANK=str(rank))
+    out = {}
+    llama = starts["llama"]
+    dp = rank // 2
+    model, _ = _run(H.trainer_config(H.tiny_llama(), dp=2, tp=2, name="Muon"), world, llama, STEPS, part=dp, parts=2)
+    out["muon"] = H.canonical_params(model)
+    log: list = []
+    cfg = H.trainer_config(H.tiny_llama(), dp=2, tp=2, tau=TAU)
+    model, opt = _run(cfg, world, llama, STEPS, part=dp, parts=2, log=log)
+    out["clip"] = {"params": H.canonical_params(model), "log": log,
+                   "heads": [m.muonclip_recorder.heads for m in model.modules() if hasattr(m, "muonclip_recorder")]}
+    # the 2-rank FSDP2 checkpoint of step 2, resharded onto FSDP2 x TP, continues
+    cfg = H.trainer_config(H.tiny_llama(), dp=2, tp=2, tau=TAU)
+    model = H.build(cfg, world, "")
+    opt = cfg.optimizer.build(model_parts=[model])
+    _load(os.path.join(out_dir, "ckpt2"), model, opt)
+    log = []
+    H.train(model, opt, 1, part=dp, parts=2, start=2, log=log)
+    out["resharded"] = {"params": H.canonical_params(model), "log": log}
+    torch.save(out, os.path.join(out_dir, f"four{rank}.pt"))
+
+
+def _reference(cfg, start, steps, log=None, begin=0):
+    model = H.build(cfg, 1, "", parallel=False)
+    H.load_params(model, start)
+    opt = cfg.optimizer.build(model_parts=[model])
+    H.train(model, opt, steps, start=begin, log=log)
+    return model, opt
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("torchtitan")
+    starts = {"llama": H.reference_start(H.trainer_config(H.tiny_llama())),
+              "deepseek": H.reference_start(H.deepseek_config(H.tiny_deepseek()))}
+    ref: dict = {"start": starts}
+    model, _ = _reference(H.trainer_config(H.tiny_llama(), name="Muon"), starts["llama"], STEPS)
+    ref["muon"] = H.canonical_params(model)
+    log: list = []
+    model, _ = _reference(H.trainer_config(H.tiny_llama(), tau=TAU), starts["llama"], STEPS, log)
+    ref["clip"] = {"params": H.canonical_params(model), "log": log}
+    log = []
+    model, _ = _reference(H.deepseek_config(H.tiny_deepseek(), tau=TAU), starts["deepseek"], 2, log)
+    ref["deepseek"] = {"params": H.canonical_params(model), "log": log}
+    _launch(_worker2, str(out_dir), starts, world=2, limit_s=400)
+    _launch(_worker4, str(out_dir), starts, world=4, limit_s=400)
+    two = [torch.load(out_dir / f"two{r}.pt") for r in range(2)]
+    four = [torch.load(out_dir / f"four{r}.pt") for r in range(4)]
+    return ref, two, four
+
+
+def test_fsdp2_and_fsdp2_x_tp_muon_equal_one_process(runs):
+    ref, two, four = runs
+    for r in two + four:
+        rel = _rel(r["muon"], ref["muon"], ref["start"]["llama"])
+        print(f"Muon: max diff / max movement = {rel:.2g}")
+        assert rel <= REL
+
+
+def test_fsdp2_and_fsdp2_x_tp_muonclip_equal_one_process_and_clip_the_same_heads(runs):
+    ref, two, four = runs
+    n_clipped = [sum(int(c.sum()) for _, c in step.values()) for step in ref["clip"]["log"]]
+    assert sum(n_clipped) > 0 and any(not c.all() for step in ref["clip"]["log"] for _, c in step.values())
+    for r in two + four:
+        rel = _rel(r["clip"]["params"], ref["clip"]["params"], ref["start"]["llama"])
+        print(f"MuonClip: max diff / max movement = {rel:.2g}")
+        assert rel <= REL
+        _same_clips(r["clip"]["log"], ref["clip"]["log"])
+    # tensor parallel: each rank records the two heads of its key/value group (4 heads, 2 groups, tp 2)
+    for rank, r in enumerate(four):
+        assert all(h == range(2 * (rank % 2), 2 * (rank % 2) + 2) for h in r["clip"]["heads"])
+
+
+def test_deepseek_v3_mla_moe_under_fsdp2_equals_one_process(runs):
+    ref, two, _ = runs
+    assert any(c.any() for step in ref["deepseek"]["log"] for _, c in step.values())
+    for r in two:
+        rel = _rel(r["deepseek"]["params"], ref["deepseek"]["params"], ref["start"]["deepseek"])
+        print(f"deepseek_v3: max diff / max movement = {rel:.2g}")
+        assert rel <= REL
+        _same_clips(r["deepseek"]["log"], ref["deepseek"]["log"])
+
+
+def test_dcp_resume_is_bit_identical_and_resharding_2_to_4_ranks_continues(runs):
+    ref, two, four = runs
+    for r in two:
+        assert r["resumed"]["params"].keys() == r["clip"]["params"].keys()
+        for k, v in r["clip"]["params"].items():
+            assert torch.equal(r["resumed"]["params"][k], v), k
+        _same_clips(r["resumed"]["log"], r["clip"]["log"][2:], tol=0)
+    for r in four:
+        rel = _rel(r["resharded"]["params"], ref["clip"]["params"], ref["start"]["llama"])
+        print(f"resharded 2 -> 4 ranks: max diff / max movement = {rel:.2g}")
+        assert rel <= REL
+        _same_clips(r["resharded"]["log"], ref["clip"]["log"][2:])
+
+
+# ------------------------------------------------------------------------------------------
+# one process: the exact clip on the fused wqkv (GQA) and on MLA, the layouts' refusals
+# ------------------------------------------------------------------------------------------
+
+
+def _record(model, x):
+    for m in model.modules():
+        if getattr(m, "muonclip_recorder", None) is not None:
+            m.muonclip_recorder.reset()
+    model(x)
+    return {m: m.muonclip_recorder.value.clone() for m in model.modules() if getattr(m, "muonclip_recorder", None)}
+
+
+def _exact_clip(cfg, start):
+    """Record on a batch, clip alone (no update), record again on the same batch."""
+    from muonclip.attention.sdpa import set_max_logit_backend
+
+    model = H.build(cfg, 1, "", parallel=False)
+    H.load_params(model, start)
+    opt = cfg.optimizer.build(model_parts=[model]).optimizers[0]
+    x, _ = H.batch(0)
+    set_max_logit_backend("chunked")  # exact maxima for every head, below tau too
+    try:
+        before = _record(model, x)
+        opt.clip()
+        clipped = {k: v.clone() for k, v in opt.last_clipped.items()}
+        after = _record(model, x)
+    finally:
+        set_max_logit_backend("gated")
+    return model, before, after, clipped
+
+
+def _first_layer_lands_on_tau(before, after, clipped):
+    """Layer 0's maxima after the clip, on the same batch: tau for clipped heads, unchanged for the
+    others (later layers' inputs change with the clip of the layers before them)."""
+    b, a, c = next(iter(before.values())), next(iter(after.values())), next(iter(clipped.values()))
+    assert c.any() and not c.all()
+    torch.testing.assert_close(a[c], torch.full_like(a[c], TAU), rtol=2e-6, atol=0)
+    assert torch.equal(a[~c], b[~c])
+
+
+def test_the_clip_on_fused_wqkv_lands_clipped_heads_on_tau_and_leaves_the_rest_bit_identical():
+    cfg = H.trainer_config(H.tiny_llama(), tau=TAU)
+    start = H.reference_start(cfg)
+    model, before, after, clipped = _exact_clip(cfg, start)
+    assert sum(int(c.sum()) for c in clipped.values()) > 0 and not all(c.all() for c in clipped.values())
+    _first_layer_lands_on_tau(before, after, clipped)
+    end = H.canonical_params(model)
+    hd, hq, hkv = 8, 4, 2
+    for layer, name in enumerate(clipped):
+        w0 = start[f"layers.{layer}.attention.qkv_linear.wqkv.weight"].view(hkv, hq // hkv + 2, hd, -1)
+        w1 = end[f"layers.{layer}.attention.qkv_linear.wqkv.weight"].view(hkv, hq // hkv + 2, hd, -1)
+        c = clipped[name].view(hkv, hq // hkv)
+        assert torch.equal(w1[:, 2:], w0[:, 2:])  # every k and v row
+        assert torch.equal(w1[:, :2][~c], w0[:, :2][~c])  # unclipped heads' q rows
+        assert not torch.equal(w1[:, :2][c], w0[:, :2][c])
+    for k in end:
+        if "wqkv" not in k:
+            assert torch.equal(end[k], start[k]), k
+
+
+def test_the_mla_clip_follows_k2s_rule():
+    cfg = H.deepseek_config(H.tiny_deepseek(), tau=TAU)
+    start = H.reference_start(cfg)
+    model, before, after, clipped = _exact_clip(cfg, start)
+    assert sum(int(c.sum()) for c in clipped.values()) > 0
+    _first_layer_lands_on_tau(before, after, clipped)
+    end = H.canonical_params(model)
+    nope, rope, v = 8, 4, 8
+    for layer, name in enumerate(clipped):
+        kv0 = start[f"layers.{layer}.attention.wkv_b.weight"].view(4, nope + v, -1)
+        kv1 = end[f"layers.{layer}.attention.wkv_b.weight"].view(4, nope + v, -1)
+        assert torch.equal(kv1[:, nope:], kv0[:, nope:])  # V rows
+        q0 = start[f"layers.{layer}.attention.wq.weight"].view(4, nope + rope, -1)
+        q1 = end[f"layers.{layer}.attention.wq.weight"].view(4, nope + rope, -1)
+        c = clipped[name]
+        gamma = (q1[c, nope:] / q0[c, nope:]).flatten(1).median(dim=1).values  # q^R scaled by gamma
+        root = (q1[c, :nope] / q0[c, :nope]).flatten(1).median(dim=1).values  # q^C by sqrt(gamma)
+        torch.testing.assert_close(root, gamma.sqrt(), rtol=1e-5, atol=0)
+        assert torch.equal(q1[~c], q0[~c])
+    assert torch.equal(end["layers.0.attention.wkv_a.weight"], start["layers.0.attention.wkv_a.weight"])  # k^R
+
+
+def test_qwen3_q_k_norm_is_refused_with_what_to_do():
+    from torchtitan.models.qwen3.config_registry import qwen3_debugmodel
+
+    from muonclip.integrations.torchtitan import with_muonclip
+
+    cfg = with_muonclip(qwen3_debugmodel(), device_type="cpu")
+    model = H.build(cfg, 1, "", parallel=False)
+    with pytest.raises(ValueError, match=r"q_norm/k_norm.*--optimizer.name Muon"):
+        cfg.optimizer.build(model_parts=[model])
+    cfg.optimizer.name = "Muon"
+    assert len(cfg.optimizer.build(model_parts=[model]).optimizers) == 1
+
+
+def test_the_command_line_selects_our_optimizer_and_its_fields():
+    from torchtitan.config import ConfigManager
+
+    from muonclip.integrations.torchtitan import MuonClipOptimizers
+    from muonclip.integrations.torchtitan_attention import RecordingSDPA
+
+    cfg = ConfigManager().parse_args([
+        "--module", "muonclip.integrations.torchtitan", "--config", "llama3_debugmodel", "--optimizer.tau", "42",
+        "--optimizer.lr", "0.01", "--optimizer.per_head", "--optimizer.orth_dtype", "float32",
+        "--optimizer.name", "Muon"])
+    assert isinstance(cfg.optimizer, MuonClipOptimizers.Config)
+    o = cfg.optimizer
+    assert (o.tau, o.lr, o.per_head, o.orth_dtype, o.name) == (42.0, 0.01, True, "float32", "Muon")
+    inner = [c for _, c, _, _ in cfg.model_spec.model.traverse(RecordingSDPA.Config)]
+    assert len(inner) == 6  # the debug model's 6 layers record
+    assert cfg.parallelism.spmd_backend == "partial_dtensor" and cfg.training.mixed_precision_param == "float32"
+    with pytest.raises(ValueError, match="no_such_config"):
+        ConfigManager().parse_args(["--module", "muonclip.integrations.torchtitan", "--config", "no_such_config"])
