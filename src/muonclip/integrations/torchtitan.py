@@ -203,7 +203,7 @@ def __getattr__(name: str) -> Any:
             continue
         fn = getattr(registry, name, None)
         if callable(fn):
-            def config() -> Trainer.Config:
+            def config(fn: Any = fn) -> Trainer.Config:
                 return with_muonclip(fn())
 
             config.__name__ = name
