@@ -98,19 +98,23 @@ def batch(step, B=4):
     return x[:, :-1], x[:, 1:]
 
 
-def train(model, opt, steps, *, part=0, parts=1, start=0, log=None):
-    """``steps`` steps on the global batches ``start..``; this data-parallel part takes its rows.
-    The loss is torchtitan's: summed cross-entropy over the global token count."""
+def train(model, opt, steps, *, part=0, parts=1, start=0, log=None, micro=1):
+    """``steps`` steps on the global batches ``start..``; this data-parallel part (of ``parts``) takes
+    its rows, in ``micro`` micro-batches (one process: ``micro=parts`` runs each rank's rows as its
+    own micro-batch, so every token meets the same kernels as on the ranks). The loss is
+    torchtitan's: summed cross-entropy over the global token count."""
     from torch.distributed.tensor import DTensor
 
     for s in range(start, start + steps):
         x, y = batch(s)
         n = x.shape[0] // parts
-        out = model(x[part * n:(part + 1) * n])
-        if isinstance(out, DTensor):
-            out = out.full_tensor()
-        loss = F.cross_entropy(out.flatten(0, 1).float(), y[part * n:(part + 1) * n].flatten(), reduction="sum")
-        (loss / y.numel()).backward()
+        x, y_part = x[part * n:(part + 1) * n], y[part * n:(part + 1) * n]
+        for xm, ym in zip(x.chunk(micro), y_part.chunk(micro)):
+            out = model(xm)
+            if isinstance(out, DTensor):
+                out = out.full_tensor()
+            loss = F.cross_entropy(out.flatten(0, 1).float(), ym.flatten(), reduction="sum")
+            (loss / y.numel()).backward()
         opt.step()
         opt.zero_grad()
         if log is not None:
