@@ -68,14 +68,22 @@ def _config(args, name: str):
     cfg.training.seq_len = SEQ
     if name == "AdamW":
         cfg.optimizer = default_adamw(lr=1e-3, implementation="foreach")
-    elif name == "DistMuon":
+    elif name == "DistMuon":  # torchtitan's Kimi recipe, reduced: every hidden matrix Owned (whole) on one rank
         from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+        from torchtitan.distributed.flex_shard import BucketConfig, ComputeLayout, Owned
 
+        fqns = [f"layers.{i}.{m}.weight" for i in range(args.layers)
+                for m in ("attention.qkv_linear.wqkv", "attention.wo", "feed_forward.w1", "feed_forward.w2",
+                          "feed_forward.w3")]
+        owned = ComputeLayout(shardings_by_mesh_axis={"dp_shard": Owned()})
         cfg.optimizer = OptimizersContainer.Config(implementation="foreach", param_groups=[
             ParamGroupConfig(pattern=r"layers\..*\.(wqkv|wo|w1|w2|w3)\.weight$", optimizer_name="DistMuon",
-                             optimizer_kwargs={"lr": 0.02, "weight_decay": 0.1}),
+                             optimizer_kwargs={"lr": 0.02, "weight_decay": 0.1, "foreach": False,
+                                               "adjust_lr_fn": "match_rms_adamw"}),
             ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3})],
-            optimizer_factory_kwargs_by_name={"DistMuon": {"compute_sharding_by_fqn": {}, "bucket_configs": ()}})
+            optimizer_factory_kwargs_by_name={"DistMuon": {
+                "compute_sharding_by_fqn": dict.fromkeys(fqns, owned),
+                "bucket_configs": (BucketConfig(name="all", patterns=tuple(fqns)),)}})
     else:
         cfg.optimizer.name, cfg.optimizer.tau = name, 100.0
     return cfg
@@ -170,11 +178,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--optimizers", default="AdamW,DistMuon,Muon,MuonClip", help="comma-separated, AdamW first")
     args = p.parse_args()
     print(f"torchtitan llama3, width {args.width}, {args.layers} layers, GQA 8/4 heads, seq {SEQ}, batch {BATCH}; "
           f"FSDP2 over 2 gloo processes, 1 thread each; torch {torch.__version__}")
     rows = []
-    for name in ("AdamW", "DistMuon", "Muon", "MuonClip"):
+    for name in args.optimizers.split(","):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

@@ -155,7 +155,8 @@ def with_muonclip(config: Trainer.Config, *, device_type: str | None = None) -> 
     torchtitan's ``lr`` and ``weight_decay`` carried over when the original optimizer had
     one param group; every ``inner_attention`` of the model config is the recording one for
     ``device_type`` (default: ``"cuda"`` when available, else ``"cpu"``), and on CPU the
-    set-up of `muonclip.integrations.torchtitan_cpu.cpu_config` is applied.
+    set-up of `muonclip.integrations.torchtitan_cpu.cpu_config` is applied and the
+    orthogonalisation runs in float32 (``--optimizer.orth_dtype`` still overrides it).
     """
     from . import torchtitan_cpu
 
@@ -176,6 +177,7 @@ def with_muonclip(config: Trainer.Config, *, device_type: str | None = None) -> 
                 if parent is not None and attr == "inner_attention":
                     setattr(parent, attr, dataclasses.replace(swap))
     if device_type == "cpu":
+        out.optimizer.orth_dtype = "float32"  # bfloat16 matmuls are emulated (slow) on most CPUs
         torchtitan_cpu.cpu_config(out)
     return out
 

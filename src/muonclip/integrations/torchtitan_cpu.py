@@ -9,7 +9,9 @@ process works too), for development and for the CPU test suite:
 * `use_cpu`: torchtitan's device type becomes ``"cpu"`` and its device module a CPU stand-in
   (`CpuDeviceModule`: one device, memory statistics from the process's peak resident set), in
   ``torchtitan.tools.utils`` and in every torchtitan module that imported them by name; the
-  process group backend follows (gloo, torchtitan's own choice for ``"cpu"``).
+  process group backend follows (gloo, torchtitan's own choice for ``"cpu"``). On a torch
+  without ``torch.distributed.set_timeout`` (2.13), which torchtitan calls after the first step,
+  its ``set_pg_timeouts`` is replaced by `set_pg_timeouts`.
 * `cpu_config`: on a ``Trainer.Config``: ``parallelism.spmd_backend = "partial_dtensor"``
   (DTensors for the model-parallel axes only, the backend whose FSDP2 path gloo runs),
   float32 everywhere (``training.dtype``, ``mixed_precision_param``: gloo reduces float32),
@@ -94,7 +96,7 @@ def use_cpu() -> None:
     (call it before building a ``Trainer``; `with_muonclip` does on a machine without CUDA)."""
     import torchtitan.components.metrics  # noqa: F401  (loaded now so their names are patched)
     import torchtitan.distributed.parallel_dims  # noqa: F401
-    import torchtitan.distributed.utils  # noqa: F401
+    import torchtitan.distributed.utils
     import torchtitan.tools.utils as tutils
 
     cpu = CpuDeviceModule()
@@ -107,6 +109,20 @@ def use_cpu() -> None:
         if getattr(mod, "device_module", None) is old_module:
             mod.device_module = cpu
     tutils.device_type, tutils.device_module = "cpu", cpu
+    if not hasattr(torch.distributed, "set_timeout"):
+        torchtitan.distributed.utils.set_pg_timeouts = set_pg_timeouts
+
+
+def set_pg_timeouts(timeout: Any, parallel_dims: Any) -> None:
+    """torchtitan's ``set_pg_timeouts`` (called after the first step) for a torch without
+    ``torch.distributed.set_timeout`` (torch 2.13): a barrier, then ``ProcessGroup.set_timeout``
+    on every 1-D mesh's group and the default group."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    groups = [mesh.get_group() for mesh in parallel_dims.get_all_one_dimensional_meshes().values()]
+    for group in groups + [dist.distributed_c10d._get_default_group()]:
+        group.set_timeout(timeout)
 
 
 def cpu_config(config: Any) -> Any:
@@ -142,4 +158,4 @@ def sum_reductions(parallelize_fn: Callable[..., nn.Module]) -> Callable[..., nn
     return parallelize
 
 
-__all__ = ["CpuDeviceModule", "cpu_config", "sum_reductions", "use_cpu"]
+__all__ = ["CpuDeviceModule", "cpu_config", "set_pg_timeouts", "sum_reductions", "use_cpu"]
