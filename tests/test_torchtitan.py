@@ -327,6 +327,30 @@ def test_torchtitans_zero_gradient_warm_up_does_not_make_muonclip_warn():
     assert not any("_checkpoint_wrapped_module" in k for k in sd)
 
 
+def test_muon_sees_the_fused_wqkv_as_its_maps_and_per_head_as_its_heads():
+    """`muon_splits` cuts llama's fused wqkv per key/value group into [q heads | k | v] (per head: each head its
+    own block) and, per head, MLA's wq and wkv_b; the container builds and steps with either."""
+    from muonclip.integrations.torchtitan_layouts import muon_splits
+
+    for per_head in (False, True):
+        cfg = H.trainer_config(H.tiny_llama(), per_head=per_head)
+        model = H.build(cfg, 1, "", parallel=False)
+        splits = muon_splits(model, per_head=per_head)
+        want = [8, 8, 8, 8] if per_head else [16, 8, 8]  # 2 query heads per group of head_dim 8, then k, v
+        assert splits["layers.0.attention.qkv_linear.wqkv.weight"] == {"split_sizes": want, "split_groups": 2}
+        opt = cfg.optimizer.build(model_parts=[model])
+        groups = [g for g in opt.optimizers[0].param_groups if "layers.0.attention.qkv_linear.wqkv.weight"
+                  in g["param_names"]]
+        assert len(groups) == 1 and list(groups[0]["split_sizes"]) == want and groups[0]["split_groups"] == 2
+        H.train(model, opt, 1)
+    cfg = H.deepseek_config(H.tiny_deepseek())
+    model = H.build(cfg, 1, "", parallel=False)
+    splits = muon_splits(model, per_head=True)
+    assert splits["layers.0.attention.wq.weight"] == {"split_sizes": [12], "split_groups": 4}
+    assert splits["layers.0.attention.wkv_b.weight"] == {"split_sizes": [16], "split_groups": 4}
+    assert muon_splits(model) == {}
+
+
 def test_qwen3_q_k_norm_is_refused_with_what_to_do():
     from torchtitan.models.qwen3.config_registry import qwen3_debugmodel
 

@@ -36,6 +36,7 @@ MuonClip's "nothing recorded" warning silenced (it is not a training step).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import warnings
@@ -165,6 +166,7 @@ def with_muonclip(config: Trainer.Config, *, device_type: str | None = None) -> 
     if len(config.optimizer.param_groups) == 1:
         given = config.optimizer.param_groups[0].optimizer_kwargs
         opt = dataclasses.replace(opt, **{k: given[k] for k in ("lr", "weight_decay") if k in given})
+    config = copy.deepcopy(config)  # the given config is left as it was
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
     fields["optimizer"] = opt
     out = MuonClipTrainerConfig(**fields)
