@@ -47,6 +47,7 @@ from .lse import sdpa_with_lse
 from .max_logits import check_shapes, flex_attention_with_max, flex_available
 from .recorder import MaxLogitRecorder
 from .recording import recorders_to_feed
+from .sinks import sink_attention
 
 BACKENDS = ("gated", "chunked", "flex")
 _backend = "gated"
@@ -79,6 +80,7 @@ def scaled_dot_product_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     *,
+    sinks: Tensor | None = None,
     recorder: MaxLogitRecorder | None = None,
     training: bool = True,
 ) -> Tensor:
@@ -94,6 +96,11 @@ def scaled_dot_product_attention(
         is_causal: top-left causal mask (default False).
         scale: softmax scale (default None: ``1 / sqrt(D)``).
         enable_gqa: key/value heads shared by ``Hq // Hkv`` consecutive query heads (default False).
+        sinks: ``(Hq,)`` learned sink logits, one per query head, that join every row's softmax
+            denominator with no value (GPT-OSS's ``sinks``; default None: no sink). Computed by
+            `muonclip.attention.sinks.sink_attention` (fused; its gradient reaches ``sinks``).
+            The recorded max logit stays the max of ``scale * q.k``: a sink is not a product of
+            the query and key projections.
         recorder: the calling layer's `MaxLogitRecorder`, with ``n_heads == Hq`` (default
             None: plain SDPA). On a training forward it receives the max over the batch,
             queries and allowed keys of ``scale * q.k`` per query head (after whatever RoPE the
@@ -107,13 +114,16 @@ def scaled_dot_product_attention(
             `muonclip.attention.recording` for the rule and gradient checkpointing.
 
     Returns:
-        ``(B, Hq, Tq, Dv)``: the same as ``F.scaled_dot_product_attention``.
+        ``(B, Hq, Tq, Dv)``: the same as ``F.scaled_dot_product_attention`` (with ``sinks``: the
+        same as transformers' eager sink attention).
     """
     if recorder is not None:
         hq, _ = check_shapes(query, key, enable_gqa)
         if len(recorder.heads) != hq:
             raise ValueError(f"recorder records {len(recorder.heads)} heads but query has {hq} heads")
     targets = recorders_to_feed(recorder, training)
+    if sinks is not None:
+        return _with_sinks(query, key, value, sinks, attn_mask, dropout_p, is_causal, scale, enable_gqa, targets)
     if not targets:  # no recorder, or evaluation / generation with no monitor watching: no max to compute
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
@@ -141,6 +151,23 @@ def scaled_dot_product_attention(
                 enable_gqa=enable_gqa,
             )
             per_head = exact_max_logits(query, key, attn_mask, is_causal, scale, enable_gqa)
+    for target in targets:
+        target.update(per_head, is_bound)
+    return out
+
+
+def _with_sinks(query: Tensor, key: Tensor, value: Tensor, sinks: Tensor, attn_mask: Tensor | None, dropout_p: float,
+                is_causal: bool, scale: float | None, enable_gqa: bool, targets: list[MaxLogitRecorder]) -> Tensor:
+    """Sink attention, recording the q.k maxima: gated on the kernel's LSE where the fused path
+    gave one (it is the LSE of the q.k scores alone), else exact."""
+    out, lse = sink_attention(query, key, value, sinks, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if not targets:
+        return out
+    threshold = call_threshold(targets) if _backend != "chunked" and lse is not None else None
+    if threshold is not None:
+        per_head, is_bound = gated_max_logits(query, key, lse, threshold, attn_mask, is_causal, scale, enable_gqa)
+    else:
+        per_head, is_bound = exact_max_logits(query, key, attn_mask, is_causal, scale, enable_gqa), None
     for target in targets:
         target.update(per_head, is_bound)
     return out
