@@ -9,13 +9,21 @@ vocabulary, positions, windows; `FAMILY_OVERRIDES` holds the few settings a fami
 
 from __future__ import annotations
 
-import math
+import copy
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import transformers
+from hf_probe import assert_only_clipped_rows_changed, replay_layer_max, tau_between
 from transformers import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from muonclip.integrations.hf import attach, attach_report
+from muonclip.integrations.hf_attention import CHECK_ATTR
+from muonclip.qkclip import MuonClip
 
 VOCAB = 128
 WIDTH = 64
@@ -27,8 +35,8 @@ HIDDEN = {"hidden_size", "d_model", "n_embd", "n_embed", "embed_dim", "dim", "mo
           "hidden_size_global", "lru_width", "backbone_hidden_size", "out_hidden_size"}
 INTERMEDIATE = {"ffn_dim", "n_inner", "d_ff", "ffn_hidden_size", "decoder_ffn_dim", "encoder_ffn_dim", "dim_ff", "dff",
                 "feed_forward_size", "d_inner", "expert_ffn_hidden_size", "mlp_dim", "intermediate_size_mlp"}
-LAYERS = {"num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers", "encoder_layers",
-          "num_decoder_layers", "num_encoder_layers", "conf_num_hidden_layers", "depth"}
+LAYERS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers", "encoder_layers",
+          "num_decoder_layers", "num_encoder_layers", "conf_num_hidden_layers", "depth")  # in this order
 N_HEADS = {"num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads", "encoder_attention_heads",
            "attention_heads", "swa_num_attention_heads", "conf_num_attention_heads", "num_encoder_attention_heads",
            "num_decoder_attention_heads", "linear_num_heads", "linear_num_key_heads", "linear_num_value_heads",
@@ -79,7 +87,7 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
                        "indexer_head_dim": HEAD_DIM},
     "reformer": {"axial_pos_embds_dim": [32, 32], "axial_pos_shape": [3, 4], "attn_layers": ["local", "local"], "is_decoder": True},
     "zamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "num_hidden_layers": 4, "layers_block_type": None},
-    "zamba2": {"n_mamba_heads": 8},
+    "zamba2": {"n_mamba_heads": 8, "hybrid_layer_ids": None},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
 }
 """Settings a family needs beyond the generic shrink (model_type -> config keywords)."""
@@ -120,6 +128,8 @@ def _layer_keyed(v: Any) -> dict[int, Any] | None:
 
 
 def _shrink_value(name: str, value: Any, d: dict[str, Any]) -> Any:
+    if isinstance(value, float) and ("dropout" in name or "pdrop" in name or name.endswith("_drop")):
+        return 0.0  # training-mode forwards of two copies must agree
     if isinstance(value, bool) or not isinstance(value, int):
         return value
     if name in KEEP:
@@ -171,7 +181,7 @@ def _shrink_dict(d: dict[str, Any]) -> dict[str, Any]:
             out[k] = {picks.index(i): _shrink_dict(x) if isinstance(x, dict) else x
                       for i, x in _layer_keyed(v).items() if i in picks}
         elif isinstance(v, dict) and k not in ("id2label", "label2id"):
-            out[k] = _shrink_dict(v) if "model_type" in v or any(a in v for a in HIDDEN | LAYERS) else v
+            out[k] = _shrink_dict(v) if "model_type" in v or any(a in v for a in (*HIDDEN, *LAYERS)) else v
         elif isinstance(v, list) and n_layers and len(v) == n_layers and n_layers > 1:
             out[k] = [v[i] for i in picks]
         elif k in LAYERS and isinstance(v, int):
@@ -214,7 +224,9 @@ def tiny_config(model_type: str):
 
 
 def build(model_type: str, seed: int = 0) -> torch.nn.Module:
-    """The family's tiny model: float32, training mode, every dropout probability 0, biases non-zero."""
+    """The family's tiny model: float32, training mode, every dropout probability 0, projection biases
+    drawn from N(0.25, 0.25^2): a zero bias would hide whether the clip scales it, and q/k biases of one
+    sign keep the max logits of a model without RoPE positive."""
     model_cls, _ = families()[model_type]
     torch.manual_seed(seed)
     config = tiny_config(model_type)
@@ -225,6 +237,11 @@ def build(model_type: str, seed: int = 0) -> torch.nn.Module:
         for a in ("attention_dropout", "dropout", "attn_dropout"):
             if isinstance(getattr(m, a, None), float):
                 setattr(m, a, 0.0)
+        bias = getattr(m, "bias", None)
+        if isinstance(bias, torch.nn.Parameter) and isinstance(getattr(m, "weight", None), torch.Tensor) \
+                and bias.ndim == 1 and m.weight.ndim == 2:  # projections' biases non-zero: a clip shows
+            with torch.no_grad():
+                bias.normal_(0.25, 0.25)
     return model.train()
 
 
@@ -232,5 +249,147 @@ def n_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["VOCAB", "build", "families", "n_params", "tiny_config"]
-_ = math
+FAMILY_SETUP: dict[str, Callable[[torch.nn.Module], None]] = {
+    "xmod": lambda model: model.set_default_language("en_XX"),
+}
+"""What a family's model needs after building (model_type -> function of the model)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# one family's verdict
+# ----------------------------------------------------------------------------------------------
+
+B, T = 2, 12
+REFUSAL_CAUSES = {
+    "q/k normalised after the projection": r"normalises q/k after the projection",
+    "attention in the model's own code": r"computes attention in its own code, not through transformers' "
+                                         r"AttentionInterface",
+    "no softmax attention": r"has no softmax attention: its token mixers",
+    "no known head layout": r"head layout muonclip knows",
+    "q/k clamped after the projection": r"clamps q, k and v to \[",
+    "a keyword the attention function does not compute": r"passes `\w+`, which the 'muonclip' attention function "
+                                                        r"does not compute",
+    "a keyword the attention function does not implement": r"passes `\w+` \(\w+\) to its attention function, a "
+                                                          r"keyword the 'muonclip' attention function does not "
+                                                          r"implement",
+}
+"""Each refusal's cause, as the pattern of its message (a refusal must match one)."""
+
+
+@dataclass
+class Verdict:
+    """A family's row: ``verdict`` is ``"supported"``, ``"refused"`` or ``"not built"``; ``why`` says it."""
+
+    family: str
+    verdict: str
+    why: str
+    detail: str = ""
+
+
+def _batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input ids and a left-padded attention mask (row 1: 4 pads)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (B, T), generator=g)
+    am = torch.ones(B, T, dtype=torch.long)
+    am[1, :4] = 0
+    return ids.masked_fill(am == 0, 0), am
+
+
+def _logits(model, ids, am):
+    out = model(input_ids=ids, attention_mask=am, use_cache=False)
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
+def _cause(message: str) -> str | None:
+    return next((name for name, pattern in REFUSAL_CAUSES.items() if re.search(pattern, message)), None)
+
+
+def _refused(family: str, e: Exception, when: str) -> Verdict:
+    message = str(e).splitlines()[0]
+    cause = _cause(message)
+    assert isinstance(e, ValueError) and cause is not None, (
+        f"{family}: neither supported nor refused with a named cause ({when}): {type(e).__name__}: {message}")
+    return Verdict(family, "refused", f"{cause} ({when})", message[:240])
+
+
+def _supported_why(layers, model) -> str:
+    kinds = sorted({type(ly.layout).__name__ for ly in layers})
+    sinks = any(getattr(model.get_submodule(ly.name), "sinks", None) is not None for ly in layers)
+    skipped = len(attach_report(model).skipped)
+    parts = [f"{len(layers)} attention layers, {'/'.join(kinds)}"]
+    if sinks:
+        parts.append("attention sinks")
+    if skipped:
+        parts.append(f"{skipped} mixers without softmax attention skipped")
+    return "; ".join(parts)
+
+
+def run_family(family: str) -> Verdict:
+    """Build the family tiny and decide its row (``tests/test_qkclip_families.py`` states the criteria).
+
+    Raises:
+        AssertionError: the family is neither supported (every criterion) nor refused with a
+            cause of `REFUSAL_CAUSES` before any step.
+    """
+    try:
+        model = build(family)
+    except Exception as e:  # noqa: BLE001 - any failure to build is recorded with its message
+        return Verdict(family, "not built", f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+    if family in FAMILY_SETUP:
+        FAMILY_SETUP[family](model)
+    ref = copy.deepcopy(model)
+    impl = model.config._attn_implementation
+    try:
+        layers = attach(model)
+    except ValueError as e:
+        assert model.config._attn_implementation == impl, f"{family}: refused but switched"
+        return _refused(family, e, "when attaching")
+    ids, am = _batch()
+    real = am.bool()
+    try:
+        with torch.no_grad():  # eval mode: the model's own output
+            ours, theirs = _logits(model.eval(), ids, am), _logits(ref.eval(), ids, am)
+        torch.testing.assert_close(ours[real], theirs[real], rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"{family}: eval forward differs: {m}")
+        model.train(), ref.train()
+        ours, theirs = _logits(model, ids, am), _logits(ref, ids, am)  # the forward check runs here
+    except ValueError as e:
+        return _refused(family, e, "at the first forward")
+    torch.testing.assert_close(ours[real], theirs[real], rtol=1e-4, atol=1e-4,
+                               msg=lambda m: f"{family}: train forward differs: {m}")
+    ran = [ly for ly in layers if ly.recorder.value is not None]  # cross-attention without an encoder: not run
+    assert ran and ran[0] is layers[0], f"{family}: the first attention layer recorded nothing"
+    checks = [getattr(model.get_submodule(ly.name), CHECK_ATTR) for ly in ran]
+    assert all(c is not None and not c.pending for c in checks), f"{family}: a forward check did not run"
+    for ly in layers:
+        ly.recorder.reset()
+    model.zero_grad(set_to_none=True)
+
+    first = layers[0]
+    with torch.no_grad():  # layer 0's heads far apart: logits times 3..30, so some pass tau and some do not
+        first.layout.clip(torch.linspace(3.0, 30.0, first.layout.n_heads))
+    module = model.get_submodule(first.name)
+    saved: list = []  # the layer's calls that feed the clip (grad enabled); a model may call it more than once
+
+    def save(m, args, kwargs):
+        if torch.is_grad_enabled():
+            saved.append((args, dict(kwargs)))
+
+    hook = module.register_forward_pre_hook(save, with_kwargs=True)
+    _logits(model, ids, am)[real].float().square().mean().backward()  # recorders without a threshold: exact
+    hook.remove()
+    before = torch.stack([replay_layer_max(model, module, a, kw) for a, kw in saved]).amax(0)
+    tau = tau_between(before)
+    opt = MuonClip(model, lr=0.0, weight_decay=0.0, tau=tau, layers=layers, on_ineffective_clip="raise")
+    w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.step()
+    after = torch.stack([replay_layer_max(model, module, a, kw) for a, kw in saved]).amax(0)
+    clipped = before > tau
+    torch.testing.assert_close(opt.last_max_logits[first.name].cpu(), before, rtol=1e-5, atol=1e-5,
+                               msg=lambda m: f"{family}: recorded max logits: {m}")
+    torch.testing.assert_close(opt.last_clipped[first.name].cpu(), clipped, msg=f"{family}: clip decisions")
+    torch.testing.assert_close(after, torch.clamp(before, max=tau), rtol=2e-5, atol=2e-5,
+                               msg=lambda m: f"{family}: layer 0 not clipped to tau: {m}")
+    assert 0 < int(clipped.sum()) < clipped.numel()
+    assert_only_clipped_rows_changed(model, [first], {first.name: clipped}, w0)
+    return Verdict(family, "supported", _supported_why(layers, model))

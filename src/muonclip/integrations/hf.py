@@ -178,6 +178,13 @@ def _refuse_without_attention(model: nn.Module) -> None:
     pretrained = _outermost_pretrained(model)
     own_code = [type(m).__name__ for m in pretrained if not getattr(m, "_supports_attention_backend", True)]
     named = [f"{n} ({type(m).__name__})" for n, m in model.named_modules() if type(m).__name__.endswith("Attention")]
+    mixers = mixers_without_attention(model, [])
+    if pretrained and mixers and not named:
+        raise ValueError(
+            f"{type(pretrained[0]).__name__} has no softmax attention: its token mixers "
+            f"({', '.join(f'{n} ({c})' for n, c in mixers[:3])}{', ...' if len(mixers) > 3 else ''}) compute no "
+            "softmax over q.k, so there is no max logit for QK-Clip to bound. Train it with plain muonclip.Muon."
+        )
     if own_code:
         raise ValueError(
             f"{', '.join(own_code)} computes attention in its own code, not through transformers' "
@@ -186,13 +193,6 @@ def _refuse_without_attention(model: nn.Module) -> None:
             + (f"; its attention modules: {', '.join(named[:4])}{', ...' if len(named) > 4 else ''}" if named else "")
             + ". State the layers yourself: MuonClip(model, layers=[AttentionLayer(...)]) with an attention that "
             "calls muonclip.scaled_dot_product_attention(..., recorder=...)."
-        )
-    mixers = mixers_without_attention(model, [])
-    if pretrained and mixers:
-        raise ValueError(
-            f"{type(pretrained[0]).__name__} has no softmax attention: its token mixers "
-            f"({', '.join(f'{n} ({c})' for n, c in mixers[:3])}{', ...' if len(mixers) > 3 else ''}) compute no "
-            "softmax over q.k, so there is no max logit for QK-Clip to bound. Train it with plain muonclip.Muon."
         )
     raise ValueError(
         f"no attention modules found in {type(model).__name__}: attach() recognises transformers attention "

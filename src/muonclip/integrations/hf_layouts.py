@@ -17,18 +17,26 @@ layers have twice the key heads of its full-attention layers).
 
 * Llama / Mistral / Qwen2 style (``q_proj``, ``k_proj``): `MHALayout` when key heads = query
   heads, else `GQALayout` (exact per-head policy by default); q/k biases are part of the layout.
-* Fused projections, as `Rows` ranges of one weight: Phi-3 style ``qkv_proj`` (rows
-  ``[q | k | v]``) and GPT-2's ``c_attn`` (a ``Conv1D`` stored ``(in, out)``; a cross-attention
-  layer's queries come from ``q_attn`` and its ``c_attn`` holds ``[k | v]``).
-* GPT-NeoX / Pythia (``GPTNeoXAttention``): ``query_key_value`` interleaves q, k and v per head,
-  so q and k are `StridedRows` of it (and of its bias).
+* BERT style (``query``, ``key``) and CTRL (``Wq``, ``Wk``): the same, under those names
+  (`PROJECTION_PAIRS`).
+* Fused projections, for the classes whose row order is known (a fused projection of any other
+  class is refused: its order is not stated): Phi-3 style ``qkv_proj`` (rows ``[q | k | v]``,
+  `FUSED_QKV_CLASSES`) and GPT-2's ``c_attn`` (a ``Conv1D`` stored ``(in, out)``; a
+  cross-attention layer's queries come from ``q_attn`` and its ``c_attn`` holds ``[k | v]``;
+  `C_ATTN_CLASSES`) as `Rows` ranges of one weight; GPT-NeoX / Pythia's ``query_key_value``
+  (q, k and v interleaved per head) and CodeGen's ``qkv_proj`` (``[q v k]`` per model-parallel
+  partition) as `StridedRows`.
+* A projection clamped after the fact (DBRX's ``clip_qkv``): ValueError — a rescaled row is
+  clamped again.
 * DeepSeek-V3 MLA (``kv_b_proj``): `MLALayout` on ``q_b_proj`` (or ``q_proj`` without a query
   LoRA) and ``kv_b_proj``; the shared rotary key and V are never touched.
 * A normalisation of q/k after the projection (QK-norm of Qwen3, Gemma 3, OLMo 2; Llama 4's L2
   ``qk_norm``; Phi's ``qk_layernorm``; ...): ValueError naming it — scaling W_q/W_k does not
   change normalised q/k (`muonclip.qkclip.qknorm`). Norms stated to sit elsewhere are allowed:
-  MLA's ``q_a_layernorm`` / ``kv_a_layernorm`` feed the scaled projections, and the norms of
-  `OUTPUT_NORMS` act on the attention's output (DiffLlama's ``groupnorm``).
+  MLA's ``q_a_layernorm`` / ``kv_a_layernorm`` feed the scaled projections, the norms of
+  `OUTPUT_NORMS` act on the attention's output (DiffLlama's ``groupnorm``, BitNet's
+  ``attn_sub_norm``), and the modules of `SELECTION_CHILDREN` only pick keys (the indexer of
+  DeepSeek sparse attention).
 """
 
 from __future__ import annotations
@@ -44,14 +52,32 @@ from ..qkclip.qknorm import check_no_qk_norm
 
 Layout = MHALayout | GQALayout | MLALayout
 
+PROJECTION_PAIRS = (("q_proj", "k_proj"), ("query", "key"), ("Wq", "Wk"))
+"""Names of separate query / key projections (Llama style, BERT style, CTRL)."""
+
 PER_HEAD_QKV_CLASSES = ("GPTNeoXAttention",)
 """Attention classes whose ``query_key_value`` holds ``[q k v]`` per head, heads one after another."""
 
+FUSED_QKV_CLASSES = ("Phi3Attention", "Phi4MultimodalAttention", "PhimoeAttention")
+"""Attention classes whose ``qkv_proj`` holds the rows ``[q | k | v]``."""
+
+C_ATTN_CLASSES = ("GPT2Attention", "GPTBigCodeAttention")
+"""Attention classes whose ``c_attn`` holds ``[q | k | v]`` (``[k | v]`` for cross-attention, queries in ``q_attn``)."""
+
+PARTITIONED_QKV_CLASSES = {"CodeGenAttention": "mp_num"}
+"""Attention classes whose ``qkv_proj`` holds ``[q v k]`` per model-parallel partition (the attribute
+holding the number of partitions): CodeGen's ``[p0: q v k | p1: q v k | ...]``, heads in partition order."""
+
 OUTPUT_NORMS: dict[str, tuple[str, ...]] = {
     "DiffLlamaAttention": ("groupnorm",),
+    "BitNetAttention": ("attn_sub_norm",),
 }
 """Attention class -> children that normalise the attention's *output* (after the softmax and V),
 hence cannot undo a rescaling of W_q/W_k (checked on transformers 5.24's code)."""
+
+SELECTION_CHILDREN = ("indexer",)
+"""Children that pick which keys a query sees (DeepSeek sparse attention's indexer) from their own
+projections and norms: they never rescale the q and k of the logits."""
 
 
 @cache
@@ -102,8 +128,12 @@ def mixers_without_attention(model: nn.Module, attention: list[str]) -> list[tup
 
 def _linear(module: nn.Module, attr: str, name: str) -> nn.Module:
     lin = getattr(module, attr, None)
-    if not isinstance(getattr(lin, "weight", None), Tensor):
-        raise ValueError(f"attention layer '{name}': expected a projection '{attr}' with a weight, found {lin!r}")
+    if not isinstance(getattr(lin, "weight", None), Tensor) or lin.weight.ndim != 2:
+        raise ValueError(
+            f"attention layer '{name}' ({type(module).__name__}): its projection '{attr}' ({type(lin).__name__}) has "
+            "no weight matrix, so no head layout muonclip knows applies. State the layout yourself: "
+            "MuonClip(model, layers=[AttentionLayer(name, GQALayout(...), recorder)])"
+        )
     return lin
 
 
@@ -128,9 +158,23 @@ def _make_layout(q_w, k_w, q_b, k_b, n_heads: int, n_kv: int, head_dim: int, gqa
     return GQALayout(q_w, k_w, n_heads, n_kv, head_dim, q_bias=q_b, k_bias=k_b, policy=gqa_policy)
 
 
+def _no_layout(name: str, module: nn.Module) -> ValueError:
+    found = ", ".join(f"{n} ({type(c).__name__})" for n, c in module.named_children()) or "none"
+    return ValueError(
+        f"attention layer '{name}' ({type(module).__name__}) has no q_proj/k_proj, fused qkv_proj/c_attn, GPT-NeoX "
+        f"query_key_value or MLA q_b_proj/kv_b_proj whose head layout muonclip knows (its children: {found}), so "
+        "which rows of which weights make each head's q and k is not stated. State it yourself: "
+        "MuonClip(model, layers=[AttentionLayer(name, GQALayout(...), recorder)]), using muonclip.qkclip.Rows / "
+        "StridedRows for the rows of a fused weight"
+    )
+
+
 def _mla_layout(name: str, module: nn.Module, config: Any) -> MLALayout:
     n_heads = int(getattr(module, "num_heads", None) or config.num_attention_heads)
-    q = _linear(module, "q_b_proj" if getattr(module, "q_b_proj", None) is not None else "q_proj", name)
+    q_name = next((a for a in ("q_b_proj", "q_proj") if getattr(module, a, None) is not None), None)
+    if q_name is None:  # the queries come from a projection of another layout (e.g. fused with a gate)
+        raise _no_layout(name, module)
+    q = _linear(module, q_name, name)
     kv_b = _linear(module, "kv_b_proj", name)
     return MLALayout(
         q_weight=q.weight,
@@ -169,6 +213,20 @@ def _fused_layout(name: str, module: nn.Module, config: Any, gqa_policy: str) ->
     return _make_layout(q_w, k_w, q_b, k_b, n_heads, n_kv, head_dim, gqa_policy)
 
 
+def _partitioned_qkv_layout(name: str, module: nn.Module, config: Any, parts_attr: str) -> MHALayout:
+    """CodeGen ``qkv_proj``: per partition p of ``local = n_heads * d / parts`` rows, ``[q v k]``."""
+    f = _linear(module, "qkv_proj", name)
+    n_heads, _, d = heads_of(module, config)
+    parts = int(getattr(module, parts_attr))
+    local = n_heads * d // parts
+
+    def blocks(t: Tensor | None, start: int) -> StridedRows | None:
+        return None if t is None else StridedRows(t, start, local, 3 * local, parts)
+
+    return MHALayout(blocks(f.weight, 0), blocks(f.weight, 2 * local), n_heads, d, q_bias=blocks(f.bias, 0),
+                     k_bias=blocks(f.bias, 2 * local))
+
+
 def _per_head_qkv_layout(name: str, module: nn.Module, config: Any) -> MHALayout:
     """GPT-NeoX ``query_key_value``: rows ``[h*3d, h*3d+d)`` are head h's q, the next ``d`` its k."""
     f = _linear(module, "query_key_value", name)
@@ -192,28 +250,42 @@ def layout_of(name: str, module: nn.Module, config: Any, gqa_policy: str = "per_
     mla = "kv_b_proj" in children
     harmless = [children[a] for a in ("q_a_layernorm", "kv_a_layernorm") if mla and a in children]
     harmless += [children[a] for a in OUTPUT_NORMS.get(type(module).__name__, ()) if a in children]
+    harmless += [m for a in SELECTION_CHILDREN if a in children for m in children[a].modules()]
     check_no_qk_norm(name, module, harmless)
+    cls = type(module).__name__
+    clamp = getattr(module, "clip_qkv", None)
+    if clamp is not None:
+        raise ValueError(
+            f"attention layer '{name}' ({cls}) clamps q, k and v to [-{clamp}, {clamp}] after the projection "
+            "(clip_qkv): a rescaled row is clamped again, so QK-Clip's factor would not reach the logits exactly. "
+            "Train it with plain muonclip.Muon, or use a config without clip_qkv."
+        )
     if mla:
         return _mla_layout(name, module, config)
-    if type(module).__name__ in PER_HEAD_QKV_CLASSES and "query_key_value" in children:
+    if cls in PER_HEAD_QKV_CLASSES and "query_key_value" in children:
         return _per_head_qkv_layout(name, module, config)
-    if "q_proj" in children and "k_proj" in children:
-        q, k = _linear(module, "q_proj", name), _linear(module, "k_proj", name)
-        n_heads, n_kv, head_dim = heads_of(module, config)
-        return _make_layout(q.weight, k.weight, q.bias, k.bias, n_heads, n_kv, head_dim, gqa_policy)
-    if "qkv_proj" in children or "c_attn" in children:
+    if cls in PARTITIONED_QKV_CLASSES and "qkv_proj" in children:
+        return _partitioned_qkv_layout(name, module, config, PARTITIONED_QKV_CLASSES[cls])
+    for q_name, k_name in PROJECTION_PAIRS:
+        if q_name in children and k_name in children:
+            q, k = _linear(module, q_name, name), _linear(module, k_name, name)
+            n_heads, n_kv, head_dim = heads_of(module, config)
+            return _make_layout(q.weight, k.weight, q.bias, k.bias, n_heads, n_kv, head_dim, gqa_policy)
+    if (cls in FUSED_QKV_CLASSES and "qkv_proj" in children) or (cls in C_ATTN_CLASSES and "c_attn" in children):
         return _fused_layout(name, module, config, gqa_policy)
-    found = ", ".join(f"{n} ({type(c).__name__})" for n, c in children.items()) or "none"
-    raise ValueError(
-        f"attention layer '{name}' ({type(module).__name__}) has no q_proj/k_proj, fused qkv_proj/c_attn, GPT-NeoX "
-        f"query_key_value or MLA kv_b_proj whose head layout muonclip knows (its children: {found}), so which rows "
-        "of which weights make each head's q and k is not stated. State it yourself: "
-        "MuonClip(model, layers=[AttentionLayer(name, GQALayout(...), recorder)]), using muonclip.qkclip.Rows / "
-        "StridedRows for the rows of a fused weight"
-    )
+    fused = [a for a in ("qkv_proj", "c_attn", "Wqkv", "query_key_value", "qkv") if a in children]
+    if fused:
+        raise ValueError(
+            f"attention layer '{name}' ({cls}) has a fused projection '{fused[0]}' whose row order (which rows are "
+            "each head's q and k) muonclip has not verified for this class, so no head layout muonclip knows "
+            "applies. State it yourself: MuonClip(model, layers=[AttentionLayer(name, GQALayout(Rows(...), "
+            "Rows(...), ...), recorder)]) with muonclip.qkclip.Rows / StridedRows"
+        )
+    raise _no_layout(name, module)
 
 
 __all__ = [
-    "OUTPUT_NORMS", "PER_HEAD_QKV_CLASSES", "Layout", "attention_modules", "dispatches_attention", "heads_of",
+    "C_ATTN_CLASSES", "FUSED_QKV_CLASSES", "OUTPUT_NORMS", "PARTITIONED_QKV_CLASSES", "PER_HEAD_QKV_CLASSES",
+    "PROJECTION_PAIRS", "SELECTION_CHILDREN", "Layout", "attention_modules", "dispatches_attention", "heads_of",
     "layout_of", "mixers_without_attention",
 ]
