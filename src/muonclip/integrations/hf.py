@@ -214,22 +214,25 @@ def _packing_pre_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) ->
     skips it and lets documents attend to each other. So for a packed batch this asks for
     ``use_cache=False``; a packed batch given with a cache of its own is refused.
     """
+    signature = inspect.signature(module.forward)
     try:
-        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+        bound = signature.bind_partial(*args, **kwargs).arguments
     except TypeError:
         return None
+    for p in signature.parameters.values():  # keywords the signature collects in **kwargs
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            bound = {**bound, **bound.pop(p.name, {})}
     position_ids = bound.get("position_ids")
     if not isinstance(position_ids, Tensor) or bound.get("attention_mask") is not None or not _packed(position_ids):
         return None
-    cache = bound.get("past_key_values", bound.get("cache"))
-    if cache is not None:
+    if bound.get("past_key_values") is not None or bound.get("cache") is not None:
         raise ValueError(
             f"{type(module).__name__}: a packed batch (position_ids restart inside a row) given with a cache: "
             "transformers builds no document mask then, so documents would attend to each other. Pass the packed "
             "batch without past_key_values, or pad it and pass an attention_mask."
         )
-    if "use_cache" not in inspect.signature(module.forward).parameters and not any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(module.forward).parameters.values()
+    if "use_cache" not in signature.parameters and not any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()
     ):
         return None
     kwargs = dict(kwargs)
