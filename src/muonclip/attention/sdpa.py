@@ -20,7 +20,9 @@ How the max is computed (`set_max_logit_backend`):
   block of query rows: no host sync). Clip decisions and gammas are those of the exact path;
   heads far below tau cost a max over the LSE. Anywhere else (a recorder without a threshold,
   a monitor, dropout, a call SDPA runs with its math backend, a torch without those kernels,
-  and on a GPU a call too small for the gate to pay: `gate_pays`) it is ``"chunked"``.
+  on a GPU a call too small for the gate to pay: `gate_pays`, and any call inside
+  ``torch.compile``, where choosing heads by their bound would be a data-dependent graph break)
+  it is ``"chunked"``.
 * ``"chunked"``: SDPA, then the exact max of every head: on CPU (or without Triton)
   `muonclip.attention.max_logits.chunked_max_logits` (bounded memory; never the full
   ``(B, H, Tq, Tk)`` scores at once), on a CUDA GPU the same computation in one Triton kernel
@@ -138,7 +140,7 @@ def scaled_dot_product_attention(
     ):
         out, per_head = flex_attention_with_max(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     else:
-        threshold = call_threshold(targets) if _backend != "chunked" and gate_pays(query, key) else None
+        threshold = call_threshold(targets) if gating(query, key) else None
         with_lse = None if threshold is None else sdpa_with_lse(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
         )
@@ -163,7 +165,7 @@ def _with_sinks(query: Tensor, key: Tensor, value: Tensor, sinks: Tensor, attn_m
     out, lse = sink_attention(query, key, value, sinks, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if not targets:
         return out
-    threshold = call_threshold(targets) if _backend != "chunked" and lse is not None else None
+    threshold = call_threshold(targets) if lse is not None and gating(query, key) else None
     if threshold is not None:
         per_head, is_bound = gated_max_logits(query, key, lse, threshold, attn_mask, is_causal, scale, enable_gqa)
     else:
@@ -192,6 +194,14 @@ def gate_pays(query: Tensor, key: Tensor) -> bool:
     return B * hq * tq * key.shape[2] * d >= GPU_GATE_MIN_WORK.get(query.dtype, 0)
 
 
+def gating(query: Tensor, key: Tensor) -> bool:
+    """Whether this call may take the LSE gate: the ``"gated"`` (or ``"flex"``) backend, a call where
+    the gate pays (`gate_pays`), and not inside ``torch.compile``: there the gate's choice of heads
+    would be a data-dependent graph break, so a compiled forward computes every head's exact max
+    (the same clip decisions)."""
+    return _backend != "chunked" and not torch.compiler.is_compiling() and gate_pays(query, key)
+
+
 def call_threshold(targets: list[MaxLogitRecorder]) -> float | None:
     """The threshold one call may gate with: the smallest of its recorders', None when any has none."""
     thresholds = [t.threshold for t in targets]
@@ -199,6 +209,6 @@ def call_threshold(targets: list[MaxLogitRecorder]) -> float | None:
 
 
 __all__ = [
-    "BACKENDS", "GPU_GATE_MIN_WORK", "call_threshold", "gate_pays", "get_max_logit_backend",
+    "BACKENDS", "GPU_GATE_MIN_WORK", "call_threshold", "gate_pays", "gating", "get_max_logit_backend",
     "scaled_dot_product_attention", "set_max_logit_backend",
 ]

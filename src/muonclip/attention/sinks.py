@@ -25,7 +25,7 @@ dropped). Two ways to get it here, both exact:
   \(\partial L / \partial a_h = -\sum_{b,i} (g_i \cdot o'_i)(1 - \sigma_i)\). The same LSE feeds
   the max-logit gate (`muonclip.attention.gate`), since it is the LSE of the q·k scores alone.
 * **One more key** (any other device, dropout, a mask that needs a gradient, a torch without the
-  ops): the sink is a key every query sees, with a zero value and a logit \(a_h\):
+  ops, inside ``torch.compile``): the sink is a key every query sees, with a zero value and a logit \(a_h\):
   ``q' = [q, a_h / scale]``, ``k' = [k, 0]`` plus the key ``[0, ..., 0, 1]``, ``v'`` plus a zero
   row, the mask widened by one allowed column (the causal rule written out as a mask). One
   ``F.scaled_dot_product_attention`` call, on any backend, with autograd's own gradients;
@@ -92,6 +92,7 @@ def _fused_lse_path(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor
     """Whether this call can take the kernel's-LSE path (module docstring)."""
     return (
         query.device.type == "cpu"
+        and not torch.compiler.is_compiling()  # private ops and their schemas: kept out of compiled graphs
         and query.ndim == 4
         and dropout_p == 0.0
         and not (attn_mask is not None and attn_mask.requires_grad)

@@ -37,8 +37,10 @@ A module that runs a training forward without calling the attention function at 
 model is switched to it (it does not dispatch through transformers' ``AttentionInterface`` on
 that path) raises too: its max logits would never be recorded. Each check runs once; `pending`
 is then False and the hook is removed. The cost is one reference attention call per layer, once, on at most
-`CHECK_SCORES` scores (``benchmarks/bench_hf_overhead.py`` measures it). Turning it off is an
-explicit choice: ``attach(model, verify_attention=False)``, then
+`CHECK_SCORES` scores (``benchmarks/bench_hf_overhead.py`` measures it). Under ``torch.compile``
+the check runs outside the graph (``torch.compiler.disable``): a compiled *first* training forward
+breaks its graph once per layer for it, later forwards never (run one training step before
+compiling to keep even those out). Turning it off is an explicit choice: ``attach(model, verify_attention=False)``, then
 ``MuonClip(model, layers=that)``.
 """
 
@@ -136,6 +138,7 @@ class ForwardCheck:
             self._hook.remove()
             self._hook = None
 
+    @torch.compiler.disable
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         switched = getattr(getattr(module, "config", None), "_attn_implementation", ATTN_IMPLEMENTATION)
         if self.pending and is_training_forward(module.training) and switched == ATTN_IMPLEMENTATION:
@@ -146,6 +149,7 @@ class ForwardCheck:
                 "run. Leave this layer out: MuonClip(model, layers=[...])."
             )
 
+    @torch.compiler.disable
     def run(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
             dropout: float, scaling: float | None, is_causal: bool | None, kwargs: dict[str, Any],
             out: Tensor) -> None:
