@@ -3,11 +3,11 @@ GPU: `triton_max_logits`), the LSE gate that makes it nearly free (`gate`, on th
 `lse`), the recorder, the rule for which forwards feed the clip and the monitor for those that
 must not (`recording`)."""
 
+from .forward_rule import MaxLogitMonitor, is_training_forward
 from .gate import exact_max_logits, gated_max_logits, lse_bound
 from .lse import sdpa_with_lse
 from .max_logits import DEFAULT_CHUNK_ELEMENTS, chunked_max_logits
-from .recorder import MaxLogitRecorder
-from .recording import MaxLogitMonitor, is_training_forward
+from .running_max import MaxLogitRecorder
 from .sdpa import get_max_logit_backend, scaled_dot_product_attention, set_max_logit_backend
 
 __all__ = [

@@ -3,7 +3,7 @@ records each query head's max logit into a `MaxLogitRecorder` (docs/design.md, "
 
 Without a recorder it is exactly ``F.scaled_dot_product_attention``. With one, the output is
 still SDPA's (same kernel, same autograd graph) and, on a training forward (``training`` true
-and grad mode on: the rule of `muonclip.attention.recording`), the per-head max of
+and grad mode on: the rule of `muonclip.attention.forward_rule`), the per-head max of
 ``scale * q.k`` over allowed pairs and over the batch is folded into the recorder's running
 max, which the next QK-Clip consumes. Any other call (evaluation, generation, anything under
 ``torch.no_grad``) leaves the recorder alone and computes no max, unless a `MaxLogitMonitor`
@@ -33,8 +33,8 @@ How the max is computed (`set_max_logit_backend`):
   ``recompile_limit`` (8 by default) it runs unfused, still correct (raise
   ``torch._dynamo.config.recompile_limit`` for many sequence lengths). The output is the
   FlexAttention kernel's, equal to SDPA's within kernel round-off, not bit-identical. That
-  path is opt-in; its test passed on an H100 (torch 2.11, `benchmarks/gpu_check.sh`). Other
-  calls fall back to ``"gated"``.
+  path is opt-in; its CUDA test runs in `benchmarks/gpu_check.sh`. Other calls fall back to
+  ``"gated"``.
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import triton_max_logits as triton_max
+from .forward_rule import recorders_to_feed
 from .gate import exact_max_logits, gated_max_logits
 from .lse import sdpa_with_lse
 from .max_logits import check_shapes, flex_attention_with_max, flex_available
-from .recorder import MaxLogitRecorder
-from .recording import recorders_to_feed
+from .running_max import MaxLogitRecorder
 from .sinks import sink_attention
 
 BACKENDS = ("gated", "chunked", "flex")
@@ -113,7 +113,7 @@ def scaled_dot_product_attention(
         training: whether the calling module is in training mode: pass ``self.training``, as
             for ``F.dropout`` (default True). The recorder is fed only when ``training`` is
             true and grad mode is on (``torch.is_grad_enabled()``); see
-            `muonclip.attention.recording` for the rule and gradient checkpointing.
+            `muonclip.attention.forward_rule` for the rule and gradient checkpointing.
 
     Returns:
         ``(B, Hq, Tq, Dv)``: the same as ``F.scaled_dot_product_attention`` (with ``sinks``: the
@@ -176,9 +176,9 @@ def _with_sinks(query: Tensor, key: Tensor, value: Tensor, sinks: Tensor, attn_m
 
 
 # On a GPU the exact max is one Triton kernel, and the gate's fixed cost (the LSE-returning op's
-# dispatch, a reduction over k, two small reductions: host time, about 0.1-0.3 ms a call on an H100)
-# only pays where that kernel has real work: B * Hq * Tq * Tk * D at least this (measured crossover
-# on an H100, benchmarks/bench_gated_capture.py; docs/benchmarks.md). Both paths give the same decisions.
+# dispatch, a reduction over k, two small reductions: host time) only pays where that kernel has real
+# work: B * Hq * Tq * Tk * D at least this (the crossover measured by benchmarks/bench_gated_capture.py,
+# figures in docs/benchmarks.md). Both paths give the same decisions.
 GPU_GATE_MIN_WORK = {torch.float32: 2**31, torch.float16: 2**34, torch.bfloat16: 2**34}
 
 

@@ -53,7 +53,7 @@ FSDP2 *on top of* tensor parallelism is not covered here: its first training for
 the recorder's shape error (not a silent wrong clip).
 
 Only training forwards are recorded (``module.training`` and grad enabled, the rule of
-`muonclip.attention.recording`): ``Trainer.evaluate`` / ``predict`` and ``model.generate()``
+`muonclip.attention.forward_rule`): ``Trainer.evaluate`` / ``predict`` and ``model.generate()``
 never reach the clip, and gradient checkpointing (reentrant or not) counts every micro-batch.
 `MuonClip.step` consumes and resets the record; `muonclip.attention.MaxLogitMonitor` reads the
 max logits of an evaluation or a generation for logging.
@@ -78,7 +78,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "muonclip.integrations.hf needs Hugging Face transformers >= 4.56: pip install 'muonclip[hf]'"
     ) from e
 
-from ..attention.recorder import MaxLogitRecorder
+from ..attention.running_max import MaxLogitRecorder
 from ..distributed.tensor_parallel import record_local_heads
 from ..optim.engine import is_dtensor
 from ..qkclip.layouts import AttentionLayer, MLALayout

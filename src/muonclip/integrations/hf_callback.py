@@ -24,7 +24,7 @@ and the console. Use::
 
 Evaluation (``eval_strategy``, ``Trainer.evaluate`` / ``predict``) and ``model.generate()``
 never count in a clip, with or without the callback: they run under ``torch.no_grad()``, and
-only training forwards feed the clip (`muonclip.attention.recording`). To log an evaluation's
+only training forwards feed the clip (`muonclip.attention.forward_rule`). To log an evaluation's
 max logits, run it inside a `muonclip.attention.MaxLogitMonitor`.
 """
 

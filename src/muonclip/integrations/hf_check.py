@@ -52,9 +52,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..attention.recording import is_training_forward
+from ..attention.forward_rule import is_training_forward
 from .hf_attention import ATTN_IMPLEMENTATION, attend, layer_name
 
 CHECK_SCORES = 1 << 22
@@ -73,7 +73,7 @@ def reference_function(module: nn.Module, implementation: str | None) -> tuple[s
         ValueError: an eager reference is needed and the module's modeling file defines none.
     """
     if implementation == "sdpa":
-        return "sdpa", AttentionInterface._global_mapping["sdpa"]
+        return "sdpa", ALL_ATTENTION_FUNCTIONS["sdpa"]
     for cls in type(module).__mro__:
         fn = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
         if callable(fn):

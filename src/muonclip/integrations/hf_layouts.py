@@ -73,7 +73,8 @@ OUTPUT_NORMS: dict[str, tuple[str, ...]] = {
     "BitNetAttention": ("attn_sub_norm",),
 }
 """Attention class -> children that normalise the attention's *output* (after the softmax and V),
-hence cannot undo a rescaling of W_q/W_k (checked on transformers 5.24's code)."""
+hence cannot undo a rescaling of W_q/W_k (each one's family is a supported row of the family table,
+``tests/test_qkclip_families.py``: its clip is exact)."""
 
 SELECTION_CHILDREN = ("indexer",)
 """Children that pick which keys a query sees (DeepSeek sparse attention's indexer) from their own
