@@ -152,7 +152,9 @@ def muonclip_attention_forward(
             exact maxima. A module with a pending ``muonclip_forward_check`` (set by `attach`)
             also runs its check on its first training forward
             (`muonclip.integrations.hf_check`).
-        query, key, value: as annotated above.
+        query: ``(B, nh, Tq, hs)``, after RoPE.
+        key: ``(B, nkv, Tk, hs)``, before GQA repetition.
+        value: ``(B, nkv, Tk, hv)``.
         attention_mask: the mask built by the registered mask function (or passed by the user).
         dropout: attention dropout probability (0.0 default; transformers passes 0 in eval).
         scaling: softmax scale (None: 1/sqrt(hs)).
