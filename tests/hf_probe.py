@@ -19,26 +19,30 @@ CAPTURE = "muonclip_test_capture"
 _captured: dict[int, torch.Tensor] = {}
 
 
-def explicit_max(query, key, mask, scaling):
+def explicit_max(query, key, mask, scaling, causal=True):
     """Per-head max of scaling * q.k over allowed pairs; q (B, nh, Tq, D), k (B, nkv, Tk, D)."""
     nh, nkv = query.shape[1], key.shape[1]
     k = key.repeat_interleave(nh // nkv, dim=1)
     s = scaling * (query.double() @ k.double().transpose(-1, -2))  # (B, nh, Tq, Tk)
     if mask is None:  # stock sdpa uses is_causal for q_len > 1 without a mask
         tq, tk = s.shape[-2:]
-        allowed = torch.ones(tq, tk, dtype=torch.bool).tril()
-    else:
-        assert mask.dtype == torch.bool
-        allowed = mask
+        allowed = torch.ones(tq, tk, dtype=torch.bool)
+        allowed = allowed.tril() if causal and tq > 1 else allowed
+    else:  # a boolean mask, or an additive one (its finite values are a bias, not part of q.k)
+        allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
     return s.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3)).float()
 
 
 def capture_forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    m = explicit_max(query, key, attention_mask, scaling)
-    prev = _captured.get(module.layer_idx)
-    _captured[module.layer_idx] = m if prev is None else torch.maximum(prev, m)
+    causal = kwargs.get("is_causal")
+    causal = causal if causal is not None else getattr(module, "is_causal", True)
+    m = explicit_max(query, key, attention_mask, scaling, causal)
+    for slot in (module.layer_idx, id(module)):
+        prev = _captured.get(slot)
+        _captured[slot] = m if prev is None else torch.maximum(prev, m)
+    kwargs.pop("s_aux", None)  # transformers' SDPA function takes no sinks (only layer 0's q.k is measured)
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
@@ -79,6 +83,46 @@ def replay_max(model, saved) -> dict[str, torch.Tensor]:
     finally:
         model.set_attn_implementation(impl)
     return out
+
+
+def _with_capture(model, run):
+    """Run ``run()`` with ``model`` on the capture function, then give every (sub-)model its own
+    implementation back (a composite model's sub-models may differ from the top)."""
+    from transformers import PreTrainedModel
+
+    models = [m for m in model.modules() if isinstance(m, PreTrainedModel)]  # parents first
+    impls = [m.config._attn_implementation for m in models]
+    model.set_attn_implementation(CAPTURE)
+    _captured.clear()
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for m, impl in zip(models, impls):
+            m.set_attn_implementation(impl)
+
+
+def probe_layer_max(model, module, ids, am) -> torch.Tensor:
+    """Explicit per-head max logits of attention ``module`` in one forward of ``model`` (whose other layers
+    run transformers' SDPA: ``module``'s inputs do not depend on them when it is the first layer)."""
+    _with_capture(model, lambda: model(input_ids=ids, attention_mask=am, use_cache=False))
+    return _captured[id(module)]
+
+
+def replay_layer_max(model, module, args, kwargs) -> torch.Tensor:
+    """Explicit per-head max logits of ``module`` re-run on its saved inputs."""
+    _with_capture(model, lambda: module(*args, **kwargs))
+    return _captured[id(module)]
+
+
+def tau_between(s: torch.Tensor) -> float:
+    """A tau with about half the heads of ``s`` above and half below, none within float tolerance of it."""
+    v = s.sort().values
+    gaps = v[1:] - v[:-1]
+    mid = len(v) // 2
+    i = max(range(1, len(v)), key=lambda j: (gaps[j - 1] > 1e-2, -abs(j - mid)))
+    assert gaps[i - 1] > 1e-3, v
+    return float(v[i - 1] + v[i]) / 2
 
 
 def save_attention_inputs(model) -> tuple[dict, list]:

@@ -251,7 +251,10 @@ def test_no_attention_and_wrong_shapes_are_clear_errors():
     with pytest.raises(TypeError, match="torch.nn.Module"):
         attach("llama")
     model = build("llama-gqa")
-    model.config.num_key_value_heads = 4  # config now disagrees with k_proj (2 heads of 8 rows)
+    model.config.num_key_value_heads = 4  # the config is not read: head counts come from each module
+    assert isinstance(attach(model)[0].layout, GQALayout)
+    model = build("llama-gqa")
+    model.model.layers[0].self_attn.num_key_value_groups = 1  # the module now says 4 key heads, k_proj holds 2
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn.*k_weight has 16 rows.*32"):
         attach(model)
 

@@ -87,12 +87,24 @@ def test_known_classes_are_refused_without_a_norm_module():
         check_no_qk_norm("layers.0.attn", block)
 
 
+class DispatchingBlock(Block):
+    """A `Block` whose forward calls transformers' attention interface, as a transformers attention class does."""
+
+    def forward(self, x):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        q, k, v = (t(x).view(1, -1, 2, 4).transpose(1, 2) for t in (self.q_proj, self.k_proj, self.v_proj))
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](self, q, k, v, None)[0]
+
+
 def test_attach_refuses_a_custom_attention_with_a_norm_child():
-    """The check runs in attach, on any module that looks like an attention module, before anything is switched."""
+    """The check runs in attach, on any module that calls transformers' attention interface, before anything
+    is switched."""
     pytest.importorskip("transformers")
     from muonclip.integrations.hf import RECORDER_ATTR, attach
 
-    model = nn.ModuleDict({"attn": Block(scaler=HeadwiseUnitNorm())})
-    with pytest.raises(ValueError, match=r"attention layer 'attn' \(Block\) normalises q/k.*scaler \(HeadwiseUnitNorm\)"):
+    model = nn.ModuleDict({"attn": DispatchingBlock(scaler=HeadwiseUnitNorm())})
+    with pytest.raises(ValueError, match=r"attention layer 'attn' \(DispatchingBlock\) normalises q/k.*scaler "
+                                         r"\(HeadwiseUnitNorm\)"):
         attach(model)
     assert not hasattr(model["attn"], RECORDER_ATTR)

@@ -1,4 +1,4 @@
-"""Only training forwards feed the clip (`muonclip.attention.recording`), on every path; the monitor.
+"""Only training forwards feed the clip (`muonclip.attention.forward_rule`), on every path; the monitor.
 
 * The reference GPT and a Hugging Face model: a forward records into the clip's recorders iff
   the model is in training mode and grad is enabled (eval mode, ``no_grad``, ``inference_mode``

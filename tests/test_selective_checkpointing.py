@@ -2,7 +2,7 @@
 
 ``create_selective_checkpoint_contexts`` replays the forward's operations, counted one by one,
 in the recomputation; the recording's own operations run outside its dispatch modes
-(`muonclip.attention.recording.unseen_by_selective_checkpointing`), so a MuonClip run with
+(`muonclip.attention.forward_rule.unseen_by_selective_checkpointing`), so a MuonClip run with
 selective checkpointing records the same maxima, clips the same heads and ends on the same
 weights as without checkpointing: with a policy saving matmuls and attention, and with
 torchtitan's own (its save list, every second matmul recomputed) when the torchtitan extra is

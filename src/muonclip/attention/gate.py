@@ -169,7 +169,7 @@ def gated_max_logits(
     n = flagged.numel()
     if n == 0:
         return bound, is_bound
-    if n == hq:  # every head: today's exact call, unchanged
+    if n == hq:  # every head: the exact max of the whole call
         return chunked_max_logits(query, key, attn_mask, is_causal, scale, enable_gqa), is_bound
     kv_heads = flagged // (hq // hkv)
     exact = chunked_max_logits(

@@ -97,7 +97,7 @@ def cuda_lse_op(backend: int) -> Any | None:
     return op
 
 
-def _sdpa_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> int:
+def sdpa_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> int:
     """The backend SDPA's dispatcher picks for this call (-1 where it cannot be asked)."""
     try:
         choice = torch._fused_sdp_choice(
@@ -108,7 +108,7 @@ def _sdpa_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
     return int(choice)
 
 
-def _additive(attn_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+def additive_mask(attn_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     """SDPA's boolean-mask conversion: 0 where allowed, ``-inf`` elsewhere, in ``dtype``."""
     if attn_mask is None or attn_mask.dtype != torch.bool:
         return attn_mask
@@ -128,12 +128,12 @@ def _aligned_bias(bias: Tensor, query: Tensor, key: Tensor) -> Tensor:
 def _cuda_sdpa_with_lse(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     if dropout_p != 0.0:
         return None
-    choice = _sdpa_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    choice = sdpa_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     op = cuda_lse_op(choice)
     if op is None:
         return None
     B, H, Tq, _ = query.shape
-    bias = _additive(attn_mask, query.dtype)
+    bias = additive_mask(attn_mask, query.dtype)
     if choice == _CUDNN:
         res = op(query, key, value, bias, True, dropout_p, is_causal, False, scale=scale)
         return res[0], res[1].reshape(B, H, Tq)
@@ -177,10 +177,10 @@ def sdpa_with_lse(
     if query.device.type == "cuda":
         return _cuda_sdpa_with_lse(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     op = cpu_lse_op() if query.device.type == "cpu" else None
-    if op is None or _sdpa_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) != _FLASH:
+    if op is None or sdpa_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) != _FLASH:
         return None
-    out, lse = op(query, key, value, dropout_p, is_causal, attn_mask=_additive(attn_mask, query.dtype), scale=scale)
+    out, lse = op(query, key, value, dropout_p, is_causal, attn_mask=additive_mask(attn_mask, query.dtype), scale=scale)
     return out, lse
 
 
-__all__ = ["cpu_lse_op", "cuda_lse_op", "schema_matches", "sdpa_with_lse"]
+__all__ = ["additive_mask", "cpu_lse_op", "cuda_lse_op", "schema_matches", "sdpa_choice", "sdpa_with_lse"]

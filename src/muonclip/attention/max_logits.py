@@ -23,7 +23,7 @@ Two ways to get it:
   and, with ``return_aux=AuxRequest(max_scores=True)``, each query row's max score in the same
   fused kernel. torch 2.13 refuses ``max_scores`` on CPU; the tests run this wrapper (masks,
   causal rule, GQA, scale, reduction) on CPU through FlexAttention's dense reference
-  implementation, and the fused kernel only where a GPU is present (passed on an H100).
+  implementation, and the fused kernel only where a GPU is present.
 """
 
 from __future__ import annotations

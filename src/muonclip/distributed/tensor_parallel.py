@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..attention.recorder import MaxLogitRecorder
+from ..attention.running_max import MaxLogitRecorder
 from ..optim.engine import is_dtensor
 from .layout import piece_of
 

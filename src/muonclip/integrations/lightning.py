@@ -29,7 +29,7 @@ They go to ``trainer.logger`` at its ``log_every_n_steps`` and to ``trainer.call
 Validation, testing and prediction never count in a clip, with or without this callback, even
 in the middle of an accumulation window: Lightning runs them in eval mode under
 ``torch.inference_mode()`` (or ``no_grad``), and only training forwards feed the clip
-(`muonclip.attention.recording`). To log a validation pass's max logits, use a
+(`muonclip.attention.forward_rule`). To log a validation pass's max logits, use a
 `muonclip.attention.MaxLogitMonitor`.
 """
 

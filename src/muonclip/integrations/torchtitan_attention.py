@@ -7,7 +7,7 @@ the model config (``inner_attention``: ``FlexAttention``, ``VarlenAttention``,
 fold the per-head max of ``scale * q.k`` over the batch, the queries and the keys the mask lets
 through into the layer's `muonclip.attention.MaxLogitRecorder` (``muonclip_recorder``, set by
 `muonclip.integrations.torchtitan_layouts.attention_layers`), on training forwards only (the
-rule of `muonclip.attention.recording`):
+rule of `muonclip.attention.forward_rule`):
 
 * `RecordingSDPA` (any device; the CPU path): causal attention through
   `muonclip.scaled_dot_product_attention` (the LSE gate where the kernel returns its
@@ -32,8 +32,8 @@ import torch
 from torch import Tensor
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 
-from ..attention.recorder import MaxLogitRecorder
-from ..attention.recording import recorders_to_feed, unseen_by_selective_checkpointing
+from ..attention.forward_rule import recorders_to_feed, unseen_by_selective_checkpointing
+from ..attention.running_max import MaxLogitRecorder
 from ..attention.sdpa import scaled_dot_product_attention
 
 

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.models.common.attention import FusedQKVLinear, GQAttention, QKVLinear
 
-from ..attention.recorder import MaxLogitRecorder
+from ..attention.running_max import MaxLogitRecorder
 from ..distributed.layout import piece_of
 from ..optim.engine import is_dtensor
 from ..qkclip.layouts import AttentionLayer, GQALayout, MHALayout, MLALayout, StridedRows

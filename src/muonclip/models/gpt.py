@@ -9,7 +9,7 @@
 Every attention call goes through `muonclip.scaled_dot_product_attention` with the module's
 `MaxLogitRecorder` (``attn.recorder``) and ``training=self.training``: only training forwards
 (training mode, grad enabled) feed the clip, never evaluation or a forward under ``no_grad``
-(`muonclip.attention.recording`). Every attention module has ``qk_clip_layer(name)``
+(`muonclip.attention.forward_rule`). Every attention module has ``qk_clip_layer(name)``
 returning the `AttentionLayer` that `MuonClip` clips. No QK-norm by default; with
 ``qk_norm=True`` QK-Clip is refused (the norm undoes any scaling of W_q/W_k; docs/design.md,
 "QK-Clip is never a silent no-op").

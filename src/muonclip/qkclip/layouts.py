@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..attention.recorder import MaxLogitRecorder
+from ..attention.running_max import MaxLogitRecorder
 from ..distributed.context import local_rows
 
 GQA_POLICIES = ("per_head", "balanced", "group")

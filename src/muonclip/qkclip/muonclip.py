@@ -33,7 +33,7 @@ class MuonClip(Muon):
     The max logits are recorded by the training forward passes since the last step (all
     micro-batches of gradient accumulation) through `muonclip.scaled_dot_product_attention`: a
     forward feeds the clip only with the model in training mode and grad enabled, so evaluation
-    and generation never do (`muonclip.attention.recording`; `MaxLogitMonitor` reads them for
+    and generation never do (`muonclip.attention.forward_rule`; `MaxLogitMonitor` reads them for
     logging). A step that updates parameters with nothing recorded warns (the model was in eval
     mode or under ``no_grad`` while training, so the step was plain Muon). If the Muon
     step is skipped (``on_nonfinite="skip"``), the clip is skipped too and the recorders are

@@ -54,7 +54,8 @@ KNOWN_QK_NORM_CLASSES = frozenset({
     "Qwen3Attention",
     "Qwen3MoeAttention",
 })
-"""transformers attention classes that always normalise q/k after the projections (checked on 5.23)."""
+"""transformers attention classes that always normalise q/k after the projections (the family table,
+``tests/test_qkclip_families.py``, checks every class of the installed transformers)."""
 
 _TORCH_NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.modules.batchnorm._NormBase)
 

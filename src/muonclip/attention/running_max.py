@@ -3,7 +3,7 @@
 QK-Clip (docs/design.md, "QK-Clip") needs, per attention head h, ``S_h = scale * max q_i^h . k_j^h`` over
 every token pair the mask lets through, over the whole step: every micro-batch of gradient
 accumulation (and, in `MuonClip.step`, every data-parallel rank). On a training forward
-(training mode and grad enabled; `muonclip.attention.recording`) the attention call
+(training mode and grad enabled; `muonclip.attention.forward_rule`) the attention call
 (`muonclip.scaled_dot_product_attention`) computes the maximum of one call and hands it to
 the layer's recorder; the recorder keeps the running max until the clip consumes it
 (`reset`). Evaluation and generation never reach it (`MaxLogitMonitor` reads those).

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .recorder import MaxLogitRecorder
+from .running_max import MaxLogitRecorder
 
 _active: list[MaxLogitMonitor] = []  # monitors inside their ``with`` block, process-wide
 
