@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import muonclip
-from muonclip.optim import engine as engine_mod
+from muonclip.optim import distribution as engine_mod
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "muonclip"
 CORE = ("ortho", "optim")

@@ -222,9 +222,9 @@ def test_step_structure_is_cached_and_rebuilt_when_an_option_changes():
     assert seen[1] is seen[0] and seen[2] is seen[0]  # same structure; lr/wd/momentum still applied
     assert len({id(s) for s in seen[2:]}) == 4  # each structural change rebuilt it
     assert [len(b.entries) for b in seen[-1].buckets] == [2, 1, 1, 1]  # 32x32 x2, 64x32, 16x32, 32x32 block
-    assert seen[-1].scales[2] == (0, [(0, 64, pytest.approx(0.2 * 64**0.5))])  # 0.2 sqrt(max(A, B))
+    assert (seen[-1].specs[2].axis, seen[-1].specs[2].ranges) == (0, ((0, 64, pytest.approx(0.2 * 64**0.5)),))
     # "original": sqrt(max(1, A / B)) per block, 1 for both, so their row ranges merge into one add
-    assert seen[-1].scales[3] == (0, [(0, 48, 1.0)])
+    assert (seen[-1].specs[3].axis, seen[-1].specs[3].ranges) == (0, ((0, 48, 1.0),))
 
 
 def test_backend_choice():

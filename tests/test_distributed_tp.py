@@ -20,7 +20,7 @@ from test_distributed import _train as _train_dp
 from muonclip import Muon, param_groups
 from muonclip.distributed import checkpoint
 from muonclip.models import GPT, GPTConfig
-from muonclip.optim.matrices import matrix_rows
+from muonclip.optim.matrices import matrix_spec
 from muonclip.qkclip.muonclip import MuonClip
 
 WORLD = 4
@@ -304,8 +304,9 @@ def ranks(tmp_path_factory):
 def _whole_matrix_shapes(shapes):
     out = set()
     for s in shapes:
-        _, blocks, cols, _ = matrix_rows(s)
-        out |= {(sum(b - a for a, b in segs), cols) for segs in blocks}
+        spec = matrix_spec(s, {"flatten": False, "split_sizes": None, "split_groups": 1, "transposed": False,
+                               "adjust_lr_fn": "original", "method": "ns5", "ns_steps": None})
+        out |= {(spec.block_rows(b), spec.cols) for b in range(spec.n_blocks)}
     return out
 
 

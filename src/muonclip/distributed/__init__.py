@@ -1,7 +1,7 @@
 """Distributed Muon: the layer on top of the core for DDP, FSDP2, TP, HSDP and EP (docs/design.md, "Distributed Muon").
 
 Importing this package registers `engine.DistributedEngine` with the core
-(`muonclip.optim.engine`), which hands it every step whose parameters are DTensors or live in a
+(`muonclip.optim.distribution`), which hands it every step whose parameters are DTensors or live in a
 multi-rank process group; ``import muonclip`` imports it.
 
 * `engine` — the step: the core's update phases, one owner rank per matrix, the exchanges.
@@ -18,9 +18,9 @@ multi-rank process group; ``import muonclip`` imports it.
 from .context import GroupContext, local_rows, resolve_group, shard_rows
 from .engine import DistributedEngine
 from .exchange import CommStats
-from .plan import Plan, assign_owners, matrix_rows, ns_flops
+from .plan import Plan, assign_owners
 
 __all__ = [
-    "CommStats", "DistributedEngine", "GroupContext", "Plan", "assign_owners", "local_rows", "matrix_rows",
-    "ns_flops", "resolve_group", "shard_rows",
+    "CommStats", "DistributedEngine", "GroupContext", "Plan", "assign_owners", "local_rows", "resolve_group",
+    "shard_rows",
 ]

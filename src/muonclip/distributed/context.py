@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..optim.engine import LOCAL, is_dtensor
+from ..optim.distribution import LOCAL, is_dtensor
 from .layout import Piece, piece_of, piece_shape
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from ..attention.recorder import MaxLogitRecorder
-from ..optim.engine import is_dtensor
+from ..optim.distribution import is_dtensor
 from .layout import piece_of
 
 

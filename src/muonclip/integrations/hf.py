@@ -117,7 +117,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from ..attention.recorder import MaxLogitRecorder
 from ..attention.sdpa import scaled_dot_product_attention
 from ..distributed.tensor_parallel import record_local_heads
-from ..optim.engine import is_dtensor
+from ..optim.distribution import is_dtensor
 from ..qkclip.layouts import AttentionLayer, GQALayout, MHALayout, MLALayout, Rows, StridedRows
 from ..qkclip.qknorm import check_no_qk_norm
 from .stats import StepMetrics
