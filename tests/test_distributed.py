@@ -22,7 +22,8 @@ import torch.multiprocessing as mp
 
 import muonclip
 from muonclip import Muon, param_groups
-from muonclip.distributed import assign_owners, checkpoint, local_rows, shard_rows
+from muonclip.common.dtensor import local_rows, shard_rows
+from muonclip.distributed import assign_owners, checkpoint
 from muonclip.models import GPT, GPTConfig
 from muonclip.optim.backend import AutoBackend
 from muonclip.optim.matrices import matrix_spec

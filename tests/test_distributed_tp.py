@@ -94,7 +94,7 @@ def _bag_worker_part(rank, out):
     start, _ = _bag_reference(specs, 0)
     params = [torch.nn.Parameter(distribute_tensor(t.clone(), mesh2, pl)) for t, (_, pl) in zip(start, specs.values())]
     # each rank's local piece is exactly what the layout module says (checked against the values)
-    from muonclip.distributed.layout import piece_of, take
+    from muonclip.common.dtensor import piece_of, take
 
     for t, p in zip(start, params):
         piece = piece_of(p.shape, mesh2.shape, mesh2.get_coordinate(), p.placements)

@@ -19,7 +19,7 @@ from test_fused import TOL, batch, max_diff, tiny
 from toy_models import unfuse
 
 import muonclip
-from muonclip.distributed import shard_rows
+from muonclip.common.dtensor import shard_rows
 from muonclip.optim.matrices import matrix_spec
 
 pytest.importorskip("transformers")

@@ -9,7 +9,7 @@
   parameters and gradients are replicated), or no group at all (world size 1, the trivial case
   of the same step);
 * the layout of each parameter: for every rank of the group, the global indices its local
-  tensor holds (`GroupContext.pieces`, computed by `muonclip.distributed.layout`).
+  tensor holds (`GroupContext.pieces`, computed by `muonclip.common.dtensor`).
 
 Anything else is refused with an error that says what to change: a DTensor whose process
 group was destroyed, parameters on different meshes, a ``Partial`` placement, a local shard
@@ -26,51 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..optim.distribution import LOCAL, is_dtensor
-from .layout import Piece, piece_of, piece_shape
-
-
-def local(t: Tensor) -> Tensor:
-    """The rank-local tensor: ``t.to_local()`` for a DTensor (an alias: writes go through), else ``t``."""
-    if is_dtensor(t):
-        return t._local_tensor if not torch.is_grad_enabled() else t.to_local()
-    return t
-
-
-def shard_rows(n_rows: int, world_size: int, rank: int) -> tuple[int, int]:
-    """``(row_offset, n_local_rows)`` of ``rank``'s block when ``n_rows`` rows are split like ``torch.chunk``.
-
-    This is how ``Shard(0)`` lays out a DTensor: blocks of ``ceil(n_rows / world_size)`` rows,
-    the last ones shorter or empty.
-    """
-    chunk = -(-n_rows // world_size)  # ceil
-    offset = min(rank * chunk, n_rows)
-    return offset, min(n_rows, offset + chunk) - offset
-
-
-def local_rows(param: Tensor) -> tuple[Tensor, int]:
-    """``(local_tensor, row_offset)``: the rows of ``param`` this rank holds and where they start.
-
-    A plain tensor or a replicated DTensor: the whole tensor, offset 0. A DTensor whose local
-    tensor holds every column and a contiguous block of rows — FSDP2 ``Shard(0)``, tensor-parallel
-    ``ColwiseParallel`` (``Shard(0)``), FSDP2 on top of it (the strided shard of a 2-D mesh),
-    HSDP — its local shard (an alias: writes go through) and the global index of its first row,
-    so a per-row factor ``f`` (indexed by global row) applies as
-    ``local * f[offset : offset + len(local)]``. Used by QK-Clip to scale each head's rows where
-    they live (a head's rows may be split between two ranks). Raises ValueError for a DTensor
-    split along any other dimension, or whose rows here are not contiguous.
-    """
-    data = param.data if isinstance(param, torch.nn.Parameter) else param
-    if not is_dtensor(data):
-        return data, 0
-    piece = piece_of(data.shape, data.device_mesh.shape, data.device_mesh.get_coordinate(), data.placements)
-    if any(ix != range(n) for ix, n in zip(piece[1:], data.shape[1:])) or not isinstance(piece[0], range):
-        raise ValueError(
-            f"a weight of shape {tuple(data.shape)} placed {data.placements} is split along a dimension other than "
-            "the rows (or in non-contiguous rows); per-row scaling (QK-Clip) needs row shards (Shard(0): "
-            "fully_shard, ColwiseParallel) or replicas"
-        )
-    return data._local_tensor, piece[0].start if len(piece[0]) else 0
+from ..common.dtensor import Piece, is_dtensor, piece_of, piece_shape, root_mesh, root_placements
+from ..optim.distribution import LOCAL
 
 
 def mesh_group(mesh: Any) -> Any:
@@ -102,58 +59,6 @@ def locals_and_group(tensors: Sequence[Tensor]) -> tuple[list[Tensor], Any]:
     return out, group
 
 
-def root_mesh(mesh: Any) -> Any:
-    """The mesh ``mesh`` was sliced from (itself when it is not a submesh)."""
-    get = getattr(mesh, "_get_root_mesh", None)
-    return get() if get is not None else mesh
-
-
-def root_placements(p: Tensor, name: str = "a parameter") -> tuple[Any, ...]:
-    """``p``'s placements stated on its root mesh: a DTensor on a submesh (FSDP2 over the
-    ``"dp"`` dimension of a ``("dp", "tp")`` mesh, for the weights tensor parallelism leaves
-    whole) is replicated over the root's other dimensions. Dimensions are matched by name.
-
-    Raises:
-        ValueError: a submesh whose dimension names are not the root's (e.g. flattened).
-    """
-    from torch.distributed.tensor import Replicate
-
-    mesh = p.device_mesh
-    root = root_mesh(mesh)
-    if root is mesh or root == mesh:
-        return tuple(p.placements)
-    names, root_names = mesh.mesh_dim_names or (), root.mesh_dim_names or ()
-    if not names or any(n not in root_names for n in names):
-        raise ValueError(
-            f"{name} lives on a submesh with dimensions {names} of a mesh with dimensions {root_names}; Muon maps "
-            "a submesh's placements to its root mesh by dimension name. Slice submeshes by name (mesh['dp'])"
-        )
-    by_name = dict(zip(names, p.placements))
-    return tuple(by_name.get(n, Replicate()) for n in root_names)
-
-
-def replicas(t: Tensor) -> int:
-    """How many ranks of the default process group hold each element of this rank's piece of ``t``.
-
-    A plain tensor: every rank (the world size; 1 without ``torch.distributed``). A DTensor: the
-    product of its root mesh's sizes along the dimensions it is replicated over
-    (`root_placements`: a DTensor on a submesh is replicated over the root's other dimensions),
-    times the number of root meshes the world holds (1 when the mesh spans every rank). So a sum
-    over all ranks of ``x / replicas(t)``, ``x`` a per-element figure of each rank's piece,
-    counts every element of ``t`` once: MLA's rotary down-projection, which tensor parallelism
-    leaves whole on each TP rank, counts once, not ``tp`` times.
-    """
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if not is_dtensor(t):
-        return world
-    root = root_mesh(t.device_mesh)
-    copies = max(world // root.size(), 1)
-    for size, placement in zip(root.shape, root_placements(t)):
-        if placement.is_replicate():
-            copies *= size
-    return copies
-
-
 @dataclass(frozen=True)
 class GroupContext:
     """The process group of one step: ``group`` None means one process (no collective).
@@ -173,7 +78,7 @@ class GroupContext:
     coords: tuple[tuple[int, ...], ...] = ((0,),)
 
     def pieces(self, p: Tensor, name: str = "a parameter") -> list[Piece]:
-        """Every group rank's piece of ``p`` (`muonclip.distributed.layout.piece_of`); the whole
+        """Every group rank's piece of ``p`` (`muonclip.common.dtensor.piece_of`); the whole
         tensor on every rank for a plain tensor."""
         if not is_dtensor(p):
             return [tuple(range(n) for n in p.shape)] * self.world_size
@@ -261,7 +166,4 @@ def _check_local_shape(p: Tensor, name: str) -> None:
         )
 
 
-__all__ = [
-    "GroupContext", "LOCAL", "SINGLE", "is_dtensor", "local", "local_rows", "locals_and_group", "mesh_group",
-    "replicas", "resolve_group", "shard_rows",
-]
+__all__ = ["GroupContext", "SINGLE", "locals_and_group", "mesh_group", "resolve_group"]

@@ -35,14 +35,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..common.dtensor import Piece, covers, is_dtensor, is_empty, local, piece_shape, put, take
 from ..optim.buckets import Bucket, Results, make_buckets, options_key
-from ..optim.distribution import StepStats, is_dtensor, register_engine
+from ..optim.distribution import StepStats, register_engine
 from ..optim.functional import apply_blocks_, momentum_, muon_input
 from ..optim.matrices import MatrixSpec, matrix_spec
 from ..optim.validation import number
-from .context import GroupContext, local, locals_and_group, resolve_group
+from .context import GroupContext, locals_and_group, resolve_group
 from .exchange import Transfer, agree, agree_replicas, exchange, signature
-from .layout import Piece, covers, is_empty, piece_shape, put, take
 from .plan import Plan, assign_owners
 
 _KEPT_STRUCTURES = 8  # step structures kept (least recently used dropped)
@@ -60,7 +60,7 @@ class DistributedEngine:
         return resolve_group(params, name_of, process_group)
 
     def local(self, t: Tensor) -> Tensor:
-        """The rank-local tensor (`muonclip.distributed.context.local`)."""
+        """The rank-local tensor (`muonclip.common.dtensor.local`)."""
         return local(t)
 
     def all_finite(self, tensors: Sequence[Tensor], finite: Tensor) -> Tensor:

@@ -11,13 +11,14 @@ shard by shard (a different optimizer, silently).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch.distributed as dist
 from torch import Tensor
+
+from ..common.dtensor import is_dtensor
 
 LOCAL = "local"  # the value of Muon(process_group=...) that turns communication off
 
@@ -87,13 +88,6 @@ def register_engine(engine: Engine) -> None:
     _ENGINES[:] = [engine]
 
 
-def is_dtensor(t: Any) -> bool:
-    """True for a `torch.distributed.tensor.DTensor`, without importing that module (if nobody
-    imported it, no DTensor can exist)."""
-    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    return cls is not None and isinstance(t, cls)
-
-
 def needs_engine(params: Sequence[Tensor], process_group: Any = None) -> bool:
     """Whether a step over ``params`` needs the distribution layer: a DTensor parameter, a
     ``process_group`` other than None and ``"local"``, or, with None, ``torch.distributed``
@@ -123,5 +117,4 @@ def engine_for(params: Sequence[Tensor], process_group: Any = None) -> Engine | 
     return _ENGINES[0]
 
 
-__all__ = ["LOCAL", "CommStats", "Engine", "StepStats", "engine_for", "is_dtensor", "needs_engine",
-           "register_engine"]
+__all__ = ["LOCAL", "CommStats", "Engine", "StepStats", "engine_for", "needs_engine", "register_engine"]

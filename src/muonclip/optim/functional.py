@@ -102,7 +102,7 @@ def muon_update(
     apply_update_(param, O, lr=lr, weight_decay=weight_decay, scale=scale)
 
 
-class Weight(NamedTuple):
+class MuonWeight(NamedTuple):
     """One Muon weight in a step: its tensors (this process's, in their stored layout), how it
     is cut into matrices, and its group's settings for this step."""
 
@@ -116,7 +116,7 @@ class Weight(NamedTuple):
     nesterov: bool
 
 
-def muon_step(weights: Sequence[Weight], buckets: Sequence[Bucket], backend: Any) -> int:
+def muon_step(weights: Sequence[MuonWeight], buckets: Sequence[Bucket], backend: Any) -> int:
     """`muon_update` of every weight, one ``orthogonalize`` call per bucket of same-shape blocks.
 
     For each bucket (`muonclip.optim.buckets.make_buckets` of the weights' specs): each block's
@@ -176,4 +176,4 @@ def _pieces(param: Tensor, update: Tensor, axis: int, ranges: Sequence[tuple[int
     return out
 
 
-__all__ = ["Weight", "apply_blocks_", "apply_update_", "momentum_", "muon_input", "muon_step", "muon_update"]
+__all__ = ["MuonWeight", "apply_blocks_", "apply_update_", "momentum_", "muon_input", "muon_step", "muon_update"]

@@ -26,7 +26,7 @@ from .adamw import adamw_update
 from .backend import Backend, make_backend
 from .buckets import Bucket, make_buckets, options_key
 from .distribution import Engine, StepStats, engine_for
-from .functional import Weight, muon_step
+from .functional import MuonWeight, muon_step
 from .masked import MaskedStep
 from .matrices import MatrixSpec, matrix_spec
 from .nonfinite import ON_NONFINITE, NonFiniteGradError, finite_per_tensor, nonfinite_indices
@@ -295,7 +295,7 @@ class Muon(torch.optim.Optimizer):
         if not live:
             return stats
         st = self._cached_structure(live)
-        weights = [Weight(local(p), local(p.grad), local(self._momentum_buffer(p)), spec, number(g["lr"]),
+        weights = [MuonWeight(local(p), local(p.grad), local(self._momentum_buffer(p)), spec, number(g["lr"]),
                           number(g["weight_decay"]), g["momentum"], g["nesterov"])
                    for (g, p), spec in zip(live, st.specs)]
         stats.matrices = muon_step(weights, st.buckets, self.backend)
