@@ -12,7 +12,6 @@ with the exchanges around them; a step in one process never enters it.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -22,7 +21,7 @@ import torch
 from torch import Tensor
 
 from . import state_dicts
-from .adamw import adamw_update
+from .adamw import adamw_step
 from .backend import Backend, make_backend
 from .buckets import Bucket, make_buckets, options_key
 from .distribution import Engine, StepStats, engine_for
@@ -287,7 +286,8 @@ class Muon(torch.optim.Optimizer):
                                                     new_buffer=_zeros_fp32, comm_dtype=self.comm_dtype)
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
-                self._adamw_group(group)
+                adamw_step(group["params"], self.state, lr=number(group["lr"]), betas=group["betas"],
+                           eps=group["adamw_eps"], weight_decay=number(group["weight_decay"]), new_buffer=_zeros_fp32)
 
     def _muon_step(self, live: list[tuple[dict[str, Any], Tensor]], local: Callable[[Tensor], Tensor]) -> StepStats:
         """One process: `muonclip.optim.functional.muon_step` of every Muon weight with a gradient."""
@@ -323,33 +323,6 @@ class Muon(torch.optim.Optimizer):
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = _zeros_fp32(p)
         return state["momentum_buffer"]
-
-    def _adamw_group(self, group: dict[str, Any]) -> None:
-        params, grads, avgs, sqs = [], [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if "step" not in state:
-                state["step"] = 0
-                state["exp_avg"] = _zeros_fp32(p)
-                state["exp_avg_sq"] = _zeros_fp32(p)
-            state["step"] += 1
-            params.append(p)
-            grads.append(p.grad)
-            avgs.append(state["exp_avg"])
-            sqs.append(state["exp_avg_sq"])
-        # Parameters of one group can have different step counts (a param without a grad at
-        # some step), so update each step count as its own sub-batch.
-        by_step: dict[int, list[int]] = defaultdict(list)
-        for k, p in enumerate(params):
-            by_step[self.state[p]["step"]].append(k)
-        for step, idx in by_step.items():
-            adamw_update(
-                [params[k] for k in idx], [grads[k] for k in idx], [avgs[k] for k in idx],
-                [sqs[k] for k in idx], step, lr=number(group["lr"]), betas=group["betas"],
-                eps=group["adamw_eps"], weight_decay=number(group["weight_decay"]),
-            )
 
     # ----------------------------------------------------------------------------------------
     # counters: optimizer-wide, kept in the first parameter's state too (state_dicts.WIDE_KEYS)

@@ -48,7 +48,7 @@ REMOVED_KEYWORDS = {
 """Keyword arguments of ``Muon(...)`` in earlier versions -> what replaced them."""
 
 RENAMED_GROUP_KEYS = {"update_scale": "adjust_lr_fn", "steps": "ns_steps"}
-"""Param-group keys of earlier versions -> their names now (a group with one is refused)."""
+"""Param-group keys of earlier versions -> the keys that replaced them (a group with one is refused)."""
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -108,7 +108,8 @@ def check_group(group: Mapping[str, Any], where: str = "a param group's ", conte
         raise ValueError(f"{context}keys {missing} are missing (a Muon param group has {list(GROUP_KEYS)})")
     for old, new in RENAMED_GROUP_KEYS.items():
         if old in group:
-            raise ValueError(f"param group key {old!r} is now {new!r} (torch.optim.Muon's name; docs/changelog.md)")
+            raise ValueError(f"param group key {old!r} was replaced by {new!r} (torch.optim.Muon's name; "
+                             "docs/changelog.md)")
     algorithm = group["algorithm"]
     if algorithm not in ALGORITHMS:
         raise ValueError(f"{context}algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
