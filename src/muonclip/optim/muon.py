@@ -392,10 +392,14 @@ class Muon(torch.optim.Optimizer):
         return {**kept, "_structure": None, "_mask_copies": []}
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state dict; once the optimizer has state, the first parameter's entry
-        also holds the optimizer-wide values (``steps_taken``, ``steps_skipped``)."""
+        """torch's optimizer state dict; the first parameter's entry also holds the optimizer-wide
+        values (``steps_taken``, ``steps_skipped``)."""
         self.steps_skipped  # noqa: B018  (folds a masked count kept on the device into the state)
-        return super().state_dict()
+        sd = super().state_dict()
+        first = first_param(sd["param_groups"])
+        if first is not None:  # also before the first step, when the live state is still empty
+            sd["state"][first] = {**sd["state"].get(first, {}), **self._wide_state()}
+        return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this optimizer, of an earlier version of it, or of torch.optim.Muon.
