@@ -66,6 +66,7 @@ class MatrixSpec:
             head of a per-head split, or q, k and v of equal shape, become one range: one add
             for the weight), for `muonclip.optim.functional.apply_blocks_`.
         flops: Newton–Schulz flops of one step of this weight (the method's steps, at least 1).
+        n_blocks: how many blocks (1 for a weight orthogonalised whole).
     """
 
     shape: tuple[int, ...]
@@ -81,11 +82,7 @@ class MatrixSpec:
     scales: tuple[float, ...]
     ranges: tuple[tuple[int, int, float], ...]
     flops: int
-
-    @property
-    def n_blocks(self) -> int:
-        """How many blocks (1 for a weight orthogonalised whole)."""
-        return len(self.blocks)
+    n_blocks: int
 
     @property
     def experts(self) -> bool:
@@ -189,7 +186,7 @@ def _spec(shape: tuple[int, ...], flatten: bool, split_sizes: tuple[int, ...] | 
     scales = tuple(update_scale(adjust_lr_fn, n, cols) for n in n_rows)
     flops = ns_flops([(batch, n, cols) for n in n_rows], steps)
     return MatrixSpec(shape, axis, transposed, flatten, batch, rows, cols, split_sizes, split_groups, blocks, scales,
-                      _merge(blocks, scales), flops)
+                      _merge(blocks, scales), flops, len(blocks))
 
 
 def _merge(blocks: Sequence[Ranges], scales: Sequence[float]) -> tuple[tuple[int, int, float], ...]:

@@ -295,8 +295,9 @@ class Muon(torch.optim.Optimizer):
         if not live:
             return stats
         st = self._cached_structure(live)
-        weights = [MuonWeight(local(p), local(p.grad), local(self._momentum_buffer(p)), spec, number(g["lr"]),
-                          number(g["weight_decay"]), g["momentum"], g["nesterov"])
+        settings = {id(g): (number(g["lr"]), number(g["weight_decay"]), g["momentum"], g["nesterov"])
+                    for g, _ in live}  # read once per group and step
+        weights = [MuonWeight(local(p), local(p.grad), local(self._momentum_buffer(p)), spec, *settings[id(g)])
                    for (g, p), spec in zip(live, st.specs)]
         stats.matrices = muon_step(weights, st.buckets, self.backend)
         stats.ns_flops = stats.total_ns_flops = st.flops
