@@ -84,7 +84,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(f"{platform.machine()} CPU, torch {torch.__version__}; rule: gamma <= {ARM_GAMMA}, next max >= "
-          f"{KEEP_RATIO} x before, {STRIKES} in a row; {args.steps} steps, update_scale='rms'")
+          f"{KEEP_RATIO} x before, {STRIKES} in a row; {args.steps} steps, adjust_lr_fn='match_rms_adamw'")
     print(f"{'lr':>6} {'tau':>5} | {'acting: checked':>15} {'tripped':>8} {'in a row':>9} {'reported':>9} | "
           "no-op: reported at step (per layer)")
     for lr, tau in GRID:

@@ -1,13 +1,13 @@
-"""What the max-logit capture costs, before (exact on every call) and with the LSE gate (issue 20).
+"""What the max-logit capture costs: exact on every call, and with the LSE gate (the default).
 
-1. Forward time of one causal attention call (float32 unless ``--dtype``) at the shapes (B, H, T, D) of the issue
+1. Forward time of one causal attention call (float32 unless ``--dtype``) at the shapes (B, H, T, D) below
    (on a GPU also a larger one):
    ``F.scaled_dot_product_attention``; the drop-in with a recorder on the exact path
-   (``set_max_logit_backend("chunked")``: on CPU the capture before the gate, on a GPU the one-kernel
+   (``set_max_logit_backend("chunked")``: on CPU the exact chunked max, on a GPU the one-kernel
    Triton max); the default drop-in with tau far above every head (no head near tau: only the bound
    is computed) and with tau below every head (every head needs its exact max). On a GPU the
    default gates only calls from ``GPU_GATE_MIN_WORK`` up (smaller ones take the exact kernel), and
-   a last column times the exact path before this issue's GPU work (SDPA + the chunked loop).
+   a last column times SDPA followed by the chunked max loop, without the Triton kernel.
    ``--queue N`` queues N calls per timed sample (a GPU's throughput, host work overlapping).
 2. One default training step of the CLI's model (``muonclip compare``'s defaults: the reference
    GPT with 4 layers, 4 heads, width 128, context 128, batch 16, byte vocabulary): forward,
@@ -80,7 +80,7 @@ def time_shape(B: int, H: int, T: int, D: int, rounds: int, clock: str, device: 
         "far": lambda: call(far),
         "above": lambda: call(above),
     }
-    if device != "cpu":  # the exact path before the Triton kernel: SDPA, then the chunked loop
+    if device != "cpu":  # the exact path without the Triton kernel: SDPA, then the chunked loop
         contenders["loop"] = lambda: (F.scaled_dot_product_attention(q, k, v, is_causal=True),
                                       chunked_max_logits(q, k, is_causal=True))
     if queue > 1:  # GPU: each sample queues `queue` calls, then waits once (host work overlaps the GPU's)
@@ -102,7 +102,7 @@ def time_shape(B: int, H: int, T: int, D: int, rounds: int, clock: str, device: 
 def capture_table(rounds: int, clock: str, device: str, dtype: torch.dtype, queue: int) -> None:
     print("| (B, H, T, D) | SDPA fwd ms | exact capture ms | ratio | gated, no head near tau ms | ratio "
           "| gated, every head above tau ms | ratio |"
-          + (" chunked loop (before) ms | ratio |" if device != "cpu" else ""))
+          + (" SDPA + chunked loop ms | ratio |" if device != "cpu" else ""))
     print("|---|---|---|---|---|---|---|---|" + ("---|---|" if device != "cpu" else ""))
     for shape in SHAPES + (GPU_SHAPES if device != "cpu" else ()):
         print(time_shape(*shape, rounds, clock, device, dtype, queue), flush=True)

@@ -26,8 +26,8 @@ import argparse
 import torch
 from timing import machine, round_robin, setup_threads
 
+from muonclip.common.triton_support import triton_available
 from muonclip.fast.symmetric import symmetric_flops
-from muonclip.fast.triton_syrk import triton_available
 from muonclip.ortho import METHODS, orthogonalize
 from muonclip.ortho.gram import GRAM_MIN_ASPECT, gram_flops
 

@@ -5,7 +5,7 @@ and a gated MLP gate, up (4d x d) and down (d x 4d), stored as
 
 * **separate**: every map its own parameter (the reference: what the fused forms must match);
 * **fused, split**: ``qkv`` (3d x d, ``[q | k | v]``) and ``gate_up`` (8d x d) with
-  ``split_sizes`` — what `muonclip.param_groups` now sets for Phi-3-style weights;
+  ``split_sizes`` — what `muonclip.param_groups` sets for Phi-3-style weights;
 * **fused, interleaved**: ``qkv`` stored per head ``[q k v]`` (GPT-NeoX) with
   ``split_sizes=[64, 64, 64], split_groups=heads``;
 * **fused, whole**: the fused weights as one matrix each (``split_fused=False``; a different

@@ -1,4 +1,4 @@
-"""The tuning sweep behind the ``default`` preset's learning rates and warm-ups (issue 19).
+"""The tuning sweep behind the ``default`` preset's learning rates and warm-ups.
 
     python benchmarks/sweep_default.py --out out/sweep-default     # hours on 2 shared cores
 

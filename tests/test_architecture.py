@@ -1,116 +1,87 @@
 """The layout of the package: what may import what, and where the core's update is.
 
 Every import in ``src/muonclip`` (module level or inside a function, absolute or relative) is
-read with ``ast``; a test fails on a cycle between subpackages and on any import from the core
-(``ortho``, ``optim``) to a layer built on it. Then, the core's extension point: one process
-never enters the distributed layer, and a step that needs it without it is an error.
+read with ``ast`` (`import_graph`). The subpackages come from the file system, and each must
+have its floor in `FLOORS`: a new one fails here until it is placed. A test fails on an import
+from a floor to a higher one, on a cycle between subpackages, and on modules that import each
+other when they load. Then, the core's extension point: one process never enters the
+distributed layer, and a step that needs it without it is an error.
 """
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
 import pytest
 import torch
+from import_graph import SRC, components, cycles, imports, module_graph, subpackage, subpackage_graph, subpackages
 
 import muonclip
-from muonclip.optim import engine as engine_mod
+from muonclip.optim import distribution
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "muonclip"
-CORE = ("ortho", "optim")
-LAYERS = ("distributed", "fast", "qkclip", "attention", "integrations", "cli", "models", "data")
-
-
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(SRC.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _imports(path: Path) -> set[str]:
-    """The muonclip modules that ``path`` imports, as dotted names."""
-    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rsplit(".", 1)[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
-            found.add(module)
-            found.update(f"{module}.{a.name}" for a in node.names)  # `from . import x` names a module
-    return {m for m in found if m == "muonclip" or m.startswith("muonclip.")}
+GROUND, CORE, LAYER, APP = 0, 1, 2, 3
+FLOORS = {
+    "common": GROUND,  # DTensor geometry, Triton availability: imports nothing of muonclip
+    "ortho": CORE,
+    "optim": CORE,
+    "fast": LAYER,
+    "distributed": LAYER,
+    "attention": LAYER,
+    "qkclip": LAYER,
+    "integrations": LAYER,
+    "models": LAYER,
+    "app": APP,
+}
+"""Every subpackage's floor. A subpackage may import its own floor's and lower floors' (layers
+import layers only where one is built on another: QK-Clip on attention's recorders)."""
 
 
-def _subpackage(module: str) -> str | None:
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 and (SRC / parts[1]).is_dir() else None
+def test_every_subpackage_has_a_floor():
+    found = subpackages()
+    assert found == set(FLOORS), (
+        f"subpackages without a floor in FLOORS: {sorted(found - set(FLOORS))}; "
+        f"floors of subpackages that do not exist: {sorted(set(FLOORS) - found)}"
+    )
 
 
-def subpackage_graph() -> dict[str, set[str]]:
-    """Subpackage -> the other subpackages its modules import."""
-    graph: dict[str, set[str]] = {}
-    for path in SRC.rglob("*.py"):
-        src = _subpackage(_module_name(path))
-        if src is None:
-            continue  # muonclip/__init__.py: the package root wires the layers together
-        targets = {_subpackage(m) for m in _imports(path)} - {None, src}
-        graph.setdefault(src, set()).update(targets)
-    return graph
-
-
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Every cycle, as the path from a node back to itself (depth-first)."""
-    found = []
-
-    def walk(node: str, path: list[str]) -> None:
-        for nxt in sorted(graph.get(node, ())):
-            if nxt == path[0]:
-                found.append(path + [nxt])
-            elif nxt not in path and nxt > path[0]:  # each cycle once, from its smallest node
-                walk(nxt, path + [nxt])
-
-    for start in sorted(graph):
-        walk(start, [start])
-    return found
-
-
-def test_no_subpackage_imports_one_that_imports_it_back():
+def test_no_subpackage_imports_a_higher_floor():
     graph = subpackage_graph()
-    assert {"ortho", "optim", "distributed", "fast", "qkclip"} <= set(graph)
-    assert _cycles(graph) == []
+    upward = {(a, b) for a, targets in graph.items() for b in targets if FLOORS[b] > FLOORS[a]}
+    assert not upward, upward
+    assert graph["common"] == set(), graph["common"]
+    assert graph["ortho"] <= {"common"}, graph["ortho"]
+    assert graph["optim"] <= {"common", "ortho"}, graph["optim"]
 
 
-def test_the_core_imports_no_layer_built_on_it():
-    graph = subpackage_graph()
-    assert graph["ortho"] <= set(), graph["ortho"]
-    assert graph["optim"] <= {"ortho"}, graph["optim"]
-    for core in CORE:
-        assert not graph[core] & set(LAYERS)
+def test_no_cycle_between_subpackages():
+    assert cycles(subpackage_graph()) == []
 
 
-def test_the_checks_see_a_cycle_and_a_core_import():
-    """Control: the parser finds a relative import inside a function and the checks reject the
-    graph it would make."""
+def test_no_modules_import_each_other_when_they_load():
+    """Module level: no group of modules imports each other through imports that run when a
+    module loads (an import inside a function runs when it is called)."""
+    assert components(module_graph(lazy=False)) == []
+
+
+def test_the_checks_see_a_cycle_and_an_upward_import():
+    """Control: the parser finds relative imports, inside functions too, and the checks reject
+    the graphs they would make."""
     graph = subpackage_graph()
     assert "optim" in graph["distributed"]  # distributed/engine.py: `from ..optim.buckets import ...`
-    assert _cycles({**graph, "optim": graph["optim"] | {"distributed"}})
-    assert "qkclip" in {_subpackage(m) for m in _imports(SRC / "models" / "gpt.py")}
+    assert cycles({**graph, "optim": graph["optim"] | {"distributed"}})
+    assert "qkclip" in {subpackage(m) for m in imports(SRC / "models" / "gpt.py")}
+    assert "muonclip.models" in imports(SRC / "app" / "train.py")  # `from ..models import GPT` in a function
+    assert components({"a": {"b"}, "b": {"a"}, "c": set()}) == [{"a", "b"}]
 
 
 def test_the_core_update_is_one_hop_from_optim():
-    """``optim/__init__.py`` names the functional update, and it is short enough to read at once."""
+    """``optim/__init__.py`` names the functional update, and it is short enough to read at once;
+    the step the class runs is next to it, and as short."""
     import inspect
 
     from muonclip.optim import functional
 
     assert muonclip.optim.muon_update is functional.muon_update is muonclip.muon_update
-    lines = inspect.getsource(functional.muon_update).splitlines()
-    assert len(lines) <= 60
+    for fn in (functional.muon_update, functional.muon_step):
+        assert len(inspect.getsource(fn).splitlines()) <= 60, fn.__name__
 
 
 class _Refusing:
@@ -131,7 +102,7 @@ def _step(**kw):
 
 
 def test_one_process_never_enters_the_distributed_layer(monkeypatch):
-    monkeypatch.setattr(engine_mod, "_ENGINES", [_Refusing()])
+    monkeypatch.setattr(distribution, "_ENGINES", [_Refusing()])
     for mode in ("raise", "mask"):
         assert torch.isfinite(_step(on_nonfinite=mode)).all()
     assert torch.isfinite(_step(process_group="local")).all()
@@ -140,7 +111,7 @@ def test_one_process_never_enters_the_distributed_layer(monkeypatch):
 def test_a_step_that_needs_the_distributed_layer_without_it_is_an_error(monkeypatch):
     """Never silently per shard: with no engine registered, a step over a process group raises
     before anything is updated."""
-    monkeypatch.setattr(engine_mod, "_ENGINES", [])
+    monkeypatch.setattr(distribution, "_ENGINES", [])
     with pytest.raises(RuntimeError, match="import muonclip.distributed"):
         _step(process_group=object())
-    assert engine_mod.engine_for([torch.zeros(2, 2)], None) is None  # nothing needed, nothing asked
+    assert distribution.engine_for([torch.zeros(2, 2)], None) is None  # nothing needed, nothing asked

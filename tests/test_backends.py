@@ -14,10 +14,10 @@ from test_ortho_fast import conditioned
 
 import muonclip
 from muonclip import orthogonalize
-from muonclip.fast import BufferedBackend, buffers
-from muonclip.fast.buffered import quintic_into
-from muonclip.fast.buffers import Buffers
+from muonclip.fast import BufferedBackend, kept_buffers
+from muonclip.fast.buffered_backend import quintic_into
 from muonclip.fast.chunks import CPU_CHUNK_BYTES, chunk_size, working_set
+from muonclip.fast.kept_buffers import Buffers
 from muonclip.optim.backend import AutoBackend, CoreBackend, make_backend
 from muonclip.ortho.newton_schulz import normalized, polar_express_coefficients, quintic
 
@@ -28,7 +28,7 @@ SHAPES = [(7, 24, 72), (7, 72, 24), (7, 24, 24)]
 @pytest.fixture
 def keep_small(monkeypatch):
     """Keep even the small temporaries of these test shapes."""
-    monkeypatch.setattr(buffers, "KEEP_BYTES", 0)
+    monkeypatch.setattr(kept_buffers, "KEEP_BYTES", 0)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -112,7 +112,7 @@ def test_backends_stay_differentiable_and_fall_back_to_the_core(method):
 
 
 def test_kept_buffers(monkeypatch):
-    monkeypatch.setattr(buffers, "KEEP_BYTES", 0)
+    monkeypatch.setattr(kept_buffers, "KEEP_BYTES", 0)
     kept = Buffers()
     cpu = torch.device("cpu")
     a = kept.get("x", (2, 3), torch.float32, cpu)
@@ -124,7 +124,7 @@ def test_kept_buffers(monkeypatch):
     assert kept.get("x", (2,), torch.bfloat16, cpu).dtype == torch.bfloat16  # per dtype
     assert kept.get("y", (2,), torch.float32, torch.device("meta")) is None  # off the CPU: allocate as usual
     assert kept.empty("y", (2,), torch.float32, torch.device("meta")).device.type == "meta"
-    monkeypatch.setattr(buffers, "KEEP_BYTES", 1024)
+    monkeypatch.setattr(kept_buffers, "KEEP_BYTES", 1024)
     assert kept.get("z", (255,), torch.float32, cpu) is None  # small: allocate as usual
     assert kept.get("z", (256,), torch.float32, cpu).numel() == 256
     assert len(copy.deepcopy(kept)) == 0  # scratch, not state
@@ -222,9 +222,9 @@ def test_step_structure_is_cached_and_rebuilt_when_an_option_changes():
     assert seen[1] is seen[0] and seen[2] is seen[0]  # same structure; lr/wd/momentum still applied
     assert len({id(s) for s in seen[2:]}) == 4  # each structural change rebuilt it
     assert [len(b.entries) for b in seen[-1].buckets] == [2, 1, 1, 1]  # 32x32 x2, 64x32, 16x32, 32x32 block
-    assert seen[-1].scales[2] == (0, [(0, 64, pytest.approx(0.2 * 64**0.5))])  # 0.2 sqrt(max(A, B))
+    assert (seen[-1].specs[2].axis, seen[-1].specs[2].ranges) == (0, ((0, 64, pytest.approx(0.2 * 64**0.5)),))
     # "original": sqrt(max(1, A / B)) per block, 1 for both, so their row ranges merge into one add
-    assert seen[-1].scales[3] == (0, [(0, 48, 1.0)])
+    assert (seen[-1].specs[3].axis, seen[-1].specs[3].ranges) == (0, ((0, 48, 1.0),))
 
 
 def test_backend_choice():

@@ -22,11 +22,12 @@ import torch.multiprocessing as mp
 
 import muonclip
 from muonclip import Muon, param_groups
-from muonclip.distributed import assign_owners, checkpoint, local_rows, ns_flops, shard_rows
-from muonclip.distributed.plan import matrix_rows
+from muonclip.common.dtensor import local_rows, shard_rows
+from muonclip.distributed import assign_owners, checkpoint
 from muonclip.models import GPT, GPTConfig
 from muonclip.optim.backend import AutoBackend
-from muonclip.optim.matrices import matrix_blocks
+from muonclip.optim.matrices import matrix_spec
+from muonclip.ortho.newton_schulz import ns_flops
 from muonclip.qkclip.muonclip import MuonClip
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=3, n_embd=24)  # 3 heads of 8 rows: head 1 straddles 2 ranks
@@ -745,19 +746,24 @@ def test_plan_is_balanced_deterministic_and_total():
     ((12, 4), {"split_sizes": [1, 2, 1], "split_groups": 3}),  # interleaved per group: [a b b c | a b b c | ...]
     ((3, 4, 6), {"transposed": True, "split_sizes": [1, 1], "split_groups": 3}),  # gpt-oss experts (E, in, out)
 ])
-def test_matrix_rows_states_the_shapes_of_matrix_blocks(shape, opts):
-    """The step buckets by `matrix_rows` (no tensor made); it must describe exactly the blocks
-    that `matrix_blocks` cuts (their shapes, and their rows along ``axis``, in group order)."""
+def test_matrix_spec_states_the_shapes_of_its_blocks(shape, opts):
+    """The step buckets by a weight's `MatrixSpec` (no tensor made); its rows must describe
+    exactly the blocks it cuts from a tensor (their shapes, and their rows along ``axis``, in
+    group order)."""
+    group = {"flatten": False, "split_sizes": None, "split_groups": 1, "transposed": False,
+             "adjust_lr_fn": "original", "method": "ns5", "ns_steps": None, **opts}
+    spec = matrix_spec(shape, group)
     t = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
-    blocks = matrix_blocks(t, **opts)
-    axis, rows, cols, batch = matrix_rows(shape, **opts)
-    assert [tuple(b.shape) for b in blocks] == [(batch, sum(r1 - r0 for r0, r1 in segs), cols) for segs in rows]
-    whole = matrix_blocks(t, **{k: v for k, v in opts.items() if k not in ("split_sizes", "split_groups")})[0]
-    for b, segs in zip(blocks, rows):
+    blocks = spec.blocks_of(t)
+    assert [tuple(b.shape) for b in blocks] == [(spec.batch, sum(r1 - r0 for r0, r1 in segs), spec.cols)
+                                                for segs in spec.blocks]
+    whole_spec = matrix_spec(shape, {**group, "split_sizes": None, "split_groups": 1})
+    whole = whole_spec.blocks_of(t)[0]
+    for b, segs in zip(blocks, spec.blocks):
         assert torch.equal(b, torch.cat([whole[:, r0:r1] for r0, r1 in segs], dim=1))
-        stored = torch.cat([t.narrow(axis, r0, r1 - r0) for r0, r1 in segs], dim=axis)  # the same rows, stored
-        assert torch.equal(matrix_blocks(stored, **{k: v for k, v in opts.items()
-                                                    if k not in ("split_sizes", "split_groups")})[0], b)
+        stored = torch.cat([t.narrow(spec.axis, r0, r1 - r0) for r0, r1 in segs], dim=spec.axis)  # the rows, stored
+        assert torch.equal(matrix_spec(stored.shape, {**group, "split_sizes": None, "split_groups": 1})
+                           .blocks_of(stored)[0], b)
 
 
 @pytest.mark.parametrize("rows, world", [(24, 2), (7, 2), (5, 4), (3, 4)])

@@ -19,7 +19,7 @@ from toy_models import unfuse
 
 import muonclip
 from muonclip.optim.backend import CoreBackend
-from muonclip.optim.fused import layouts
+from muonclip.optim.fused import matrix_layouts
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -358,6 +358,6 @@ def test_split_groups_bad_input_is_a_clear_error():
 
 def test_layouts_of_torch_multihead_attention():
     mha = nn.MultiheadAttention(16, 4)
-    found = layouts(mha)[id(mha.in_proj_weight)]
+    found = matrix_layouts(mha)[id(mha.in_proj_weight)]
     assert found.split_sizes == (16, 16, 16)
-    assert layouts(mha, per_head=True)[id(mha.in_proj_weight)].split_sizes == (4,) * 12
+    assert matrix_layouts(mha, per_head=True)[id(mha.in_proj_weight)].split_sizes == (4,) * 12

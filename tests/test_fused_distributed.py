@@ -19,8 +19,8 @@ from test_fused import TOL, batch, max_diff, tiny
 from toy_models import unfuse
 
 import muonclip
-from muonclip.distributed import shard_rows
-from muonclip.optim.matrices import block_rows
+from muonclip.common.dtensor import shard_rows
+from muonclip.optim.matrices import matrix_spec
 
 pytest.importorskip("transformers")
 
@@ -76,7 +76,9 @@ def test_shard_boundaries_fall_inside_blocks():
     (start, _) = shard_rows(48, WORLD, 1)
     assert start == 24 and 0 < start < 32  # inside Phi-3's q block [0, 32)
     (start, _) = shard_rows(72, WORLD, 1)
-    k_rows = block_rows(72, [8, 8, 8], 3)[1]  # GPT-NeoX k: rows 8-16, 32-40, 56-64
+    neox = matrix_spec((72, 16), {"flatten": False, "split_sizes": [8, 8, 8], "split_groups": 3, "transposed": False,
+                                  "adjust_lr_fn": "original", "method": "ns5", "ns_steps": None})
+    k_rows = neox.blocks[1]  # GPT-NeoX k: rows 8-16, 32-40, 56-64
     assert start == 36 and any(a < start < b for a, b in k_rows)
 
 

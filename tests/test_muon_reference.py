@@ -51,7 +51,7 @@ def test_torch_defaults_mean_torch_scale():
     opt.add_param_group({"params": make_params([(8, 8)]), "adjust_lr_fn": None})
     assert opt.param_groups[1]["adjust_lr_fn"] == "original"
     for old, new in [("update_scale", "adjust_lr_fn"), ("steps", "ns_steps")]:
-        with pytest.raises(ValueError, match=f"'{old}' is now '{new}'"):
+        with pytest.raises(ValueError, match=f"'{old}' was replaced by '{new}'"):
             muonclip.Muon([{"params": p, old: 3}])
     with pytest.raises(ValueError, match="'adamw_eps'"):
         muonclip.Muon([{"params": make_params([(4,)]), "algorithm": "adamw", "eps": 1e-10}])

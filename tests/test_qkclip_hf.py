@@ -320,10 +320,11 @@ def test_muonclip_lr0_clips_exactly_to_tau(kind):
     assert 0 < n_clipped < sum(s.numel() for s in before.values())
     assert_only_clipped_rows_changed(model, opt.layers, {n: s > tau for n, s in before.items()}, w0)
 
-    # optimizer state: exactly what plain Muon (same grads, lr=0, no clip) holds
+    # optimizer state: exactly what plain Muon (same grads, lr=0, no clip) holds (besides MuonClip's tau)
     plain_params = dict(plain.named_parameters())
     for n, p in model.named_parameters():
         st, ref_st = opt.state.get(p, {}), plain_opt.state.get(plain_params[n], {})
+        assert st.pop("tau", opt.tau) == opt.tau
         assert st.keys() == ref_st.keys(), n
         for k in st:
             a, b = st[k], ref_st[k]

@@ -36,7 +36,7 @@ class MaxLogitRecorder:
             its attention call then hands over maxima for those heads only, and the recorder
             keeps them at their global positions with ``-inf`` elsewhere, so that a MAX
             reduction over every rank gives each head the max over the ranks that computed it
-            (`muonclip.distributed.tensor_parallel.record_local_heads` sets it from the q weight).
+            (`muonclip.qkclip.tensor_parallel.record_local_heads` sets it from the q weight).
         threshold: the clip's tau, a finite number > 0, or None (default): every recorded
             value is exact. See the module docstring; `MuonClip` sets it.
 

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..fast.triton_syrk import interpreting, triton_available
+from ..common.triton_support import interpreting, triton_available
 from .max_logits import check_shapes
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

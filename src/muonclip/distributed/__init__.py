@@ -1,26 +1,24 @@
 """Distributed Muon: the layer on top of the core for DDP, FSDP2, TP, HSDP and EP (docs/design.md, "Distributed Muon").
 
 Importing this package registers `engine.DistributedEngine` with the core
-(`muonclip.optim.engine`), which hands it every step whose parameters are DTensors or live in a
+(`muonclip.optim.distribution`), which hands it every step whose parameters are DTensors or live in a
 multi-rank process group; ``import muonclip`` imports it.
 
-* `engine` — the step: the core's update phases, one owner rank per matrix, the exchanges.
-* `context` — which process group a step runs on (every rank of the parameters' mesh),
-  `local_rows` for QK-Clip on sharded weights.
-* `layout` — which global indices each rank's local tensor holds, for any placement.
+* `engine` — the multi-rank step: the exchanges around the core's update phases, one owner
+  rank per matrix.
+* `context` — which process group a step runs on (every rank of the parameters' mesh).
 * `plan` — which rank orthogonalises which matrix, balanced by Newton–Schulz flops.
 * `exchange` — the batched collectives: one all-to-all moves pieces of V to owners, one moves
   pieces of results back, and the cross-rank agreement check.
-* `tensor_parallel` — which attention heads a rank computes, for QK-Clip under TP.
 * `checkpoint` — save/load through ``torch.distributed.checkpoint``, reshardable N -> M ranks.
+
+Which global indices each rank's local tensor holds is the ground floor's
+(`muonclip.common.dtensor`), shared with QK-Clip (`muonclip.qkclip.tensor_parallel`).
 """
 
-from .context import GroupContext, local_rows, resolve_group, shard_rows
+from .context import GroupContext, resolve_group
 from .engine import DistributedEngine
 from .exchange import CommStats
-from .plan import Plan, assign_owners, matrix_rows, ns_flops
+from .plan import Plan, assign_owners
 
-__all__ = [
-    "CommStats", "DistributedEngine", "GroupContext", "Plan", "assign_owners", "local_rows", "matrix_rows",
-    "ns_flops", "resolve_group", "shard_rows",
-]
+__all__ = ["CommStats", "DistributedEngine", "GroupContext", "Plan", "assign_owners", "resolve_group"]

@@ -9,7 +9,7 @@
   parameters and gradients are replicated), or no group at all (world size 1, the trivial case
   of the same step);
 * the layout of each parameter: for every rank of the group, the global indices its local
-  tensor holds (`GroupContext.pieces`, computed by `muonclip.distributed.layout`).
+  tensor holds (`GroupContext.pieces`, computed by `muonclip.common.dtensor`).
 
 Anything else is refused with an error that says what to change: a DTensor whose process
 group was destroyed, parameters on different meshes, a ``Partial`` placement, a local shard
@@ -18,8 +18,6 @@ whose shape is not the one its placements give.
 
 from __future__ import annotations
 
-import functools
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,51 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..optim.engine import LOCAL, is_dtensor
-from .layout import Piece, piece_of, piece_shape
-
-
-def local(t: Tensor) -> Tensor:
-    """The rank-local tensor: ``t.to_local()`` for a DTensor (an alias: writes go through), else ``t``."""
-    if is_dtensor(t):
-        return t._local_tensor if not torch.is_grad_enabled() else t.to_local()
-    return t
-
-
-def shard_rows(n_rows: int, world_size: int, rank: int) -> tuple[int, int]:
-    """``(row_offset, n_local_rows)`` of ``rank``'s block when ``n_rows`` rows are split like ``torch.chunk``.
-
-    This is how ``Shard(0)`` lays out a DTensor: blocks of ``ceil(n_rows / world_size)`` rows,
-    the last ones shorter or empty.
-    """
-    chunk = -(-n_rows // world_size)  # ceil
-    offset = min(rank * chunk, n_rows)
-    return offset, min(n_rows, offset + chunk) - offset
-
-
-def local_rows(param: Tensor) -> tuple[Tensor, int]:
-    """``(local_tensor, row_offset)``: the rows of ``param`` this rank holds and where they start.
-
-    A plain tensor or a replicated DTensor: the whole tensor, offset 0. A DTensor whose local
-    tensor holds every column and a contiguous block of rows — FSDP2 ``Shard(0)``, tensor-parallel
-    ``ColwiseParallel`` (``Shard(0)``), FSDP2 on top of it (the strided shard of a 2-D mesh),
-    HSDP — its local shard (an alias: writes go through) and the global index of its first row,
-    so a per-row factor ``f`` (indexed by global row) applies as
-    ``local * f[offset : offset + len(local)]``. Used by QK-Clip to scale each head's rows where
-    they live (a head's rows may be split between two ranks). Raises ValueError for a DTensor
-    split along any other dimension, or whose rows here are not contiguous.
-    """
-    data = param.data if isinstance(param, torch.nn.Parameter) else param
-    if not is_dtensor(data):
-        return data, 0
-    piece = piece_of(data.shape, data.device_mesh.shape, data.device_mesh.get_coordinate(), data.placements)
-    if any(ix != range(n) for ix, n in zip(piece[1:], data.shape[1:])) or not isinstance(piece[0], range):
-        raise ValueError(
-            f"a weight of shape {tuple(data.shape)} placed {data.placements} is split along a dimension other than "
-            "the rows (or in non-contiguous rows); per-row scaling (QK-Clip) needs row shards (Shard(0): "
-            "fully_shard, ColwiseParallel) or replicas"
-        )
-    return data._local_tensor, piece[0].start if len(piece[0]) else 0
+from ..common.dtensor import Piece, is_dtensor, mesh_grid, piece_of, piece_shape, root_mesh
+from ..optim.distribution import LOCAL
 
 
 def mesh_group(mesh: Any) -> Any:
@@ -104,73 +59,6 @@ def locals_and_group(tensors: Sequence[Tensor]) -> tuple[list[Tensor], Any]:
     return out, group
 
 
-def root_mesh(mesh: Any) -> Any:
-    """The mesh ``mesh`` was sliced from (itself when it is not a submesh)."""
-    get = getattr(mesh, "_get_root_mesh", None)
-    return get() if get is not None else mesh
-
-
-@functools.lru_cache(maxsize=64)
-def mesh_grid(mesh: Any) -> tuple[tuple[int, ...], dict[int, tuple[int, ...]]]:
-    """Every copy of ``mesh`` among the ranks of its root mesh, mapped by rank layout (not by name).
-
-    A submesh has one copy per coordinate of the root dimensions it leaves out (FSDP2 over the
-    ``"dp"`` dimension of a ``("dp", "tp")`` mesh: one ``"dp"`` mesh per tensor-parallel rank),
-    and a DTensor on it holds the same tensor on every copy. This returns the grid
-    ``(copies, *mesh.shape)`` and, for every global rank in one of the copies, its coordinate
-    ``(copy, *coordinate in mesh)`` on that grid; the DTensor's placements on the grid are
-    ``(Replicate(), *placements)``. The copies come from the mesh's own rank layout (torch's
-    ``DeviceMesh._layout`` over the root's rank map), so any mesh torch builds maps: sliced by
-    name, unflattened from a 1-D ``("world",)`` mesh (how torchtitan builds its meshes),
-    flattened, or sliced from those. Without ``_layout`` (older torch) a submesh maps by the
-    names of its root's dimensions. Cached per mesh: the caller must not modify the mapping.
-
-    Raises:
-        ValueError: (older torch only) a submesh whose dimension names are not its root's.
-    """
-    layout, rank_map = getattr(mesh, "_layout", None), getattr(mesh, "_rank_map", None)
-    shape = tuple(mesh.shape)
-    if layout is not None and rank_map is not None:
-        grid = layout.remap_to_tensor(rank_map).reshape(-1, *shape)
-    else:
-        root = root_mesh(mesh)
-        if root is mesh or root == mesh:
-            grid = mesh.mesh.reshape(1, *shape)
-        else:
-            names, root_names = mesh.mesh_dim_names or (), root.mesh_dim_names or ()
-            if not names or any(n not in root_names for n in names):
-                raise ValueError(
-                    f"a submesh with dimensions {names} of a mesh with dimensions {root_names} cannot be mapped to "
-                    "its root by this torch (no DeviceMesh._layout): slice submeshes by name (mesh['dp'])"
-                )
-            inner = [root_names.index(n) for n in names]
-            outer = [d for d in range(root.ndim) if d not in inner]
-            grid = root.mesh.permute(*outer, *inner).reshape(-1, *shape)
-    coords = dict(zip(grid.flatten().tolist(), itertools.product(*(range(n) for n in grid.shape))))
-    return tuple(grid.shape), coords
-
-
-def replicas(t: Tensor) -> int:
-    """How many ranks of the default process group hold each element of this rank's piece of ``t``.
-
-    A plain tensor: every rank (the world size; 1 without ``torch.distributed``). A DTensor: the
-    product of its mesh's sizes along the dimensions it is replicated over, times the number of
-    copies of its mesh the world holds (a DTensor on a submesh is the same tensor on every copy,
-    `mesh_grid`). So a sum over all ranks of ``x / replicas(t)``, ``x`` a per-element figure of
-    each rank's piece, counts every element of ``t`` once: MLA's rotary down-projection, which
-    tensor parallelism leaves whole on each TP rank, counts once, not ``tp`` times.
-    """
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if not is_dtensor(t):
-        return world
-    mesh = t.device_mesh
-    copies = max(world // mesh.size(), 1)
-    for size, placement in zip(mesh.shape, t.placements):
-        if placement.is_replicate():
-            copies *= size
-    return copies
-
-
 @dataclass(frozen=True)
 class GroupContext:
     """The process group of one step: ``group`` None means one process (no collective).
@@ -192,7 +80,7 @@ class GroupContext:
     ranks: tuple[int, ...] = (0,)
 
     def pieces(self, p: Tensor, name: str = "a parameter") -> list[Piece]:
-        """Every group rank's piece of ``p`` (`muonclip.distributed.layout.piece_of`) from the
+        """Every group rank's piece of ``p`` (`muonclip.common.dtensor.piece_of`) from the
         rank layout of its mesh (`mesh_grid`); the whole tensor on every rank for a plain tensor.
 
         Raises:
@@ -297,7 +185,4 @@ def _check_local_shape(p: Tensor, name: str) -> None:
         )
 
 
-__all__ = [
-    "GroupContext", "LOCAL", "SINGLE", "is_dtensor", "local", "local_rows", "locals_and_group", "mesh_grid",
-    "mesh_group", "replicas", "resolve_group", "shard_rows",
-]
+__all__ = ["GroupContext", "SINGLE", "locals_and_group", "mesh_group", "resolve_group"]

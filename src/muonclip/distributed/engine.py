@@ -1,30 +1,28 @@
 """The distributed Muon step: the core's update phases over a process group (DDP, FSDP2, TP, HSDP, EP).
 
-`DistributedEngine` is the `muonclip.optim.engine.Engine` this package registers: the core
-optimizer hands it a step when the parameters are DTensors or a multi-rank process group is
-in use (docs/design.md, "Distributed Muon"). Phases, each run by every rank (collectives only
-when the group has more than one rank):
+`DistributedEngine` is the `muonclip.optim.distribution.Engine` this package registers: the core
+optimizer hands it a step when the Muon parameters are shared by more than one rank (DTensors,
+or a multi-rank process group; docs/design.md, "Distributed Muon"). A group of one rank never
+comes here: the core runs that step itself (`muonclip.optim.functional.muon_step`, on each
+rank-local tensor). The phases, each run by every rank:
 
 1. **Agree**: one small all-reduce checks that every rank has the same Muon parameters and the
    same gradients present (`exchange.agree`); when the step's structure is new, a second one
    checks that plain (non-DTensor) parameters hold the same values everywhere
    (`exchange.agree_replicas`: a shard passed as a plain tensor is refused, never taken for a replica).
-2. **Momentum** on what each rank holds (`muonclip.optim.functional.momentum_`), each weight's
-   just before its V is formed. Under FSDP2 ``M``, ``G`` and ``V`` are row shards: momentum
-   stays sharded.
+2. **Momentum** (`muonclip.optim.functional.momentum_`) on what each rank holds, each weight's
+   just before its V is formed (`muon_input`). Under FSDP2 ``M``, ``G`` and ``V`` are row
+   shards: momentum stays sharded.
 3. **Plan**: every weight gets one owner rank, balanced by Newton–Schulz flops
    (`plan.assign_owners`); the same on every rank, no communication.
-4. **Gather**: owners get whole V: row-sharded ones by one all-to-all (`exchange.gather_rows`);
-   replicated ones are already whole and written straight into the owner's bucket.
+4. **Gather** (exchange): owners get whole V: row-sharded ones by one all-to-all
+   (`exchange.exchange`); replicated ones are already whole and written straight into the
+   owner's bucket.
 5. **Orthogonalise** on the owner only, on whole matrices, one call per bucket of same-shape
-   blocks (`muonclip.optim.buckets.orthogonalize_buckets`, the core's).
-6. **Exchange**: results go back — all-to-all of each rank's rows (FSDP2), all-gather of the
-   owned results (DDP).
+   blocks (`muonclip.optim.buckets`, the core's buckets).
+6. **Scatter** (exchange): results go back: an all-to-all of each rank's rows (FSDP2), of the
+   owned results to every replica (DDP).
 7. **Apply** (`muonclip.optim.functional.apply_blocks_`) on each rank's own rows.
-
-A group of one rank is the trivial case: every weight is owned by rank 0, phases 1, 4 and 6
-have nothing to do, and each weight is updated as soon as its bucket is done, exactly as the
-core's one-process step does.
 """
 
 from __future__ import annotations
@@ -37,20 +35,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..optim.buckets import (
-    item_flops,
-    item_scales,
-    make_buckets,
-    matrix_options,
-    options_key,
-    orthogonalize_buckets,
-)
-from ..optim.engine import StepStats, is_dtensor, register_engine
+from ..common.dtensor import Piece, covers, is_dtensor, is_empty, local, piece_shape, put, take
+from ..optim.buckets import Bucket, Results, make_buckets, options_key
+from ..optim.distribution import StepStats, register_engine
 from ..optim.functional import apply_blocks_, momentum_, muon_input
-from ..optim.matrices import block_views
-from .context import GroupContext, local, locals_and_group, resolve_group
-from .exchange import Route, agree, agree_replicas, exchange, signature
-from .layout import Piece, covers, is_empty, piece_shape, put, take
+from ..optim.matrices import MatrixSpec, matrix_spec
+from ..optim.validation import number
+from .context import GroupContext, locals_and_group, resolve_group
+from .exchange import Transfer, agree, agree_replicas, exchange, signature
 from .plan import Plan, assign_owners
 
 _KEPT_STRUCTURES = 8  # step structures kept (least recently used dropped)
@@ -60,7 +52,7 @@ class DistributedEngine:
     """The engine `muonclip.distributed` registers (see module docstring)."""
 
     def __init__(self) -> None:
-        self._structures: OrderedDict[tuple, _Structure] = OrderedDict()  # a few, for several optimizers
+        self._structures: OrderedDict[tuple, _Routes] = OrderedDict()  # a few, for several optimizers
 
     def context(self, params: Sequence[Tensor], name_of: Callable[[int], str], process_group: Any) -> GroupContext:
         """`muonclip.distributed.context.resolve_group`: the group, and a clear error for a
@@ -68,7 +60,7 @@ class DistributedEngine:
         return resolve_group(params, name_of, process_group)
 
     def local(self, t: Tensor) -> Tensor:
-        """`muonclip.distributed.context.local`."""
+        """The rank-local tensor (`muonclip.common.dtensor.local`)."""
         return local(t)
 
     def all_finite(self, tensors: Sequence[Tensor], finite: Tensor) -> Tensor:
@@ -92,7 +84,7 @@ class DistributedEngine:
                 is called only for an error).
             state: the optimizer's per-parameter state; ``"momentum_buffer"`` is created with
                 ``new_buffer(param)`` (a DTensor for a DTensor parameter, so checkpoints reshard).
-            ctx: the group (`context`).
+            ctx: the group (`context`), of more than one rank.
             backend: the optimizer's backend (`muonclip.optim.backend`).
             new_buffer: makes a parameter's momentum buffer.
             comm_dtype: wire dtype of the exchanges (None: the momentum dtype).
@@ -100,51 +92,49 @@ class DistributedEngine:
         stats = StepStats(world_size=ctx.world_size)
         if not items:
             return stats
-        if ctx.world_size > 1:
-            sig = signature([(tuple(p.shape), p.dtype, str(getattr(p, "placements", "")), ctx.mesh_shape,
-                              *options_key(g)) for g, p, _ in items])
-            agree(ctx, sig, [p.grad is not None for _, p, _ in items], [n() for _, _, n in items],
-                  local(items[0][1]).device, stats.comm)
+        # 1. agree
+        sig = signature([(tuple(p.shape), p.dtype, str(getattr(p, "placements", "")), ctx.mesh_shape,
+                          *options_key(g)) for g, p, _ in items])
+        agree(ctx, sig, [p.grad is not None for _, p, _ in items], [n() for _, _, n in items],
+              local(items[0][1]).device, stats.comm)
         live = [(g, p) for g, p, _ in items if p.grad is not None]
         if not live:
             return stats
         names = [n for _, p, n in items if p.grad is not None]
+        grads = [local(p.grad) for _, p in live]
         bufs = []
         for _, p in live:
             if "momentum_buffer" not in state[p]:
                 state[p]["momentum_buffer"] = new_buffer(p)
             bufs.append(local(state[p]["momentum_buffer"]))
-        pending = set(range(len(live)))
-
-        def momentum(k: int) -> Tensor:
-            """Item k's momentum buffer, updated (once per step) on first use."""
-            if k in pending:
-                pending.discard(k)
-                momentum_(bufs[k], local(live[k][1].grad), live[k][0]["momentum"])
-            return bufs[k]
-
-        def v_of(k: int, out: Tensor | None = None) -> Tensor:
-            g = live[k][0]
-            return muon_input(local(live[k][1].grad), momentum(k), g["momentum"], g["nesterov"], out=out)
-
         st, new = self._cached_structure(live, names, ctx)
-        if new and ctx.world_size > 1:  # plain tensors must really be replicas (never a shard taken for one)
+        if new:  # plain tensors must really be replicas (never a shard taken for one)
             plain = [k for k, (_, p) in enumerate(live) if not is_dtensor(p)]
             agree_replicas(ctx, [live[k][1] for k in plain], [names[k]() for k in plain], device_of(live), stats.comm)
-        plan = st.plan
-        stats.total_ns_flops = sum(plan.flops)
+        plan, me = st.plan, ctx.rank
+        stats.total_ns_flops, stats.ns_flops = sum(plan.flops), plan.flops[me]
         dtype, device = bufs[0].dtype, bufs[0].device
         wire = comm_dtype or dtype
-        me = ctx.rank
 
-        # 4. V of the owned units: this rank's own pieces, and the others' by one all-to-all
+        # 2. momentum, once per weight, just before its V is formed
+        fresh = set(range(len(live)))
+
+        def momentum(k: int) -> Tensor:
+            if k in fresh:
+                fresh.discard(k)
+                momentum_(bufs[k], grads[k], live[k][0]["momentum"])
+            return bufs[k]
+
         v_cache: dict[int, Tensor] = {}
 
         def my_v(k: int) -> Tensor:
+            """This rank's piece of weight k's V (momentum first)."""
             if k not in v_cache:
-                v_cache[k] = v_of(k)
+                g = live[k][0]
+                v_cache[k] = muon_input(grads[k], momentum(k), g["momentum"], g["nesterov"])
             return v_cache[k]
 
+        # 4. gather: whole V of the units this rank owns and does not hold whole
         whole: dict[int, Tensor] = {}
         if st.gather:
             got = exchange(ctx, st.gather, lambda j: my_v(st.units[st.gather_unit[j]].k), wire, device, stats.comm)
@@ -157,56 +147,46 @@ class DistributedEngine:
                     put(t, piece, my_v(unit.k) if j is None else got[j].to(dtype), within=unit.piece)
                 whole[u] = t
 
-        def write(u: int, b: int, dst: Tensor) -> None:
-            unit = st.units[u]
-            g = live[unit.k][0]
-            if u in whole:  # assembled from pieces
-                dst.copy_(whole[u] if st.n_blocks[u] == 1 else block_views(whole[u], **matrix_options(g))[b])
-            elif st.n_blocks[u] == 1:
-                v_of(unit.k, out=dst)
-            else:  # only this block's V, straight into the bucket
-                G, M = (block_views(t, **matrix_options(g))[b] for t in (local(live[unit.k][1].grad),
-                                                                         momentum(unit.k)))
-                muon_input(G, M, g["momentum"], g["nesterov"], out=dst)
-
-        def apply(k: int, O: Tensor) -> None:
-            g, p = live[k]
-            axis, ranges, offset = st.scales[k]
-            apply_blocks_(local(p), O, lr=g["lr"], weight_decay=g["weight_decay"], axis=axis, ranges=ranges,
-                          offset=offset)
-
-        # 5. orthogonalise the owned units; with one rank each is applied at once (7.)
+        # 5. orthogonalise the owned units, one call per bucket (the core's buckets and phases)
         results: dict[int, Tensor] = {}
-        single = ctx.world_size == 1
-        unit_groups = [live[unit.k][0] for unit in st.units]
-        stats.matrices = orthogonalize_buckets(st.buckets, st.n_blocks, unit_groups, [u.shape for u in st.units],
-                                               write, (lambda u, O: apply(st.units[u].k, O)) if single
-                                               else results.__setitem__, backend, reuse_result=single)
-        stats.ns_flops = plan.flops[me]
-        for k in sorted(pending):  # momentum of the items this rank neither owns nor sends
+        collect = Results([u.spec for u in st.units], reuse_result=False)
+        for bucket in st.buckets:
+            V = bucket.empty(backend)
+            for u, b, slot in bucket.slots(V):
+                unit = st.units[u]
+                if u in whole:  # assembled from pieces
+                    slot.copy_(unit.spec.block(whole[u], b))
+                else:  # held whole here: V straight into the bucket
+                    g = live[unit.k][0]
+                    muon_input(unit.spec.block(grads[unit.k], b), unit.spec.block(momentum(unit.k), b),
+                               g["momentum"], g["nesterov"], out=slot)
+            results.update(collect.of(bucket, bucket.orthogonalize(V, backend, reuse_result=False)))
+            stats.matrices += V.shape[0]
+        for k in sorted(fresh):  # momentum of the weights this rank neither owns nor sends
             momentum(k)
-        if single:
-            return stats
 
-        # 6. each rank's piece of every result, from its owner, then 7.
+        # 6. scatter: each rank's piece of every result, from its owner; 7. apply
         got = {}
         if st.scatter:
             got = exchange(ctx, st.scatter,
                            lambda j: take(results[st.scatter_unit[j]], st.scatter_piece[j],
                                           within=st.units[st.scatter_unit[j]].piece), wire, device, stats.comm)
         for k, (u, j) in enumerate(st.mine):
-            if u is None:  # this rank holds nothing of item k (an uneven split)
+            if u is None:  # this rank holds nothing of weight k (an uneven split)
                 continue
             if j is None:  # from a unit this rank owns: through the wire dtype too, so replicas agree exactly
                 O = take(results[u], st.pieces[k], within=st.units[u].piece).to(wire).to(dtype)
             else:
                 O = got[j].to(dtype)
-            apply(k, O)
+            g, p = live[k]
+            axis, ranges, offset = st.scales[k]
+            apply_blocks_(local(p), O, lr=number(g["lr"]), weight_decay=number(g["weight_decay"]), axis=axis,
+                          ranges=ranges, offset=offset)
         return stats
 
     def _cached_structure(self, live: list[tuple[dict[str, Any], Tensor]], names: list[Callable[[], str]],
-                          ctx: GroupContext) -> tuple[_Structure, bool]:
-        """The step's `_Structure` and whether it is new: rebuilt only when the items' global shapes,
+                          ctx: GroupContext) -> tuple[_Routes, bool]:
+        """The step's `_Routes` and whether they are new: rebuilt only when the items' global shapes,
         placements, meshes, devices, structural options, the rank or the group changed."""
         key = (ctx.world_size, ctx.rank, ctx.mesh_shape, ctx.coords,
                tuple((options_key(g), tuple(p.shape), str(getattr(p, "placements", "")),
@@ -235,16 +215,18 @@ class _Unit:
         piece: the global indices it covers (the whole parameter, or an expert-parallel piece).
         shape: its shape (the parameter's global shape, or the piece's).
         direct: the owner holds all of it locally (its V is written straight into the bucket).
+        spec: its `muonclip.optim.matrices.MatrixSpec`.
     """
 
     k: int
     piece: Piece
     shape: tuple[int, ...]
     direct: bool
+    spec: MatrixSpec
 
 
 @dataclass
-class _Structure:
+class _Routes:
     """What a step does that depends only on its items' shapes, options and placements.
 
     Attributes:
@@ -252,58 +234,58 @@ class _Structure:
         units: the units of work (`_Unit`).
         pieces: this rank's piece of each item.
         gather, gather_unit: the pieces of V that move to owners, and the unit each belongs to.
-        sources: per owned unit, ``(piece, route)`` for each piece it is assembled from (route
-            None: this rank's own).
+        sources: per owned unit, ``(piece, transfer)`` for each piece it is assembled from
+            (transfer None: this rank's own).
         scatter, scatter_unit, scatter_piece: the pieces of results that move from owners.
-        mine: per item ``(unit, route)``: where this rank's piece of the result comes from
-            (route None: a unit this rank owns; unit None: this rank holds nothing).
+        mine: per item ``(unit, transfer)``: where this rank's piece of the result comes from
+            (transfer None: a unit this rank owns; unit None: this rank holds nothing).
         scales: per item ``(axis, ranges, offset)`` for `apply_blocks_` on this rank's piece.
-        buckets, n_blocks: the owned units' buckets (`muonclip.optim.buckets.make_buckets`).
+        buckets: the owned units' buckets (`muonclip.optim.buckets.make_buckets`).
     """
 
     plan: Plan
     units: list[_Unit]
     pieces: list[Piece]
-    gather: list[Route]
+    gather: list[Transfer]
     gather_unit: list[int]
     sources: dict[int, list[tuple[Piece, int | None]]]
-    scatter: list[Route]
+    scatter: list[Transfer]
     scatter_unit: list[int]
     scatter_piece: list[Piece]
     mine: list[tuple[int | None, int | None]]
-    scales: list[tuple[int, list[tuple[int, int, float]], int]]
-    buckets: list
-    n_blocks: dict[int, int]
+    scales: list[tuple[int, tuple[tuple[int, int, float], ...], int]]
+    buckets: list[Bucket]
 
 
-def _build(live: list[tuple[dict[str, Any], Tensor]], names: list[Callable[[], str]], ctx: GroupContext) -> _Structure:
+def _build(live: list[tuple[dict[str, Any], Tensor]], names: list[Callable[[], str]], ctx: GroupContext) -> _Routes:
     """Plan a step: units, owners, what moves where (identical on every rank: no communication)."""
     me, world = ctx.rank, ctx.world_size
     units: list[_Unit] = []
     allowed: list[list[int] | None] = []
     all_pieces = []
+    specs = [matrix_spec(p.shape, g) for g, p in live]
     for k, (g, p) in enumerate(live):
         pieces = ctx.pieces(p, names[k]())
         all_pieces.append(pieces)
         distinct = list(dict.fromkeys(pc for pc in pieces if not is_empty(pc)))
         full = tuple(range(n) for n in p.shape)
-        if p.ndim == 3 and not g["flatten"] and all(covers(pc, p.shape, (1, 2)) for pc in distinct):
+        if specs[k].experts and all(covers(pc, p.shape, (1, 2)) for pc in distinct):
             # stacked experts whose every piece holds whole experts: each piece is orthogonalised where it lives
             for pc in distinct:
                 holders = [r for r in range(world) if pieces[r] == pc]
-                units.append(_Unit(k, pc, piece_shape(pc), True))
+                units.append(_Unit(k, pc, piece_shape(pc), True, matrix_spec(piece_shape(pc), g)))
                 allowed.append(holders)
         else:
-            units.append(_Unit(k, full, tuple(p.shape), False))
+            units.append(_Unit(k, full, tuple(p.shape), False, specs[k]))
             allowed.append(None)
-    plan = assign_owners([item_flops(live[u.k][0], u.shape) for u in units], world, allowed)
+    plan = assign_owners([u.spec.flops for u in units], world, allowed)
     units = [u if u.direct or all_pieces[u.k][plan.owners[i]] != u.piece else
-             _Unit(u.k, u.piece, u.shape, True) for i, u in enumerate(units)]  # owner holds it whole (replicas)
+             _Unit(u.k, u.piece, u.shape, True, u.spec) for i, u in enumerate(units)]  # owner holds it whole (replicas)
 
-    gather: list[Route] = []
+    gather: list[Transfer] = []
     gather_unit: list[int] = []
     sources: dict[int, list[tuple[Piece, int | None]]] = {}
-    scatter: list[Route] = []
+    scatter: list[Transfer] = []
     scatter_unit: list[int] = []
     scatter_piece: list[Piece] = []
     mine: list[tuple[int | None, int | None]] = [(None, None)] * len(live)
@@ -314,13 +296,13 @@ def _build(live: list[tuple[dict[str, Any], Tensor]], names: list[Callable[[], s
             holders = [r for r in range(world) if pieces[r] == pc]
             if not u.direct:
                 if o in holders:
-                    route = None
+                    transfer = None
                 else:
-                    route = len(gather)
-                    gather.append(Route(holders[i % len(holders)], o, piece_shape(pc)))
+                    transfer = len(gather)
+                    gather.append(Transfer(holders[i % len(holders)], o, piece_shape(pc)))
                     gather_unit.append(i)
                 if o == me:
-                    sources.setdefault(i, []).append((pc, route))
+                    sources.setdefault(i, []).append((pc, transfer))
             for h in holders:
                 if h == o:
                     if h == me:
@@ -328,28 +310,28 @@ def _build(live: list[tuple[dict[str, Any], Tensor]], names: list[Callable[[], s
                     continue
                 if h == me:
                     mine[u.k] = (i, len(scatter))
-                scatter.append(Route(o, h, piece_shape(pc)))
+                scatter.append(Transfer(o, h, piece_shape(pc)))
                 scatter_unit.append(i)
                 scatter_piece.append(pc)
 
     scales = []
-    for k, (g, p) in enumerate(live):
-        axis, ranges = item_scales(g, p.shape)
+    for k, (_, p) in enumerate(live):
+        axis, ranges = specs[k].axis, specs[k].ranges
         index = all_pieces[k][me][axis]
         if isinstance(index, range):
             scales.append((axis, ranges, index.start if len(index) else 0))
         elif len({s for _, _, s in ranges}) == 1:
-            scales.append((axis, [(0, len(index), ranges[0][2])], 0))
+            scales.append((axis, ((0, len(index), ranges[0][2]),), 0))
         else:
             raise ValueError(
                 f"{names[k]()}: this rank's shard holds non-contiguous rows of matrix blocks with different update "
                 f"scales (placements {getattr(p, 'placements', None)}); shard it so that each rank holds a "
                 "contiguous block of rows, or keep the weight whole (split_fused=False)"
             )
-    items = [(live[u.k][0], u.shape, local(live[u.k][1]).device) for u in units]
-    buckets, n_blocks = make_buckets(items, plan.owned(me))
-    return _Structure(plan, units, [all_pieces[k][me] for k in range(len(live))], gather, gather_unit, sources,
-                      scatter, scatter_unit, scatter_piece, mine, scales, buckets, n_blocks)
+    buckets = make_buckets([u.spec for u in units], [live[u.k][0] for u in units],
+                           [local(live[u.k][1]).device for u in units], plan.owned(me))
+    return _Routes(plan, units, [all_pieces[k][me] for k in range(len(live))], gather, gather_unit, sources,
+                   scatter, scatter_unit, scatter_piece, mine, scales, buckets)
 
 
 register_engine(DistributedEngine())

@@ -8,7 +8,7 @@ sends and receives zero-length pieces):
   rank has the same parameters (a signature of global shapes, placements and options) and the
   same set of gradients. On a mismatch every rank raises the same error, so no rank is left
   waiting in a collective the others never enter.
-* `exchange` — one ``all_to_all_single`` that moves a list of pieces (`Route`: source rank,
+* `exchange` — one ``all_to_all_single`` that moves a list of pieces (`Transfer`: source rank,
   destination rank, shape), all matrices at once. A step uses it twice: each owner receives
   the pieces of its matrices' V from ranks that hold them (for replicated pieces, from one
   holder only), and each rank that holds a piece of a matrix receives that piece of the
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..optim.engine import CommStats
+from ..optim.distribution import CommStats
 from .context import GroupContext
 
 
@@ -105,7 +105,7 @@ def agree_replicas(ctx: GroupContext, tensors: Sequence[Tensor], names: Sequence
 
 
 @dataclass(frozen=True)
-class Route:
+class Transfer:
     """One piece that moves: from group rank ``src`` to ``dst``, of ``shape``."""
 
     src: int
@@ -121,28 +121,28 @@ class Route:
         return n
 
 
-def exchange(ctx: GroupContext, routes: Sequence[Route], payload: Callable[[int], Tensor],
+def exchange(ctx: GroupContext, transfers: Sequence[Transfer], payload: Callable[[int], Tensor],
              comm_dtype: torch.dtype, device: torch.device, stats: CommStats) -> dict[int, Tensor]:
-    """Move every piece of ``routes`` in ONE ``all_to_all_single``; return ``{j: piece}`` of the
-    routes whose ``dst`` is this rank (shaped ``routes[j].shape``, in ``comm_dtype``).
+    """Move every piece of ``transfers`` in ONE ``all_to_all_single``; return ``{j: piece}`` of the
+    transfers whose ``dst`` is this rank (shaped ``transfers[j].shape``, in ``comm_dtype``).
 
-    ``payload(j)`` gives the tensor of route j for the routes this rank sends. Every rank must
-    pass the same ``routes`` (computed from the plan, identical everywhere); a rank with nothing
+    ``payload(j)`` gives the tensor of transfer j for the transfers this rank sends. Every rank must
+    pass the same ``transfers`` (computed from the plan, identical everywhere); a rank with nothing
     to send or receive still enters the collective, with zero-length splits.
     """
     me, world = ctx.rank, ctx.world_size
-    outgoing = [[j for j, r in enumerate(routes) if r.src == me and r.dst == dst] for dst in range(world)]
-    incoming = [[j for j, r in enumerate(routes) if r.dst == me and r.src == src] for src in range(world)]
-    in_splits = [sum(routes[j].numel for j in js) for js in outgoing]
-    out_splits = [sum(routes[j].numel for j in js) for js in incoming]
+    outgoing = [[j for j, r in enumerate(transfers) if r.src == me and r.dst == dst] for dst in range(world)]
+    incoming = [[j for j, r in enumerate(transfers) if r.dst == me and r.src == src] for src in range(world)]
+    in_splits = [sum(transfers[j].numel for j in js) for js in outgoing]
+    out_splits = [sum(transfers[j].numel for j in js) for js in incoming]
     send = _cat([payload(j).reshape(-1) for js in outgoing for j in js], comm_dtype, device)
     recv = torch.empty(sum(out_splits), dtype=comm_dtype, device=device)
     dist.all_to_all_single(recv, send, out_splits, in_splits, group=ctx.group)
     stats.add("all_to_all", send.numel() * send.element_size())
     out: dict[int, Tensor] = {}
     for js, chunk in zip(incoming, recv.split(out_splits)):
-        for j, piece in zip(js, chunk.split([routes[j].numel for j in js])):
-            out[j] = piece.view(routes[j].shape)
+        for j, piece in zip(js, chunk.split([transfers[j].numel for j in js])):
+            out[j] = piece.view(transfers[j].shape)
     return out
 
 
@@ -152,4 +152,4 @@ def _cat(parts: list[Tensor], dtype: torch.dtype, device: torch.device) -> Tenso
     return torch.cat([p.to(dtype) for p in parts])
 
 
-__all__ = ["CommStats", "Route", "agree", "agree_replicas", "exchange", "fingerprint", "signature"]
+__all__ = ["CommStats", "Transfer", "agree", "agree_replicas", "exchange", "fingerprint", "signature"]

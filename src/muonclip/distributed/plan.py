@@ -23,9 +23,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..optim.matrices import matrix_rows
-from ..ortho.newton_schulz import ns_flops
-
 
 @dataclass(frozen=True)
 class Plan:
@@ -70,4 +67,4 @@ def assign_owners(costs: Sequence[int], world_size: int,
     return Plan(tuple(owners), tuple(load))
 
 
-__all__ = ["Plan", "assign_owners", "matrix_rows", "ns_flops"]  # the last two re-exported from the core
+__all__ = ["Plan", "assign_owners"]

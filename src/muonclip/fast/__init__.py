@@ -22,7 +22,7 @@ import torch
 
 from ..optim.backend import register_backend
 from ..ortho import ITERATIVE_DTYPES, Method, ns5_schedule, register_method
-from .buffered import BufferedBackend
+from .buffered_backend import BufferedBackend
 from .compiled import compiled_newton_schulz
 from .symmetric import symmetric_newton_schulz
 

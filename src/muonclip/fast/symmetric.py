@@ -90,7 +90,7 @@ def symmetric_newton_schulz(
 
 
 def symmetric_flops(m: int, n: int, steps: int, blocks: int = SYM_BLOCKS, kernel: bool = False) -> int:
-    """Flops of `symmetric_quintic_iteration` on one m x n matrix (m <= n), 2 per multiply-add:
+    """Flops of `symmetric_quintic` on one m x n matrix (m <= n), 2 per multiply-add:
     with ``blocks`` row strips, or with the Triton kernel's tiles when ``kernel``."""
     if kernel:
         f = triangle_fraction(m)

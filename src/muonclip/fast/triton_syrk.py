@@ -48,30 +48,18 @@ Gram Newton–Schulz write-up (J. Zhang, N. Amsel, B. Chen, T. Dao, 2026); no co
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from ..common.triton_support import interpreting, triton_available
 
 SMALL_BLOCK, LARGE_BLOCK, LARGE_FROM = 64, 128, 1024
 STAGE_BYTES = 16 * 2**10  # the two operand tiles of one pipeline stage, at most
 STAGES = 3  # pipeline stages of the k loop, at most
 SHARED_BYTES = 96 * 2**10  # shared memory a program may use (consumer GPUs allow 99 KiB a block)
 MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension (the matrices of one launch)
-
-
-@functools.cache
-def triton_available() -> bool:
-    """True when the ``triton`` package can be imported (it comes with CUDA builds of PyTorch);
-    looked up once (the lookup costs tens of microseconds, and attention calls ask on every call)."""
-    return importlib.util.find_spec("triton") is not None
-
-
-def interpreting() -> bool:
-    """True when Triton's interpreter is on (``TRITON_INTERPRET=1``): kernels run on the CPU."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -46,7 +46,7 @@ known layout, and at the first forward a keyword the function does not implement
 ``torchrun``; gloo on CPU works too) has column-parallel q/k/v projections: DTensor weights
 ``Shard(0)`` on the tensor-parallel mesh, each rank's attention computing a contiguous range of
 heads. `attach` reads that range from the q weight and tells the layer's recorder
-(`muonclip.distributed.tensor_parallel.record_local_heads`), so `MuonClip` reduces and clips per
+(`muonclip.qkclip.tensor_parallel.record_local_heads`), so `MuonClip` reduces and clips per
 global head; a tensor-parallel *fused* q projection is refused (ValueError). Weights managed by
 FSDP2 (``fully_shard``: gathered whole for the forward, every head computed) are left alone, so
 FSDP2 *on top of* tensor parallelism is not covered here: its first training forward stops with
@@ -79,9 +79,9 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     ) from e
 
 from ..attention.running_max import MaxLogitRecorder
-from ..distributed.tensor_parallel import record_local_heads
-from ..optim.engine import is_dtensor
+from ..common.dtensor import is_dtensor
 from ..qkclip.layouts import AttentionLayer, MLALayout
+from ..qkclip.tensor_parallel import record_local_heads
 from .hf_attention import (
     ATTN_IMPLEMENTATION,
     CHECK_ATTR,
@@ -147,7 +147,7 @@ def _record_tp_heads(name: str, layout: Layout, recorder: MaxLogitRecorder) -> N
     A model loaded with ``from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))``
     has its q/k/v projections column-parallel (``"colwise"``: DTensor weights ``Shard(0)`` on the
     tensor-parallel mesh), so its attention calls see this rank's heads only; the recorder keeps
-    them at their global positions (`muonclip.distributed.tensor_parallel.record_local_heads`).
+    them at their global positions (`muonclip.qkclip.tensor_parallel.record_local_heads`).
     Called only for weights FSDP2 does not manage (`attach`).
     """
     q = layout.q_weight

@@ -17,8 +17,8 @@ Per optimizer step (keys with the default prefix ``"muonclip/"``):
       U = (W_before * (1 - lr * weight_decay) - W_after) / lr        # = scale(A, B) * orth(V)
       update_rms = sqrt(mean(U ** 2))
 
-  i.e. the orthogonalised update with its ``update_scale`` (weight decay removed exactly, as
-  Muon applies it). With ``update_scale="rms"`` it is about 0.2 (exactly 0.2 for full-rank
+  i.e. the orthogonalised update with its scale (``adjust_lr_fn``; weight decay removed exactly,
+  as Muon applies it). With ``adjust_lr_fn="match_rms_adamw"`` (the default) it is about 0.2 (exactly 0.2 for full-rank
   matrices with ``method="svd"``; ns5's singular values in ~[0.68, 1.13] make it a little
   less), the RMS of a typical AdamW update — the quantity Moonlight matches. For `MuonClip`
   it is measured after the Muon update and before QK-Clip rescales any head (the clip is not
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..distributed.context import local, replicas
+from ..common.dtensor import local, replicas
 from ..optim import Muon
 
 
@@ -66,7 +66,7 @@ class UpdateRMS:
     are read from its param group at `before`. Sharded parameters (DTensors: FSDP2, tensor
     parallel, HSDP) are measured on this rank's piece; `after` takes a ``reduce`` that sums over
     all ranks of the default process group. Each element's square and count are weighted by
-    1 / the number of ranks holding it (`muonclip.distributed.context.replicas`: 1 for a shard,
+    1 / the number of ranks holding it (`muonclip.common.dtensor.replicas`: 1 for a shard,
     the tensor-parallel size for a weight that tensor parallelism leaves whole, the world size
     for a plain replicated tensor), so that sum counts every element of every matrix once.
 
@@ -130,7 +130,7 @@ class UpdateRMS:
     @torch.no_grad()
     def _measure(self) -> tuple[float, float]:
         """(sum of U^2, element count) over this rank's piece of the copied parameters, each
-        element weighted by 1 / the number of ranks holding it (`muonclip.distributed.context.replicas`)."""
+        element weighted by 1 / the number of ranks holding it (`muonclip.common.dtensor.replicas`)."""
         sums, count = [], 0.0
         for p, w0, lr, wd in self._before:
             u = (w0.mul(1.0 - lr * wd) - local(p.detach())).double() / lr  # same rounding as p.mul_(1 - lr*wd)

@@ -43,8 +43,7 @@ from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.models.common.attention import FusedQKVLinear, GQAttention, QKVLinear
 
 from ..attention.running_max import MaxLogitRecorder
-from ..distributed.layout import piece_of
-from ..optim.engine import is_dtensor
+from ..common.dtensor import is_dtensor, piece_of
 from ..qkclip.layouts import AttentionLayer, GQALayout, MHALayout, MLALayout, StridedRows
 from .torchtitan_attention import is_recording
 

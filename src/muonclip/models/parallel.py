@@ -8,7 +8,7 @@ up-projections ``q_b_proj`` (or ``q_proj``) and ``kv_b_proj`` are column-paralle
 down-projections (``q_a_proj``, ``kv_a_proj_with_mqa``, with the shared rotary key) stay
 replicated; the shared rotary key's gradient, a partial sum on each rank, is summed over the
 mesh by a hook. Embeddings, norms and the LM head stay replicated. Each attention recorder is
-told which heads its rank computes (`muonclip.distributed.tensor_parallel.record_local_heads`),
+told which heads its rank computes (`muonclip.qkclip.tensor_parallel.record_local_heads`),
 so `MuonClip` reduces and clips per global head. FSDP2 (``fully_shard`` on the data-parallel
 mesh dimension) may be applied afterwards: 2-D FSDP2 x TP.
 """
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..distributed.tensor_parallel import record_local_heads
+from ..qkclip.tensor_parallel import record_local_heads
 from .gpt import GPT, CausalSelfAttention
 
 

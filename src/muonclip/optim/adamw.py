@@ -6,12 +6,16 @@ Matches ``torch.optim.AdamW`` (Loshchilov & Hutter, arXiv 1711.05101):
     W = W (1 - lr wd)
     W = W - lr / (1 - beta1^t) * m / (sqrt(v / (1 - beta2^t)) + eps)
 
-Moments are kept in float32 whatever the parameter dtype.
+Moments are kept in float32 whatever the parameter dtype. `adamw_step` is what
+`muonclip.Muon.step` runs for an ``algorithm="adamw"`` group: the state, then `adamw_update`.
 """
 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable, MutableMapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -51,3 +55,28 @@ def adamw_update(
     else:  # a float32 update into a bf16 weight, rounded once
         for p, u in zip(params, updates):
             p.add_(u, alpha=-lr / bc1)
+
+
+def adamw_step(params: Iterable[Tensor], state: MutableMapping[Tensor, dict[str, Any]], *, lr: float,
+               betas: tuple[float, float], eps: float, weight_decay: float,
+               new_buffer: Callable[[Tensor], Tensor]) -> None:
+    """One AdamW step of every parameter of ``params`` with a gradient: its ``state`` entry
+    (``step``, ``exp_avg`` and ``exp_avg_sq`` made by ``new_buffer``) advanced, then `adamw_update`.
+
+    Parameters of one group can have different step counts (one without a gradient at some
+    step), so each step count is updated as its own batch.
+    """
+    by_step: dict[int, list[Tensor]] = defaultdict(list)
+    for p in params:
+        if p.grad is None:
+            continue
+        st = state[p]
+        if "step" not in st:
+            st["step"] = 0
+            st["exp_avg"] = new_buffer(p)
+            st["exp_avg_sq"] = new_buffer(p)
+        st["step"] += 1
+        by_step[st["step"]].append(p)
+    for step, ps in by_step.items():
+        adamw_update(ps, [p.grad for p in ps], [state[p]["exp_avg"] for p in ps], [state[p]["exp_avg_sq"] for p in ps],
+                     step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)

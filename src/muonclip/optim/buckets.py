@@ -1,17 +1,17 @@
 """Buckets: same-shape matrix blocks orthogonalised in one call.
 
-A Muon step cuts each weight into its matrix blocks (`muonclip.optim.matrices`: a 2-D weight is
-one, stacked experts ``(E, A, B)`` are E, a fused weight with ``split_sizes`` one per part) and
-groups the blocks of equal shape and orthogonalisation settings, across parameters and param
-groups, into buckets. Each bucket is one ``(N, A, B)`` tensor written in place by the caller
-(V straight into the compute dtype: never materialised in float32 and concatenated), one
-``orthogonalize`` call, and its result handed back block by block. `muonclip.Muon` and the
-distributed layer both run their buckets through `orthogonalize_buckets`.
+A Muon step cuts each weight into its matrix blocks (`muonclip.optim.matrices.MatrixSpec`: a
+2-D weight is one, stacked experts ``(E, A, B)`` are E, a fused weight with ``split_sizes`` one
+per part) and groups the blocks of equal shape and orthogonalisation settings, across
+parameters and param groups, into buckets (`make_buckets`). Each bucket is one ``(N, A, B)``
+tensor: the step writes V straight into its slots in the compute dtype (`Bucket.slots`: never
+materialised in float32 and concatenated), orthogonalises it with one call, and takes each
+weight's result back as soon as its last block is done (`Results`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,9 +19,7 @@ import torch
 from torch import Tensor
 
 from ..ortho import METHODS
-from .functional import merge_ranges
-from .matrices import block_views, matrix_rows
-from .scale import update_scale
+from .matrices import MatrixSpec
 
 STRUCTURAL_OPTIONS = ("method", "ns_steps", "orth_dtype", "eps", "ns_coefficients", "flatten", "split_sizes",
                       "transposed", "split_groups", "adjust_lr_fn")
@@ -29,31 +27,28 @@ STRUCTURAL_OPTIONS = ("method", "ns_steps", "orth_dtype", "eps", "ns_coefficient
 Nesterov do not: they are read every step)."""
 
 
-def matrix_options(group: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments of `muonclip.optim.matrices` that a param group sets."""
-    return dict(flatten=group["flatten"], split_sizes=group["split_sizes"], transposed=group["transposed"],
-                split_groups=group["split_groups"])
-
-
-def method_steps(group: dict[str, Any]) -> int:
-    """The group's iteration count: ``ns_steps``, or its method's default."""
-    s = group["ns_steps"]
-    return METHODS[group["method"]].default_steps if s is None else s
-
-
 def frozen(v: Any) -> Any:
     """``v`` with lists turned into tuples (hashable, comparable)."""
     return tuple(frozen(x) for x in v) if isinstance(v, (list, tuple)) else v
 
 
-def options_key(group: dict[str, Any]) -> tuple:
+def options_key(group: Mapping[str, Any]) -> tuple:
     """The group's `STRUCTURAL_OPTIONS`, hashable."""
     return tuple(frozen(group.get(o)) for o in STRUCTURAL_OPTIONS)
 
 
 @dataclass
 class Bucket:
-    """Same-shape matrix blocks with the same settings: one ``orthogonalize`` call."""
+    """Same-shape matrix blocks with the same settings: one ``orthogonalize`` call.
+
+    Attributes:
+        A, B: the shape of each matrix.
+        device, method, steps, dtype, eps, coefficients: where and how it is orthogonalised
+            (a param group's ``method``, ``ns_steps``, ``orth_dtype``, ``eps``,
+            ``ns_coefficients``).
+        entries: ``(item, block)`` of each slot, in order.
+        specs: each slot's item's `MatrixSpec`.
+    """
 
     A: int
     B: int
@@ -63,118 +58,88 @@ class Bucket:
     dtype: torch.dtype | None
     eps: float
     coefficients: tuple[float, float, float] | None
-    entries: list[tuple[int, int]] = field(default_factory=list)  # (item, block)
-    sizes: list[int] = field(default_factory=list)  # matrices of each entry (E for stacked experts)
-    views: list[tuple[int, ...]] = field(default_factory=list)  # each entry's block view shape (E, G, s, B)
+    entries: list[tuple[int, int]] = field(default_factory=list)
+    specs: list[MatrixSpec] = field(default_factory=list)
 
     @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype the bucket is written and orthogonalised in."""
         return self.dtype or METHODS[self.method].default_dtype
 
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(N, A, B)``: every slot's matrices stacked."""
+        return (sum(s.batch for s in self.specs), self.A, self.B)
 
-def item_scales(group: dict[str, Any], shape: Sequence[int]) -> tuple[int, list[tuple[int, int, float]]]:
-    """``(axis, ranges)``: a weight's matrix blocks as row ranges along ``axis`` with each
-    block's update scale (`muonclip.optim.functional.merge_ranges`), for `apply_blocks_`."""
-    axis, blocks, cols, _ = matrix_rows(shape, **matrix_options(group))
-    sizes = [sum(b - a for a, b in segs) for segs in blocks]
-    return axis, merge_ranges(blocks, [update_scale(group["adjust_lr_fn"], n, cols) for n in sizes])
+    def empty(self, backend: Any) -> Tensor:
+        """An uninitialised bucket from ``backend`` (`muonclip.optim.backend.Backend`)."""
+        return backend.empty("input", self.shape, self.compute_dtype, self.device)
+
+    def orthogonalize(self, V: Tensor, backend: Any, reuse_result: bool) -> Tensor:
+        """``backend.orthogonalize`` of the filled bucket ``V`` with the bucket's settings."""
+        return backend.orthogonalize(V, self.method, self.steps, self.dtype, eps=self.eps,
+                                     coefficients=self.coefficients, reuse_result=reuse_result)
+
+    def slots(self, V: Tensor) -> Iterator[tuple[int, int, Tensor]]:
+        """``(item, block, slot)`` of every slot of ``V``, the slot laid out like
+        ``spec.block(t, block)`` of a tensor ``t`` of the item's shape (`MatrixSpec.slot`)."""
+        for (k, b), spec, dst in zip(self.entries, self.specs, V.split([s.batch for s in self.specs])):
+            yield k, b, spec.slot(dst, b)
 
 
-def item_flops(group: dict[str, Any], shape: Sequence[int]) -> int:
-    """Newton–Schulz flops of one weight's blocks (`muonclip.ortho.newton_schulz.ns_flops`)."""
-    from ..ortho.newton_schulz import ns_flops
-
-    _, blocks, cols, batch = matrix_rows(shape, **matrix_options(group))
-    return ns_flops([(batch, sum(b - a for a, b in segs), cols) for segs in blocks], max(method_steps(group), 1))
-
-
-def make_buckets(items: Sequence[tuple[dict[str, Any], Sequence[int], torch.device]],
-                 owned: Iterable[int]) -> tuple[list[Bucket], dict[int, int]]:
-    """The buckets of the ``owned`` items (``(group, global shape, device)`` each) and how many
-    blocks each owned item has; blocks are bucketed by shape and settings, in item order."""
+def make_buckets(specs: Sequence[MatrixSpec], groups: Sequence[Mapping[str, Any]], devices: Sequence[torch.device],
+                 owned: Iterable[int]) -> list[Bucket]:
+    """The buckets of the ``owned`` items (item k: ``specs[k]``, its param group ``groups[k]``, on
+    ``devices[k]``): blocks bucketed by shape and orthogonalisation settings, in item order."""
     buckets: dict[tuple, Bucket] = {}
-    n_blocks: dict[int, int] = {}
     for k in owned:
-        g, shape, device = items[k]
-        _, blocks, cols, batch = matrix_rows(shape, **matrix_options(g))
-        n_blocks[k] = len(blocks)
-        groups = g["split_groups"] if g["split_sizes"] is not None else 1
-        for b, segs in enumerate(blocks):
-            rows = sum(r1 - r0 for r0, r1 in segs)
-            fields = (rows, cols, device, g["method"], g["ns_steps"], g["orth_dtype"], g["eps"], g["ns_coefficients"])
+        spec, g = specs[k], groups[k]
+        for b in range(spec.n_blocks):
+            fields = (spec.block_rows(b), spec.cols, devices[k], g["method"], g["ns_steps"], g["orth_dtype"], g["eps"],
+                      g["ns_coefficients"])
             bucket = buckets.setdefault(frozen(fields), Bucket(*fields))
             bucket.entries.append((k, b))
-            bucket.sizes.append(batch)
-            bucket.views.append((batch, groups, rows // groups, cols))
-    return list(buckets.values()), n_blocks
+            bucket.specs.append(spec)
+    return list(buckets.values())
 
 
-def as_stored(block: Tensor, shape: Sequence[int], group: dict[str, Any]) -> Tensor:
-    """A bucket slot ``(E, A, B)`` that holds a whole weight, viewed in the weight's stored layout
-    (for ``transposed`` weights the strided transpose, so writes still land in the slot)."""
-    if group["transposed"]:
-        return block.mT if len(shape) == 3 else block[0].mT
-    return block.view(tuple(shape))
+class Results:
+    """Each item's result, from its blocks' results as buckets finish.
 
-
-def orthogonalize_buckets(
-    buckets: Sequence[Bucket],
-    n_blocks: dict[int, int],
-    groups: Sequence[dict[str, Any]],
-    shapes: Sequence[Sequence[int]],
-    write: Callable[[int, int, Tensor], None],
-    done: Callable[[int, Tensor], None],
-    backend: Any,
-    *,
-    reuse_result: bool,
-) -> int:
-    """Orthogonalise every bucket; returns the number of matrices.
-
-    Args:
-        buckets, n_blocks: from `make_buckets`.
-        groups, shapes: each item's param group and the shape its result has.
-        write: ``write(k, b, dst)`` writes item k's V into its bucket slot ``dst``: the slot in
-            the weight's stored layout when the item is one block (`as_stored`), else block b
-            of it shaped like ``block_views(t)[b]`` (``(E, G, s, B)``).
-        done: ``done(k, O_k)`` receives item k's result, in its stored shape and the compute
-            dtype, as soon as its last block is orthogonalised: a view into the bucket's result
-            when the item is one block, else its blocks assembled into a new tensor.
-        backend: where buckets live and how they are orthogonalised
-            (`muonclip.optim.backend.Backend`).
-        reuse_result: the backend may reuse a bucket's result storage for the next bucket (the
-            caller's ``done`` has used every result of a bucket before the next one starts).
+    `add` returns an item's result, in its stored shape and the compute dtype, once its last
+    block is in: a view into the bucket's result when the item is one block, else its blocks
+    copied into a new tensor. With ``reuse_result`` (the backend may overwrite a bucket's result
+    storage with the next bucket's) a block of an item that is still incomplete is copied.
     """
-    pieces: dict[int, list[Tensor | None]] = {k: [None] * n for k, n in n_blocks.items()}
-    missing = dict(n_blocks)
-    matrices = 0
-    for bk in buckets:
-        shape = (sum(bk.sizes), bk.A, bk.B)
-        V = backend.empty("input", shape, bk.compute_dtype, bk.device)
-        for (k, b), view, dst in zip(bk.entries, bk.views, V.split(bk.sizes)):
-            write(k, b, as_stored(dst, shapes[k], groups[k]) if n_blocks[k] == 1 else dst.view(view))
-        matrices += shape[0]
-        O = backend.orthogonalize(V, bk.method, bk.steps, bk.dtype, eps=bk.eps, coefficients=bk.coefficients,
-                                  reuse_result=reuse_result)
-        for (k, b), r in zip(bk.entries, O.split(bk.sizes)):
-            missing[k] -= 1
-            # a block of an item still incomplete outlives this bucket: off a reused buffer
-            pieces[k][b] = r.clone() if reuse_result and missing[k] else r
-            if missing[k] == 0:
-                done(k, _assemble(pieces.pop(k), shapes[k], groups[k]))
-    return matrices
+
+    def __init__(self, specs: Sequence[MatrixSpec], reuse_result: bool) -> None:
+        self._specs = specs
+        self._reuse = reuse_result
+        self._pieces: dict[int, list[Tensor | None]] = {}
+
+    def add(self, k: int, b: int, result: Tensor) -> Tensor | None:
+        """Block ``b`` of item ``k`` is ``result`` (``(E, rows_b, B)``); item k's whole result
+        when this was its last block, else None."""
+        spec = self._specs[k]
+        if spec.n_blocks == 1:
+            return spec.slot(result, 0)
+        pieces = self._pieces.setdefault(k, [None] * spec.n_blocks)
+        missing = sum(p is None for p in pieces) - 1
+        pieces[b] = result.clone() if self._reuse and missing else result
+        if missing:
+            return None
+        del self._pieces[k]
+        out = torch.empty(spec.shape, dtype=result.dtype, device=result.device)
+        for i, r in enumerate(pieces):
+            spec.block(out, i).copy_(spec.slot(r, i))
+        return out
+
+    def of(self, bucket: Bucket, O: Tensor) -> Iterator[tuple[int, Tensor]]:
+        """``(item, result)`` of every item that ``O``, the bucket's result, completes."""
+        for (k, b), r in zip(bucket.entries, O.split([s.batch for s in bucket.specs])):
+            whole = self.add(k, b, r)
+            if whole is not None:
+                yield k, whole
 
 
-def _assemble(parts: list[Tensor | None], shape: Sequence[int], group: dict[str, Any]) -> Tensor:
-    """An item's result from its blocks' results: the one block in the stored layout, or the
-    blocks copied into a new tensor of ``shape``."""
-    if len(parts) == 1:
-        return as_stored(parts[0], shape, group)
-    out = torch.empty(tuple(shape), dtype=parts[0].dtype, device=parts[0].device)
-    for dst, r in zip(block_views(out, **matrix_options(group)), parts):
-        dst.copy_(r.view(dst.shape))
-    return out
-
-
-__all__ = ["STRUCTURAL_OPTIONS", "Bucket", "as_stored", "frozen", "item_flops", "item_scales", "make_buckets",
-           "matrix_options", "method_steps", "options_key", "orthogonalize_buckets"]
+__all__ = ["STRUCTURAL_OPTIONS", "Bucket", "Results", "frozen", "make_buckets", "options_key"]

@@ -1,4 +1,5 @@
-"""The Muon update, as functions: `muon_update` and the phases `muon.Muon.step` is built from.
+"""The Muon update, as functions: its phases, `muon_update` (one matrix) and `muon_step` (what
+`muonclip.Muon.step` runs).
 
 For one weight matrix W (or a batch of them, ``(E, A, B)``), with gradient G and momentum
 buffer M (docs/design.md, "Muon")::
@@ -9,10 +10,11 @@ buffer M (docs/design.md, "Muon")::
     W = W (1 - lr wd)                        apply_update_: decoupled weight decay, base lr,
     W = W - lr scale(A, B) O                 then the scaled update
 
-`muonclip.Muon` runs exactly these phases, with same-shape matrices batched into one
-``orthogonalize`` call (`muonclip.optim.buckets`); the distributed layer runs them too, on whole
-matrices gathered to one owner rank. `adamw_update` (`muonclip.optim.adamw`) is the AdamW
-branch's.
+`muon_update` is these lines for one matrix. `muon_step` runs the same phases for every Muon
+weight of a step, with the blocks of equal shape batched into one ``orthogonalize`` call
+(`muonclip.optim.buckets`): that is the step `muonclip.Muon` runs in one process. Over several
+processes `muonclip.distributed` runs these phases too, with the exchanges around them.
+`adamw_update` (`muonclip.optim.adamw`) is the AdamW branch's.
 
 References:
     K. Jordan et al., "Muon: An optimizer for hidden layers in neural networks" (2024).
@@ -23,11 +25,14 @@ References:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..ortho import orthogonalize
+from .buckets import Bucket, Results
+from .matrices import MatrixSpec
 
 
 def momentum_(momentum_buffer: Tensor, grad: Tensor, momentum: float) -> Tensor:
@@ -97,16 +102,58 @@ def muon_update(
     apply_update_(param, O, lr=lr, weight_decay=weight_decay, scale=scale)
 
 
+class MuonWeight(NamedTuple):
+    """One Muon weight in a step: its tensors (this process's, in their stored layout), how it
+    is cut into matrices, and its group's settings for this step."""
+
+    param: Tensor
+    grad: Tensor
+    momentum_buffer: Tensor
+    spec: MatrixSpec
+    lr: float
+    weight_decay: float
+    momentum: float
+    nesterov: bool
+
+
+def muon_step(weights: Sequence[MuonWeight], buckets: Sequence[Bucket], backend: Any) -> int:
+    """`muon_update` of every weight, one ``orthogonalize`` call per bucket of same-shape blocks.
+
+    For each bucket (`muonclip.optim.buckets.make_buckets` of the weights' specs): each block's
+    V is written into its slot in the compute dtype, right after its weight's momentum (once,
+    at the weight's first block: G and M are still in cache); the bucket is orthogonalised by
+    ``backend`` (`muonclip.optim.backend.Backend`, which may reuse the result's storage for the
+    next bucket); every weight whose last block this was is updated at once, its blocks' row
+    ranges each with their own scale. Returns the number of matrices orthogonalised.
+    """
+    results = Results([w.spec for w in weights], reuse_result=True)
+    fresh = set(range(len(weights)))  # momentum not yet updated in this step
+    matrices = 0
+    for bucket in buckets:
+        V = bucket.empty(backend)
+        for k, b, slot in bucket.slots(V):
+            w = weights[k]
+            if k in fresh:
+                fresh.discard(k)
+                momentum_(w.momentum_buffer, w.grad, w.momentum)
+            muon_input(w.spec.block(w.grad, b), w.spec.block(w.momentum_buffer, b), w.momentum, w.nesterov, out=slot)
+        O = bucket.orthogonalize(V, backend, reuse_result=True)
+        for k, O_k in results.of(bucket, O):
+            w = weights[k]
+            apply_blocks_(w.param, O_k, lr=w.lr, weight_decay=w.weight_decay, axis=w.spec.axis, ranges=w.spec.ranges)
+        matrices += V.shape[0]
+    return matrices
+
+
 def apply_blocks_(param: Tensor, update: Tensor, *, lr: float, weight_decay: float, axis: int,
                   ranges: Sequence[tuple[int, int, float]], offset: int = 0) -> None:
     """`apply_update_` for a weight cut into matrix blocks, each with its own scale.
 
-    ``ranges``: ``(a, b, scale)`` for the rows ``[a, b)`` along ``axis`` (as
-    `muonclip.optim.matrices.matrix_rows` states them; adjacent ranges of equal scale merged by
-    `merge_ranges`). ``param`` and ``update`` hold the rows ``[offset, offset + n)`` along
-    ``axis``, ``n = update.shape[axis]`` (all of them unless the weight is a shard of a larger
-    one: a row shard, or a column shard of a transposed weight). The decay applies to all of
-    ``param``, each range's update once.
+    ``ranges``: ``(a, b, scale)`` for the rows ``[a, b)`` along ``axis``
+    (`muonclip.optim.matrices.MatrixSpec.ranges`). ``param`` and ``update`` hold the rows
+    ``[offset, offset + n)`` along ``axis``, ``n = update.shape[axis]`` (all of them unless the
+    weight is a shard of a larger one: a row shard, or a column shard of a transposed weight).
+    The decay applies to all of ``param``, each range's update once.
     """
     if weight_decay != 0.0:
         param.mul_(1.0 - lr * weight_decay)
@@ -129,18 +176,4 @@ def _pieces(param: Tensor, update: Tensor, axis: int, ranges: Sequence[tuple[int
     return out
 
 
-def merge_ranges(blocks: Sequence[Sequence[tuple[int, int]]], scales: Sequence[float]) -> list[tuple[int, int, float]]:
-    """Row ranges ``(a, b, scale)`` in row order from each block's ranges and update scale,
-    adjacent ranges with the same scale merged (every head of a per-head split, or q, k and v
-    of equal shape, become one range: one add for the weight)."""
-    ranges = sorted((a, b, s) for segs, s in zip(blocks, scales) for a, b in segs)
-    merged: list[tuple[int, int, float]] = []
-    for a, b, s in ranges:
-        if merged and merged[-1][1] == a and merged[-1][2] == s:
-            merged[-1] = (merged[-1][0], b, s)
-        else:
-            merged.append((a, b, s))
-    return merged
-
-
-__all__ = ["apply_blocks_", "apply_update_", "merge_ranges", "momentum_", "muon_input", "muon_update"]
+__all__ = ["MuonWeight", "apply_blocks_", "apply_update_", "momentum_", "muon_input", "muon_step", "muon_update"]

@@ -1,6 +1,6 @@
 """Which rows of a weight are which linear map: fused projections, heads, experts, routers.
 
-`muonclip.param_groups` calls `layouts` to learn, for each weight, how Muon should see it.
+`muonclip.param_groups` calls `matrix_layouts` to learn, for each weight, how Muon should see it.
 Every layout is declared by the model — a module class whose storage is known, transformers'
 experts attributes, the head counts and sizes in its config — and checked against the
 weight's shape; nothing is guessed from a shape alone. A weight whose name says it is fused
@@ -72,7 +72,7 @@ ROUTER_NAMES = ("gate", "router")
 
 
 @dataclass(frozen=True)
-class Layout:
+class MatrixLayout:
     """How `param_groups` sees one weight, and why.
 
     Attributes:
@@ -105,8 +105,8 @@ class Layout:
         return out
 
 
-def layouts(model: nn.Module, *, per_head: bool = False, split_fused: bool = True) -> dict[int, Layout]:
-    """The `Layout` of every weight of ``model`` that is not a plain matrix, keyed by ``id(param)``.
+def matrix_layouts(model: nn.Module, *, per_head: bool = False, split_fused: bool = True) -> dict[int, MatrixLayout]:
+    """The `MatrixLayout` of every weight of ``model`` that is not a plain matrix, keyed by ``id(param)``.
 
     Args:
         model: the model (any ``nn.Module``; transformers models are recognised by their module
@@ -116,10 +116,10 @@ def layouts(model: nn.Module, *, per_head: bool = False, split_fused: bool = Tru
             every fused weight whole (the layout is still reported), per-head blocks included.
 
     Returns:
-        ``{id(param): Layout}``; weights not in it are plain matrices (or not matrices).
+        ``{id(param): MatrixLayout}``; weights not in it are plain matrices (or not matrices).
     """
     root_config = getattr(model, "config", None)
-    found: dict[int, Layout] = {}
+    found: dict[int, MatrixLayout] = {}
     for module in model.modules():
         config = getattr(module, "config", None) or root_config
         names = {c.__name__ for c in type(module).__mro__}
@@ -129,7 +129,7 @@ def layouts(model: nn.Module, *, per_head: bool = False, split_fused: bool = Tru
         for attr, p in _named_weights(module):
             if attr in FUSED_NAMES and id(p) not in found and p.ndim >= 2:
                 where = f"{mname}.{attr}" if mname else attr
-                found[id(p)] = Layout(
+                found[id(p)] = MatrixLayout(
                     "fused? layout unknown",
                     f"{type(module).__name__}.{attr} looks fused but muonclip does not know how it stacks its maps: "
                     f"one matrix (cut it with split={{'{where}*': [...]}})",
@@ -143,7 +143,7 @@ def layouts(model: nn.Module, *, per_head: bool = False, split_fused: bool = Tru
 
 
 def _module_layouts(module: nn.Module, names: set[str], config: Any, per_head: bool,
-                    split_fused: bool) -> Iterable[tuple[Tensor, Layout]]:
+                    split_fused: bool) -> Iterable[tuple[Tensor, MatrixLayout]]:
     if names & set(SECTIONED_QKV):
         yield from _sectioned_qkv(module, config, per_head, split_fused)
     elif "GPT2Attention" in names:
@@ -171,21 +171,22 @@ def _sections(rows: dict[str, int]) -> str:
 
 
 def _fused(p: Tensor, reason: str, parts: dict[str, int], why: str, split_fused: bool, *,
-           groups: int = 1, transposed: bool = False, per_head: tuple[int, ...] | None = None) -> Layout:
+           groups: int = 1, transposed: bool = False, per_head: tuple[int, ...] | None = None) -> MatrixLayout:
     """The layout of a fused weight with ``parts`` (row counts per group, in order): split, per
     head, or kept whole, after checking the parts against the weight's matrix rows."""
     rows = p.shape[-1] if transposed else p.shape[1] if p.ndim == 3 else p.shape[0]
     sizes = tuple(parts.values())
     text = f"[{_sections(parts)}] x {groups}, interleaved" if groups > 1 else _sections(parts)
     if sum(sizes) * groups != rows:
-        return Layout("fused? layout unknown", f"{rows} rows, not {text} ({why}): one matrix", transposed=transposed)
+        return MatrixLayout("fused? layout unknown", f"{rows} rows, not {text} ({why}): one matrix",
+                            transposed=transposed)
     text += f" ({why})"
     if not split_fused:
-        return Layout(reason, text + "; kept whole: split_fused=False", transposed=transposed)
+        return MatrixLayout(reason, text + "; kept whole: split_fused=False", transposed=transposed)
     if per_head is not None:
-        return Layout("per-head", f"{len(per_head)} blocks of {per_head[0]} rows; {text}", per_head,
+        return MatrixLayout("per-head", f"{len(per_head)} blocks of {per_head[0]} rows; {text}", per_head,
                       transposed=transposed)
-    return Layout(reason, text, sizes, groups, transposed=transposed)
+    return MatrixLayout(reason, text, sizes, groups, transposed=transposed)
 
 
 def _with_heads(module: nn.Module, attr: str, config: Any) -> tuple[Tensor, tuple[int, int, int]] | None:
@@ -254,15 +255,17 @@ def _experts(module: nn.Module, config: Any, split_fused: bool) -> Iterable[tupl
     stored = "(E, in, out)" if transposed else "(E, out, in)"
     for attr, p in _named_weights(module):
         if p.ndim == 2 and attr.endswith("_bias"):
-            yield p, Layout("vector", f"per-expert biases (E={p.shape[0]}) x {p.shape[1]}: vectors", algorithm="adamw")
+            yield p, MatrixLayout("vector", f"per-expert biases (E={p.shape[0]}) x {p.shape[1]}: vectors",
+                                  algorithm="adamw")
         elif p.ndim != 3:
             continue
         elif attr == "gate_up_proj" and module.has_gate:
             inter = _first_int(module, ("intermediate_dim", "intermediate_size", "moe_intermediate_size"), config,
                                ("moe_intermediate_size", "intermediate_size"))
             if inter is None:
-                yield p, Layout("fused? layout unknown", "experts' intermediate size not found: one matrix per expert",
-                                transposed=transposed)
+                yield p, MatrixLayout("fused? layout unknown",
+                                      "experts' intermediate size not found: one matrix per expert",
+                                      transposed=transposed)
                 continue
             if module.is_concatenated:
                 why = f"E={p.shape[0]} experts, intermediate_dim={inter}, stored {stored}"
@@ -273,7 +276,7 @@ def _experts(module: nn.Module, config: Any, split_fused: bool) -> Iterable[tupl
                 yield p, _fused(p, "experts, fused gate|up", {"gate": 1, "up": 1}, why, split_fused, groups=inter,
                                 transposed=transposed)
         elif transposed:
-            yield p, Layout("experts", f"E={p.shape[0]} matrices, stored {stored}", transposed=True)
+            yield p, MatrixLayout("experts", f"E={p.shape[0]} matrices, stored {stored}", transposed=True)
 
 
 def _router(module: nn.Module, experts: nn.Module, config: Any) -> Iterable[tuple]:
@@ -282,7 +285,7 @@ def _router(module: nn.Module, experts: nn.Module, config: Any) -> Iterable[tupl
         child = getattr(module, attr, None)
         p = getattr(child, "weight", None) if isinstance(child, nn.Module) else None
         if isinstance(p, Tensor) and p.ndim == 2 and n is not None and p.shape[0] == n:
-            yield p, Layout(
+            yield p, MatrixLayout(
                 "router",
                 f"E={n} x {p.shape[1]}, one matrix on Muon, as Moonlight/Kimi K2, Megatron-LM and torchtitan train "
                 f"routers (adamw=['*.{attr}.weight'] moves it)",
@@ -298,7 +301,7 @@ def _mla(module: nn.Module, config: Any, per_head: bool) -> Iterable[tuple]:
         return
     kv_a = _weight(module, "kv_a_proj_with_mqa")
     if kv_a is not None:
-        yield kv_a, Layout("MLA", f"[c_kv {kv_a.shape[0] - rope} | shared rotary key {rope}]: one matrix, as "
+        yield kv_a, MatrixLayout("MLA", f"[c_kv {kv_a.shape[0] - rope} | shared rotary key {rope}]: one matrix, as "
                                   "DeepSeek-V3, Moonlight and Kimi K2 train it (split= cuts it)")
     q = _weight(module, "q_b_proj")
     if q is None:
@@ -308,10 +311,10 @@ def _mla(module: nn.Module, config: Any, per_head: bool) -> Iterable[tuple]:
             continue
         d = p.shape[0] // nh
         if per_head and d * nh == p.shape[0]:
-            yield p, Layout("per-head", f"{nh} blocks of {d} rows, one per head [{parts}]", (d,) * nh)
+            yield p, MatrixLayout("per-head", f"{nh} blocks of {d} rows, one per head [{parts}]", (d,) * nh)
         else:
-            yield p, Layout("MLA", f"{nh} heads x [{parts}]: one matrix, as DeepSeek-V3, Moonlight and Kimi K2 train "
-                                   "it (per_head=True: one block per head)")
+            yield p, MatrixLayout("MLA", f"{nh} heads x [{parts}]: one matrix, as DeepSeek-V3, Moonlight and Kimi K2 "
+                                         "train it (per_head=True: one block per head)")
 
 
 def _separate_qkv(module: nn.Module, config: Any) -> Iterable[tuple]:
@@ -324,10 +327,11 @@ def _separate_qkv(module: nn.Module, config: Any) -> Iterable[tuple]:
         if p is None:
             continue
         if p.shape[0] % n:
-            yield p, Layout("hidden matrix", f"per_head: {p.shape[0]} rows do not split into {n} heads: one matrix")
+            yield p, MatrixLayout("hidden matrix",
+                                  f"per_head: {p.shape[0]} rows do not split into {n} heads: one matrix")
         else:
             d = p.shape[0] // n
-            yield p, Layout("per-head", f"{n} blocks of {d} rows, one per head", (d,) * n)
+            yield p, MatrixLayout("per-head", f"{n} blocks of {d} rows, one per head", (d,) * n)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -397,4 +401,4 @@ def _n_experts(experts: nn.Module, config: Any) -> int | None:
     return n
 
 
-__all__ = ["FUSED_NAMES", "Layout", "SECTIONED_QKV", "layouts"]
+__all__ = ["FUSED_NAMES", "SECTIONED_QKV", "MatrixLayout", "matrix_layouts"]

@@ -1,6 +1,7 @@
-"""How a parameter tensor is seen as a batch of matrices for orthogonalisation.
+"""How a parameter tensor is seen as matrices: `MatrixSpec`, computed once per shape and group.
 
-Declared, not guessed (docs/design.md, "Which matrices: fused projections, heads and routers"):
+Declared, not guessed (docs/design.md, "Which matrices: fused projections, heads and routers").
+A param group says it with four keys, which `muonclip.param_groups` sets from the model:
 
 * 2-D ``(A, B)``: one matrix.
 * ``flatten=True`` or ndim >= 4 (convolutions ``(out, in, kh, kw)``): one ``(out, in*kh*kw)``
@@ -21,164 +22,194 @@ Declared, not guessed (docs/design.md, "Which matrices: fused projections, heads
   the q map (every head's first ``d`` rows) one block, k another, v a third. Interleaved
   gate/up rows ``[g0, u0, g1, u1, ...]`` are ``split_sizes=[1, 1], split_groups=I``.
 
-A block is then ``G * split_sizes[i]`` rows of the matrix: `block_views` gives write-through
-views of it shaped ``(E, G, split_sizes[i], B)``, `matrix_blocks` the ``(E, rows, B)``
-matrices (views when ``G == 1``, gathered copies otherwise).
+`matrix_spec` turns those keys and a shape into a `MatrixSpec`: where the rows of each block
+are (``axis``, ``blocks``), each block's update scale (``adjust_lr_fn``), the row ranges the
+update is applied by (``ranges``) and the Newton–Schulz flops. Everything the optimizer does
+with a weight's matrices goes through it: `MatrixSpec.block` (write-through views of a block
+of a tensor), `MatrixSpec.slot` (the same block of a bucket slot), and the numbers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor
 
+from ..ortho import METHODS
+from ..ortho.newton_schulz import ns_flops
+from .scale import update_scale
 
-def matrix_view(t: Tensor, *, flatten: bool = False, transposed: bool = False) -> Tensor:
-    """``t`` as a batch of matrices ``(E, A, B)`` (E = 1 unless stacked experts); a view of ``t``."""
-    if t.ndim < 2:
-        raise ValueError(f"a tensor of shape {tuple(t.shape)} is not a matrix")
-    if transposed:
-        if t.ndim not in (2, 3) or flatten:
-            raise ValueError(f"transposed=True is for 2-D weights stored (in, out) or stacked 3-D (E, in, out), "
-                             f"got shape {tuple(t.shape)}")
-        return t.mT if t.ndim == 3 else t.mT.unsqueeze(0)
-    if flatten or t.ndim >= 4:
-        return t.reshape(1, t.shape[0], -1)
-    return t if t.ndim == 3 else t.unsqueeze(0)
+Ranges = tuple[tuple[int, int], ...]
 
 
-def block_views(
-    t: Tensor,
-    *,
-    flatten: bool = False,
-    split_sizes: Sequence[int] | None = None,
-    transposed: bool = False,
-    split_groups: int = 1,
-) -> list[Tensor]:
-    """Write-through views of each matrix block of ``t``, shaped ``(E, G, s_i, B)``.
+@dataclass(frozen=True)
+class MatrixSpec:
+    """One weight shape seen as matrices (see the module docstring).
 
-    ``G = split_groups`` and ``s_i = split_sizes[i]`` (one block of all rows without
-    ``split_sizes``). ``block.flatten(1, 2)`` is the block's ``(E, G * s_i, B)`` matrix, its
-    rows in group order. ``t`` must be contiguous so that writes land in it (momentum and
-    update buffers are). Raises ValueError when the sizes do not fit the row count.
+    Attributes:
+        shape: the stored (global) shape.
+        axis: the stored dimension the matrix rows run along: 0 for 2-D and flattened
+            weights, 1 for stacked experts ``(E, A, B)`` and for ``transposed`` 2-D weights
+            stored ``(in, out)``, 2 for ``transposed`` stacked experts ``(E, in, out)``.
+        transposed, flatten: the group's keys.
+        batch: matrices per block (E for stacked experts, else 1).
+        rows, cols: the ``(out, in)`` matrix's shape.
+        split_sizes, split_groups: the group's keys (``split_sizes`` a tuple or None).
+        blocks: each block's rows, as half-open ranges ``[a, b)`` along ``axis`` in group
+            order (one range unless interleaved).
+        scales: each block's update scale (``adjust_lr_fn`` of the block's shape).
+        ranges: ``(a, b, scale)`` in row order, adjacent ranges of equal scale merged (every
+            head of a per-head split, or q, k and v of equal shape, become one range: one add
+            for the weight), for `muonclip.optim.functional.apply_blocks_`.
+        flops: Newton–Schulz flops of one step of this weight (the method's steps, at least 1).
+        n_blocks: how many blocks (1 for a weight orthogonalised whole).
     """
-    m = matrix_view(t, flatten=flatten, transposed=transposed)
-    rows = m.shape[1]
-    if split_sizes is None:
-        if split_groups != 1:
-            raise ValueError(f"split_groups={split_groups} needs split_sizes (the parts of each group)")
-        return [m.unsqueeze(1)]
-    _check_sizes(list(split_sizes), split_groups, rows, tuple(m.shape[1:]))
-    g = m.unflatten(1, (split_groups, rows // split_groups))  # (E, G, S, B): always a view
-    out, a = [], 0
-    for s in split_sizes:
-        out.append(g[:, :, a : a + s])
-        a += s
-    return out
+
+    shape: tuple[int, ...]
+    axis: int
+    transposed: bool
+    flatten: bool
+    batch: int
+    rows: int
+    cols: int
+    split_sizes: tuple[int, ...] | None
+    split_groups: int
+    blocks: tuple[Ranges, ...]
+    scales: tuple[float, ...]
+    ranges: tuple[tuple[int, int, float], ...]
+    flops: int
+    n_blocks: int
+
+    @property
+    def experts(self) -> bool:
+        """A stacked-expert weight: 3-D and not flattened (dimension 0 holds whole matrices)."""
+        return len(self.shape) == 3 and not self.flatten
+
+    def block_rows(self, b: int) -> int:
+        """Rows of block ``b``'s matrix."""
+        return sum(hi - lo for lo, hi in self.blocks[b])
+
+    def block_shape(self, b: int) -> tuple[int, int, int, int]:
+        """``(E, G, s_b, B)``: the shape of `block` ``b`` of a weight cut into several blocks."""
+        groups = self.split_groups if self.split_sizes is not None else 1
+        return (self.batch, groups, self.block_rows(b) // groups, self.cols)
+
+    def matrix(self, t: Tensor) -> Tensor:
+        """``t`` (of this shape) as the batch of matrices ``(E, A, B)``; a view of ``t``."""
+        if self.transposed:
+            return t.mT if t.ndim == 3 else t.mT.unsqueeze(0)
+        if self.flatten or t.ndim >= 4:
+            return t.reshape(1, t.shape[0], -1)
+        return t if t.ndim == 3 else t.unsqueeze(0)
+
+    def block(self, t: Tensor, b: int) -> Tensor:
+        """Block ``b`` of ``t`` (of this shape): ``t`` itself when the weight is one block, else
+        a write-through view shaped `block_shape` (``block.flatten(1, 2)`` is its ``(E, rows,
+        B)`` matrix, rows in group order). ``t`` must be contiguous so that writes land in it
+        (momentum and update buffers are)."""
+        if self.n_blocks == 1:
+            return t
+        m = self.matrix(t)
+        groups = self.split_groups
+        g = m.unflatten(1, (groups, self.rows // groups))  # (E, G, S, B): always a view
+        a = sum(self.split_sizes[:b])
+        return g[:, :, a : a + self.split_sizes[b]]
+
+    def slot(self, dst: Tensor, b: int) -> Tensor:
+        """A bucket slot ``(E, rows_b, B)`` for block ``b``, laid out like ``block(t, b)``: in the
+        weight's stored layout when the weight is one block (a strided transpose for
+        ``transposed`` weights, so writes still land in the slot), else shaped `block_shape`."""
+        if self.n_blocks > 1:
+            return dst.view(self.block_shape(b))
+        if self.transposed:
+            return dst.mT if len(self.shape) == 3 else dst[0].mT
+        return dst.view(self.shape)
+
+    def blocks_of(self, t: Tensor) -> list[Tensor]:
+        """Every block of ``t`` as a matrix batch ``(E, rows_b, B)``: views when the rows of a
+        block are contiguous, gathered copies when interleaved (``split_groups > 1``)."""
+        if self.n_blocks == 1:
+            return [self.matrix(t)]
+        return [self.block(t, b).flatten(1, 2) for b in range(self.n_blocks)]
 
 
-def matrix_blocks(
-    t: Tensor,
-    *,
-    flatten: bool = False,
-    split_sizes: Sequence[int] | None = None,
-    transposed: bool = False,
-    split_groups: int = 1,
-) -> list[Tensor]:
-    """The matrix blocks of ``t`` as a list of batches ``(E, A_i, B)``.
+def matrix_spec(shape: Sequence[int], group: Mapping[str, Any]) -> MatrixSpec:
+    """The `MatrixSpec` of a weight of ``shape`` in param group ``group`` (its keys
+    ``flatten``, ``split_sizes``, ``split_groups``, ``transposed``, ``adjust_lr_fn``,
+    ``method`` and ``ns_steps``); computed once per distinct shape and keys.
 
-    With ``split_groups == 1`` these are views of ``t`` (``t`` contiguous: writes go through;
-    with ``transposed`` strided views of its transpose); with ``split_groups > 1`` each block
-    gathers rows from every group, so it is a copy (`block_views` gives the write-through
-    form). Raises ValueError when ``split_sizes`` do not add up to the row count.
+    Raises:
+        ValueError: the keys cannot apply to the shape (not a matrix, ``transposed`` on a
+            flattened or 4-D weight, ``split_groups`` without ``split_sizes``, sizes that do
+            not add up to the rows).
     """
-    blocks = block_views(t, flatten=flatten, split_sizes=split_sizes, transposed=transposed,
-                         split_groups=split_groups)
-    return [b.squeeze(1) if split_groups == 1 else b.flatten(1, 2) for b in blocks]
+    sizes = group["split_sizes"]
+    steps = group["ns_steps"]
+    if steps is None:
+        steps = METHODS[group["method"]].default_steps
+    return _spec(tuple(int(s) for s in shape), bool(group["flatten"]), None if sizes is None else tuple(sizes),
+                 group["split_groups"], bool(group["transposed"]), group["adjust_lr_fn"], max(steps, 1))
 
 
-def block_rows(rows: int, split_sizes: Sequence[int] | None = None,
-               split_groups: int = 1) -> list[list[tuple[int, int]]]:
-    """Each block's rows of a matrix with ``rows`` rows, as half-open ranges in group order.
-
-    ``[[(0, rows)]]`` without ``split_sizes``; block i is ``[(g S + a_i, g S + a_i + s_i)
-    for g < G]`` with ``S = rows / G`` and ``a_i`` the sum of the sizes before it.
-    """
-    if split_sizes is None:
-        return [[(0, rows)]]
-    period = rows // split_groups
-    out, a = [], 0
-    for s in split_sizes:
-        out.append([(g * period + a, g * period + a + s) for g in range(split_groups)])
-        a += s
-    return out
-
-
-def matrix_rows(
-    shape: Sequence[int], flatten: bool = False, split_sizes: Sequence[int] | None = None,
-    transposed: bool = False, split_groups: int = 1,
-) -> tuple[int, list[list[tuple[int, int]]], int, int]:
-    """How a parameter of global ``shape`` is cut into matrices, stated as row ranges.
-
-    Mirrors `matrix_blocks` without touching data, so that the optimizer knows each block's
-    shape and update scale, and a rank holding only some rows (FSDP2) which matrix block each
-    of its rows belongs to.
-
-    Returns:
-        ``(axis, blocks, cols, batch)``: block k is the rows ``blocks[k]`` (half-open ranges
-        ``[a, b)``, one per group of an interleaved layout, in group order; one range
-        otherwise) along ``axis`` of the parameter (0 for 2-D and flattened weights, 1 for
-        stacked experts ``(E, A, B)`` and for ``transposed`` 2-D weights stored ``(in, out)``,
-        whose matrix rows are the stored columns, 2 for ``transposed`` stacked experts
-        ``(E, in, out)``); each block has ``cols`` columns and ``batch`` matrices (E for
-        stacked experts, else 1).
-    """
-    if transposed:
-        axis, rows, cols = len(shape) - 1, shape[-1], shape[-2]
-        batch = shape[0] if len(shape) == 3 else 1
-    elif flatten or len(shape) >= 4 or len(shape) == 2:
-        axis, rows, batch = 0, shape[0], 1
-        cols = 1
-        for s in shape[1:]:
-            cols *= s
-    else:
-        axis, batch, rows, cols = 1, shape[0], shape[1], shape[2]
-    return axis, block_rows(rows, split_sizes, split_groups), cols, batch
-
-
-def _check_sizes(split_sizes: list[int], split_groups: int, rows: int, shape: tuple[int, ...]) -> None:
-    if isinstance(split_groups, bool) or not isinstance(split_groups, int) or split_groups < 1:
-        raise ValueError(f"split_groups must be an int >= 1, got {split_groups!r}")
-    if any(isinstance(s, bool) or int(s) != s or s <= 0 for s in split_sizes) or not split_sizes:
-        raise ValueError(f"split_sizes {split_sizes} must be positive integers")
-    if sum(split_sizes) * split_groups != rows:
-        where = f" x split_groups={split_groups}" if split_groups != 1 else ""
-        raise ValueError(
-            f"split_sizes {split_sizes}{where} must add up to the {rows} rows of a matrix of shape {shape}"
-        )
-
-
-def check_matrix_options(
-    shape: Sequence[int], flatten: bool, split_sizes: Sequence[int] | None, transposed: bool = False,
-    split_groups: int = 1,
-) -> None:
-    """Raise ValueError if ``flatten``/``split_sizes``/``transposed``/``split_groups`` cannot apply to a
-    tensor of ``shape``."""
+@functools.lru_cache(maxsize=4096)
+def _spec(shape: tuple[int, ...], flatten: bool, split_sizes: tuple[int, ...] | None, split_groups: int,
+          transposed: bool, adjust_lr_fn: str | None, steps: int) -> MatrixSpec:
     if len(shape) < 2:
-        raise ValueError(f"a tensor of shape {tuple(shape)} is not a matrix")
+        raise ValueError(f"a tensor of shape {shape} is not a matrix")
     if transposed and (len(shape) not in (2, 3) or flatten):
         raise ValueError(
             f"transposed=True is for 2-D weights stored (in, out) or stacked 3-D (E, in, out) (transformers' Conv1D "
-            f"and is_transposed experts), got shape {tuple(shape)}{' with flatten=True' if flatten else ''}"
+            f"and is_transposed experts), got shape {shape}{' with flatten=True' if flatten else ''}"
         )
+    if transposed:
+        axis, rows, cols, batch = len(shape) - 1, shape[-1], shape[-2], (shape[0] if len(shape) == 3 else 1)
+    elif flatten or len(shape) != 3:
+        axis, rows, cols, batch = 0, shape[0], math.prod(shape[1:]), 1
+    else:
+        axis, batch, rows, cols = 1, shape[0], shape[1], shape[2]
     if split_sizes is None:
         if split_groups != 1:
             raise ValueError(f"split_groups={split_groups} needs split_sizes (the parts of each group)")
-        return
-    if transposed:
-        rows = shape[-1]
-    elif len(shape) == 3 and not flatten:
-        rows = shape[1]
+        blocks: tuple[Ranges, ...] = (((0, rows),),)
     else:
-        rows = shape[0]
-    _check_sizes(list(split_sizes), split_groups, rows, tuple(shape))
+        _check_sizes(split_sizes, split_groups, rows, shape)
+        period, a, out = rows // split_groups, 0, []
+        for s in split_sizes:
+            out.append(tuple((g * period + a, g * period + a + s) for g in range(split_groups)))
+            a += s
+        blocks = tuple(out)
+    n_rows = [sum(hi - lo for lo, hi in segs) for segs in blocks]
+    scales = tuple(update_scale(adjust_lr_fn, n, cols) for n in n_rows)
+    flops = ns_flops([(batch, n, cols) for n in n_rows], steps)
+    return MatrixSpec(shape, axis, transposed, flatten, batch, rows, cols, split_sizes, split_groups, blocks, scales,
+                      _merge(blocks, scales), flops, len(blocks))
+
+
+def _merge(blocks: Sequence[Ranges], scales: Sequence[float]) -> tuple[tuple[int, int, float], ...]:
+    """Row ranges ``(a, b, scale)`` in row order, adjacent ranges with the same scale merged."""
+    merged: list[tuple[int, int, float]] = []
+    for a, b, s in sorted((a, b, s) for segs, s in zip(blocks, scales) for a, b in segs):
+        if merged and merged[-1][1] == a and merged[-1][2] == s:
+            merged[-1] = (merged[-1][0], b, s)
+        else:
+            merged.append((a, b, s))
+    return tuple(merged)
+
+
+def _check_sizes(split_sizes: tuple[int, ...], split_groups: int, rows: int, shape: tuple[int, ...]) -> None:
+    if isinstance(split_groups, bool) or not isinstance(split_groups, int) or split_groups < 1:
+        raise ValueError(f"split_groups must be an int >= 1, got {split_groups!r}")
+    if not split_sizes or any(isinstance(s, bool) or int(s) != s or s <= 0 for s in split_sizes):
+        raise ValueError(f"split_sizes {list(split_sizes)} must be positive integers")
+    if sum(split_sizes) * split_groups != rows:
+        where = f" x split_groups={split_groups}" if split_groups != 1 else ""
+        raise ValueError(
+            f"split_sizes {list(split_sizes)}{where} must add up to the {rows} rows of a matrix of shape {shape}"
+        )
+
+
+__all__ = ["MatrixSpec", "matrix_spec"]

@@ -1,18 +1,18 @@
 """`Muon`: the Muon optimizer for hidden matrices, with an AdamW branch, in one object.
 
 A thin ``torch.optim.Optimizer`` shell (Keller Jordan's three layers: orthogonaliser, per-matrix
-update, thin class): it validates, keeps state, batches same-shape matrices into one
-orthogonalisation per bucket (`muonclip.optim.buckets`) and runs the update's phases
-(`muonclip.optim.functional`) and the AdamW branch (`muonclip.optim.adamw`). A step that needs
-several processes is handed to the distribution layer (`muonclip.optim.engine`); a step in one
-process never enters it.
+update, thin class): it keeps the state and, each step, hands every Muon weight to the update's
+step body (`muonclip.optim.functional.muon_step`: momentum, V written into same-shape buckets,
+one orthogonalisation per bucket, the update) and the AdamW groups to `muonclip.optim.adamw`.
+What it accepts is checked by `muonclip.optim.validation`; its state dicts, and the conversions
+to and from torch.optim's, are `muonclip.optim.state_dicts`. A step over several processes is
+handed to the distribution layer (`muonclip.optim.distribution`), which runs the same phases
+with the exchanges around them; a step in one process never enters it.
 """
 
 from __future__ import annotations
 
-import math
-from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -20,23 +20,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..ortho import check_method
-from .adamw import adamw_update
+from . import state_dicts
+from .adamw import adamw_step
 from .backend import Backend, make_backend
-from .buckets import item_flops, item_scales, make_buckets, matrix_options, options_key, orthogonalize_buckets
-from .engine import Engine, StepStats, engine_for
-from .functional import apply_blocks_, momentum_, muon_input
+from .buckets import Bucket, make_buckets, options_key
+from .distribution import Engine, StepStats, engine_for
+from .functional import MuonWeight, muon_step
 from .masked import MaskedStep
-from .matrices import block_views, check_matrix_options
+from .matrices import MatrixSpec, matrix_spec
 from .nonfinite import ON_NONFINITE, NonFiniteGradError, finite_per_tensor, nonfinite_indices
 from .scale import scale_name
-
-ALGORITHMS = ("muon", "adamw")
-# State kept in float32 (float64 for float64 parameters) whatever the parameter dtype; torch's
-# loader would cast it to the parameter dtype.
-_FP32_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq")
-# Group keys of earlier versions, and what replaced them (docs/changelog.md).
-_RENAMED = {"update_scale": "adjust_lr_fn", "steps": "ns_steps"}
+from .state_dicts import first_param, state_dtype
+from .validation import check_group, check_hyperparameters, number, refuse_removed_keywords
 
 
 class Muon(torch.optim.Optimizer):
@@ -114,7 +109,7 @@ class Muon(torch.optim.Optimizer):
             none (one process). Each matrix is orthogonalised once in the group, whole, on an
             owner rank chosen by flops, and the result exchanged (`muonclip.distributed`).
             ``"local"`` turns communication off. ``last_step_stats``
-            (`muonclip.optim.engine.StepStats`) reports this rank's share.
+            (`muonclip.optim.distribution.StepStats`) reports this rank's share.
         comm_dtype: wire dtype of those exchanges (default None: the momentum dtype,
             float32). ``torch.bfloat16`` halves the bytes; with ``orth_dtype=torch.bfloat16``
             it is lossless for the built-in methods.
@@ -126,12 +121,23 @@ class Muon(torch.optim.Optimizer):
             ``muonclip.fast.BufferedBackend(chunk="cache")``. Never changes what is computed.
 
     Every number above (``lr``, ``momentum``, ``weight_decay``, ``betas``, ``adamw_eps``,
-    ``eps``, ``ns_coefficients``), given here or in a group (``add_param_group`` too), must be
-    finite and in its range: a ValueError names the one that is not (nan or inf would reach
-    every weight). ``lr`` may be a 0-D tensor; it is read once, when the group is added.
+    ``eps``, ``ns_coefficients``), given here, in a group (``add_param_group`` too) or in a
+    loaded state dict, must be finite and in its range: a ValueError names the one that is not
+    (nan or inf would reach every weight; `muonclip.optim.validation`). ``lr`` (and
+    ``weight_decay``) may be a one-element tensor of any shape (``()``, ``(1,)``, ``(1, 1)``),
+    as in torch.optim: the step reads its value each time (on a GPU, one host sync per group
+    and step). Complex parameters are refused when added (TypeError): the orthogonalisation and
+    the update scale are defined for real matrices. Everything after ``lr`` is keyword-only,
+    because torch.optim.Muon's positional order differs: a positional call could silently mean
+    other settings; a keyword of an earlier version raises a TypeError naming its replacement.
 
-    Everything after ``lr`` is keyword-only, because torch.optim.Muon's positional order
-    differs: a positional call could silently mean other settings.
+    State: per parameter ``momentum_buffer`` (Muon) or ``step``, ``exp_avg``, ``exp_avg_sq``
+    (AdamW); the optimizer-wide ``steps_taken`` (steps applied) and ``steps_skipped`` are
+    attributes, and a state dict carries them in its first parameter's entry (so a state dict
+    flattened per parameter keeps them). `load_state_dict` also takes torch.optim.Muon's state
+    dict (momentum converted: torch keeps an average, we keep a sum); `torch_state_dict` gives
+    one torch.optim.Muon or torch.optim.AdamW continues; `load_torch_state_dicts` takes torch's
+    Muon + AdamW pair into this one optimizer (docs/migrating.md).
 
     References:
         K. Jordan et al., "Muon: An optimizer for hidden layers in neural networks" (2024).
@@ -139,10 +145,12 @@ class Muon(torch.optim.Optimizer):
         Kimi Team, "Kimi K2: Open Agentic Intelligence", arXiv 2507.20534.
     """
 
+
+    @refuse_removed_keywords
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        lr: float = 1e-3,
+        lr: float | Tensor = 1e-3,
         *,
         weight_decay: float = 0.1,
         momentum: float = 0.95,
@@ -181,7 +189,7 @@ class Muon(torch.optim.Optimizer):
             flatten=False,
             transposed=False,
         )
-        _check_hyperparameters(defaults, "")  # even where every group sets its own
+        check_hyperparameters(defaults)  # even where every group sets its own
         self.on_nonfinite = on_nonfinite
         self.process_group = process_group
         self.comm_dtype = comm_dtype
@@ -191,27 +199,20 @@ class Muon(torch.optim.Optimizer):
         self.steps_skipped = 0
         # on_nonfinite="mask": the last step's device flag (True: masked), for what runs after it
         self.last_masked: Tensor | None = None
-        self._structure: tuple[Any, _Structure] | None = None  # the one-process step's buckets, cached
+        self._structure: tuple[Any, StepStructure] | None = None  # the one-process step's buckets, cached
         self._mask_copies: list[Tensor] = []  # on_nonfinite="mask": the snapshot, reused between steps
         super().__init__(params, defaults)
 
-    # ----------------------------------------------------------------------------------------
-    # validation
-    # ----------------------------------------------------------------------------------------
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group after validating it; see the class docstring for its keys."""
-        for old, new in _RENAMED.items():
-            if old in param_group:
-                raise ValueError(f"param group key {old!r} is now {new!r} (torch.optim.Muon's name; docs/changelog.md)")
+        """Add a group after validating it (`muonclip.optim.validation.check_group`); see the class
+        docstring for its keys. A group that fails is not added."""
         if param_group.get("algorithm", "muon") == "adamw" and "eps" in param_group:
             raise ValueError("in an algorithm='adamw' group AdamW's epsilon is 'adamw_eps' ('eps' is Newton–Schulz's)")
         if "adjust_lr_fn" in param_group:
             param_group["adjust_lr_fn"] = scale_name(param_group["adjust_lr_fn"])
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
         try:
-            _validate_group(group)
+            check_group(self.param_groups[-1])
         except (ValueError, TypeError):
             self.param_groups.pop()
             raise
@@ -250,14 +251,16 @@ class Muon(torch.optim.Optimizer):
             guard = MaskedStep([p for _, _, p in live], [self.state[p] for _, _, p in live], found, local,
                                cache=self._mask_copies)
             self.last_masked = found
-            self._update(engine, ctx)
+            self._update(engine, ctx, local)
             guard.restore()
             self._count_masked(found)
+            self._record_wide_state()
             return loss
         bad = nonfinite_indices(finite)
         if bad:
             if self.on_nonfinite == "skip":
-                self.steps_skipped += 1
+                self._skipped_host += 1
+                self._record_wide_state()
                 return loss
             names = ", ".join(_name(self, live[k][0], live[k][1]) for k in bad[:5])
             raise NonFiniteGradError(
@@ -265,59 +268,43 @@ class Muon(torch.optim.Optimizer):
                 "no parameter was updated. Check the loss and the learning rate, clip gradients, "
                 "or pass on_nonfinite='skip' to skip such steps."
             )
-        self._update(engine, ctx)
+        self._update(engine, ctx, local)
+        self._record_wide_state()
         return loss
 
-    def _update(self, engine: Engine | None, ctx: Any) -> None:
+    def _update(self, engine: Engine | None, ctx: Any, local: Callable[[Tensor], Tensor]) -> None:
         """The Muon update of every Muon parameter with a gradient, then the AdamW groups'."""
         self.steps_taken += 1
-        items = [
-            (g, p, partial(_name, self, g, i))  # the name is only formatted for an error
-            for g in self.param_groups if g["algorithm"] == "muon"
-            for i, p in enumerate(g["params"])
-        ]
-        if engine is None:
-            self.last_step_stats = self._muon_step([(g, p) for g, p, _ in items if p.grad is not None])
+        if engine is None or ctx.world_size == 1:
+            live = [(g, p) for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"]
+                    if p.grad is not None]
+            self.last_step_stats = self._muon_step(live, local)
         else:  # on every rank, even one without grads: it runs collectives
+            items = [(g, p, partial(_name, self, g, i))  # the name is only formatted for an error
+                     for g in self.param_groups if g["algorithm"] == "muon" for i, p in enumerate(g["params"])]
             self.last_step_stats = engine.muon_step(items, self.state, ctx, backend=self.backend,
                                                     new_buffer=_zeros_fp32, comm_dtype=self.comm_dtype)
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
-                self._adamw_group(group)
+                adamw_step(group["params"], self.state, lr=number(group["lr"]), betas=group["betas"],
+                           eps=group["adamw_eps"], weight_decay=number(group["weight_decay"]), new_buffer=_zeros_fp32)
 
-    def _muon_step(self, live: list[tuple[dict[str, Any], Tensor]]) -> StepStats:
-        """One process: momentum, V into the buckets, one orthogonalisation per bucket, and
-        each weight updated as soon as its result is complete (still in cache)."""
+    def _muon_step(self, live: list[tuple[dict[str, Any], Tensor]], local: Callable[[Tensor], Tensor]) -> StepStats:
+        """One process: `muonclip.optim.functional.muon_step` of every Muon weight with a gradient."""
         stats = StepStats()
         if not live:
             return stats
         st = self._cached_structure(live)
-        bufs = [self._momentum_buffer(p) for _, p in live]
-        pending = set(range(len(live)))
-
-        def write(k: int, b: int, dst: Tensor) -> None:
-            g, p = live[k]
-            M, G = bufs[k], p.grad
-            if k in pending:  # once per weight, just before its first V block (G and M in cache)
-                pending.discard(k)
-                momentum_(M, G, g["momentum"])
-            if st.n_blocks[k] > 1:
-                G, M = (block_views(t, **matrix_options(g))[b] for t in (G, M))
-            muon_input(G, M, g["momentum"], g["nesterov"], out=dst)
-
-        def done(k: int, O: Tensor) -> None:
-            g, p = live[k]
-            axis, ranges = st.scales[k]
-            apply_blocks_(p, O, lr=g["lr"], weight_decay=g["weight_decay"], axis=axis, ranges=ranges)
-
-        groups, shapes = [g for g, _ in live], [p.shape for _, p in live]
-        stats.matrices = orthogonalize_buckets(st.buckets, st.n_blocks, groups, shapes, write, done, self.backend,
-                                               reuse_result=True)
+        settings = {id(g): (number(g["lr"]), number(g["weight_decay"]), g["momentum"], g["nesterov"])
+                    for g, _ in live}  # read once per group and step
+        weights = [MuonWeight(local(p), local(p.grad), local(self._momentum_buffer(p)), spec, *settings[id(g)])
+                   for (g, p), spec in zip(live, st.specs)]
+        stats.matrices = muon_step(weights, st.buckets, self.backend)
         stats.ns_flops = stats.total_ns_flops = st.flops
         return stats
 
-    def _cached_structure(self, live: list[tuple[dict[str, Any], Tensor]]) -> _Structure:
-        """The buckets and scales of ``live``, rebuilt only when a shape, a device or a
+    def _cached_structure(self, live: list[tuple[dict[str, Any], Tensor]]) -> StepStructure:
+        """The specs and buckets of ``live``, rebuilt only when a shape, a device or a
         structural option (`muonclip.optim.buckets.STRUCTURAL_OPTIONS`) changed."""
         options: dict[int, tuple] = {}  # per group, once
         for g, _ in live:
@@ -326,10 +313,9 @@ class Muon(torch.optim.Optimizer):
         key = tuple((options[id(g)], tuple(p.shape), p.device) for g, p in live)
         if self._structure is not None and self._structure[0] == key:
             return self._structure[1]
-        items = [(g, p.shape, p.device) for g, p in live]
-        buckets, n_blocks = make_buckets(items, range(len(live)))
-        st = _Structure(buckets, n_blocks, [item_scales(g, p.shape) for g, p in live],
-                        sum(item_flops(g, p.shape) for g, p in live))
+        specs = [matrix_spec(p.shape, g) for g, p in live]
+        buckets = make_buckets(specs, [g for g, _ in live], [p.device for _, p in live], range(len(live)))
+        st = StepStructure(specs, buckets, sum(s.flops for s in specs))
         self._structure = (key, st)
         return st
 
@@ -339,130 +325,164 @@ class Muon(torch.optim.Optimizer):
             state["momentum_buffer"] = _zeros_fp32(p)
         return state["momentum_buffer"]
 
-    def _adamw_group(self, group: dict[str, Any]) -> None:
-        params, grads, avgs, sqs = [], [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if "step" not in state:
-                state["step"] = 0
-                state["exp_avg"] = _zeros_fp32(p)
-                state["exp_avg_sq"] = _zeros_fp32(p)
-            state["step"] += 1
-            params.append(p)
-            grads.append(p.grad)
-            avgs.append(state["exp_avg"])
-            sqs.append(state["exp_avg_sq"])
-        # Parameters of one group can have different step counts (a param without a grad at
-        # some step), so update each step count as its own sub-batch.
-        by_step: dict[int, list[int]] = defaultdict(list)
-        for k, p in enumerate(params):
-            by_step[self.state[p]["step"]].append(k)
-        for step, idx in by_step.items():
-            adamw_update(
-                [params[k] for k in idx], [grads[k] for k in idx], [avgs[k] for k in idx],
-                [sqs[k] for k in idx], step, lr=group["lr"], betas=group["betas"],
-                eps=group["adamw_eps"], weight_decay=group["weight_decay"],
-            )
+    # ----------------------------------------------------------------------------------------
+    # counters: optimizer-wide, kept in the first parameter's state too (state_dicts.WIDE_KEYS)
+    # ----------------------------------------------------------------------------------------
 
-    # Skipped-step counter: a host int plus, in on_nonfinite="mask" mode, a device counter that
-    # is only read (one sync) when someone asks for the number.
+    @property
+    def steps_taken(self) -> int:
+        """Steps applied (``"mask"`` mode: masked steps too)."""
+        return self._taken
+
+    @steps_taken.setter
+    def steps_taken(self, value: int) -> None:
+        self._taken = int(value)
+        self._record_wide_state()
+
     @property
     def steps_skipped(self) -> int:
-        """Steps skipped for a non-finite gradient (reading it syncs in ``"mask"`` mode)."""
+        """Steps skipped for a non-finite gradient (reading it syncs in ``"mask"`` mode, where
+        the count is kept on the device)."""
         device_count = self.__dict__.get("_masked_count")
-        return self._skipped_host + (0 if device_count is None else int(device_count))
+        if device_count is not None:  # fold the device count in (one sync)
+            self._skipped_host += int(device_count)
+            self._masked_count = None
+            self._record_wide_state()
+        return self._skipped_host
 
     @steps_skipped.setter
     def steps_skipped(self, value: int) -> None:
         self._skipped_host = int(value)
         self._masked_count = None
+        self._record_wide_state()
 
     def _count_masked(self, found: Tensor) -> None:
         if self._masked_count is None:
             self._masked_count = torch.zeros((), dtype=torch.int64, device=found.device)
         self._masked_count.add_(found)
 
+    def _wide_state(self) -> dict[str, Any]:
+        """The optimizer-wide values a state dict carries in its first parameter's entry:
+        ``steps_taken`` and ``steps_skipped`` (``steps_skipped`` without the masked steps not yet
+        read in ``"mask"`` mode; `state_dict` reads them)."""
+        return {"steps_taken": self.steps_taken, "steps_skipped": self._skipped_host}
+
+    def _load_wide_state(self, values: dict[str, Any]) -> None:
+        """Set the optimizer-wide values from a loaded state (missing ones: 0)."""
+        self.steps_taken = int(values.get("steps_taken", 0))
+        self.steps_skipped = int(values.get("steps_skipped", 0))
+
+    def _record_wide_state(self) -> None:
+        """Keep `_wide_state` in the state of the first parameter once the optimizer has state
+        (a step made it), so that a state dict, even one flattened per parameter, carries it."""
+        if not self.__dict__.get("state"):
+            return
+        first = first_param(self.param_groups)
+        if first is not None:
+            self.state[first].update(self._wide_state())
+
     # ----------------------------------------------------------------------------------------
     # state
     # ----------------------------------------------------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
-        # torch keeps only defaults/state/param_groups; keep our settings and counters too
-        # (copy.deepcopy and pickle go through here). Cached structure and copies are not state.
-        return {**self.__dict__, "_structure": None, "_mask_copies": []}
+        # torch keeps only defaults/state/param_groups (its hooks are not copied); keep our
+        # settings and counters too (copy.deepcopy and pickle go through here). The cached
+        # structure and copies are not state.
+        kept = {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_")}
+        return {**kept, "_structure": None, "_mask_copies": []}
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state dict plus ``"muonclip"``: step and skipped-step counters."""
+        """torch's optimizer state dict; the first parameter's entry also holds the optimizer-wide
+        values (``steps_taken``, ``steps_skipped``)."""
+        self.steps_skipped  # noqa: B018  (folds a masked count kept on the device into the state)
         sd = super().state_dict()
-        sd["muonclip"] = {"steps_taken": self.steps_taken, "steps_skipped": self.steps_skipped}
+        first = first_param(sd["param_groups"])
+        if first is not None:  # also before the first step, when the live state is still empty
+            sd["state"][first] = {**sd["state"].get(first, {}), **self._wide_state()}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict; float32 buffers stay float32 even for bf16 parameters.
+        """Load a state dict of this optimizer, of an earlier version of it, or of torch.optim.Muon.
 
-        (torch's loader casts floating state to the parameter dtype, which would turn the
-        float32 momentum into bf16 after a resume.)
-
-        A state dict saved by muonclip 0.1 before the redesign is upgraded (docs/changelog.md):
-        ``update_scale`` "rms"/"shape"/"none" becomes ``adjust_lr_fn``
-        "match_rms_adamw"/"original"/"unscaled", ``steps`` becomes ``ns_steps``, an adamw
-        group's ``eps`` becomes ``adamw_eps``; a group key added since takes the value of the
-        optimizer being loaded into. The dict passed in is not modified.
+        What is recognised and how it is converted: `muonclip.optim.state_dicts`. Every group is
+        validated as the constructor validates its arguments, before anything is loaded. Momentum
+        and AdamW moments stay float32 (float64 for float64 parameters) whatever the parameter
+        dtype. torch's load_state_dict hooks run as for any optimizer: pre-hooks see (and may
+        replace) the dict as given, post-hooks see the loaded state. The dict passed in is not
+        modified.
         """
-        if len(state_dict.get("param_groups", ())) != len(self.param_groups):
-            raise ValueError(
-                f"the state dict has {len(state_dict.get('param_groups', ()))} param groups, this optimizer "
-                f"{len(self.param_groups)}: build the optimizer with the same param_groups(...) as when it was saved")
-        groups = zip(state_dict["param_groups"], self.param_groups)
-        state_dict = {**state_dict, "param_groups": [_upgrade_group(s, g, self.defaults) for s, g in groups]}
-        super().load_state_dict(state_dict)
-        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for pid, p in zip(ids, params):
-            saved = state_dict["state"].get(pid, {})
-            for k in _FP32_STATE:
-                if k in saved:
-                    self.state[p][k] = saved[k].detach().to(device=p.device, dtype=_state_dtype(p)).clone()
-        extra = state_dict.get("muonclip", {})
-        self.steps_taken = int(extra.get("steps_taken", 0))
-        self.steps_skipped = int(extra.get("steps_skipped", 0))
+        kept: dict[Any, dict[str, Tensor]] = {}
+        saved_groups: list[dict[str, Any]] = []
 
+        def prepare(opt: Muon, sd: dict[str, Any]) -> dict[str, Any]:  # after every user pre-hook
+            sd = state_dicts.prepare(sd, opt.param_groups)
+            sd, stashed = state_dicts.split_fp32_state(sd)
+            kept.update(stashed)
+            saved_groups.extend(sd["param_groups"])
+            return sd
 
-_OLD_SCALES = {"rms": "match_rms_adamw", "shape": "original", "none": "unscaled"}
+        def finish(opt: Muon) -> None:  # before every user post-hook
+            state_dicts.restore_fp32_state(opt.state, opt.param_groups, saved_groups, kept)
+            first = first_param(opt.param_groups)
+            opt._load_wide_state(dict(opt.state.get(first, {})) if first is not None else {})
+            opt._structure = None
 
+        pre = self.register_load_state_dict_pre_hook(prepare)
+        post = self.register_load_state_dict_post_hook(finish, prepend=True)
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            pre.remove()
+            post.remove()
 
-def _upgrade_group(saved: dict[str, Any], own: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
-    """A saved param group in this version's keys (see `Muon.load_state_dict`); a new dict."""
-    group = dict(saved)
-    if "update_scale" in group:
-        old = group.pop("update_scale")
-        if old not in _OLD_SCALES:
-            raise ValueError(f"saved param group has update_scale={old!r}; expected one of {sorted(_OLD_SCALES)}")
-        group["adjust_lr_fn"] = _OLD_SCALES[old]
-    if "steps" in group and "ns_steps" not in group:
-        group["ns_steps"] = group.pop("steps")
-    if "adamw_eps" not in group and group.get("algorithm", "muon") == "adamw" and "eps" in group:
-        group["adamw_eps"], group["eps"] = group["eps"], defaults["eps"]
-    for key, value in own.items():
-        group.setdefault(key, value)
-    return group
+    def torch_state_dict(self, algorithm: str = "muon") -> dict[str, Any]:
+        """A state dict that torch.optim.Muon (``algorithm="muon"``) or torch.optim.AdamW
+        (``"adamw"``) continues exactly: the groups of that algorithm, in order, parameters
+        numbered from 0 in that order.
+
+        For Muon: torch's momentum convention (``buf = (1 - mu) M``, the average torch keeps),
+        concrete ``ns_steps`` and ``ns_coefficients``. Only groups whose settings torch can
+        express: ``method`` ns5 (or ``ns5_sym``/``ns5_compiled``, the same quintic),
+        ``orth_dtype`` bfloat16, ``adjust_lr_fn`` "original" or "match_rms_adamw", 2-D weights
+        orthogonalised whole; anything else raises a ValueError that names it. For AdamW: the
+        moments, ``step`` as a float32 tensor, ``eps`` = our ``adamw_eps``. Build the torch
+        optimizer with those groups' parameters, in the same groups and order, then
+        ``load_state_dict`` this (docs/migrating.md).
+        """
+        return state_dicts.torch_state_dict(self.state_dict(), self.param_groups, algorithm)
+
+    def load_torch_state_dicts(self, muon: dict[str, Any], adamw: dict[str, Any] | None = None, *,
+                               muon_params: Sequence[Tensor] | None = None,
+                               adamw_params: Sequence[Tensor] | None = None) -> None:
+        """Load torch's pair, a torch.optim.Muon and a torch.optim.AdamW state dict, into this one optimizer.
+
+        Each parameter takes its state from the torch optimizer that held it (Muon's momentum
+        converted to our sum, ``M = buf / (1 - mu)``; AdamW's moments and step as they are) and
+        its group takes the settings of the torch group(s) its parameters come from (they must
+        agree). Parameters are matched by ``muon_params``/``adamw_params`` (the tensors, in the
+        order torch's optimizers were given them) or, without them, by name (torch's groups have
+        ``param_names`` when built from ``model.named_parameters()``; ours from
+        ``muonclip.param_groups(model)``). ``steps_taken`` becomes AdamW's largest step. Raises
+        ValueError for a parameter found in neither dict or in the wrong algorithm's, and for
+        anything `load_state_dict` refuses (docs/migrating.md).
+        """
+        self.load_state_dict(state_dicts.from_torch(self.state_dict(), self.param_groups, muon, adamw,
+                                                    muon_params=muon_params, adamw_params=adamw_params))
 
 
 @dataclass
-class _Structure:
+class StepStructure:
     """What a one-process step does that depends only on shapes, devices and structural options.
 
     Attributes:
-        buckets, n_blocks: `muonclip.optim.buckets.make_buckets` of every item.
-        scales: per item ``(axis, ranges)`` (`muonclip.optim.buckets.item_scales`).
+        specs: each weight's `muonclip.optim.matrices.MatrixSpec`.
+        buckets: `muonclip.optim.buckets.make_buckets` of every weight.
         flops: Newton–Schulz flops of the step.
     """
 
-    buckets: list
-    n_blocks: dict[int, int]
-    scales: list[tuple[int, list[tuple[int, int, float]]]]
+    specs: list[MatrixSpec]
+    buckets: list[Bucket]
     flops: int
 
 
@@ -470,13 +490,8 @@ def _same(t: Tensor) -> Tensor:
     return t
 
 
-def _state_dtype(p: Tensor) -> torch.dtype:
-    """Buffers are float32, or the parameter's dtype when that is wider (float64)."""
-    return torch.promote_types(p.dtype, torch.float32)
-
-
 def _zeros_fp32(p: Tensor) -> Tensor:
-    return torch.zeros_like(p, dtype=_state_dtype(p), memory_format=torch.contiguous_format)
+    return torch.zeros_like(p, dtype=state_dtype(p), memory_format=torch.contiguous_format)
 
 
 def _name(opt: Muon, group: dict[str, Any], i: int) -> str:
@@ -487,57 +502,4 @@ def _name(opt: Muon, group: dict[str, Any], i: int) -> str:
     return f"parameter {i} of param group {gi} (shape {tuple(group['params'][i].shape)})"
 
 
-def _number(name: str, value: Any) -> float:
-    """``value`` as a float (a one-element tensor is read once, here: a sync on a GPU, never in a step)."""
-    try:
-        return float(value)
-    except (TypeError, ValueError, RuntimeError):
-        raise ValueError(f"{name} must be a number, got {value!r}") from None
-
-
-def _check_positive(name: str, value: Any) -> None:
-    v = _number(name, value)
-    if not (math.isfinite(v) and v > 0.0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-
-
-def _check_hyperparameters(options: dict[str, Any], where: str) -> None:
-    """Raise a ValueError naming the first of lr, weight_decay, momentum, eps, adamw_eps, betas
-    that is not a finite number in its range (nan and +-inf never are: they would reach every weight)."""
-    for key in ("lr", "weight_decay"):
-        v = _number(key, options[key])
-        if not (math.isfinite(v) and v >= 0.0):
-            raise ValueError(f"{where}{key} must be a finite number >= 0, got {options[key]!r}")
-    if not 0.0 <= _number("momentum", options["momentum"]) < 1.0:
-        raise ValueError(f"{where}momentum must be in [0, 1), got {options['momentum']!r}")
-    _check_positive(f"{where}eps", options["eps"])
-    _check_positive(f"{where}adamw_eps", options["adamw_eps"])
-    betas = options["betas"]
-    if len(betas) != 2 or not all(0.0 <= _number("betas", b) < 1.0 for b in betas):
-        raise ValueError(f"{where}betas must be two numbers in [0, 1), got {betas!r}")
-
-
-def _validate_group(group: dict[str, Any]) -> None:
-    """Raise a ValueError/TypeError naming the option or parameter that is wrong, and the fix."""
-    algorithm = group["algorithm"]
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    _check_hyperparameters(group, "a param group's ")
-    check_method(group["method"], group["ns_steps"], group["orth_dtype"], group["ns_coefficients"])
-    names = group.get("param_names") or [None] * len(group["params"])
-    for i, (p, name) in enumerate(zip(group["params"], names)):
-        label = f"parameter '{name}'" if name else f"parameter {i} (shape {tuple(p.shape)})"
-        if p.is_complex():
-            raise TypeError(f"{label} is complex; muonclip.Muon supports real parameters only")
-        if algorithm == "muon":
-            if p.ndim < 2:
-                raise ValueError(
-                    f"{label} has shape {tuple(p.shape)}: Muon orthogonalises matrices, so 0-D/1-D "
-                    "tensors (biases, norm gains, scalars) must go in an algorithm='adamw' group; "
-                    "muonclip.param_groups(model) routes them for you"
-                )
-            check_matrix_options(p.shape, group["flatten"], group["split_sizes"], group["transposed"],
-                                 group["split_groups"])
-
-
-__all__ = ["Muon", "NonFiniteGradError"]
+__all__ = ["Muon", "NonFiniteGradError", "StepStructure"]

@@ -10,7 +10,7 @@ Three policies (``Muon(on_nonfinite=...)``):
   undone where the flag is set (`muonclip.optim.masked.MaskedStep`).
 
 Under FSDP2 each rank sees its own shards: the flags are computed on the local shards and the
-distributed layer AND-s them over the ranks (`muonclip.optim.engine.Engine.all_finite`).
+distributed layer AND-s them over the ranks (`muonclip.optim.distribution.Engine.all_finite`).
 """
 
 from __future__ import annotations

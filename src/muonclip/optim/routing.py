@@ -35,7 +35,7 @@ from typing import Any
 
 from torch import nn
 
-from .fused import Layout, layouts
+from .fused import MatrixLayout, matrix_layouts
 
 HEAD_NAMES = ("lm_head", "head", "output", "unembed", "classifier", "score")
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -49,7 +49,7 @@ class Route:
     shape: tuple[int, ...]
     algorithm: str  # "muon" or "adamw"
     reason: str  # "hidden matrix", "conv", "conv1d (in, out)", "experts", "embedding", "lm head", "vector",
-    #              "override", or a `muonclip.optim.fused.Layout` reason ("fused qkv", "router", "per-head", ...)
+    #              "override", or a `muonclip.optim.fused.MatrixLayout` reason ("fused qkv", "router", "per-head", ...)
     detail: str = ""  # how a Muon weight is cut into matrices, and from what (config sizes, split= pattern)
 
 
@@ -117,7 +117,7 @@ def param_groups(
         lr: learning rate set on the Muon groups (default None: the optimizer's ``lr``).
         weight_decay: weight decay on the Muon groups (default None: the optimizer's).
         adamw_lr: learning rate of the AdamW groups (default None: the optimizer's ``lr``,
-            which is right with ``update_scale="rms"``).
+            which is right with ``adjust_lr_fn="match_rms_adamw"``, the default).
         adamw_weight_decay: weight decay of the embedding/head AdamW group (default None: the
             optimizer's). 0-D/1-D tensors never get weight decay.
         adamw: name patterns forced to AdamW (e.g. ``["*.router.weight"]``).
@@ -149,7 +149,7 @@ def param_groups(
             or a parameter would be routed twice or not at all.
     """
     split = {pat: _split_options(pat, v) for pat, v in (split or {}).items()}
-    known = layouts(model, per_head=per_head, split_fused=split_fused)
+    known = matrix_layouts(model, per_head=per_head, split_fused=split_fused)
     owner: dict[int, nn.Module] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):
@@ -183,7 +183,7 @@ def param_groups(
             and _is_last_linear(model, module)
         )
         extra: dict[str, Any] = {}
-        layout: Layout | None = known.get(id(p))
+        layout: MatrixLayout | None = known.get(id(p))
         detail = ""
         if _matches(name, adamw):
             algo, reason = "adamw", "override"

@@ -33,7 +33,7 @@ float32/float64 (tested) if wanted.
 n is more than about 1.5 m (0.67x at n = 4 m); for squarer matrices `gram_newton_schulz` runs
 the plain quintic (``min_aspect``).
 
-Pure functions, like `muonclip.ortho.newton_schulz` (`muonclip.fast.buffered` runs the same
+Pure functions, like `muonclip.ortho.newton_schulz` (`muonclip.fast.buffered_backend` runs the same
 products into kept buffers).
 
 Reference: J. Zhang, N. Amsel, B. Chen, T. Dao, "Gram Newton–Schulz: A Fast, Hardware-Aware

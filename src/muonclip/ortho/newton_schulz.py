@@ -8,7 +8,7 @@ Two coefficient schedules share one iteration (docs/design.md, "Orthogonalisatio
   (a, b, c) per step; 5–6 steps bring every singular value within 0.01 of 1.
 
 Pure functions: a batch ``V`` of shape ``(..., A, B)`` in, a new tensor of that shape out; no
-buffer is kept and the input is never written. (`muonclip.fast.buffered` runs the same products
+buffer is kept and the input is never written. (`muonclip.fast.buffered_backend` runs the same products
 into buffers kept between optimizer steps.)
 """
 

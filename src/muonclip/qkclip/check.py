@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .clip import _dist_world, _layer_device
+from .clip import world_size
 from .layouts import AttentionLayer
 
 ARM_GAMMA = 0.5
@@ -141,7 +141,7 @@ class ClipCheck:
             return []
         if self._groups is None:
             self._groups = _groups(layers, max_logits)
-        distributed = _dist_world() > 1
+        distributed = world_size() > 1
         for group in self._groups:
             _update(group, max_logits, clipped, tau)
         return [msg for group in self._groups for msg in self._poll(group, distributed)]
@@ -206,7 +206,7 @@ def _groups(layers: Sequence[AttentionLayer], max_logits: Mapping[str, Tensor]) 
     by_device: dict[torch.device, list[AttentionLayer]] = {}
     for layer in layers:
         value = max_logits.get(layer.name)
-        device = value.device if value is not None else _layer_device(layer)
+        device = value.device if value is not None else layer.device
         by_device.setdefault(device, []).append(layer)
     groups = []
     for device, members in by_device.items():

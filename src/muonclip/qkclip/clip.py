@@ -40,17 +40,11 @@ def compute_gamma(max_logits: Tensor, tau: float) -> Tensor:
     return torch.where(over, tau / torch.where(over, s, torch.ones_like(s)), torch.ones_like(s))
 
 
-def _dist_world() -> int:
+def world_size() -> int:
+    """Ranks of the default process group; 1 when torch.distributed is not initialised."""
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size()
-
-
-def _layer_device(layer: AttentionLayer) -> torch.device:
-    if layer.recorder.value is not None:
-        return layer.recorder.value.device
-    params = layer.layout.params()
-    return params[0].device if params else torch.device("cpu")
 
 
 @torch.no_grad()
@@ -65,9 +59,9 @@ def all_reduce_max_(layers: Sequence[AttentionLayer], group: dist.ProcessGroup |
     of the L flags decides that. Must be called on every rank of ``group`` (every rank holds
     the same layers). No-op without an initialised process group or with world size 1.
     """
-    if not layers or _dist_world() == 1:
+    if not layers or world_size() == 1:
         return
-    device = _layer_device(layers[0])
+    device = layers[0].device
     if dist.get_backend(group) == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     parts = []
@@ -84,7 +78,7 @@ def all_reduce_max_(layers: Sequence[AttentionLayer], group: dist.ProcessGroup |
     chunks = packed.split(sizes)
     flags = torch.stack([c[-1] for c in chunks]).tolist()  # one host sync for L flags
     for layer, chunk, flag in zip(layers, chunks, flags):
-        target, n = _layer_device(layer), layer.recorder.n_heads
+        target, n = layer.device, layer.recorder.n_heads
         layer.recorder.value = chunk[:n].to(target).clone() if flag > 0 else None
         layer.recorder.exact = chunk[n:2 * n].to(target).clone() if flag > 0 else None
 
@@ -124,4 +118,4 @@ def apply_qk_clip(
     return max_logits, clipped
 
 
-__all__ = ["all_reduce_max_", "apply_qk_clip", "compute_gamma"]
+__all__ = ["all_reduce_max_", "apply_qk_clip", "compute_gamma", "world_size"]

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from ..attention.running_max import MaxLogitRecorder
-from ..distributed.context import local_rows
+from ..common.dtensor import local_rows
 
 GQA_POLICIES = ("per_head", "balanced", "group")
 
@@ -467,6 +467,14 @@ class AttentionLayer:
                 f"attention layer '{self.name}': recorder has {self.recorder.n_heads} heads but the layout "
                 f"has {self.layout.n_heads} query heads"
             )
+
+    @property
+    def device(self) -> torch.device:
+        """Where the layer's maxima live: the recorder's values, else its first weight (CPU if none)."""
+        if self.recorder.value is not None:
+            return self.recorder.value.device
+        params = self.layout.params()
+        return params[0].device if params else torch.device("cpu")
 
 
 __all__ = ["AttentionLayer", "GQALayout", "GQA_POLICIES", "Layout", "MHALayout", "MLALayout", "Rows", "StridedRows",

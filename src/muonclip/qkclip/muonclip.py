@@ -68,7 +68,7 @@ class MuonClip(Muon):
             effect: ``"warn"`` (default: a `muonclip.qkclip.check.QKClipIneffectiveWarning` once
             per layer), ``"raise"`` (a `muonclip.qkclip.check.QKClipIneffectiveError`, on every
             rank at the same step under ``torch.distributed``) or ``"ignore"`` (no check).
-        **muon_kwargs: any keyword of `muonclip.Muon` (momentum, weight_decay, update_scale, ...).
+        **muon_kwargs: any keyword of `muonclip.Muon` (momentum, weight_decay, adjust_lr_fn, ...).
 
     Attributes:
         tau: the threshold (settable; also the threshold of every layer's recorder).
@@ -113,9 +113,9 @@ class MuonClip(Muon):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Optimizer update, then QK-Clip with the maxima recorded since the last step."""
-        skipped = self._skipped_host  # host counter: reading steps_skipped would sync in "mask" mode
+        taken = self.steps_taken  # a skipped step does not count (a masked one does: it runs, undone on the device)
         loss = super().step(closure)
-        if self._skipped_host != skipped:
+        if self.steps_taken == taken:
             for layer in self.layers:
                 layer.recorder.reset()
             self.last_max_logits, self.last_bounded, self.last_clipped = {}, {}, {}
@@ -209,19 +209,22 @@ class MuonClip(Muon):
         for layer in self.layers:
             layer.recorder.threshold = value
 
-    def state_dict(self) -> dict[str, Any]:
-        """Muon's state dict with ``tau`` in its ``"muonclip"`` entry."""
-        sd = super().state_dict()
-        sd["muonclip"]["tau"] = self.tau
-        return sd
+    def _wide_state(self) -> dict[str, Any]:
+        """Muon's optimizer-wide values and ``tau``: a state dict carries them in its first
+        parameter's entry."""
+        return {**super()._wide_state(), "tau": self.tau}
+
+    def _load_wide_state(self, values: dict[str, Any]) -> None:
+        """Muon's counters, and ``tau`` when the loaded state has one."""
+        super()._load_wide_state(values)
+        if values.get("tau") is not None:
+            self.tau = values["tau"]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load Muon's state; restores ``tau`` when the state dict has one; restarts the runtime check."""
+        """`muonclip.Muon.load_state_dict` (``tau`` restored when the state dict has one); the
+        runtime check starts afresh."""
         super().load_state_dict(state_dict)
         self._clip_check.reset()
-        tau = state_dict.get("muonclip", {}).get("tau")
-        if tau is not None:
-            self.tau = tau
 
 
 def _outside_frames() -> int:

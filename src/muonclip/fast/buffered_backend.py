@@ -7,7 +7,7 @@ page-faulted in again on every step (glibc hands large freed blocks back to the 
 backend, for ``"ns5"``, ``"polar_express"`` and ``"gram"`` on CPU tensors:
 
 * keeps the bucket's input and result, and the iteration's temporaries (S, P; Gram's R, Z,
-  Q), in `muonclip.fast.buffers.Buffers` held by the backend object, reused by every bucket
+  Q), in `muonclip.fast.kept_buffers.Buffers` held by the backend object, reused by every bucket
   and every step (scratch, not state: a copy of the optimizer starts without them);
 * normalises the bucket in place and alternates the quintic's steps between it and the result,
   so a call touches two matrix-sized buffers besides S and P instead of a new one per step;
@@ -32,8 +32,8 @@ from torch import Tensor
 from ..ortho import check_method, ns5_schedule, orthogonalize
 from ..ortho.gram import default_restarts, uses_gram
 from ..ortho.newton_schulz import POLAR_EXPRESS_SAFETY, gram, polar_express_coefficients, small_side
-from .buffers import Buffers
 from .chunks import check_chunk, chunk_size
+from .kept_buffers import Buffers
 
 BUFFERED_METHODS = ("ns5", "polar_express", "gram")
 """The methods this backend runs in kept buffers (the others run as the core runs them)."""
@@ -47,7 +47,7 @@ class BufferedBackend:
             or ``"cache"``: cache-sized chunks; `muonclip.fast.chunks`).
 
     Attributes:
-        buffers: the kept `muonclip.fast.buffers.Buffers`.
+        buffers: the kept `muonclip.fast.kept_buffers.Buffers`.
     """
 
     name = "buffered"

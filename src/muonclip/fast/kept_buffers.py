@@ -3,7 +3,7 @@
 glibc returns a freed multi-MB block to the OS when it lies at the top of the heap, so a
 computation that allocates the same large temporaries on every call faults their pages in
 again on every call (the kernel zeroes each 4 KiB page). A `Buffers` object is held by whoever
-runs the same shapes every step (`muonclip.fast.buffered.BufferedBackend`); `Buffers.get` cuts
+runs the same shapes every step (`muonclip.fast.buffered_backend.BufferedBackend`); `Buffers.get` cuts
 each temporary from a buffer kept there for its role and dtype, grown when too small. Tensors
 under `KEEP_BYTES` are allocated as usual (glibc serves them from its heap without faults, and
 a lookup would cost more than it saves), and so is everything off the CPU (a GPU's caching

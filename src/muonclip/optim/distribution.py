@@ -4,20 +4,24 @@ The core optimizer runs a step in one process by itself. When the parameters are
 (FSDP2's ``fully_shard``), or ``torch.distributed`` is initialised with more than one rank (DDP),
 or a process group is given, the step needs a distribution layer: the core asks for the
 registered `Engine` (`engine_for`), which `muonclip.distributed` registers when it is imported
-(``import muonclip`` imports it). The core never imports that layer. If distribution is needed
-and no engine is registered, the step raises: a sharded weight must never be orthogonalised
-shard by shard (a different optimizer, silently).
+(``import muonclip`` imports it). The core never imports that layer. The engine resolves the
+group and checks the layouts (`Engine.context`); a group of one rank then runs the core's own
+step on the rank-local tensors (`Engine.local`), a larger one the engine's (`Engine.muon_step`:
+the exchanges around the core's phases). If distribution is needed and no engine is
+registered, the step raises: a sharded weight must never be orthogonalised shard by shard (a
+different optimizer, silently).
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch.distributed as dist
 from torch import Tensor
+
+from ..common.dtensor import is_dtensor
 
 LOCAL = "local"  # the value of Muon(process_group=...) that turns communication off
 
@@ -74,8 +78,8 @@ class Engine(Protocol):
                   state: dict[Tensor, dict[str, Any]], ctx: Any, *, backend: Any,
                   new_buffer: Callable[[Tensor], Tensor], comm_dtype: Any) -> StepStats:
         """The Muon update of ``items`` (every Muon parameter, with or without a gradient, in
-        optimizer order) over the group of ``ctx``, built from `muonclip.optim.functional`'s
-        phases."""
+        optimizer order) over the group of ``ctx`` (more than one rank), built from
+        `muonclip.optim.functional`'s phases."""
         ...
 
 
@@ -85,13 +89,6 @@ _ENGINES: list[Engine] = []
 def register_engine(engine: Engine) -> None:
     """Make ``engine`` the one the core asks when a step needs several processes."""
     _ENGINES[:] = [engine]
-
-
-def is_dtensor(t: Any) -> bool:
-    """True for a `torch.distributed.tensor.DTensor`, without importing that module (if nobody
-    imported it, no DTensor can exist)."""
-    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    return cls is not None and isinstance(t, cls)
 
 
 def needs_engine(params: Sequence[Tensor], process_group: Any = None) -> bool:
@@ -123,5 +120,4 @@ def engine_for(params: Sequence[Tensor], process_group: Any = None) -> Engine | 
     return _ENGINES[0]
 
 
-__all__ = ["LOCAL", "CommStats", "Engine", "StepStats", "engine_for", "is_dtensor", "needs_engine",
-           "register_engine"]
+__all__ = ["LOCAL", "CommStats", "Engine", "StepStats", "engine_for", "needs_engine", "register_engine"]
