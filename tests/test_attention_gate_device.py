@@ -85,11 +85,20 @@ def test_kernel_edge_cases(device):
         triton_max.triton_max_logits(q.double(), k.double())
 
 
-@pytest.mark.parametrize("name", ["plain", "causal", "padding", "gqa", "negative_bias", "fully_masked_rows"])
+GATE_LAYOUTS = ["plain", "causal", "padding", "gqa", "negative_bias", "fully_masked_rows"]
+INTERPRETED_GATE_LAYOUTS = ["gqa", "fully_masked_rows"]  # the interpreter takes 30-90 s a layout on 2 cores
+
+
+@pytest.mark.parametrize(("device", "name"), [
+    *[("interpreter", name) for name in INTERPRETED_GATE_LAYOUTS],
+    *[pytest.param("cuda", name, marks=needs_cuda) for name in GATE_LAYOUTS],
+], indirect=["device"])
 def test_fused_gate_decides_like_the_exact_path(device, name):
     """The gate fused into the kernel (per block of rows, no host read): heads at 0.2 .. 3 tau get the
     exact path's clip decisions and gammas; bounded heads hold a bound <= tau above the exact max; every
-    other head equals the kernel's exact max bit for bit."""
+    other head equals the kernel's exact max bit for bit. Every layout on CUDA; under the interpreter the
+    two that exercise the kernel's head mapping and its fully masked rows (each layout's exact max is
+    checked under the interpreter by `test_kernel_equals_the_chunked_reference`)."""
     q, k, v, kw = _case(name)
     q = _straddle(q, k, kw)
     if device == "cpu":  # interpreter: the CPU kernel's LSE, the Triton kernel's exact max
