@@ -17,7 +17,7 @@ import torch
 from muonclip.app import memory
 from muonclip.app.config import make_config
 from muonclip.app.main import main
-from muonclip.app.train import build_model
+from muonclip.app.model import build_model
 
 # One process: RSS after importing torch, then the peak RSS (VmHWM) over two training steps
 # and a validation pass of the config given as argv (the CLI's own model, optimizer and step).
@@ -25,7 +25,8 @@ MEASURE = """
 import json, resource, sys
 import torch
 from muonclip.app.config import make_config
-from muonclip.app.train import build_model, build_optimizer, evaluate, forward_loss
+from muonclip.app.model import build_model, build_optimizer
+from muonclip.app.train import evaluate, forward_loss
 
 def rss():
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS:"))

@@ -45,6 +45,7 @@ import torch
 from .config import RunConfig, check_optimizer
 from .data import check_fits, corpus_warnings, load_corpus
 from .memory import check_memory
+from .model import build_model
 from .report import (
     clip_audit,
     clip_audit_markdown,
@@ -59,9 +60,9 @@ from .report import (
     stability_markdown,
     write_summary,
 )
+from .runfolder import OutputError, check_writable, inspect_folder
 from .runner import RunSpec, run_all
 from .sweep import budget_steps, tune
-from .train import OutputError, build_model, check_out_dir
 
 EFFICIENCY = ("adamw", "muon")
 
@@ -142,9 +143,12 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = 
         cfg = dataclasses.replace(cfg, threads=max(1, cores // jobs))
     for o in {*optimizers, *(("muon", "muonclip") if cfg.stability_steps else ())}:
         check_memory(cfg, o, torch.device("cpu"), ranks_here=jobs, sharing="runs at a time")
-    check_out_dir(out_dir, resume=False)
+    if inspect_folder(out_dir).kind == "run":
+        raise OutputError(f"--out {out_dir} already holds a run of muonclip train; choose a new folder for the "
+                          "comparison")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise OutputError(f"--out {out_dir} is not empty; choose a new folder so nothing is overwritten")
+    check_writable(out_dir)
     corpus = load_corpus(cfg.data, cfg.val_fraction)
     check_fits(corpus, cfg.batch_size, cfg.block_size)
     longest = max([budget_steps(cfg, b) for b in cfg.budgets] + [cfg.stability_steps])

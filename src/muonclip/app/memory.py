@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from .config import RunConfig
+from .config import RunConfig, model_config
 
 ALLOCATOR_FACTOR = 2.0  # peak RSS over the live bytes of heap-allocated activations (measured 2.0-2.2)
 MMAP_BYTES = 32 * 2**20  # glibc's largest mmap threshold: larger blocks go back to the system when freed
@@ -73,7 +73,7 @@ def _parameter_counts(cfg: RunConfig) -> tuple[int, int, int]:
     """(all parameters, those of Muon's hidden matrices, the largest hidden matrix), counted on
     a model built on the meta device."""
     from ..optim import param_groups
-    from .train import build_model
+    from .model import build_model
 
     state = torch.random.get_rng_state()  # build_model seeds the global generator
     try:
@@ -90,8 +90,6 @@ def activation_widths(cfg: RunConfig) -> tuple[list[int], int]:
     """(the widths, in floats per token, of the tensors one layer keeps for the backward pass;
     the floats of one layer's ``heads x T x T`` scores per sequence, 0 for fused attention) of
     the reference GPT of ``cfg``."""
-    from .train import model_config
-
     g = model_config(cfg)
     C, H = g.n_embd, g.n_head
     widths = [C] * 4  # ln_1 in/out, ln_2 in/out
@@ -188,7 +186,7 @@ def _largest_fitting(cfg: RunConfig, optimizer: str, name: str, available: int, 
 
 
 def check_memory(cfg: RunConfig, optimizer: str, device: torch.device, *, world_size: int = 1,
-                 fsdp: bool = False, ranks_here: int = 1, sharing: str = "ranks") -> StepMemory:
+                 fsdp: bool = False, ranks_here: int = 1, sharing: str = "ranks", corpus_bytes: int = 0) -> StepMemory:
     """Raise a ValueError naming the setting to lower when one step of the run cannot fit in
     `available_memory` (nothing is checked where that cannot be read); return the estimate.
 

@@ -111,6 +111,16 @@ def list_documents(path: str | Path | None) -> list[Path]:
     return files
 
 
+def corpus_size(path: str | Path | None) -> int:
+    """Bytes of the files of the corpus at ``path`` (`list_documents`; None: the built-in plays),
+    as stored: what `load_corpus` will read.
+
+    Raises:
+        DataError: as `list_documents`.
+    """
+    return sum(f.stat().st_size for f in list_documents(path))
+
+
 def read_document(file: Path) -> str:
     """A file's text (UTF-8), Markdown stripped for ``.md`` files.
 
@@ -210,6 +220,7 @@ __all__ = [
     "DataError",
     "VOCAB_SIZE",
     "builtin_corpus_dir",
+    "corpus_size",
     "decode",
     "encode",
     "list_documents",
