@@ -30,8 +30,10 @@ functions of it (`device`) or flags of the command (``fsdp``). What changes when
   under torchrun too;
 * the ranks check that they agree before any work (`check_same_everywhere`: the config, the
   optimizer, the flags and ``--out``), and every collective waits at most ``--timeout`` seconds
-  (`DEFAULT_TIMEOUT`), so a rank that stops answering ends the job in bounded time (torch's
-  ``DistError``; the command exits with code 4) instead of blocking the others;
+  (`DEFAULT_TIMEOUT`), so a rank that stops answering ends the job in bounded time instead of
+  blocking the others: the ranks that wait give up after ``--timeout`` (exit code 4,
+  `is_collective_failure`), and torchrun kills the silent rank after its own shutdown timeout
+  (``--shutdown-timeout``, 30 s by default);
 * each worker dies with its launcher (`die_with_parent`): if torchrun itself is killed, its
   workers get SIGKILL from the kernel instead of training on, orphaned.
 """
@@ -78,6 +80,20 @@ def die_with_parent() -> bool:
     if os.getppid() != parent:  # the parent died before the request took effect
         os.kill(os.getpid(), signal.SIGKILL)
     return True
+
+
+def is_collective_failure(e: BaseException) -> bool:
+    """True when ``e`` is a collective operation of a multi-rank launch that failed because another
+    rank did not answer within the timeout or died: torch's ``DistError`` family, or the plain
+    ``RuntimeError`` that gloo raises ("Timed out waiting ... for recv", "Connection closed by
+    peer"). False in one process."""
+    if not launched_by_torchrun() or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return False
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(s in text for s in (
+        "Timed out", "timed out", "Connection closed by peer", "Connection reset by peer", "Broken pipe"))
 
 
 def launched_by_torchrun() -> bool:
@@ -327,5 +343,6 @@ def check_same_everywhere(values: dict[str, Any], ctx: GroupContext) -> None:
 __all__ = [
     "DEFAULT_TIMEOUT", "LAUNCH_HINT", "SINGLE", "RankFailed", "agree", "all_gather_text", "all_max", "all_mean",
     "all_sum", "barrier", "check_batch", "check_same_everywhere", "check_timeout", "current_group", "data_parallel",
-    "device", "die_with_parent", "is_active", "launched_by_torchrun", "mode", "rank_rows", "session", "wrap_model",
+    "device", "die_with_parent", "is_active", "is_collective_failure", "launched_by_torchrun", "mode", "rank_rows",
+    "session", "wrap_model",
 ]

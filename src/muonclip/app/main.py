@@ -27,13 +27,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from ..distributed.checkpoint import CheckpointError
 from .checkpoints import read_checkpoint
 from .config import OPTIMIZERS, PRESETS, RunConfig, apply_overrides, make_config
 from .data import DataError
-from .launch import DEFAULT_TIMEOUT, LAUNCH_HINT, is_active, launched_by_torchrun, mode, session
+from .launch import (
+    DEFAULT_TIMEOUT,
+    LAUNCH_HINT,
+    is_active,
+    is_collective_failure,
+    launched_by_torchrun,
+    mode,
+    session,
+)
 from .runfolder import OutputError, check_run_folder
 from .train import Interrupted, NonFiniteLossError
 
@@ -216,7 +222,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not _quiet_rank():
             print(f"muonclip: error: {e}", file=sys.stderr)
         return EXIT_INPUT
-    except dist.DistError as e:  # a collective timed out (--timeout) or a peer died
+    except RuntimeError as e:  # under torchrun: a collective timed out (--timeout) or a peer died
+        if not is_collective_failure(e):
+            raise
         print(f"\nmuonclip: error: rank {os.environ.get('RANK', '0')}: another rank stopped answering or died "
               f"(a collective operation failed: {str(e).splitlines()[0][:300]}); the run stopped, its last checkpoint "
               "is intact. Continue with --resume once every rank can run", file=sys.stderr)
