@@ -403,3 +403,74 @@ def test_summary_marks_max_logits_that_are_lse_bounds():
     assert "| ≤ 7.5 (1.00x) |" in table
     row["peak_after_first_clip_is_bound"] = [False, True]
     assert "| 7.5 (1.00x) |" in stability_markdown({"tau": 7.5, "seeds": [0, 1], "table": [row]})
+
+
+def test_bad_options_exit_2_naming_the_option(tmp_path, capsys, text):
+    """On the old code: --tp 0 was a ZeroDivisionError (exit 1) and a seed past 64 bits 'Overflow when
+    unpacking long long' (no option named)."""
+    out = tmp_path / "run"
+    base = ["train", *TINY, "--data", text, "--steps", "2", "--out", str(out)]
+    _bad(capsys, [*base, "--tp", "0"], "--tp must be a whole number of ranks >= 1, got 0")
+    _bad(capsys, [*base, "--seed", str(10**23)], "seed (--seed) must be a whole number from 0 to 2**62 - 1")
+    _bad(capsys, [*base, "--timeout", "0"], "--timeout must be a number of seconds > 0")
+    assert not out.exists()
+
+
+def test_too_many_threads_exit_2_naming_the_option(tmp_path):
+    """--threads 100000 crashed the thread pool (a segfault, exit 139, on the old code: so in a subprocess)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "muonclip.app", "train", "--preset", "tiny", "--quiet", "--steps", "2",
+                           "--threads", "100000", "--out", str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert f"--threads 100000: this machine has {os.cpu_count()} cores" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_full_disk_during_a_save_exits_2_and_keeps_the_last_checkpoint(tmp_path, capsys, text, monkeypatch):
+    """ENOSPC from the second checkpoint's write (as a 600 KB tmpfs gives it: torch.save's zip writer
+    then raises a RuntimeError over the OSError): exit 2 naming --out and the cause, the checkpoint of
+    step 2 kept and verified, no temporary left. On the old code: a traceback, exit 1."""
+    import muonclip.app.checkpoints as ckpt
+    from muonclip.app.checkpoints import verify
+
+    real, calls = ckpt.torch.save, {"n": 0}
+
+    def full_disk(obj, f, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            try:
+                raise OSError(28, "No space left on device")
+            except OSError:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos") from None
+        return real(obj, f, *a, **k)
+
+    monkeypatch.setattr(ckpt.torch, "save", full_disk)
+    out = tmp_path / "run"
+    _bad(capsys, ["train", *TINY, "--data", text, "--steps", "6", "--set", "checkpoint_every=2", "--out", str(out)],
+         f"--out {out}: cannot write the checkpoint of step 4 (No space left on device); the checkpoint of step 2 "
+         "is kept")
+    found = read_checkpoint(out)
+    verify(found)
+    assert found.step == 2 and sorted(p.name for p in out.iterdir()) == [
+        ".lock", "checkpoint-step2.pt", "checkpoint.json", "config.json", "metrics.csv", "metrics.jsonl"]
+    monkeypatch.undo()
+    assert main(["train", "--quiet", "--out", str(out), "--resume"]) == 0
+    assert [r["step"] for r in read_rows(out)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_damaged_metrics_line_on_resume_names_the_file(tmp_path, capsys, text):
+    """A torn last line (a write cut by a kill) is skipped; a bad line elsewhere is exit 2 naming the
+    file and line (on the old code: exit 2 with only json's message, no file)."""
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--data", text, "--steps", "3", "--out", str(out)]) == 0
+    jsonl = out / "metrics.jsonl"
+    jsonl.write_text(jsonl.read_text() + '{"step": 4, "loss": 2.')  # torn
+    assert main(["train", "--quiet", "--out", str(out), "--resume", "--steps", "4"]) == 0
+    assert [r["step"] for r in read_rows(out)] == [1, 2, 3, 4]
+    lines = jsonl.read_text().splitlines()
+    jsonl.write_text("\n".join([lines[0], "garbage", *lines[1:]]) + "\n")
+    _bad(capsys, ["train", "--quiet", "--out", str(out), "--resume", "--steps", "5"],
+         f"{jsonl}, line 2, is not a metrics row")

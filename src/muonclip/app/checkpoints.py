@@ -278,7 +278,10 @@ def _free_name(folder: Path, step: int, suffix: str, avoid: str | None) -> str:
 
 def _write_failed(folder: Path, step: int, previous: Checkpoint | None, e: BaseException) -> OutputError:
     kept = f"the checkpoint of step {previous.step} is kept" if previous else "no earlier checkpoint exists"
-    reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    cause: BaseException | None = e
+    while cause is not None and not isinstance(cause, OSError):  # torch.save reports a full disk as a
+        cause = cause.__context__  # RuntimeError of its zip writer, raised while handling the OSError
+    reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(e).splitlines()[0]
     return OutputError(f"--out {folder}: cannot write the checkpoint of step {step} ({reason}); {kept}. "
                        "Free space or fix the folder, then continue with --resume")
 
@@ -335,7 +338,7 @@ def save_checkpoint(folder: str | Path, model: nn.Module, optimizer: torch.optim
             save_file(folder / name, {"step": step, "model": model.state_dict(), "optim": optimizer.state_dict(),
                                       "rng": rng})
             files = {name: file_digest(folder / name)}
-        except OSError as e:
+        except (OSError, RuntimeError) as e:  # RuntimeError: torch.save's zip writer on a full disk
             error = e
     ckpt = Checkpoint(folder, "sharded" if sharded else "file", name, step, meta["optimizer"], meta["config"],
                       RunIdentity.from_dict(meta["run"]), dict(meta.get("extra") or {}), model_shapes(model), files)

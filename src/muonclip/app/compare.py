@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from .config import RunConfig, check_optimizer
-from .data import check_fits, corpus_warnings, load_corpus
+from .data import check_fits, corpus_size, corpus_warnings, load_corpus
 from .memory import check_memory
 from .model import build_model
 from .report import (
@@ -63,6 +63,7 @@ from .report import (
 from .runfolder import OutputError, check_writable, inspect_folder
 from .runner import RunSpec, run_all
 from .sweep import budget_steps, tune
+from .train import check_threads
 
 EFFICIENCY = ("adamw", "muon")
 
@@ -139,10 +140,12 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = 
     jobs = cores if jobs is None else jobs
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
+    check_threads(cfg.threads)
     if not cfg.threads:
         cfg = dataclasses.replace(cfg, threads=max(1, cores // jobs))
     for o in {*optimizers, *(("muon", "muonclip") if cfg.stability_steps else ())}:
-        check_memory(cfg, o, torch.device("cpu"), ranks_here=jobs, sharing="runs at a time")
+        check_memory(cfg, o, torch.device("cpu"), ranks_here=jobs, sharing="runs at a time",
+                     corpus=corpus_size(cfg.data))  # every worker reads its own copy
     if inspect_folder(out_dir).kind == "run":
         raise OutputError(f"--out {out_dir} already holds a run of muonclip train; choose a new folder for the "
                           "comparison")

@@ -286,14 +286,14 @@ class Place:
         return device(self.ctx)
 
 
-def _check_memory(cfg: RunConfig, optimizer: str, place: Place, corpus_bytes: int) -> None:
+def _check_memory(cfg: RunConfig, optimizer: str, place: Place, corpus: tuple[int, int]) -> None:
     """`muonclip.app.memory.check_memory` on every rank; under torchrun all ranks stop together
     (one all-reduce) when one of them has too little memory, rank 0 with the message."""
     dev = place.dev
     try:
         check_memory(cfg, optimizer, dev, world_size=place.ctx.world_size, fsdp=place.fsdp,
                      ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if dev.type == "cpu" else 1,
-                     corpus_bytes=corpus_bytes)
+                     corpus=corpus)
         short: ValueError | None = None
     except ValueError as e:
         short = e
@@ -322,7 +322,7 @@ def check_inputs(cfg: RunConfig, optimizer: str, run_dir: Path, place: Place, *,
         _check_memory(cfg, optimizer, place, corpus_size(cfg.data))
         corpus = load_corpus(cfg.data, cfg.val_fraction)
     else:
-        _check_memory(cfg, optimizer, place, 0)  # the caller's corpus is already in memory
+        _check_memory(cfg, optimizer, place, (0, 0))  # the caller's corpus is already in memory
     check_fits(corpus, cfg.batch_size, cfg.block_size)
     digest = corpus_digest(corpus.train, corpus.val)
     check_same_everywhere({"data_sha256": digest}, place.ctx)
@@ -534,9 +534,18 @@ class Records:
                                 enabled=progress and place.main)
 
     def write(self, row: dict[str, Any], last_val_loss: float | None) -> None:
-        """Record one step's row (metrics files, TensorBoard, the progress bar)."""
+        """Record one step's row (metrics files, TensorBoard, the progress bar).
+
+        Raises:
+            OutputError: the metrics cannot be written (e.g. a full disk).
+        """
         if self.writer is not None:
-            self.writer.write(row)
+            try:
+                self.writer.write(row)
+            except OSError as e:
+                raise OutputError(f"--out {self.writer.dir}: cannot write the metrics of step {row['step']} "
+                                  f"({e.strerror or e}); the last checkpoint is intact: free space and continue "
+                                  "with --resume") from None
         if self.tb is not None:
             self.tb.write(row)
         shown = f"loss {row['loss']:.4f}"
