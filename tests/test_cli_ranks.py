@@ -19,10 +19,14 @@ TINY = ["--preset", "tiny", "--quiet", "--set", "checkpoint_every=1000"]
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="finds the workers in Linux's /proc")
 
 # torchrun runs one command on every rank; this one adds per-rank arguments from MUONCLIP_TEST_RANK<r>
+# and gives rank r a machine of MUONCLIP_TEST_CORES<r> cores
 PER_RANK = """
 import os, shlex, sys
 from muonclip.app.main import main
 extra = shlex.split(os.environ.get("MUONCLIP_TEST_RANK" + os.environ["RANK"], ""))
+cores = os.environ.get("MUONCLIP_TEST_CORES" + os.environ["RANK"])
+if cores:
+    os.cpu_count = lambda: int(cores)
 sys.exit(main(sys.argv[1:] + extra))
 """
 
@@ -105,6 +109,22 @@ def test_ranks_launched_with_different_settings_stop_before_any_work(tmp_path, t
     assert f"rank 1 has out='{other}' where rank 0 has '{out}'" in err
     assert "exitcode  : 2" in err and "exitcode  : 1" not in err  # every rank: bad input
     assert not out.exists() and not other.exists()
+
+
+def test_a_check_that_fails_on_one_rank_only_stops_every_rank(tmp_path, text):
+    """The same settings everywhere, but rank 1's machine has 1 core and --threads is 2: every rank
+    exits with 2, rank 0 printing rank 1's message, nothing written. (On the old code rank 0 went on
+    alone and its next collective failed: "rank 0: another rank stopped answering or died".)"""
+    out = tmp_path / "run"
+    proc = launch(tmp_path, ["train", *TINY, "--data", text, "--steps", "2", "--out", str(out), "--threads", "2",
+                             "--timeout", "60"], env={"MUONCLIP_TEST_CORES0": "2", "MUONCLIP_TEST_CORES1": "1"})
+    try:
+        _, err = proc.communicate(timeout=240)
+    finally:
+        stop(proc)
+    assert "muonclip: error: rank 1: --threads 2: this machine has 1 cores" in err, err
+    assert "exitcode  : 2" in err and "exitcode  : 1" not in err and "exitcode  : 4" not in err
+    assert not out.exists()
 
 
 def test_a_stopped_rank_ends_the_job_after_the_timeout(tmp_path, text):

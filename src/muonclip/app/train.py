@@ -287,45 +287,50 @@ class Place:
 
 
 def _check_memory(cfg: RunConfig, optimizer: str, place: Place, corpus: tuple[int, int]) -> None:
-    """`muonclip.app.memory.check_memory` on every rank; under torchrun all ranks stop together
-    (one all-reduce) when one of them has too little memory, rank 0 with the message."""
+    """`muonclip.app.memory.check_memory` for this process (its device, the ranks that share this
+    machine's memory, the corpus files' ``(total, largest)`` bytes)."""
     dev = place.dev
-    try:
-        check_memory(cfg, optimizer, dev, world_size=place.ctx.world_size, fsdp=place.fsdp,
-                     ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if dev.type == "cpu" else 1,
-                     corpus=corpus)
-        short: ValueError | None = None
-    except ValueError as e:
-        short = e
-    if place.active and all_max([float(short is not None)], place.ctx)[0] > 0:
-        raise short or ValueError("another rank has too little memory for one training step; see rank 0's message")
-    if short is not None:
-        raise short
+    check_memory(cfg, optimizer, dev, world_size=place.ctx.world_size, fsdp=place.fsdp,
+                 ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if dev.type == "cpu" else 1,
+                 corpus=corpus)
 
 
 def check_inputs(cfg: RunConfig, optimizer: str, run_dir: Path, place: Place, *, resume: bool,
                  corpus: Corpus | None, warn: bool) -> tuple[Corpus, str]:
-    """Stage 1 of `train_run` (nothing is written): the config, ``--threads``, the ranks'
-    agreement on every setting and on the data, the batch split, the memory estimate (corpus
-    included), the corpus. Returns the corpus and its SHA-256 (`corpus_digest`).
+    """Stage 1 of `train_run` (nothing is written): the ranks' agreement on every setting, the
+    config, ``--threads``, the batch split, the memory estimate (corpus included), the corpus,
+    the ranks' agreement on the data. Returns the corpus and its SHA-256 (`corpus_digest`).
+
+    Every rank has the same settings (checked first), but each machine has its own cores, memory
+    and files: every check after that one ends in `muonclip.app.launch.agree`, so that all ranks
+    stop together, rank 0 naming the first failing rank's problem.
 
     Raises:
         ValueError, DataError: bad input; under torchrun, on every rank.
     """
-    check_optimizer(optimizer)
-    cfg.validate()
-    check_threads(cfg.threads)
+    ctx = place.ctx
     check_same_everywhere({**cfg.to_dict(), "optimizer": optimizer, "resume": resume, "fsdp": place.fsdp,
-                           "tp": place.tp, "out": os.path.abspath(run_dir)}, place.ctx)
-    check_batch(cfg.batch_size, place.ctx, place.tp)
-    if corpus is None:
-        _check_memory(cfg, optimizer, place, corpus_size(cfg.data))
-        corpus = load_corpus(cfg.data, cfg.val_fraction)
-    else:
-        _check_memory(cfg, optimizer, place, (0, 0))  # the caller's corpus is already in memory
-    check_fits(corpus, cfg.batch_size, cfg.block_size)
+                           "tp": place.tp, "out": os.path.abspath(run_dir)}, ctx)
+    error: ValueError | None = None
+    try:
+        check_optimizer(optimizer)
+        cfg.validate()
+        check_threads(cfg.threads)
+        check_batch(cfg.batch_size, ctx, place.tp)
+        # the corpus is counted before it is read; a caller's corpus is in memory already
+        _check_memory(cfg, optimizer, place, corpus_size(cfg.data) if corpus is None else (0, 0))
+    except ValueError as e:  # DataError too
+        error = e
+    agree(error, ctx)
+    try:
+        if corpus is None:
+            corpus = load_corpus(cfg.data, cfg.val_fraction)
+        check_fits(corpus, cfg.batch_size, cfg.block_size)
+    except ValueError as e:
+        error = e
+    agree(error, ctx)
     digest = corpus_digest(corpus.train, corpus.val)
-    check_same_everywhere({"data_sha256": digest}, place.ctx)
+    check_same_everywhere({"data_sha256": digest}, ctx)
     if warn and place.main:
         for warning in corpus_warnings(corpus, steps=cfg.steps, batch_size=cfg.batch_size, block_size=cfg.block_size):
             print(f"muonclip: warning: {warning}", file=sys.stderr)
