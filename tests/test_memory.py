@@ -68,9 +68,9 @@ def test_estimate_counts_the_tensors_a_step_allocates(optimizer, sets, corpus):
     """The tensors the estimate counts (parameters, gradients, optimizer state, activations,
     attention scores) cover the peak of the tensors torch allocates for building the model and
     the optimizer, two real steps and a validation pass (one thread), and are at most twice it
-    (1.06-1.42 times it over the six configs of `benchmarks/bench_memory.py`). What the process holds beyond its tensors
-    (the kernels' code and workspaces, the heap's slack) depends on the machine; the estimate's
-    fixed part and margin for it are measured by that script (docs/benchmarks.md)."""
+    (1.06-1.42 times it over the six configs of `benchmarks/bench_memory.py`). What the process
+    holds beyond its tensors (the kernels' code and workspaces, the heap's slack) depends on the
+    machine; that script measures it, for the estimate's fixed part and margin (docs/benchmarks.md)."""
     from muonclip.app.data import train_batch
     from muonclip.app.model import build_optimizer
     from muonclip.app.train import evaluate, forward_loss
