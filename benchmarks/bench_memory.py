@@ -17,7 +17,7 @@ and the optimizer, two training steps, a validation pass.
   over it. That ratio does not depend on the machine's kernels; ``tests/test_memory.py``
   checks it.
 
-Usage: ``python benchmarks/bench_memory.py`` (about a minute on 2 cores).
+Usage: ``python benchmarks/bench_memory.py`` (a few minutes: twelve fresh processes).
 """
 
 from __future__ import annotations
