@@ -101,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --sweep: comma-separated warm-up lengths to tune too (default: the config's)")
     c.add_argument("--sweep-seeds", type=int, default=2, metavar="N", help="with --sweep: seeds per point (default 2)")
     t = sub.add_parser("train", help="train with one optimizer, with checkpoints and --resume",
-                       description="Train the GPT with one optimizer. Writes metrics.jsonl/.csv and checkpoint.pt "
-                                   "to --out (default out/train-<optimizer>-<time>).")
+                       description="Train the GPT with one optimizer. Writes config.json, metrics.jsonl/.csv and "
+                                   "checkpoints (checkpoint.json names the current one) to --out (default "
+                                   "out/train-<optimizer>-<time>).")
     _common(t)
     t.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="default: muonclip (on resume: the run's)")
     t.add_argument("--lr", type=float, help="peak learning rate of the chosen optimizer")
