@@ -49,12 +49,21 @@ def _args(kw):
     return kw.get("attn_mask"), kw.get("is_causal", False), kw.get("scale"), kw.get("enable_gqa", False)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", CASES)
+INTERPRETED_BF16_LAYOUTS = ["padding", "mla"]  # bfloat16 input under the interpreter: two layouts suffice
+
+
+@pytest.mark.parametrize(("device", "name", "dtype"), [
+    *[("interpreter", name, torch.float32) for name in CASES],
+    *[("interpreter", name, torch.bfloat16) for name in INTERPRETED_BF16_LAYOUTS],
+    *[pytest.param("cuda", name, dtype, marks=needs_cuda) for name in CASES for dtype in (torch.float32, torch.bfloat16)],
+], indirect=["device"])
 def test_kernel_equals_the_chunked_reference(device, name, dtype):
     """Every layout (masks boolean / additive / finfo.min, fully masked rows, causal with Tq != Tk, GQA,
     MLA's scale): the kernel's per-head max equals `chunked_max_logits` on the same tensors (float32
-    accumulation of the same products in another order: to float32 round-off of the scores)."""
+    accumulation of the same products in another order: to float32 round-off of the scores). On CUDA
+    every layout in float32 and bfloat16; under the interpreter every layout in float32 and two in
+    bfloat16 (the dtype enters the kernel through its loads and the products' input type only, not
+    through the mask or layout logic)."""
     q, k, v, kw = _moved(_case(name), device, dtype)
     q = _straddle(q.float(), k.float(), kw).to(dtype)
     ref = chunked_max_logits(q, k, *_args(kw))
