@@ -47,8 +47,8 @@ def _active(module: nn.Module, layer: str, attr: str) -> str:
         active = [active]
     if len(active) != 1:
         raise ValueError(
-            f"attention layer '{layer}': projection '{attr}' has {len(active)} active adapters ({list(active)}); QK-Clip "
-            "scales the rows of one adapter's projection. Activate one (peft_model.set_adapter(name))."
+            f"attention layer '{layer}': projection '{attr}' has {len(active)} active adapters ({list(active)}); "
+            "QK-Clip scales the rows of one adapter's projection. Activate one (peft_model.set_adapter(name))."
         )
     return active[0]
 

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..ortho import orthogonalize
+from ..ortho import run_method
 from .buckets import Bucket, Results
 from .matrices import MatrixSpec
 
@@ -98,7 +98,7 @@ def muon_update(
     """
     momentum_(momentum_buffer, grad, momentum)
     V = muon_input(grad, momentum_buffer, momentum, nesterov, out=torch.empty_like(grad, dtype=dtype))
-    O = orthogonalize(V, method, steps, dtype, eps=eps, coefficients=coefficients)
+    O = run_method(V, method, steps, dtype, eps=eps, coefficients=coefficients)
     apply_update_(param, O, lr=lr, weight_decay=weight_decay, scale=scale)
 
 
