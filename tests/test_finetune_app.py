@@ -42,7 +42,7 @@ def test_the_held_out_genre_is_disjoint_from_pre_training(corpora):
     pre, target = corpora
     assert "histories" in target.source and "histories" not in pre.source
     assert pre.n_documents + target.n_documents == 38 and target.n_documents == 11
-    probe = "KING HENRY".encode()  # a history's speaker; in no other genre's training text
+    probe = b"KING HENRY"  # a history's speaker; in no other genre's training text
     assert probe in bytes(target.train.tolist()) and probe not in bytes(pre.train.tolist())
 
 

@@ -19,8 +19,8 @@ Protocol (every size from the `RunConfig`, so ``--set`` scales it):
    default).
 3. **Rates, bracketed.** Each method's peak rate is tuned on seed ``seed`` by the fine-tuned
    validation loss over a 5-point grid at ratio 2 (`muonclip.app.sweep.bracket`: extended past
-   whichever edge holds the best until it is inside, at most `MAX_EXTENSIONS` rates), then every method runs ``seeds`` seeds at
-   its rate (a seed fixes the batch order and LoRA's initial A).
+   whichever edge holds the best until it is inside, at most `MAX_EXTENSIONS` rates), then every
+   method runs ``seeds`` seeds at its rate (a seed fixes the batch order and LoRA's initial A).
 4. **Measured** after fine-tuning, on fixed validation batches: the loss on the held-out genre's
    validation text (what fine-tuning is for) and on the pre-training genres' validation text
    (forgetting: its rise over the pre-trained model's loss).
@@ -140,7 +140,8 @@ def _optimizer(method: str, model: nn.Module, lr: float, cfg: RunConfig) -> torc
             [{"params": [p for p in trainable if p.ndim >= 2], "weight_decay": cfg.weight_decay},
              {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
     if method in ("muon-full", "lora-muon"):
-        return Muon(param_groups(model), lr=lr, weight_decay=cfg.weight_decay, orth_dtype=getattr(torch, cfg.orth_dtype))
+        return Muon(param_groups(model), lr=lr, weight_decay=cfg.weight_decay,
+                    orth_dtype=getattr(torch, cfg.orth_dtype))
     raise ValueError(f"unknown fine-tuning method {method!r}; choose one of {METHODS}")
 
 
@@ -267,8 +268,8 @@ def compare_finetune(cfg: RunConfig, out_dir: str | Path, *, progress: bool = Tr
         return losses
 
     tuned: dict[str, Any] = {}
+    seed0 = protocol.seeds[0]
     for m in METHODS:
-        seed0 = protocol.seeds[0]
         b = bracket(lambda rates, m=m: [run(m, r, seed0)["finetune"] for r in rates],
                     log_grid(CENTERS[m], 5, GRID_RATIO), ratio=GRID_RATIO, max_extensions=MAX_EXTENSIONS)
         tuned[m] = {"lr": b.best, "bracketed": b.inside, "notes": b.notes,
