@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[cli,dev,hf,lightning,tensorboard,torchtitan,docs]"
+	$(BIN)/python -m pip install -q -e ".[cli,dev,hf,lightning,tensorboard,torchtitan,peft,trl,docs]"
 	touch $(STAMP)
 
 compare: $(STAMP)

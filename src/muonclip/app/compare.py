@@ -25,6 +25,8 @@ The runs go in ``jobs`` worker processes at a time (default: one per core, one t
     <out>/val_loss.png, budget.png, max_logit.png, clip_events.png
     <out>/summary.md, summary.json               both tables and the reading (muonclip.app.report)
 
+``--preset finetune`` runs the fine-tuning protocol of `muonclip.app.finetune` instead.
+
 MuonClip with the default ``tau`` (100) never clips in the efficiency runs (the max logit stays
 far below it), so its run there would be Muon's step for step; it runs only where the clip acts.
 """
@@ -129,6 +131,10 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = 
             `muonclip.app.memory`); nothing written.
         NonFiniteLossError, Interrupted: from a run (see `muonclip.app.train`).
     """
+    if cfg.preset == "finetune":  # another protocol: muonclip.app.finetune
+        from .finetune import compare_finetune
+
+        return compare_finetune(cfg, out_dir, progress=progress)
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
     cfg.validate()

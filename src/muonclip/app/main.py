@@ -199,7 +199,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("out") / f"compare-{cfg.preset}-{_stamp()}"
     _, printed = compare(cfg, out, optimizers=optimizers, jobs=args.jobs, sweep=sweep, progress=not args.quiet)
     print(printed)
-    print(f"\nreport: {out}/summary.md and the plots in {out}")
+    print(f"\nreport: {out}/summary.md" + ("" if cfg.preset == "finetune" else f" and the plots in {out}"))
     return 0
 
 

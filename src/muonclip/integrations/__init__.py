@@ -43,13 +43,14 @@ def __getattr__(name: str) -> Any:
 
 
 def hf_layers(model: nn.Module) -> list[AttentionLayer] | None:
-    """`muonclip.integrations.hf.attach` for a transformers ``PreTrainedModel``, else None
-    (transformers is imported only when it already is: a transformers model means it is)."""
+    """`muonclip.integrations.hf.attach` for a transformers ``PreTrainedModel`` or a module holding
+    one (a peft ``PeftModel`` / ``LoraModel``, a user's wrapper), else None (transformers is
+    imported only when it already is: a transformers model means it is)."""
     if "transformers" not in sys.modules:
         return None
     from transformers import PreTrainedModel
 
-    if not isinstance(model, PreTrainedModel):
+    if not any(isinstance(m, PreTrainedModel) for m in model.modules()):
         return None
     from .hf import attach
 

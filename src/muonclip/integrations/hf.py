@@ -12,6 +12,9 @@ Everything muonclip does with transformers lives in the ``hf*`` modules of this 
   head layout.
 * `muonclip.integrations.hf_callback` — `MuonClipTrainerCallback`, MuonClip's figures in the
   Trainer's logs.
+* `muonclip.integrations.hf_trainer` — `trainer_optimizer`: the Trainer's (and TRL's)
+  ``optimizer_cls_and_kwargs`` for `muonclip.MuonClip` / `muonclip.Muon`.
+* `muonclip.integrations.hf_adapters` — peft adapters on q/k: which tensor QK-Clip scales.
 * this module — `attach` / `detach`: finding a model's attention layers and switching the
   model to the function; every public name of the others is importable from here too.
 
@@ -95,6 +98,7 @@ from .hf_attention import (
 from .hf_callback import MuonClipTrainerCallback
 from .hf_check import AttentionMismatchError, ForwardCheck
 from .hf_layouts import Layout, attention_modules, layout_of, mixers_without_attention
+from .hf_trainer import TrainerArgumentsWarning, trainer_optimizer
 
 PACKING_HOOK_ATTR = "muonclip_packing_hook"
 """Attribute of a switched ``PreTrainedModel`` holding its packed-batch forward pre-hook."""
@@ -254,7 +258,9 @@ def attach(model: nn.Module, *, gqa_policy: str = "per_head", verify_attention: 
 
     Args:
         model: a transformers ``PreTrainedModel`` (e.g. ``LlamaForCausalLM``, ``GptOssForCausalLM``,
-            ``DeepseekV3ForCausalLM`` built from a config or loaded), or any module containing one.
+            ``DeepseekV3ForCausalLM`` built from a config or loaded), or any module containing one
+            (a peft ``PeftModel``: the layers are found through the wrapper, and a DoRA / LoRA /
+            ``modules_to_save`` projection gives the rows of `muonclip.integrations.hf_adapters`).
         gqa_policy: `GQALayout` policy for layers with fewer key than query heads: ``"per_head"``
             (default, exact), ``"balanced"`` or ``"group"`` (see `GQALayout`). To use another
             policy with `MuonClip`, pass ``MuonClip(model, layers=attach(model, gqa_policy=...))``.
@@ -346,6 +352,6 @@ def detach(model: nn.Module, attn_implementation: str = "sdpa") -> None:
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "KEYWORDS", "OFF_ONLY", "RECORDER_ATTR", "AttachReport", "AttentionMismatchError",
-    "ForwardCheck", "MuonClipTrainerCallback", "attach", "attach_report", "detach", "muonclip_attention_forward",
-    "register",
+    "ForwardCheck", "MuonClipTrainerCallback", "TrainerArgumentsWarning", "attach", "attach_report", "detach",
+    "muonclip_attention_forward", "register", "trainer_optimizer",
 ]

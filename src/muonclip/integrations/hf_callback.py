@@ -7,7 +7,9 @@ accumulation has run its forward pass, so the clip sees the max logits of all of
 callback adds, on every training log (every ``logging_steps``), the figures of
 `muonclip.integrations.stats` with the prefix ``"muonclip/"``: ``max_logit``,
 ``clipped_heads``, ``clipped_fraction`` and ``update_rms`` of the last optimizer step, and
-``max_logit_peak`` since the previous log; per layer with ``per_layer=True``. They land in
+``max_logit_peak`` since the previous log; per layer with ``per_layer=True``. At the start of
+training it warns when ``TrainingArguments.learning_rate`` / ``weight_decay`` differ from the
+optimizer's (the values the schedule uses). They land in
 ``trainer.state.log_history`` and in every reporting integration (TensorBoard, W&B, ...,
 ``report_to``) that runs after the callback — which is why `MuonClipTrainerCallback.install`
 puts it first: the Trainer calls its callbacks in order and the reporting ones come before
@@ -34,7 +36,8 @@ from typing import Any
 
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from .stats import StepMetrics
+from .hf_trainer import warn_disagreements
+from .stats import StepMetrics, unwrap_optimizer
 
 _NOT_TRAINING_LOGS = ("eval_", "test_", "train_runtime")
 
@@ -62,6 +65,16 @@ class MuonClipTrainerCallback(TrainerCallback):
             callbacks.remove(self)
         callbacks.insert(0, self)
         return self
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Warn (`muonclip.integrations.hf_trainer.TrainerArgumentsWarning`) when ``args.learning_rate``
+        or ``args.weight_decay`` differ from the optimizer's own ``lr`` / ``weight_decay``, which
+        are the values the Trainer's schedule uses."""
+        opt = unwrap_optimizer(kwargs.get("optimizer"))
+        if opt is not None:
+            warn_disagreements(args, opt.defaults, stacklevel=2)
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

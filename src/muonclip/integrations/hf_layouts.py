@@ -26,6 +26,9 @@ layers have twice the key heads of its full-attention layers).
   `C_ATTN_CLASSES`) as `Rows` ranges of one weight; GPT-NeoX / Pythia's ``query_key_value``
   (q, k and v interleaved per head) and CodeGen's ``qkv_proj`` (``[q v k]`` per model-parallel
   partition) as `StridedRows`.
+* peft adapters (`muonclip.integrations.hf_adapters`): a DoRA projection's rows are its
+  magnitude vector, a ``modules_to_save`` projection's its trainable copy, a plain LoRA
+  projection's its frozen base weight (which MuonClip refuses to write, saying why).
 * A projection clamped after the fact (DBRX's ``clip_qkv``): ValueError — a rescaled row is
   clamped again.
 * DeepSeek-V3 MLA (``kv_b_proj``): `MLALayout` on ``q_b_proj`` (or ``q_proj`` without a query
@@ -49,6 +52,7 @@ from torch import Tensor, nn
 
 from ..qkclip.layouts import GQALayout, MHALayout, MLALayout, Rows, StridedRows
 from ..qkclip.qknorm import check_no_qk_norm
+from .hf_adapters import projection_rows, unwrap
 
 Layout = MHALayout | GQALayout | MLALayout
 
@@ -129,6 +133,8 @@ def mixers_without_attention(model: nn.Module, attention: list[str]) -> list[tup
 
 def _linear(module: nn.Module, attr: str, name: str) -> nn.Module:
     lin = getattr(module, attr, None)
+    if isinstance(lin, nn.Module):
+        lin = unwrap(lin, name, attr)  # peft's modules_to_save: the trainable copy
     if not isinstance(getattr(lin, "weight", None), Tensor) or lin.weight.ndim != 2:
         raise ValueError(
             f"attention layer '{name}' ({type(module).__name__}): its projection '{attr}' ({type(lin).__name__}) has "
@@ -175,17 +181,17 @@ def _mla_layout(name: str, module: nn.Module, config: Any) -> MLALayout:
     q_name = next((a for a in ("q_b_proj", "q_proj") if getattr(module, a, None) is not None), None)
     if q_name is None:  # the queries come from a projection of another layout (e.g. fused with a gate)
         raise _no_layout(name, module)
-    q = _linear(module, q_name, name)
-    kv_b = _linear(module, "kv_b_proj", name)
+    q_w, q_b = projection_rows(_linear(module, q_name, name), name, q_name)
+    kv_w, kv_b = projection_rows(_linear(module, "kv_b_proj", name), name, "kv_b_proj")
     return MLALayout(
-        q_weight=q.weight,
+        q_weight=q_w,
         n_heads=n_heads,
         qk_nope_head_dim=int(module.qk_nope_head_dim),
         qk_rope_head_dim=int(module.qk_rope_head_dim),
-        kv_b_weight=kv_b.weight,
+        kv_b_weight=kv_w,
         v_head_dim=int(module.v_head_dim),
-        q_bias=q.bias,
-        kv_b_bias=kv_b.bias,
+        q_bias=q_b,
+        kv_b_bias=kv_b,
     )
 
 
@@ -269,9 +275,10 @@ def layout_of(name: str, module: nn.Module, config: Any, gqa_policy: str = "per_
         return _partitioned_qkv_layout(name, module, config, PARTITIONED_QKV_CLASSES[cls])
     for q_name, k_name in PROJECTION_PAIRS:
         if q_name in children and k_name in children:
-            q, k = _linear(module, q_name, name), _linear(module, k_name, name)
+            q_w, q_b = projection_rows(_linear(module, q_name, name), name, q_name)
+            k_w, k_b = projection_rows(_linear(module, k_name, name), name, k_name)
             n_heads, n_kv, head_dim = heads_of(module, config)
-            return _make_layout(q.weight, k.weight, q.bias, k.bias, n_heads, n_kv, head_dim, gqa_policy)
+            return _make_layout(q_w, k_w, q_b, k_b, n_heads, n_kv, head_dim, gqa_policy)
     if (cls in FUSED_QKV_CLASSES and "qkv_proj" in children) or (cls in C_ATTN_CLASSES and "c_attn" in children):
         return _fused_layout(name, module, config, gqa_policy)
     fused = [a for a in ("qkv_proj", "c_attn", "Wqkv", "query_key_value", "qkv") if a in children]

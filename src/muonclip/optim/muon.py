@@ -31,6 +31,7 @@ from .matrices import MatrixSpec, matrix_spec
 from .nonfinite import ON_NONFINITE, NonFiniteGradError, finite_per_tensor, nonfinite_indices
 from .scale import scale_name
 from .state_dicts import first_param, state_dtype
+from .unrouted import refuse_model, refuse_unrouted
 from .validation import check_group, check_hyperparameters, number, refuse_removed_keywords
 
 
@@ -168,6 +169,7 @@ class Muon(torch.optim.Optimizer):
         comm_dtype: torch.dtype | None = None,
         backend: str | Backend = "auto",
     ) -> None:
+        refuse_model(type(self).__name__, params)
         if on_nonfinite not in ON_NONFINITE:
             raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
         defaults = dict(
@@ -210,6 +212,7 @@ class Muon(torch.optim.Optimizer):
             raise ValueError("in an algorithm='adamw' group AdamW's epsilon is 'adamw_eps' ('eps' is Newton–Schulz's)")
         if "adjust_lr_fn" in param_group:
             param_group["adjust_lr_fn"] = scale_name(param_group["adjust_lr_fn"])
+        refuse_unrouted(type(self).__name__, param_group)
         super().add_param_group(param_group)
         try:
             check_group(self.param_groups[-1])

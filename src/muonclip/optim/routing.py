@@ -10,7 +10,15 @@ Rules (docs/design.md, "Which matrices: fused projections, heads and routers"), 
    embedding is one parameter and is routed once, as an embedding.
 4. 0-D and 1-D tensors (norm gains, biases, scalars), and the per-expert biases ``(E, n)`` of
    transformers' stacked experts -> AdamW with weight_decay 0 ("vector").
-5. Everything else with ndim >= 2 -> Muon: attention projections, MLP, stacked experts
+5. peft adapters, by structure (the attribute names of peft's LoRA layers): LoRA's ``lora_A`` /
+   ``lora_B`` matrices per ``lora=`` (default ``"muon"``: both to Muon, "LoRA A" / "LoRA B";
+   ``"muon_b"``: B to Muon, A to AdamW; ``"adamw"``: both to AdamW), ``lora_embedding_A/B``
+   -> AdamW ("LoRA embedding"), DoRA's ``lora_magnitude_vector`` -> AdamW with weight_decay 0
+   ("DoRA magnitude": a vector). A ``modules_to_save`` copy is routed like the module it copies
+   (its name read without ``modules_to_save.<adapter>``: a copied ``lm_head`` is an lm head).
+   Frozen parameters (``requires_grad=False``: a LoRA base, a quantized weight) are in no
+   group; ``.report()`` counts them.
+6. Everything else with ndim >= 2 -> Muon: attention projections, MLP, stacked experts
    (3-D), routers; convolution weights in a group with ``flatten=True`` ("conv"); the weights
    of transformers' ``Conv1D`` (GPT-2; a linear layer stored ``(in, out)``, recognised by its
    class name so transformers is not imported) in a group with ``transposed=True``
@@ -57,12 +65,14 @@ class ParamGroups(list):
     """A list of param groups (dicts for `muonclip.Muon`) that also keeps the routing.
 
     Attributes:
-        routes: one `Route` per parameter, in ``model.named_parameters()`` order.
+        routes: one `Route` per trainable parameter, in ``model.named_parameters()`` order.
+        frozen: elements of the parameters with ``requires_grad=False`` (in no group).
     """
 
-    def __init__(self, groups: Iterable[dict[str, Any]], routes: list[Route]) -> None:
+    def __init__(self, groups: Iterable[dict[str, Any]], routes: list[Route], frozen: int = 0) -> None:
         super().__init__(groups)
         self.routes = routes
+        self.frozen = frozen
 
     def report(self) -> str:
         """A readable table of every parameter, its shape, its algorithm and why (for a Muon weight
@@ -74,7 +84,8 @@ class ParamGroups(list):
             lines.append(f"{r.name:<{w}}  {str(r.shape):<20} {r.algorithm:<9} {why}")
         n_muon = sum(_numel(r.shape) for r in self.routes if r.algorithm == "muon")
         n_all = sum(_numel(r.shape) for r in self.routes)
-        lines.append(f"Muon: {n_muon:,} of {n_all:,} parameters ({100 * n_muon / max(n_all, 1):.1f}%)")
+        lines.append(f"Muon: {n_muon:,} of {n_all:,} trainable parameters ({100 * n_muon / max(n_all, 1):.1f}%)")
+        lines.append(f"frozen: {self.frozen:,} parameters not optimized (requires_grad=False)")
         split = [g for g in self if g["algorithm"] == "muon" and "split_sizes" in g]
         if split:
             n = sum(len(g["params"]) for g in split)
@@ -109,6 +120,7 @@ def param_groups(
     split_fused: bool = True,
     per_head: bool = False,
     head_names: Sequence[str] = HEAD_NAMES,
+    lora: str = "muon",
 ) -> ParamGroups:
     """Route every trainable parameter of ``model`` to Muon or AdamW, each exactly once.
 
@@ -138,6 +150,11 @@ def param_groups(
             (default False; Kimi K3's per-head Muon, GLM's "Muon Split"; see the algorithm
             docs for when it helps).
         head_names: module names treated as the output head (default ``HEAD_NAMES``).
+        lora: where a peft LoRA adapter's ``lora_A`` / ``lora_B`` matrices go (`LORA_ROUTES`):
+            ``"muon"`` (default: both to Muon, the LoRA-Muon of Qu et al. 2026, arXiv 2605.10468,
+            which matches or beats LoRA-Adam on Adam-pretrained models), ``"muon_b"`` (B to Muon,
+            A to AdamW, as OneTrainer does) or ``"adamw"`` (both to AdamW). docs/design.md,
+            "Routing adapters", states the evidence behind the default.
 
     Returns:
         `ParamGroups`: a list of dicts with ``params``, ``param_names`` and ``algorithm`` (and
@@ -148,6 +165,8 @@ def param_groups(
         ValueError: a ``muon=`` pattern names a 0-D/1-D tensor, a ``split=`` value is malformed,
             or a parameter would be routed twice or not at all.
     """
+    if lora not in LORA_ROUTES:
+        raise ValueError(f"lora must be one of {LORA_ROUTES}, got {lora!r}")
     split = {pat: _split_options(pat, v) for pat, v in (split or {}).items()}
     known = matrix_layouts(model, per_head=per_head, split_fused=split_fused)
     owner: dict[int, nn.Module] = {}
@@ -164,16 +183,21 @@ def param_groups(
     # all aliases of each parameter (tied weights appear under several names)
     aliases: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(name)
+        aliases.setdefault(id(p), [])
+        if not any(_copy_name(name) == _copy_name(a) for a in aliases[id(p)]):
+            aliases[id(p)].append(name)
 
     routes: list[Route] = []
     buckets: dict[tuple, dict[str, Any]] = {}
+    frozen = 0
     for name, p in model.named_parameters():
         if not p.requires_grad:
+            frozen += p.numel()
             continue
-        names = aliases[id(p)]
+        names = [_copy_name(n) for n in aliases[id(p)]]
+        adapter = _adapter_part(name)
         module = owner.get(id(p))
-        is_embedding = any(_owned_by_embedding(model, n) for n in names)
+        is_embedding = any(_owned_by_embedding(model, n) for n in aliases[id(p)])
         is_head = id(p) in head_ids or any(
             "." in n and n.rsplit(".", 2)[-2] in head_names for n in names
         ) or (
@@ -191,6 +215,16 @@ def param_groups(
             if p.ndim < 2:
                 raise ValueError(f"muon= pattern matched '{name}' of shape {tuple(p.shape)}; Muon needs >= 2-D tensors")
             algo, reason = "muon", "override"
+        elif adapter is not None:
+            reason = adapter
+            if adapter == "LoRA A":
+                algo = "muon" if lora == "muon" and p.ndim == 2 else "adamw"
+            elif adapter == "LoRA B":
+                algo = "muon" if lora in ("muon", "muon_b") and p.ndim == 2 else "adamw"
+            else:  # DoRA magnitude (a vector), LoRA embedding factors
+                algo = "adamw"
+            if algo == "adamw" and adapter.startswith("LoRA ") and p.ndim == 2:
+                detail = f"lora={lora!r}"
         elif is_embedding:
             algo, reason = "adamw", "embedding"
         elif is_head:
@@ -229,7 +263,7 @@ def param_groups(
         else:
             if adamw_lr is not None:
                 extra["lr"] = adamw_lr
-            if p.ndim < 2 or reason == "vector":
+            if p.ndim < 2 or reason in ("vector", "DoRA magnitude"):
                 extra["weight_decay"] = 0.0
             elif adamw_weight_decay is not None:
                 extra["weight_decay"] = adamw_weight_decay
@@ -244,7 +278,34 @@ def param_groups(
     expected = {id(p) for p in model.parameters() if p.requires_grad}
     if len(seen) != len(set(seen)) or set(seen) != expected:
         raise ValueError("internal routing error: a parameter is routed twice or not at all")
-    return ParamGroups(groups, routes)
+    return ParamGroups(groups, routes, frozen)
+
+
+LORA_ROUTES = ("muon", "muon_b", "adamw")
+"""Values of `param_groups`' ``lora=``: where LoRA's A and B matrices go."""
+
+_ADAPTER_PARTS = {
+    "lora_A": "LoRA A",
+    "lora_B": "LoRA B",
+    "lora_embedding_A": "LoRA embedding",
+    "lora_embedding_B": "LoRA embedding",
+    "lora_magnitude_vector": "DoRA magnitude",
+}
+
+
+def _adapter_part(name: str) -> str | None:
+    """Which piece of a peft LoRA/DoRA layer parameter ``name`` is (by peft's attribute names), else None."""
+    return next((_ADAPTER_PARTS[part] for part in name.split(".") if part in _ADAPTER_PARTS), None)
+
+
+def _copy_name(name: str) -> str:
+    """``name`` with peft's ``modules_to_save.<adapter>`` (a trainable copy) taken out: the name of
+    the module it copies (``lm_head.modules_to_save.default.weight`` -> ``lm_head.weight``)."""
+    parts = name.split(".")
+    for i in range(len(parts) - 2):
+        if parts[i] == "modules_to_save":
+            return ".".join(parts[:i] + parts[i + 2:])
+    return name
 
 
 def _split_options(pattern: str, value: Sequence[int] | Mapping[str, Any]) -> dict[str, Any]:
@@ -291,4 +352,4 @@ def _is_last_linear(model: nn.Module, module: nn.Module) -> bool:
     return bool(linears) and linears[-1] is module
 
 
-__all__ = ["param_groups", "ParamGroups", "Route", "HEAD_NAMES"]
+__all__ = ["param_groups", "ParamGroups", "Route", "HEAD_NAMES", "LORA_ROUTES"]

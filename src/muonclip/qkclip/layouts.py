@@ -26,7 +26,8 @@ are given as `Rows`: a row range of the ``(out, in)`` projection matrix, which m
 transposed ``(in, out)`` (transformers' ``Conv1D``). A fused weight that interleaves q, k and v
 per head (GPT-NeoX / Pythia's ``query_key_value``: ``[h0: q k v | h1: q k v | ...]``) gives each
 of q and k as `StridedRows`: equal blocks of rows at a fixed stride. Any layout weight or bias
-may be a `Rows` or a `StridedRows`.
+may be a `Rows` or a `StridedRows`; a weight may also be DoRA's `Magnitudes`, whose entry r stands
+for row r of the effective weight (the clip scales the magnitudes, never the frozen base weight).
 
 Weights sharded by rows as a DTensor (FSDP2 ``Shard(0)``) are scaled on their local rows with
 the global row offset (docs/design.md, "QK-Clip"); a transposed `Rows` scales columns, which every local row
@@ -119,11 +120,34 @@ class StridedRows:
         return (base[:, None] + torch.arange(self.block, device=device)).reshape(-1)
 
 
-Weight = Tensor | Rows | StridedRows
+@dataclass(frozen=True)
+class Magnitudes:
+    """The per-row magnitudes ``m`` of a weight-normalised projection, standing for its rows.
+
+    DoRA (Liu et al. 2024, arXiv 2402.09353; peft's ``lora_magnitude_vector``) computes the
+    effective weight ``W' = m * (W0 + s B A) / ||W0 + s B A||_row``: row r of ``W'`` is ``m[r]``
+    times a unit row that does not depend on ``m``. Scaling ``m[r]`` by ``c`` therefore scales
+    row r of ``W'`` (and of the projection's output, bias aside) by exactly ``c``, while the
+    frozen ``W0`` and the factors ``A``, ``B`` stay untouched. A layout weight given as
+    ``Magnitudes`` is clipped through these entries.
+
+    Args:
+        tensor: the 1-D ``(out_features,)`` magnitude vector.
+    """
+
+    tensor: Tensor
+
+    @property
+    def out_features(self) -> int:
+        """Rows of the projection: entries of the vector."""
+        return self.tensor.shape[0]
+
+
+Weight = Tensor | Rows | StridedRows | Magnitudes
 
 
 def _tensor(t: Weight) -> Tensor:
-    return t.tensor if isinstance(t, (Rows, StridedRows)) else t
+    return t.tensor if isinstance(t, (Rows, StridedRows, Magnitudes)) else t
 
 
 def _check_strided(name: str, t: StridedRows, rows: int, why: str, *, vector: bool) -> None:
@@ -154,6 +178,14 @@ def _check_strided(name: str, t: StridedRows, rows: int, why: str, *, vector: bo
 
 def _check_rows(name: str, t: Weight | None, rows: int, why: str, *, vector: bool = False) -> None:
     if t is None:
+        return
+    if isinstance(t, Magnitudes):
+        if vector or t.tensor.ndim != 1:
+            raise ValueError(f"{name}: Magnitudes stand for the rows of a weight and must be 1-D, got shape "
+                             f"{tuple(t.tensor.shape)}{' given as a bias' if vector else ''}")
+        if t.out_features != rows:
+            raise ValueError(f"{name} has {t.out_features} magnitudes (rows) but the stated head layout needs {rows} "
+                             f"({why}); check n_heads / n_kv_heads / head dims")
         return
     if isinstance(t, StridedRows):
         _check_strided(name, t, rows, why, vector=vector)
@@ -196,6 +228,7 @@ def _check_positive(**dims: int) -> None:
 def scale_rows_(t: Weight | None, factor: Tensor) -> None:
     """In place: ``t[r, ...] *= factor[r]`` for every row r (``factor`` of shape ``(t.shape[0],)``).
 
+    For `Magnitudes`: entry r times ``factor[r]`` (row r of the effective weight).
     For a `Rows` ``t``: row ``start + r`` of its ``(out, in)`` matrix times ``factor[r]``
     (``factor`` of shape ``(stop - start,)``); for a transposed one, those columns of the stored
     ``(in, out)`` tensor. For a `StridedRows` ``t``: matrix row ``t.indices()[r]`` times
@@ -205,6 +238,9 @@ def scale_rows_(t: Weight | None, factor: Tensor) -> None:
     replicated DTensor scales its local copy.
     """
     if t is None:
+        return
+    if isinstance(t, Magnitudes):  # entry r stands for row r
+        scale_rows_(t.tensor, factor)
         return
     if isinstance(t, StridedRows):  # a whole-matrix factor, 1.0 off the set: no sync, any row sharding
         full = torch.ones(t.out_features, dtype=torch.float32, device=factor.device)
@@ -477,5 +513,6 @@ class AttentionLayer:
         return params[0].device if params else torch.device("cpu")
 
 
-__all__ = ["AttentionLayer", "GQALayout", "GQA_POLICIES", "Layout", "MHALayout", "MLALayout", "Rows", "StridedRows",
+__all__ = ["AttentionLayer", "GQALayout", "GQA_POLICIES", "Layout", "MHALayout", "MLALayout", "Magnitudes", "Rows",
+           "StridedRows",
            "Weight", "scale_rows_"]

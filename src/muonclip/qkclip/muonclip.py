@@ -6,7 +6,7 @@ import math
 import os
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ from .check import ClipCheck, QKClipIneffectiveError, QKClipIneffectiveWarning
 from .clip import all_reduce_max_, apply_qk_clip
 from .discovery import discover_layers
 from .layouts import AttentionLayer
+from .writable import check_clip_targets
 
 
 class MuonClip(Muon):
@@ -56,14 +57,24 @@ class MuonClip(Muon):
     `muonclip.attention.gate`). The clip's decisions and gammas are exactly those of the exact
     maxima. ``last_bounded`` and ``clip_stats()`` say which logged maxima are such bounds.
 
+    What the clip writes follows one rule (`muonclip.qkclip.writable`): only trainable, plain
+    floating-point tensors in the optimizer's param groups. A layer whose clip would scale a
+    frozen tensor (the base weight under a LoRA adapter), a quantized one (a 4-bit base) or one
+    the optimizer does not hold is refused here, with the weight named and the alternatives,
+    never silently left unclipped. On a peft model with DoRA on q/k the clip scales the rows of
+    the adapter's magnitude vectors (exact; docs/design.md, "QK-Clip on adapters").
+
     Args:
-        model: the model; used for the default ``groups`` and ``layers``.
+        model: the model (a ``torch.nn.Module``; a peft ``PeftModel`` too); used for the default
+            ``groups`` and ``layers``. Anything else (a list of parameters, as the Hugging Face
+            Trainer passes an optimizer class) raises a TypeError saying what to pass.
         lr: learning rate (default 1e-3).
         tau: max-logit threshold, a finite number > 0 (default 100.0, Kimi K2's; small models
             often use 30–50).
         layers: the `AttentionLayer`\ s to clip (default None: `discover_layers(model)` — the
             reference GPT, Hugging Face models, else an error asking for this argument).
-        groups: param groups (default None: `muonclip.param_groups(model)`).
+        groups: param groups (default None: `muonclip.param_groups(model)`). Every tensor the
+            clip writes must be in one of them.
         on_ineffective_clip: what to do when the runtime check finds a layer whose clip had no
             effect: ``"warn"`` (default: a `muonclip.qkclip.check.QKClipIneffectiveWarning` once
             per layer), ``"raise"`` (a `muonclip.qkclip.check.QKClipIneffectiveError`, on every
@@ -92,6 +103,8 @@ class MuonClip(Muon):
         on_ineffective_clip: str = "warn",
         **muon_kwargs: Any,
     ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(_not_a_model(model))
         _check_tau(tau)
         clip_check = ClipCheck(on_ineffective_clip)
         layers = list(discover_layers(model) if layers is None else layers)
@@ -102,7 +115,10 @@ class MuonClip(Muon):
             if not isinstance(layer, AttentionLayer):
                 raise TypeError(f"layers must be AttentionLayer objects, got {type(layer).__name__}")
             layer.check()
-        super().__init__(param_groups(model) if groups is None else groups, lr=lr, **muon_kwargs)
+        groups = list(param_groups(model) if groups is None else groups)
+        check_clip_targets(layers, [g if isinstance(g, Mapping) else {"params": [g]} for g in groups],
+                           {id(p): n for n, p in model.named_parameters()})
+        super().__init__(groups, lr=lr, **muon_kwargs)
         self.layers = layers
         self.tau = float(tau)
         self.last_max_logits: dict[str, Tensor] = {}
@@ -235,6 +251,18 @@ def _outside_frames() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(inside):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _not_a_model(value: object) -> str:
+    """The TypeError message for a `MuonClip` given something other than the model."""
+    what = type(value).__name__
+    return (
+        f"MuonClip needs the model (a torch.nn.Module) to find its attention layers and route its parameters, got "
+        f"a {what}. A list of parameters or param groups is what Trainer(optimizer_cls_and_kwargs=(MuonClip, "
+        "{...})) passes: use optimizer_cls_and_kwargs=muonclip.integrations.hf.trainer_optimizer(MuonClip, "
+        "lr=..., tau=...), or optimizers=(MuonClip(model, ...), None). Own param groups go in "
+        "MuonClip(model, groups=...)."
+    )
 
 
 def _check_tau(tau: float) -> None:
