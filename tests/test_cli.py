@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import muonclip.app.train as train_mod
+from muonclip.app.checkpoints import load_file, read_checkpoint
 from muonclip.app.config import make_config
 from muonclip.app.data import builtin_corpus_dir, read_document
 from muonclip.app.main import main
 from muonclip.app.metrics import read_rows
-from muonclip.distributed.checkpoint import load_file
 
 TINY = ["--preset", "tiny", "--quiet", "--threads", "1"]
 
@@ -29,6 +29,11 @@ def text(tmp_path_factory):
 def snapshot(folder):
     """Every file under folder with its bytes (to show that nothing was written or changed)."""
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def final_file(run):
+    """The dict of the run folder's current checkpoint file."""
+    return load_file(read_checkpoint(run).path)
 
 
 def at_training_forward(monkeypatch, n, action):
@@ -126,8 +131,8 @@ def test_train_interrupt_then_resume_matches_straight_run(tmp_path, text, monkey
     assert "interrupted after step 3" in capsys.readouterr().err
     monkeypatch.undo()
     assert main(["train", "--out", str(tmp_path / "run"), "--resume", "--quiet"]) == 0
-    a = load_file(tmp_path / "straight" / "checkpoint.pt")
-    b = load_file(tmp_path / "run" / "checkpoint.pt")
+    a = final_file(tmp_path / "straight")
+    b = final_file(tmp_path / "run")
     assert a["step"] == b["step"] == 6
     for k, v in a["model"].items():
         assert torch.equal(v, b["model"][k]), k
@@ -140,12 +145,13 @@ def test_nonfinite_loss_stops_names_the_step_and_keeps_the_checkpoint(tmp_path, 
                "--out", str(out)])
     assert rc == 3
     err = capsys.readouterr().err
-    assert "non-finite loss (nan) at step 5" in err and "checkpoint.pt" in err
-    data = load_file(out / "checkpoint.pt")
+    assert "non-finite loss (nan) at step 5" in err and "checkpoint-step4.pt" in err
+    data = final_file(out)
     assert data["step"] == 4
     assert all(torch.isfinite(v).all() for v in data["model"].values())
     assert [r["step"] for r in read_rows(out)] == [1, 2, 3, 4]
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "config.json", "metrics.csv", "metrics.jsonl"]
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "checkpoint-step4.pt", "checkpoint.json", "config.json",
+                                                     "metrics.csv", "metrics.jsonl"]
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muonclip"])
@@ -160,7 +166,7 @@ def test_nonfinite_gradient_stops_before_the_step(tmp_path, text, monkeypatch, c
                "--out", str(out)])
     assert rc == 3
     assert "non-finite gradient (global norm nan) at step 3" in capsys.readouterr().err
-    data = load_file(out / "checkpoint.pt")
+    data = final_file(out)
     assert data["step"] == 2 and all(torch.isfinite(v).all() for v in data["model"].values())
     assert [r["step"] for r in read_rows(out)] == [1, 2]
 
@@ -181,8 +187,8 @@ def test_nonfinite_validation_loss_stops_like_a_training_loss(tmp_path, text, mo
                "--set", "checkpoint_every=3", "--out", str(out)])
     assert rc == 3
     err = capsys.readouterr().err
-    assert "non-finite validation loss (nan) at step 6" in err and "checkpoint.pt" in err
-    assert load_file(out / "checkpoint.pt")["step"] == 3
+    assert "non-finite validation loss (nan) at step 6" in err and "checkpoint-step3.pt" in err
+    assert final_file(out)["step"] == 3
     assert [r["step"] for r in read_rows(out)] == [1, 2, 3, 4, 5]
 
 
@@ -298,15 +304,17 @@ def test_bad_checkpoints_on_resume(tmp_path, capsys, text):
     before = snapshot(run)
     resume = ["train", "--quiet", "--out", str(run), "--resume"]
     _bad(capsys, [*resume, "--optimizer", "muon"], "'adamw' run, this run uses 'muon'")
-    _bad(capsys, [*resume, "--set", "n_layer=3"], "another shape (n_layer: checkpoint 2, now 3)")
+    _bad(capsys, [*resume, "--set", "n_layer=3"], "--resume cannot change n_layer (n_layer: checkpoint 2, asked 3 (it "
+                                                  "fixes the model's shape))")
     _bad(capsys, [*resume, "--preset", "tiny"], "--preset cannot be used with --resume")
     assert snapshot(run) == before
 
-    (run / "checkpoint.pt").write_bytes(before["checkpoint.pt"][: len(before["checkpoint.pt"]) // 2])  # torn
+    name = "checkpoint-step2.pt"
+    (run / name).write_bytes(before[name][: len(before[name]) // 2])  # torn
     torn = snapshot(run)
-    _bad(capsys, resume, "corrupt or unreadable")
+    _bad(capsys, resume, f"{name} has {len(before[name]) // 2} bytes, its manifest (checkpoint.json) says")
     assert snapshot(run) == torn
-    _bad(capsys, ["train", "--quiet", "--out", str(tmp_path / "nothing"), "--resume"], "no checkpoint at")
+    _bad(capsys, ["train", "--quiet", "--out", str(tmp_path / "nothing"), "--resume"], "holds no run to continue")
     assert not (tmp_path / "nothing").exists()
 
 
@@ -357,7 +365,7 @@ def test_train_validation_every_step_changes_nothing_and_feeds_no_recorder(tmp_p
     assert [r["val_loss"] is not None for r in often] == [True] * 4
     assert [(r["max_logits"], r["clipped"]) for r in rarely] == [(r["max_logits"], r["clipped"]) for r in often]
     assert sum(r["clipped_heads"] for r in often) > 0
-    a, b = load_file(tmp_path / "rarely" / "checkpoint.pt"), load_file(tmp_path / "often" / "checkpoint.pt")
+    a, b = final_file(tmp_path / "rarely"), final_file(tmp_path / "often")
     for k, v in a["model"].items():
         assert torch.equal(v, b["model"][k]), k
 
@@ -395,3 +403,74 @@ def test_summary_marks_max_logits_that_are_lse_bounds():
     assert "| ≤ 7.5 (1.00x) |" in table
     row["peak_after_first_clip_is_bound"] = [False, True]
     assert "| 7.5 (1.00x) |" in stability_markdown({"tau": 7.5, "seeds": [0, 1], "table": [row]})
+
+
+def test_bad_options_exit_2_naming_the_option(tmp_path, capsys, text):
+    """On the old code: --tp 0 was a ZeroDivisionError (exit 1) and a seed past 64 bits 'Overflow when
+    unpacking long long' (no option named)."""
+    out = tmp_path / "run"
+    base = ["train", *TINY, "--data", text, "--steps", "2", "--out", str(out)]
+    _bad(capsys, [*base, "--tp", "0"], "--tp must be a whole number of ranks >= 1, got 0")
+    _bad(capsys, [*base, "--seed", str(10**23)], "seed (--seed) must be a whole number from 0 to 2**62 - 1")
+    _bad(capsys, [*base, "--timeout", "0"], "--timeout must be a number of seconds > 0")
+    assert not out.exists()
+
+
+def test_too_many_threads_exit_2_naming_the_option(tmp_path):
+    """--threads 100000 crashed the thread pool (a segfault, exit 139, on the old code: so in a subprocess)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "muonclip.app", "train", "--preset", "tiny", "--quiet", "--steps", "2",
+                           "--threads", "100000", "--out", str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert f"--threads 100000: this machine has {os.cpu_count()} cores" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_full_disk_during_a_save_exits_2_and_keeps_the_last_checkpoint(tmp_path, capsys, text, monkeypatch):
+    """ENOSPC from the second checkpoint's write (as a 600 KB tmpfs gives it: torch.save's zip writer
+    then raises a RuntimeError over the OSError): exit 2 naming --out and the cause, the checkpoint of
+    step 2 kept and verified, no temporary left. On the old code: a traceback, exit 1."""
+    import muonclip.app.checkpoints as ckpt
+    from muonclip.app.checkpoints import verify
+
+    real, calls = ckpt.torch.save, {"n": 0}
+
+    def full_disk(obj, f, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            try:
+                raise OSError(28, "No space left on device")
+            except OSError:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos") from None
+        return real(obj, f, *a, **k)
+
+    monkeypatch.setattr(ckpt.torch, "save", full_disk)
+    out = tmp_path / "run"
+    _bad(capsys, ["train", *TINY, "--data", text, "--steps", "6", "--set", "checkpoint_every=2", "--out", str(out)],
+         f"--out {out}: cannot write the checkpoint of step 4 (No space left on device); the checkpoint of step 2 "
+         "is kept")
+    found = read_checkpoint(out)
+    verify(found)
+    assert found.step == 2 and sorted(p.name for p in out.iterdir()) == [
+        ".lock", "checkpoint-step2.pt", "checkpoint.json", "config.json", "metrics.csv", "metrics.jsonl"]
+    monkeypatch.undo()
+    assert main(["train", "--quiet", "--out", str(out), "--resume"]) == 0
+    assert [r["step"] for r in read_rows(out)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_damaged_metrics_line_on_resume_names_the_file(tmp_path, capsys, text):
+    """A torn last line (a write cut by a kill) is skipped; a bad line elsewhere is exit 2 naming the
+    file and line (on the old code: exit 2 with only json's message, no file)."""
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--data", text, "--steps", "3", "--out", str(out)]) == 0
+    jsonl = out / "metrics.jsonl"
+    jsonl.write_text(jsonl.read_text() + '{"step": 4, "loss": 2.')  # torn
+    assert main(["train", "--quiet", "--out", str(out), "--resume", "--steps", "4"]) == 0
+    assert [r["step"] for r in read_rows(out)] == [1, 2, 3, 4]
+    lines = jsonl.read_text().splitlines()
+    jsonl.write_text("\n".join([lines[0], "garbage", *lines[1:]]) + "\n")
+    _bad(capsys, ["train", "--quiet", "--out", str(out), "--resume", "--steps", "5"],
+         f"{jsonl}, line 2, is not a metrics row")

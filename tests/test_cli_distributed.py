@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from muonclip.app.checkpoints import load_checkpoint, load_file, read_checkpoint
 from muonclip.app.config import RunConfig
 from muonclip.app.data import builtin_corpus_dir, read_document
 from muonclip.app.main import main
 from muonclip.app.metrics import read_rows
-from muonclip.app.train import build_model, build_optimizer
-from muonclip.distributed.checkpoint import SHARDED_POINTER, find_checkpoint, load_sharded
+from muonclip.app.model import build_model, build_optimizer
 
 TOL = 1e-5
 EXACT = ["--preset", "tiny", "--quiet", "--set", "orth_dtype=float32", "--set", "warmup_steps=0",
@@ -56,13 +56,14 @@ def run_ok(args, nproc=2):
 
 def final_state(run_dir):
     """(model state dict, optimizer state dict, step) of the latest checkpoint, in one process."""
-    found = find_checkpoint(run_dir)
+    found = read_checkpoint(run_dir)
     if found.kind == "file":
-        return found.data["model"], found.data["optim"], found.step
+        data = load_file(found.path)
+        return data["model"], data["optim"], found.step
     cfg = RunConfig.from_dict(found.config)
     model = build_model(cfg)
     opt = build_optimizer(found.optimizer, model, cfg)
-    load_sharded(run_dir, found.data, model, opt)
+    load_checkpoint(found, model, opt)
     return model.state_dict(), opt.state_dict(), found.step
 
 
@@ -121,7 +122,7 @@ def test_fsdp_run_equals_one_process(tmp_path, text, reference):
                    "--fsdp"])
     assert proc.stdout.count("6 steps on 2 processes (fsdp)") == 1  # printed by rank 0 only
     assert sorted(p.name for p in out.iterdir()) == [
-        "checkpoint-step6.dcp", SHARDED_POINTER, "config.json", "metrics.csv", "metrics.jsonl"]
+        ".lock", "checkpoint-step6.dcp", "checkpoint.json", "config.json", "metrics.csv", "metrics.jsonl"]
     rows = read_rows(out)
     assert rows[0]["clipped_heads"] > 0 and all(2.0 < r["loss"] < 6.0 for r in rows)
     assert_same_run(out, reference / "muonclip", 6)
@@ -132,13 +133,14 @@ def test_ddp_saves_on_two_ranks_resumes_on_one(tmp_path, text, reference, optimi
     out = tmp_path / "ddp"
     proc = run_ok(["train", *EXACT, "--data", text, "--optimizer", optimizer, "--steps", "3", "--out", str(out)])
     assert "3 steps on 2 processes (ddp)" in proc.stdout
-    assert find_checkpoint(out).kind == "sharded" and find_checkpoint(out).step == 3
+    assert read_checkpoint(out).kind == "sharded" and read_checkpoint(out).step == 3
     rows = read_rows(out)
     ref = read_rows(reference / optimizer)
     for r, q in zip(rows, ref[:3]):  # AdamW's max logits: each rank's recorders, all-reduced with MAX
         assert abs(r["loss"] - q["loss"]) <= TOL and abs(r["max_logit"] - q["max_logit"]) <= TOL * q["max_logit"]
     assert main(["train", "--quiet", "--out", str(out), "--resume", "--steps", "6", "--threads", "1"]) == 0
-    assert not (out / SHARDED_POINTER).exists() and not list(out.glob("checkpoint-step*"))  # now checkpoint.pt
+    assert read_checkpoint(out).kind == "file" and sorted(p.name for p in out.glob("checkpoint-step*")) == [
+        "checkpoint-step6.pt"]  # the sharded one removed
     assert_same_run(out, reference / optimizer, 6)
 
 
@@ -147,7 +149,8 @@ def test_one_process_checkpoint_resumes_on_two_ranks_with_fsdp(tmp_path, text, r
     assert main(["train", *EXACT, "--data", text, "--optimizer", "muonclip", "--steps", "3", "--threads", "1",
                  "--out", str(out)]) == 0
     run_ok(["train", "--quiet", "--out", str(out), "--resume", "--steps", "6", "--fsdp"])
-    assert not (out / "checkpoint.pt").exists() and find_checkpoint(out).kind == "sharded"
+    assert sorted(p.name for p in out.glob("checkpoint-step*")) == ["checkpoint-step6.dcp"]
+    assert read_checkpoint(out).kind == "sharded"
     assert_same_run(out, reference / "muonclip", 6)
 
 
@@ -158,7 +161,7 @@ def test_fsdp_x_tp_run_resumes_on_one_process_like_one_process(tmp_path, text, r
     proc = run_ok(["train", *EXACT, "--data", text, "--optimizer", "muonclip", "--steps", "3", "--out", str(out),
                    "--fsdp", "--tp", "2"])
     assert "3 steps on 2 processes (fsdp x tp)" in proc.stdout
-    assert find_checkpoint(out).kind == "sharded"
+    assert read_checkpoint(out).kind == "sharded"
     assert read_rows(out)[0]["clipped_heads"] > 0
     assert main(["train", "--quiet", "--out", str(out), "--resume", "--steps", "6", "--threads", "1"]) == 0
     assert_same_run(out, reference / "muonclip", 6)
@@ -217,17 +220,16 @@ def test_each_rank_takes_its_block_of_the_global_batch():
 def test_interrupted_sharded_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     """Exact: the checkpoint that is kept holds copies of the tensors' bytes."""
     import muonclip.distributed.checkpoint as dcp_ckpt
+    from muonclip.app.checkpoints import RunIdentity, save_checkpoint, verify
     from muonclip.app.config import make_config
-    from muonclip.distributed.checkpoint import rng_state, save_sharded
-    from muonclip.distributed.context import SINGLE
 
     cfg = make_config("tiny", {"threads": 1})
     model = build_model(cfg)
     opt = build_optimizer("muon", model, cfg)
     model(torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8)))[1].backward()
     opt.step()
-    meta = {"optimizer": "muon", "config": cfg.to_dict(), "extra": {}}
-    save_sharded(tmp_path, model, opt, SINGLE, meta={**meta, "step": 1}, rng=rng_state())
+    meta = {"optimizer": "muon", "config": cfg.to_dict(), "run": RunIdentity("r", "d").to_dict(), "extra": {}}
+    first = save_checkpoint(tmp_path, model, opt, sharded=True, step=1, meta=meta, previous=None)
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     real = dcp_ckpt.save
 
@@ -241,11 +243,12 @@ def test_interrupted_sharded_save_keeps_the_previous_checkpoint(tmp_path, monkey
             p.add_(1.0)
     monkeypatch.setattr(dcp_ckpt, "save", torn)
     with pytest.raises(KeyboardInterrupt):
-        save_sharded(tmp_path, model, opt, SINGLE, meta={**meta, "step": 2}, rng=rng_state())
-    assert find_checkpoint(tmp_path).step == 1
+        save_checkpoint(tmp_path, model, opt, sharded=True, step=2, meta=meta, previous=first)
+    assert read_checkpoint(tmp_path).step == 1
+    verify(read_checkpoint(tmp_path))
     state, _, _ = final_state(tmp_path)
     assert max_diff(state, saved) == 0.0
     monkeypatch.undo()
-    save_sharded(tmp_path, model, opt, SINGLE, meta={**meta, "step": 3}, rng=rng_state())
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-step3.dcp", SHARDED_POINTER]
-    assert find_checkpoint(tmp_path).step == 3
+    save_checkpoint(tmp_path, model, opt, sharded=True, step=3, meta=meta, previous=first)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-step3.dcp", "checkpoint.json"]
+    assert read_checkpoint(tmp_path).step == 3

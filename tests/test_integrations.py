@@ -519,8 +519,6 @@ def test_tensorboard_writer_round_trip_and_purge_on_resume(tmp_path):
 
 def test_cli_train_tensorboard_matches_the_jsonl_metrics_and_resume_purges(tmp_path):
     pytest.importorskip("tensorboard")
-    import shutil
-
     from muonclip.app.data import builtin_corpus_dir, read_document
     from muonclip.app.main import main
     from muonclip.app.metrics import read_rows
@@ -532,10 +530,11 @@ def test_cli_train_tensorboard_matches_the_jsonl_metrics_and_resume_purges(tmp_p
     common = ["--quiet", "--out", str(run), "--tensorboard", str(tb)]
     assert main(["train", "--preset", "tiny", "--threads", "1", "--data", str(text), "--tau", "0.05",
                  "--steps", "2", *common]) == 0
-    shutil.copy(run / "checkpoint.pt", tmp_path / "step2.pt")
+    saved = {name: (run / name).read_bytes() for name in ("checkpoint.json", "checkpoint-step2.pt")}
     assert main(["train", "--resume", "--steps", "3", *common]) == 0
     # a crash after step 3, before its checkpoint: resuming from step 2 rewrites step 3, once
-    shutil.copy(tmp_path / "step2.pt", run / "checkpoint.pt")
+    for name, data in saved.items():
+        (run / name).write_bytes(data)
     assert main(["train", "--resume", "--steps", "4", *common]) == 0
     rows = read_rows(run)
     got = read_scalars(tb)

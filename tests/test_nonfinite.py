@@ -203,3 +203,53 @@ def test_mask_mode_equals_the_default_on_finite_steps(dtype):
     for p, (w, st) in zip(params, before):
         assert torch.equal(p, w)
         assert all(torch.equal(opt.state[p][k], v) for k, v in st.items())
+
+
+@pytest.mark.parametrize("mode", ["raise", "skip", "mask"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_huge_finite_gradients_never_give_nonfinite_weights(mode, dtype):
+    """Gradients of 3e38 in one step, then a steady 2e37 for 40 steps (Muon's float32 momentum
+    input G + mu M would pass float32's range at step 36): every weight and momentum stays finite in
+    every mode; such a gradient counts as non-finite (beyond GRAD_LIMIT): raised, skipped or masked.
+    On the old code the weights turned NaN in every mode."""
+    from muonclip.optim.nonfinite import NonFiniteGradError
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(12, 20, dtype=dtype)), torch.nn.Parameter(torch.randn(20, dtype=dtype))]
+    opt = muonclip.Muon([{"params": params[:1]}, {"params": params[1:], "algorithm": "adamw"}], lr=0.05,
+                        on_nonfinite=mode)
+    before = [p.detach().clone() for p in params]
+    sign = torch.randn(12, 20).sign()
+    for step, scale in enumerate([3e38] + [2e37] * 40):
+        params[0].grad = (sign * scale).to(dtype)
+        params[1].grad = torch.ones(20, dtype=dtype)
+        if mode == "raise":
+            with pytest.raises(NonFiniteGradError, match="beyond 2"):
+                opt.step()
+        else:
+            opt.step()
+        assert all(torch.isfinite(p).all() for p in params), step
+        assert all(torch.isfinite(t).all() for s in opt.state.values() for t in s.values()
+                   if isinstance(t, torch.Tensor)), step
+    assert all(torch.equal(p, b) for p, b in zip(params, before))  # nothing applied
+    if mode == "skip":
+        assert opt.steps_skipped == 41
+
+
+def test_a_large_gradient_below_the_limit_gives_the_same_update_as_a_small_one():
+    """1e29 (inside GRAD_LIMIT, the momentum input far past where the Frobenius norm's squares overflow
+    float32): the update is the one of the same gradient scaled down by 2^-90, as the polar factor
+    does not depend on the scale (fp32 orthogonalisation; 1e-6 relative: eps against the norm).
+    On the old code the norm overflowed to inf and the update was zero."""
+    torch.manual_seed(0)
+    w = torch.randn(12, 20)
+    g = torch.randn(12, 20)
+    moved = []
+    for scale in (1e29, 1e29 * 2.0**-90):
+        p = torch.nn.Parameter(w.clone())
+        opt = muonclip.Muon([p], lr=0.05, weight_decay=0.0, orth_dtype=torch.float32)
+        p.grad = g * scale
+        opt.step()
+        moved.append(w - p.detach())
+    assert moved[0].abs().max() > 1e-3
+    assert (moved[0] - moved[1]).abs().max() <= 1e-6 * moved[1].abs().max()

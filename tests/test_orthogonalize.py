@@ -134,3 +134,55 @@ def test_vector_and_complex_rejected():
         orthogonalize(torch.randn(4))
     with pytest.raises(TypeError, match="complex"):
         orthogonalize(torch.randn(4, 4, dtype=torch.complex64))
+
+
+@pytest.mark.parametrize("method", ["ns5", "polar_express", "gram", "svd", "ns5_sym"])
+@pytest.mark.parametrize(("dtype", "big"), [(torch.float32, 3e38), (torch.bfloat16, 3e38), (torch.float64, 1e300)])
+def test_huge_finite_matrices_give_the_polar_factor_of_the_scaled_down_ones(method, dtype, big):
+    """Entries near the dtype's largest value: the Frobenius norm's squares would overflow (inf norm,
+    then 0 or NaN), so each matrix is first scaled by an exact power of two. The result is finite and
+    equals that of the same matrices scaled down by 2^-100 (or 2^-900), which need no scaling (float32
+    compute; a difference only from eps against the norm: 1e-6)."""
+    import muonclip.fast  # noqa: F401  (registers ns5_sym)
+
+    V = well_conditioned((3, 24, 40), seed=1)
+    V = (V / V.abs().amax() * big).to(dtype)
+    assert torch.isfinite(V).all()
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    O = orthogonalize(V, method, dtype=compute)
+    small = V.double() * (2.0**-900 if dtype == torch.float64 else 2.0**-100)
+    ref = orthogonalize(small.to(dtype), method, dtype=compute)
+    assert torch.isfinite(O).all()
+    assert (O.double() - ref.double()).abs().max() <= (1e-6 if dtype != torch.bfloat16 else 1e-2)
+
+
+def test_the_overflow_scale_is_one_on_ordinary_inputs():
+    """Exact on any hardware: multiplying by 1.0 changes no bit, so ordinary inputs are normalised as
+    ``X / (||X||_F * norm_scale + eps)`` bit for bit; a huge matrix gets a power of two."""
+    from muonclip.ortho.newton_schulz import normalized, overflow_scale
+
+    V = torch.randn(4, 24, 40) * 1e6
+    assert torch.equal(overflow_scale(V), torch.ones(4, 1, 1))
+    plain = V / (torch.linalg.vector_norm(V, dim=(-2, -1), keepdim=True) * 1.01 + 1e-7)
+    assert torch.equal(normalized(V, torch.float32, 1e-7, 1.01), plain)
+    huge = torch.full((1, 24, 40), 3e38)
+    s = overflow_scale(huge)  # 3e38 < 2^128, brought below 2^E, E = (127 - ceil(log2 960)) // 2 = 58
+    assert float(s) == 2.0**-70
+    assert torch.isfinite(torch.linalg.vector_norm(huge * s))
+
+
+def test_orthogonalize_refuses_nonfinite_input_bad_eps_and_integer_matrices():
+    V = torch.randn(8, 12)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        W = V.clone()
+        W[3, 4] = bad
+        with pytest.raises(ValueError, match="needs finite matrices: V holds NaN or inf"):
+            orthogonalize(W)
+        with pytest.raises(ValueError, match="needs finite matrices"):
+            orthogonalize(W.bfloat16(), "svd", dtype=torch.float32)
+    for eps in (0.0, -1e-7, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="eps must be a finite number > 0"):
+            orthogonalize(V, eps=eps)
+    for dtype in (torch.int64, torch.int32, torch.uint8, torch.bool):
+        with pytest.raises(TypeError, match="works on floating-point matrices"):
+            orthogonalize(V.to(dtype))

@@ -43,8 +43,9 @@ from typing import Any
 import torch
 
 from .config import RunConfig, check_optimizer
-from .data import check_fits, corpus_warnings, load_corpus
+from .data import check_fits, corpus_size, corpus_warnings, load_corpus
 from .memory import check_memory
+from .model import build_model
 from .report import (
     clip_audit,
     clip_audit_markdown,
@@ -59,9 +60,10 @@ from .report import (
     stability_markdown,
     write_summary,
 )
+from .runfolder import OutputError, check_writable, inspect_folder
 from .runner import RunSpec, run_all
 from .sweep import budget_steps, tune
-from .train import OutputError, build_model, check_out_dir
+from .train import check_threads
 
 EFFICIENCY = ("adamw", "muon")
 
@@ -138,13 +140,18 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = 
     jobs = cores if jobs is None else jobs
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
+    check_threads(cfg.threads)
     if not cfg.threads:
         cfg = dataclasses.replace(cfg, threads=max(1, cores // jobs))
     for o in {*optimizers, *(("muon", "muonclip") if cfg.stability_steps else ())}:
-        check_memory(cfg, o, torch.device("cpu"), ranks_here=jobs, sharing="runs at a time")
-    check_out_dir(out_dir, resume=False)
+        check_memory(cfg, o, torch.device("cpu"), ranks_here=jobs, sharing="runs at a time",
+                     corpus=corpus_size(cfg.data))  # every worker reads its own copy
+    if inspect_folder(out_dir).kind == "run":
+        raise OutputError(f"--out {out_dir} already holds a run of muonclip train; choose a new folder for the "
+                          "comparison")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise OutputError(f"--out {out_dir} is not empty; choose a new folder so nothing is overwritten")
+    check_writable(out_dir)
     corpus = load_corpus(cfg.data, cfg.val_fraction)
     check_fits(corpus, cfg.batch_size, cfg.block_size)
     longest = max([budget_steps(cfg, b) for b in cfg.budgets] + [cfg.stability_steps])

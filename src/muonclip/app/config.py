@@ -30,9 +30,13 @@ from typing import Any, get_args, get_origin, get_type_hints
 OPTIMIZERS = ("adamw", "muon", "muonclip")
 ATTENTIONS = ("mha", "mla")
 ORTH_DTYPES = ("bfloat16", "float32")
-# Fields that fix the model's shape: a checkpoint only resumes into the same ones.
-MODEL_FIELDS = ("block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "attention", "qk_norm", "n_expert",
-                "n_expert_active", "n_shared_expert", "expert_hidden")
+SEED_LIMIT = 2**62  # seeds are 0 <= seed < SEED_LIMIT: torch.manual_seed takes 64-bit values, compare adds offsets
+
+
+def _model(default: Any, *, shape: bool = True) -> Any:
+    """A field of the model (`muonclip.models.GPTConfig` takes it by the same name): ``shape``
+    when it fixes the shape of a weight, else a field of the training objective."""
+    return field(default=default, metadata={"model": "shape" if shape else "objective"})
 
 
 @dataclass
@@ -101,18 +105,18 @@ class RunConfig:
             cores shared between them).
     """
 
-    block_size: int = 128
-    n_layer: int = 2
-    n_head: int = 2
-    n_kv_head: int | None = None
-    n_embd: int = 64
-    attention: str = "mha"
-    qk_norm: bool = False
-    n_expert: int = 0
-    n_expert_active: int = 2
-    n_shared_expert: int = 1
-    expert_hidden: int = 0
-    aux_loss_weight: float = 0.01
+    block_size: int = _model(128)
+    n_layer: int = _model(2)
+    n_head: int = _model(2)
+    n_kv_head: int | None = _model(None)
+    n_embd: int = _model(64)
+    attention: str = _model("mha")
+    qk_norm: bool = _model(False)
+    n_expert: int = _model(0)
+    n_expert_active: int = _model(2)
+    n_shared_expert: int = _model(1)
+    expert_hidden: int = _model(0)
+    aux_loss_weight: float = _model(0.01, shape=False)
     data: str | None = None
     val_fraction: float = 0.05
     batch_size: int = 16
@@ -193,6 +197,8 @@ class RunConfig:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if self.grad_clip < 0:
             raise ValueError(f"grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"seed (--seed) must be a whole number from 0 to 2**62 - 1, got {self.seed!r}")
         if self.warmup_steps < 0 or self.threads < 0:
             raise ValueError("warmup_steps and threads must be >= 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -219,6 +225,20 @@ class RunConfig:
         if unknown:
             raise ValueError(f"unknown config fields {sorted(unknown)}")
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})  # JSON lists: tuples
+
+
+MODEL_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RunConfig) if "model" in f.metadata)
+"""The `RunConfig` fields that `muonclip.models.GPTConfig` takes (`model_config`)."""
+SHAPE_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RunConfig)
+                                      if f.metadata.get("model") == "shape")
+"""The fields that fix the shape of the model's weights: a checkpoint resumes only into the same ones."""
+
+
+def model_config(cfg: RunConfig) -> Any:
+    """The `muonclip.models.GPTConfig` of ``cfg``: its `MODEL_FIELDS` and the byte vocabulary (256)."""
+    from ..models import GPTConfig
+
+    return GPTConfig(vocab_size=256, **{k: getattr(cfg, k) for k in MODEL_FIELDS})
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -321,6 +341,6 @@ def apply_overrides(cfg: RunConfig, overrides: dict[str, Any] | None = None,
 
 
 __all__ = [
-    "ATTENTIONS", "MODEL_FIELDS", "OPTIMIZERS", "ORTH_DTYPES", "PRESETS", "RunConfig", "apply_overrides",
-    "check_optimizer", "make_config", "parse_value",
+    "ATTENTIONS", "MODEL_FIELDS", "OPTIMIZERS", "ORTH_DTYPES", "PRESETS", "SEED_LIMIT", "SHAPE_FIELDS", "RunConfig",
+    "apply_overrides", "check_optimizer", "make_config", "model_config", "parse_value",
 ]

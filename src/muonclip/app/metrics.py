@@ -14,20 +14,28 @@ One row per optimizer step, flushed as it is written::
                   before QK-Clip (`muonclip.integrations.UpdateRMS`; ~0.2 for Muon's rms scale)
     step_time     seconds of forward + backward + step   elapsed: wall seconds since start
 
-In the JSONL file the per-layer values are lists (``max_logits``, ``clipped``). On resume the
-rows after the checkpoint's step are dropped, so the files again describe one clean run.
+In the JSONL file the per-layer values are lists (``max_logits``, ``clipped``); it is the history,
+the CSV a copy for spreadsheets. On resume the rows after the checkpoint's step are dropped, so
+the files again describe one clean run: both files are rewritten to a temporary file and renamed
+(`muonclip.app.runfolder.write_atomically`), so a kill at any moment of the rewrite leaves the
+old history or the new one, never a part. A last line without its newline is a row whose write
+a kill cut short (always after the checkpoint's step, so nothing to keep): reading skips it. Any
+other line that is not a JSON row is an error naming the file and the line.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
-JSONL = "metrics.jsonl"
-CSV = "metrics.csv"
+from .runfolder import METRICS, write_atomically
+
+JSONL, CSV = METRICS
 
 
 def csv_columns(n_layer: int) -> list[str]:
@@ -45,13 +53,34 @@ def _clean(v: Any) -> Any:
     return v
 
 
+class MetricsError(ValueError):
+    """A metrics file holds a line that is not a row; the message names the file and the line."""
+
+
 def read_rows(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The rows of ``run_dir/metrics.jsonl`` (empty if there is none)."""
+    """The rows of ``run_dir/metrics.jsonl`` (empty if there is none); a last line without its
+    newline (a write cut short by a kill) is skipped.
+
+    Raises:
+        MetricsError: another line is not a JSON object with an integer ``step``.
+    """
     path = Path(run_dir) / JSONL
     if not path.is_file():
         return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+    lines.pop()  # "" when the file ends with a newline, else an unfinished row
+    rows = []
+    for i, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise MetricsError(f"{path}, line {i}, is not a metrics row ({e}); the run folder is damaged") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise MetricsError(f"{path}, line {i}, is not a metrics row (no step); the run folder is damaged")
+        rows.append(row)
+    return rows
 
 
 class MetricsWriter:
@@ -61,43 +90,63 @@ class MetricsWriter:
         run_dir: the run's folder (must exist).
         n_layer: number of attention layers (fixes the CSV columns).
         keep_until: None for a fresh run (files are started empty); on resume, the step of the
-            checkpoint: rows with a larger step are dropped and writing continues after them.
+            checkpoint: rows with a larger step are dropped (both files rewritten atomically,
+            module docstring) and writing continues after them.
+
+    Raises:
+        MetricsError: on resume, ``metrics.jsonl`` holds a line that is not a row.
     """
 
     def __init__(self, run_dir: str | Path, n_layer: int, keep_until: int | None = None) -> None:
         self.dir = Path(run_dir)
         self.columns = csv_columns(n_layer)
         rows = [r for r in read_rows(self.dir) if r["step"] <= keep_until] if keep_until is not None else []
-        self._jsonl = open(self.dir / JSONL, "w", encoding="utf-8")
-        self._csv_file = open(self.dir / CSV, "w", encoding="utf-8", newline="")
+        # the CSV first: a kill between the two renames leaves the old history in metrics.jsonl
+        write_atomically(self.dir / CSV, lambda f: f.write(self._csv_text(rows)), text=True)
+        write_atomically(self.dir / JSONL, lambda f: f.writelines(self._line(r) for r in rows), text=True)
+        self._jsonl = open(self.dir / JSONL, "a", encoding="utf-8")
+        self._csv_file = open(self.dir / CSV, "a", encoding="utf-8", newline="")
         self._csv = csv.DictWriter(self._csv_file, fieldnames=self.columns, extrasaction="ignore")
-        self._csv.writeheader()
-        for r in rows:
-            self._write(r)
-        self.flush()
 
-    def _write(self, row: dict[str, Any]) -> None:
-        row = {k: _clean(v) for k, v in row.items()}
-        self._jsonl.write(json.dumps(row) + "\n")
-        flat = dict(row)
-        for i, v in enumerate(row.get("max_logits") or []):
+    @staticmethod
+    def _line(row: dict[str, Any]) -> str:
+        return json.dumps({k: _clean(v) for k, v in row.items()}) + "\n"
+
+    def _flat(self, row: dict[str, Any]) -> dict[str, Any]:
+        flat = {k: _clean(v) for k, v in row.items()}
+        for i, v in enumerate(flat.get("max_logits") or []):
             flat[f"max_logit_{i}"] = v
-        for i, v in enumerate(row.get("clipped") or []):
+        for i, v in enumerate(flat.get("clipped") or []):
             flat[f"clipped_{i}"] = v
-        self._csv.writerow({k: ("" if flat.get(k) is None else flat.get(k)) for k in self.columns})
+        return {k: ("" if flat.get(k) is None else flat.get(k)) for k in self.columns}
+
+    def _csv_text(self, rows: list[dict[str, Any]]) -> str:
+        buf = io.StringIO(newline="")
+        w = csv.DictWriter(buf, fieldnames=self.columns, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow(self._flat(r))
+        return buf.getvalue()
 
     def write(self, row: dict[str, Any]) -> None:
         """Append one step's row (keys as in the module docstring) and flush."""
-        self._write(row)
+        self._jsonl.write(self._line(row))
+        self._csv.writerow(self._flat(row))
         self.flush()
 
     def flush(self) -> None:
         self._jsonl.flush()
         self._csv_file.flush()
 
+    def sync(self) -> None:
+        """Flush both files to disk (before a checkpoint, so that its rows outlive a crash)."""
+        self.flush()
+        os.fsync(self._jsonl.fileno())
+        os.fsync(self._csv_file.fileno())
+
     def close(self) -> None:
         self._jsonl.close()
         self._csv_file.close()
 
 
-__all__ = ["CSV", "JSONL", "MetricsWriter", "csv_columns", "read_rows"]
+__all__ = ["CSV", "JSONL", "MetricsError", "MetricsWriter", "csv_columns", "read_rows"]

@@ -1,11 +1,26 @@
 """`muonclip train`: one run of the reference GPT with AdamW, Muon or MuonClip.
 
-A run lives in one folder (``run_dir``)::
+A run lives in one folder (``run_dir``; its layout, who may write it and how: see
+`muonclip.app.runfolder`)::
 
-    config.json      the RunConfig and the optimizer
-    metrics.jsonl    one row per step (see muonclip.app.metrics)
-    metrics.csv      the same rows as CSV
-    checkpoint.pt    the latest checkpoint (see muonclip.distributed.checkpoint)
+    config.json              the RunConfig, the optimizer and the run's identity and history
+    metrics.jsonl / .csv     one row per step (see muonclip.app.metrics)
+    checkpoint.json          the current checkpoint and the SHA-256 of its files
+    checkpoint-step<N>.pt    the checkpoint (one process; muonclip.app.checkpoints), or
+    checkpoint-step<N>.dcp/  the sharded one (under torchrun)
+
+`train_run` goes through four stages, each a function of this module:
+
+1. `check_inputs`: the config, the threads, the ranks' agreement, the batch split, the memory
+   estimate, the corpus — every input, before anything is written.
+2. `open_run_folder`: a new run only in an absent or empty folder, a resume only of a run
+   folder with its checkpoint; the folder's lock (`muonclip.app.runfolder.RunLock`); on resume
+   the checkpoint verified against its manifest and the resume's changes checked
+   (`muonclip.app.resume`).
+3. `build_state`: the model and the optimizer, wrapped for the launch, the checkpoint loaded
+   and the config's hyperparameters applied.
+4. the steps (`train_step`), their records (`Records`: metrics, TensorBoard, progress bar) and
+   the checkpoints.
 
 Step s (0-based) of every run: the batch ``train_batch(corpus, s, seed)``, learning rate
 ``peak * lr_factor(s)`` (linear warm-up, cosine decay to ``peak * min_lr_ratio``), forward,
@@ -21,8 +36,8 @@ the step, and the checkpoint holds model, optimizer and RNG state.
 Under ``torchrun`` (see `muonclip.app.launch`): DDP, or FSDP2 with ``fsdp=True``;
 ``batch_size`` is the global batch and each rank trains on its block of rows, so the run
 equals the one-process run up to float reduction order; rank 0 alone prints and writes
-metrics; checkpoints are sharded (``checkpoint.dcp.json`` + ``checkpoint-step<N>.dcp/``) and
-resume on any number of ranks. A one-process run resumes a sharded checkpoint and vice versa.
+metrics; checkpoints are sharded and resume on any number of ranks. A one-process run resumes
+a sharded checkpoint and vice versa.
 
 Stops:
 * Ctrl-C (SIGINT): the current step finishes, a checkpoint is written, `Interrupted` is raised
@@ -31,48 +46,54 @@ Stops:
   step and joins the save), and SIGTERM, which the launcher sends on Ctrl-C, stops the same way.
 * A non-finite loss, gradient or validation loss: nothing is written for that step, the last
   good checkpoint is kept, `NonFiniteLossError` names the step (the CLI exits with 3).
+* A full disk or another failed write of a checkpoint: `muonclip.app.runfolder.OutputError`
+  (exit code 2), the previous checkpoint kept.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ..distributed.checkpoint import (
-    FILE_CHECKPOINT,
-    check_compatible,
-    find_checkpoint,
-    has_checkpoint,
-    load_full_into_sharded,
-    load_sharded,
-    remove_sharded,
-    rng_state,
-    save_file,
-    save_sharded,
-    set_rng_state,
-)
+from ..distributed.checkpoint import CheckpointError
 from ..distributed.context import SINGLE, GroupContext
 from ..integrations.stats import UpdateRMS
-from ..optim import NonFiniteGradError, param_groups
-from .config import MODEL_FIELDS, RunConfig, check_optimizer
-from .data import Corpus, check_fits, corpus_warnings, load_corpus, train_batch, val_batches
+from ..optim import NonFiniteGradError
+from .checkpoints import (
+    Checkpoint,
+    RunIdentity,
+    check_shapes,
+    corpus_digest,
+    load_checkpoint,
+    load_file,
+    read_checkpoint,
+    save_checkpoint,
+    set_rng_state,
+    verify,
+)
+from .config import RunConfig, check_optimizer
+from .data import Corpus, check_fits, corpus_size, corpus_warnings, load_corpus, train_batch, val_batches
 from .launch import (
+    agree,
+    all_gather_text,
     all_max,
     all_mean,
     all_sum,
+    barrier,
     check_batch,
+    check_same_everywhere,
     current_group,
     device,
     is_active,
@@ -82,14 +103,19 @@ from .launch import (
 )
 from .memory import check_memory
 from .metrics import MetricsWriter
+from .model import build_model, build_optimizer, hidden_matrices
 from .probes import ExpertRMS, MLAClipAudit
-
-CHECKPOINT = FILE_CHECKPOINT
-CONFIG = "config.json"
-
-
-class OutputError(RuntimeError):
-    """The output folder cannot be used (unwritable, or holds another run)."""
+from .resume import apply_hyperparameters, changes, check_changes, check_same_run, group_hyperparameters
+from .runfolder import (
+    OutputError,
+    RunLock,
+    check_new_run_folder,
+    check_run_folder,
+    read_config,
+    read_lock_token,
+    remove_leftovers,
+    write_config,
+)
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -126,53 +152,6 @@ class RunResult:
     steps: int
     final_val_loss: float
     wall_time: float
-
-
-def build_model(cfg: RunConfig) -> nn.Module:
-    """The reference GPT of ``cfg``, initialised from ``torch.manual_seed(cfg.seed)``."""
-    from ..models import GPT
-
-    torch.manual_seed(cfg.seed)
-    return GPT(model_config(cfg))
-
-
-def model_config(cfg: RunConfig) -> Any:
-    """The `muonclip.models.GPTConfig` of ``cfg`` (byte vocabulary)."""
-    from ..models import GPTConfig
-
-    return GPTConfig(vocab_size=256, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                     n_kv_head=cfg.n_kv_head, n_embd=cfg.n_embd, attention=cfg.attention, qk_norm=cfg.qk_norm,
-                     n_expert=cfg.n_expert, n_expert_active=cfg.n_expert_active, n_shared_expert=cfg.n_shared_expert,
-                     expert_hidden=cfg.expert_hidden, aux_loss_weight=cfg.aux_loss_weight)
-
-
-def build_optimizer(name: str, model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
-    """The optimizer of a run.
-
-    * ``adamw``: ``torch.optim.AdamW(lr=lr_adamw, betas=(0.9, 0.95))``, weight decay on
-      tensors with ndim >= 2 only.
-    * ``muon``: ``muonclip.Muon`` over `muonclip.param_groups` — hidden matrices at
-      ``lr_muon``, embeddings/head/norms by its AdamW branch at ``lr_adamw``.
-    * ``muonclip``: ``muonclip.MuonClip``, the same plus QK-Clip at ``tau``, at ``lr_muonclip``.
-    """
-    check_optimizer(name)
-    if name == "adamw":
-        decay = [p for p in model.parameters() if p.ndim >= 2]
-        no_decay = [p for p in model.parameters() if p.ndim < 2]
-        return torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr_adamw, betas=(0.9, 0.95),
-        )
-    groups = param_groups(model, adamw_lr=cfg.lr_adamw)
-    orth_dtype = getattr(torch, cfg.orth_dtype)
-    if name == "muon":
-        from ..optim import Muon
-
-        return Muon(groups, lr=cfg.lr_muon, weight_decay=cfg.weight_decay, orth_dtype=orth_dtype)
-    from .. import MuonClip
-
-    return MuonClip(model, lr=cfg.lr_muonclip, tau=cfg.tau, groups=groups, weight_decay=cfg.weight_decay,
-                    orth_dtype=orth_dtype)
 
 
 def lr_factor(step: int, cfg: RunConfig, optimizer: str) -> float:
@@ -227,21 +206,6 @@ def read_max_logits(model: nn.Module, optimizer: torch.optim.Optimizer,
     return maxes, clipped
 
 
-def check_out_dir(run_dir: Path, *, resume: bool) -> None:
-    """Raise `OutputError` unless ``run_dir`` can be written (fresh run: must not hold a run already)."""
-    probe = run_dir
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if probe.exists() and not probe.is_dir():
-        raise OutputError(f"--out {run_dir}: {probe} is a file, not a folder")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise OutputError(f"--out {run_dir}: cannot write to {probe} (permission denied); choose another --out")
-    if not resume and has_checkpoint(run_dir):
-        raise OutputError(f"--out {run_dir} already holds a run; continue it with --resume or choose another --out")
-
-
 def _install_sigint() -> tuple[dict[str, bool], Any]:
     flag = {"stop": False}
     if threading.current_thread() is not threading.main_thread():
@@ -290,24 +254,379 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> float
     return total
 
 
-def _check_memory(cfg: RunConfig, optimizer: str, ctx: GroupContext, fsdp: bool) -> None:
-    """`muonclip.app.memory.check_memory` on every rank; under torchrun all ranks stop together
-    (one all-reduce) when one of them has too little memory, rank 0 with the message."""
-    dev = device(ctx)
+def check_threads(threads: int) -> int:
+    """The torch CPU threads of a run: ``threads`` (0: the cores shared by the ranks of the machine
+    is decided by the caller). Raises ValueError naming ``--threads`` above this machine's cores:
+    more threads than cores never helps, and very many crash the thread pool."""
+    cores = os.cpu_count() or 1
+    if threads > cores:
+        raise ValueError(f"--threads {threads}: this machine has {cores} cores; use at most {cores} (0: all of them)")
+    return threads
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where this process trains: its process group (`GroupContext`), the launch flags, and what
+    follows from them (``active``: wrapped with collectives; ``main``: rank 0; ``dev``)."""
+
+    ctx: GroupContext
+    fsdp: bool
+    tp: int
+
+    @property
+    def active(self) -> bool:
+        return is_active(self.ctx, self.fsdp)
+
+    @property
+    def main(self) -> bool:
+        return self.ctx.rank == 0
+
+    @property
+    def dev(self) -> torch.device:
+        return device(self.ctx)
+
+
+def _check_memory(cfg: RunConfig, optimizer: str, place: Place, corpus: tuple[int, int]) -> None:
+    """`muonclip.app.memory.check_memory` for this process (its device, the ranks that share this
+    machine's memory, the corpus files' ``(total, largest)`` bytes)."""
+    dev = place.dev
+    check_memory(cfg, optimizer, dev, world_size=place.ctx.world_size, fsdp=place.fsdp,
+                 ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if dev.type == "cpu" else 1,
+                 corpus=corpus)
+
+
+def check_inputs(cfg: RunConfig, optimizer: str, run_dir: Path, place: Place, *, resume: bool,
+                 corpus: Corpus | None, warn: bool) -> tuple[Corpus, str]:
+    """Stage 1 of `train_run` (nothing is written): the ranks' agreement on every setting, the
+    config, ``--threads``, the batch split, the memory estimate (corpus included), the corpus,
+    the ranks' agreement on the data. Returns the corpus and its SHA-256 (`corpus_digest`).
+
+    Every rank has the same settings (checked first), but each machine has its own cores, memory
+    and files: every check after that one ends in `muonclip.app.launch.agree`, so that all ranks
+    stop together, rank 0 naming the first failing rank's problem.
+
+    Raises:
+        ValueError, DataError: bad input; under torchrun, on every rank.
+    """
+    ctx = place.ctx
+    check_same_everywhere({**cfg.to_dict(), "optimizer": optimizer, "resume": resume, "fsdp": place.fsdp,
+                           "tp": place.tp, "out": os.path.abspath(run_dir)}, ctx)
+    error: ValueError | None = None
     try:
-        check_memory(cfg, optimizer, dev, world_size=ctx.world_size, fsdp=fsdp,
-                     ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if dev.type == "cpu" else 1)
-        short: ValueError | None = None
+        check_optimizer(optimizer)
+        cfg.validate()
+        check_threads(cfg.threads)
+        check_batch(cfg.batch_size, ctx, place.tp)
+        # the corpus is counted before it is read; a caller's corpus is in memory already
+        _check_memory(cfg, optimizer, place, corpus_size(cfg.data) if corpus is None else (0, 0))
+    except ValueError as e:  # DataError too
+        error = e
+    agree(error, ctx)
+    try:
+        if corpus is None:
+            corpus = load_corpus(cfg.data, cfg.val_fraction)
+        check_fits(corpus, cfg.batch_size, cfg.block_size)
     except ValueError as e:
-        short = e
-    if is_active(ctx, fsdp) and all_max([float(short is not None)], ctx)[0] > 0:
-        raise short or ValueError("another rank has too little memory for one training step; see rank 0's message")
-    if short is not None:
-        raise short
+        error = e
+    agree(error, ctx)
+    digest = corpus_digest(corpus.train, corpus.val)
+    check_same_everywhere({"data_sha256": digest}, ctx)
+    if warn and place.main:
+        for warning in corpus_warnings(corpus, steps=cfg.steps, batch_size=cfg.batch_size, block_size=cfg.block_size):
+            print(f"muonclip: warning: {warning}", file=sys.stderr)
+    return corpus, digest
 
 
-def _hidden_matrices(model: nn.Module) -> list[Tensor]:
-    return [p for g in param_groups(model) if g["algorithm"] == "muon" for p in g["params"]]
+@dataclass
+class Opened:
+    """A run folder ready to write (`open_run_folder`): its lock (rank 0), the checkpoint to
+    resume from (None for a new run), the run's identity with this start's history, and what
+    this resume changed."""
+
+    lock: RunLock | None
+    found: Checkpoint | None
+    identity: RunIdentity
+    changed: dict[str, list[Any]] = field(default_factory=dict)
+
+
+def _inside(run_dir: Path, other: str | Path | None) -> list[str]:
+    """The first entry of ``other``'s path inside ``run_dir`` (a TensorBoard folder put there), or []."""
+    if other is None:
+        return []
+    try:
+        rel = Path(os.path.abspath(other)).relative_to(os.path.abspath(run_dir))
+    except ValueError:
+        return []
+    return [rel.parts[0]] if rel.parts else []
+
+
+def open_run_folder(run_dir: Path, cfg: RunConfig, optimizer: str, place: Place, *, resume: bool,
+                    data_sha256: str, tensorboard: str | Path | None = None) -> Opened:
+    """Stage 2 of `train_run`: check the folder (`muonclip.app.runfolder`), take its lock (rank 0),
+    and on resume read and verify the checkpoint and check what the resume changes
+    (`muonclip.app.resume`). Nothing in the folder is modified here, the lock file aside; every
+    rank agrees on the outcome, and the ranks check that they share the folder.
+
+    Raises:
+        OutputError, CheckpointError, ValueError: on every rank.
+    """
+    ctx = place.ctx
+    allowed = _inside(run_dir, tensorboard)
+    lock: RunLock | None = None
+    error: BaseException | None = None
+    if place.main:
+        try:
+            (check_run_folder if resume else check_new_run_folder)(run_dir, allowed)
+            lock = RunLock(run_dir)
+            (check_run_folder if resume else check_new_run_folder)(run_dir, allowed)  # under the lock, again
+        except OutputError as e:
+            error = e
+            if lock is not None:
+                lock.release()
+                lock = None
+    agree(error, ctx)
+    found, identity, changed = None, RunIdentity.new(data_sha256), {}
+    if resume:
+        try:
+            found, identity, changed = _check_resume(run_dir, cfg, optimizer, data_sha256)
+        except (CheckpointError, OutputError, ValueError) as e:
+            error = e
+        if error is not None and lock is not None:
+            lock.release()
+        agree(error, ctx)
+    _check_shared_folder(run_dir, lock, ctx)
+    return Opened(lock, found, identity, changed)
+
+
+def _check_resume(run_dir: Path, cfg: RunConfig, optimizer: str,
+                  data_sha256: str) -> tuple[Checkpoint, RunIdentity, dict[str, list[Any]]]:
+    """Read and verify the checkpoint of ``run_dir`` and check that this resume may continue it."""
+    found = read_checkpoint(run_dir)
+    verify(found)
+    where = str(found.folder / "checkpoint.json")
+    check_same_run(read_config(run_dir), found.optimizer, found.config, found.run.id, where)
+    changed = changes(found.config, cfg)
+    check_changes(changed, found.optimizer, optimizer, where)
+    if found.run.data_sha256 != data_sha256:
+        raise ValueError(f"the training text differs from the one {where} was trained on (its SHA-256 is "
+                         f"{found.run.data_sha256[:12]}..., this --data gives {data_sha256[:12]}...); a resume "
+                         "needs the same text: restore it, or start a new run in another --out")
+    if found.step > cfg.steps:
+        raise ValueError(f"the checkpoint is at step {found.step}, past steps={cfg.steps}; raise --steps")
+    history = [h for h in found.run.history if h.get("step", 0) < found.step]
+    if changed:
+        history.append({"step": found.step, "changed": changed})
+    return found, RunIdentity(found.run.id, found.run.data_sha256, history), changed
+
+
+def _check_shared_folder(run_dir: Path, lock: RunLock | None, ctx: GroupContext) -> None:
+    """Rank 0 writes its process id, host and a fresh token into the lock file (for a second
+    writer's message); under torchrun every other rank must read the token there (else the
+    ranks do not share the run folder, e.g. no shared file system)."""
+    token = uuid.uuid4().hex if lock is not None else ""
+    if lock is not None:
+        lock.stamp(token)
+    if ctx.world_size == 1:
+        return
+    token = all_gather_text(token, ctx)[0]
+    barrier(ctx)
+    error = None
+    if ctx.rank != 0 and read_lock_token(run_dir) != token:
+        error = OutputError(f"rank {ctx.rank} does not see rank 0's run folder {run_dir} (its {run_dir / '.lock'} "
+                            "is not the one rank 0 wrote): --out must be a folder on a file system every rank shares")
+    try:
+        agree(error, ctx)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+@dataclass
+class State:
+    """The model and optimizer of a run (`build_state`): ``train_model`` (what the forward calls:
+    the DDP wrapper or the model), ``model`` (with its own parameter names), ``opt``, the peak
+    learning rate of each param group (``base_lrs``) and the first step to run (``start``)."""
+
+    train_model: nn.Module
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    base_lrs: list[float]
+    start: int
+
+
+def build_state(cfg: RunConfig, optimizer: str, place: Place, found: Checkpoint | None) -> State:
+    """Stage 3 of `train_run`: the model, wrapped for the launch (`muonclip.app.launch.wrap_model`),
+    its optimizer, and on resume the checkpoint loaded into both, the config's hyperparameters
+    set again over the loaded ones (`muonclip.app.resume.apply_hyperparameters`) and the RNG
+    states restored.
+
+    Raises:
+        CheckpointError: the checkpoint does not fit the model (on every rank).
+    """
+    model = build_model(cfg)
+    data, error = None, None
+    try:
+        if found is not None:
+            check_shapes(found, model)
+            if found.kind == "file":
+                data = load_file(found.path)
+                model.load_state_dict(data["model"])  # before wrapping: DDP/FSDP2 take the loaded weights
+    except CheckpointError as e:
+        error = e
+    agree(error, place.ctx)
+    train_model, model = wrap_model(model, place.ctx, place.fsdp, place.tp)
+    opt = build_optimizer(optimizer, model, cfg)
+    built = group_hyperparameters(opt)
+    base_lrs = [g["lr"] for g in opt.param_groups]  # the peaks: a loaded state holds the last scheduled lr
+    if found is None:
+        return State(train_model, model, opt, base_lrs, 0)
+
+    def build_plain() -> tuple[nn.Module, torch.optim.Optimizer]:
+        plain = build_model(cfg)
+        return plain, build_optimizer(optimizer, plain, cfg)
+
+    rng = load_checkpoint(found, model, opt, place.ctx, build=build_plain if place.fsdp else None, file_data=data)
+    apply_hyperparameters(opt, built, cfg)
+    set_rng_state(rng)
+    return State(train_model, model, opt, base_lrs, found.step)
+
+
+class Records:
+    """What a run writes besides checkpoints, on rank 0: ``config.json``, the metrics files, the
+    TensorBoard scalars, the progress bar (every rank: its meters).
+
+    Args:
+        run_dir, cfg, optimizer, place: the run.
+        opened: the opened folder (`open_run_folder`).
+        state: the built model and optimizer (`build_state`).
+        tensorboard: a TensorBoard folder (default None).
+        progress: show the progress bar (default True).
+        label: its label (default: the optimizer's name).
+
+    Raises:
+        OutputError: ``config.json`` or the metrics cannot be written.
+        ValueError: TensorBoard is asked for but not installed.
+    """
+
+    def __init__(self, run_dir: Path, cfg: RunConfig, optimizer: str, place: Place, opened: Opened, state: State,
+                 *, tensorboard: str | Path | None, progress: bool, label: str | None) -> None:
+        self.writer: MetricsWriter | None = None
+        self.tb: Any = None
+        start, resume = state.start, opened.found is not None
+        if place.main:
+            if tensorboard is not None:
+                from ..integrations.tensorboard import TensorBoardWriter
+
+                try:
+                    self.tb = TensorBoardWriter(tensorboard, purge_step=start + 1 if resume else None)
+                except ImportError as e:
+                    raise ValueError(f"--tensorboard: {e}") from None
+            try:
+                remove_leftovers(run_dir, keep=opened.found.name if opened.found else None)
+                write_config(run_dir, optimizer, cfg.to_dict(), opened.identity.to_dict())
+                self.writer = MetricsWriter(run_dir, cfg.n_layer, keep_until=start if resume else None)
+            except OSError as e:
+                raise OutputError(f"--out {run_dir}: cannot write {e.filename or 'a file'} ({e.strerror or e}); "
+                                  "free space or choose another --out") from None
+        model, opt = state.model, state.opt
+        self.rms = UpdateRMS(opt, params=hidden_matrices(model))
+        # one process: per-expert update RMS (3-D expert stacks) and the factors of each clipped MLA head
+        one = not place.active
+        self.experts = ExpertRMS(opt, model) if one and any(p.ndim == 3 for p in model.parameters()) else None
+        self.audit = MLAClipAudit(opt, model) if one else None
+        self.bar = progress_bar(label or optimizer, cfg.steps, start, cfg.batch_size * cfg.block_size,
+                                enabled=progress and place.main)
+
+    def write(self, row: dict[str, Any], last_val_loss: float | None) -> None:
+        """Record one step's row (metrics files, TensorBoard, the progress bar).
+
+        Raises:
+            OutputError: the metrics cannot be written (e.g. a full disk).
+        """
+        if self.writer is not None:
+            try:
+                self.writer.write(row)
+            except OSError as e:
+                raise OutputError(f"--out {self.writer.dir}: cannot write the metrics of step {row['step']} "
+                                  f"({e.strerror or e}); the last checkpoint is intact: free space and continue "
+                                  "with --resume") from None
+        if self.tb is not None:
+            self.tb.write(row)
+        shown = f"loss {row['loss']:.4f}"
+        if last_val_loss is not None:
+            shown += f", val {last_val_loss:.4f}"
+        self.bar.set_postfix_str(shown, refresh=False)
+        self.bar.update(1)
+
+    def sync(self) -> None:
+        """The metrics on disk (before a checkpoint)."""
+        if self.writer is not None:
+            self.writer.sync()
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def train_step(step: int, cfg: RunConfig, optimizer: str, place: Place, state: State, corpus: Corpus,
+               records: Records, stop: dict[str, bool], last_saved: Path | None) -> tuple[dict[str, Any], bool]:
+    """One optimizer step (0-based ``step``) with its bookkeeping; returns its metrics row (without
+    the validation loss) and whether a Ctrl-C on any rank asks to stop after it.
+
+    Raises:
+        NonFiniteLossError: a non-finite loss or gradient (nothing was applied).
+    """
+    ctx, dev, opt, model = place.ctx, place.dev, state.opt, state.model
+    factor = lr_factor(step, cfg, optimizer)
+    for g, lr in zip(opt.param_groups, state.base_lrs):
+        g["lr"] = lr * factor
+    x, y = train_batch(corpus, step, batch_size=cfg.batch_size, block_size=cfg.block_size, seed=cfg.seed)
+    x, y = rank_rows(x, ctx, dev, place.tp), rank_rows(y, ctx, dev, place.tp)
+    t0 = time.perf_counter()
+    loss = forward_loss(state.train_model, x, y)
+    stop_now = False
+    if place.active:  # one all-reduce: the mean loss (non-finite if any rank's is) and Ctrl-C on any rank
+        loss_value, stops = all_mean([float(loss.detach()), float(stop["stop"])], ctx)
+        stop_now = stops > 0
+    else:
+        loss_value = float(loss.detach())
+    if not math.isfinite(loss_value):
+        raise NonFiniteLossError(step + 1, f"loss ({loss_value})", last_saved)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if cfg.grad_clip > 0:  # on every rank: the norm of DTensor gradients is reduced over the group
+        norm = clip_grad_norm(model.parameters(), cfg.grad_clip)
+        if not math.isfinite(norm):
+            raise NonFiniteLossError(step + 1, f"gradient (global norm {norm})", last_saved)
+    records.rms.before()
+    if records.experts is not None:
+        records.experts.before()
+    try:
+        opt.step()
+    except NonFiniteGradError as e:
+        records.rms.discard()
+        raise NonFiniteLossError(step + 1, f"gradient ({e})", last_saved) from None
+    clip_stats = opt.clip_stats() if callable(getattr(opt, "clip_stats", None)) else {}
+    maxes, clipped = read_max_logits(model, opt, ctx)
+    rms = records.rms.after(reduce=(lambda v: all_sum(v, ctx)) if place.fsdp else None)
+    probes: dict[str, Any] = {}
+    if records.experts is not None:
+        probes["expert_rms"] = records.experts.after()
+    if records.audit is not None and (events := records.audit.events()):
+        probes["clip_audit"] = events
+    done = step + 1
+    row = {
+        "step": done, "tokens": done * cfg.batch_size * cfg.block_size, "loss": loss_value, "val_loss": None,
+        "lr": cfg.lr(optimizer) * factor, "max_logit": max(maxes) if maxes else None,
+        "max_logits": maxes, "clipped_heads": sum(clipped), "clipped": clipped,
+        "max_logit_is_bound": int(clip_stats.get("max_logit_is_bound", 0.0)) if maxes else None,
+        "update_rms": rms, "step_time": time.perf_counter() - t0, **probes,
+    }
+    return row, stop_now
 
 
 def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bool = False,
@@ -317,10 +636,11 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
     """Train one run; see the module docstring. Every input is checked before anything is written.
 
     Args:
-        cfg: the validated config (on resume: the checkpoint's, with any overrides applied).
+        cfg: the validated config (on resume: the checkpoint's, with any overrides applied;
+            `muonclip.app.resume` says which may change).
         optimizer: "adamw", "muon" or "muonclip".
-        run_dir: the run's folder (created).
-        resume: continue from ``run_dir/checkpoint.pt`` (default False).
+        run_dir: the run's folder (created; a new run needs it absent or empty).
+        resume: continue the run of ``run_dir`` from its checkpoint (default False).
         corpus: a loaded corpus (default None: ``load_corpus(cfg.data, cfg.val_fraction)``).
         progress: show a progress bar (tqdm) on stderr (default True).
         label: progress-bar label (default: the optimizer name).
@@ -337,179 +657,76 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
 
     Raises:
         DataError, OutputError, CheckpointError, ValueError: bad input (also: one step would not fit
-            in memory, `muonclip.app.memory`); nothing written.
+            in memory, `muonclip.app.memory`); nothing written. OutputError also: a checkpoint
+            could not be written (the previous one kept).
         NonFiniteLossError: NaN/inf loss, gradient or validation loss; last good checkpoint kept.
         Interrupted: Ctrl-C; checkpoint of the last finished step written.
     """
-    check_optimizer(optimizer)
     run_dir = Path(run_dir)
-    cfg.validate()
-    ctx = current_group(fsdp, tp)
-    active, main, dev = is_active(ctx, fsdp), ctx.rank == 0, device(ctx)
-    check_batch(cfg.batch_size, ctx, tp)
-    _check_memory(cfg, optimizer, ctx, fsdp)
-    check_out_dir(run_dir, resume=resume)
-    if corpus is None:
-        corpus = load_corpus(cfg.data, cfg.val_fraction)
-    check_fits(corpus, cfg.batch_size, cfg.block_size)
-    if warn and main:
-        for warning in corpus_warnings(corpus, steps=cfg.steps, batch_size=cfg.batch_size, block_size=cfg.block_size):
-            print(f"muonclip: warning: {warning}", file=sys.stderr)
-    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // ctx.world_size))
+    place = Place(current_group(fsdp, tp), fsdp, tp)
+    corpus, digest = check_inputs(cfg, optimizer, run_dir, place, resume=resume, corpus=corpus, warn=warn)
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // place.ctx.world_size))
+    opened = open_run_folder(run_dir, cfg, optimizer, place, resume=resume, data_sha256=digest,
+                             tensorboard=tensorboard)
+    try:
+        return _train(cfg, optimizer, run_dir, place, opened, corpus, progress=progress, label=label,
+                      tensorboard=tensorboard)
+    finally:
+        if opened.lock is not None:
+            opened.lock.release()
 
-    model = build_model(cfg)
-    start, extra = 0, {"elapsed": 0.0, "last_val_loss": float("nan")}
-    found = find_checkpoint(run_dir) if resume else None
-    if found is not None:
-        check_compatible(found, optimizer=optimizer, config=cfg.to_dict(), model=model, fields=MODEL_FIELDS)
-        if found.step > cfg.steps:
-            raise ValueError(f"the checkpoint is at step {found.step}, past steps={cfg.steps}; raise --steps")
-        if found.kind == "file":
-            model.load_state_dict(found.data["model"])  # before wrapping: DDP/FSDP2 take the loaded weights
-        start = found.step
-        extra.update(found.data.get("extra") or {})
-    train_model, model = wrap_model(model, ctx, fsdp, tp)
-    opt = build_optimizer(optimizer, model, cfg)
-    base_lrs = [g["lr"] for g in opt.param_groups]  # the peaks: a loaded state holds the last scheduled lr
-    if found is not None:
-        if found.kind == "sharded":
-            set_rng_state(load_sharded(run_dir, found.data, model, opt))
-        else:
-            if fsdp:
-                def build_plain() -> tuple[nn.Module, torch.optim.Optimizer]:
-                    plain = build_model(cfg)
-                    return plain, build_optimizer(optimizer, plain, cfg)
 
-                load_full_into_sharded(model, opt, found.data, build_plain)
-            else:
-                opt.load_state_dict(found.data["optim"])
-            set_rng_state(found.data["rng"])
-    ckpt_path = run_dir / CHECKPOINT
-
-    tb = None
-    if tensorboard is not None and main:
-        from ..integrations.tensorboard import TensorBoardWriter
-
-        try:
-            tb = TensorBoardWriter(tensorboard, purge_step=start + 1 if resume else None)
-        except ImportError as e:
-            raise ValueError(f"--tensorboard: {e}") from None
-    writer = None
-    if main:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            with open(run_dir / CONFIG, "w", encoding="utf-8") as f:
-                json.dump({"optimizer": optimizer, **cfg.to_dict()}, f, indent=2)
-        except OSError as e:
-            raise OutputError(f"--out {run_dir}: cannot write ({e}); choose another --out") from None
-        writer = MetricsWriter(run_dir, cfg.n_layer, keep_until=start if resume else None)
-    val = [(rank_rows(x, ctx, dev, tp), rank_rows(y, ctx, dev, tp)) for x, y in
+def _train(cfg: RunConfig, optimizer: str, run_dir: Path, place: Place, opened: Opened, corpus: Corpus, *,
+           progress: bool, label: str | None, tensorboard: str | Path | None) -> RunResult:
+    """Stages 3 and 4 of `train_run`, under the folder's lock."""
+    state = build_state(cfg, optimizer, place, opened.found)
+    found = opened.found
+    extra: dict[str, Any] = {"elapsed": 0.0, "last_val_loss": None, **(found.extra if found else {})}
+    val = [(rank_rows(x, place.ctx, place.dev, place.tp), rank_rows(y, place.ctx, place.dev, place.tp)) for x, y in
            val_batches(corpus, n_batches=cfg.eval_batches, batch_size=cfg.batch_size, block_size=cfg.block_size)]
-    rms_meter = UpdateRMS(opt, params=_hidden_matrices(model))
-    # one process: per-expert update RMS (3-D expert stacks) and the factors of each clipped MLA head
-    expert_meter = ExpertRMS(opt, model) if not active and any(p.ndim == 3 for p in model.parameters()) else None
-    audit = MLAClipAudit(opt, model) if not active else None
-    tokens_per_step = cfg.batch_size * cfg.block_size
-    bar = progress_bar(label or optimizer, cfg.steps, start, tokens_per_step, enabled=progress and main)
-    last_saved: Path | None = found.path if found is not None else None
+    records = Records(run_dir, cfg, optimizer, place, opened, state, tensorboard=tensorboard, progress=progress,
+                      label=label)
+    last: Checkpoint | None = found
     elapsed0 = float(extra["elapsed"])
     t_start = time.perf_counter()
 
-    def save(step: int) -> Path:
+    def save(step: int) -> Checkpoint:
         extra["elapsed"] = elapsed0 + time.perf_counter() - t_start
-        meta = {"optimizer": optimizer, "config": cfg.to_dict(), "step": step, "extra": dict(extra)}
-        if active:
-            return save_sharded(run_dir, model, opt, ctx, meta={**meta, "mode": mode(ctx, fsdp, tp)},
-                                rng=rng_state())
-        path = save_file(ckpt_path, {**meta, "model": model.state_dict(), "optim": opt.state_dict(),
-                                     "rng": rng_state()})
-        remove_sharded(run_dir)  # a resumed sharded run now continues in checkpoint.pt
-        return path
+        records.sync()
+        meta = {"optimizer": optimizer, "config": cfg.to_dict(), "run": opened.identity.to_dict(),
+                "extra": dict(extra), "mode": mode(place.ctx, place.fsdp, place.tp)}
+        return save_checkpoint(run_dir, state.model, state.opt, place.ctx, sharded=place.active, step=step,
+                               meta=meta, previous=last)
 
     flag, old_handler = _install_sigint()
-    old_term = _install_sigterm(flag) if active else None
-    train_model.train()
+    old_term = _install_sigterm(flag) if place.active else None
+    state.train_model.train()
     try:
-        for step in range(start, cfg.steps):
-            factor = lr_factor(step, cfg, optimizer)
-            for g, lr in zip(opt.param_groups, base_lrs):
-                g["lr"] = lr * factor
-            x, y = train_batch(corpus, step, batch_size=cfg.batch_size, block_size=cfg.block_size, seed=cfg.seed)
-            x, y = rank_rows(x, ctx, dev, tp), rank_rows(y, ctx, dev, tp)
-            t0 = time.perf_counter()
-            loss = forward_loss(train_model, x, y)
-            stop_now = False
-            if active:  # one all-reduce: the mean loss (non-finite if any rank's is) and Ctrl-C on any rank
-                loss_value, stops = all_mean([float(loss.detach()), float(flag["stop"])], ctx)
-                stop_now = stops > 0
-            else:
-                loss_value = float(loss.detach())
-            if not math.isfinite(loss_value):
-                raise NonFiniteLossError(step + 1, f"loss ({loss_value})", last_saved)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if cfg.grad_clip > 0:  # on every rank: the norm of DTensor gradients is reduced over the group
-                norm = clip_grad_norm(model.parameters(), cfg.grad_clip)
-                if not math.isfinite(norm):
-                    raise NonFiniteLossError(step + 1, f"gradient (global norm {norm})", last_saved)
-            rms_meter.before()
-            if expert_meter is not None:
-                expert_meter.before()
-            try:
-                opt.step()
-            except NonFiniteGradError as e:
-                rms_meter.discard()
-                raise NonFiniteLossError(step + 1, f"gradient ({e})", last_saved) from None
-            clip_stats = opt.clip_stats() if callable(getattr(opt, "clip_stats", None)) else {}
-            maxes, clipped = read_max_logits(model, opt, ctx)
-            rms = rms_meter.after(reduce=(lambda v: all_sum(v, ctx)) if fsdp else None)
-            probes: dict[str, Any] = {}
-            if expert_meter is not None:
-                probes["expert_rms"] = expert_meter.after()
-            if audit is not None and (events := audit.events()):
-                probes["clip_audit"] = events
-            step_time = time.perf_counter() - t0
+        for step in range(state.start, cfg.steps):
+            row, stop_now = train_step(step, cfg, optimizer, place, state, corpus, records, flag,
+                                       last.path if last else None)
             done = step + 1
-            val_loss = None
             if done % cfg.eval_every == 0 or done == cfg.steps:
-                val_loss = all_mean([evaluate(model, val)], ctx)[0]  # the same value on every rank
+                val_loss = all_mean([evaluate(state.model, val)], place.ctx)[0]  # the same value on every rank
                 if not math.isfinite(val_loss):
-                    raise NonFiniteLossError(done, f"validation loss ({val_loss})", last_saved)
-                extra["last_val_loss"] = val_loss
-            row = {
-                "step": done, "tokens": done * tokens_per_step, "loss": loss_value, "val_loss": val_loss,
-                "lr": cfg.lr(optimizer) * factor, "max_logit": max(maxes) if maxes else None,
-                "max_logits": maxes, "clipped_heads": sum(clipped), "clipped": clipped,
-                "max_logit_is_bound": int(clip_stats.get("max_logit_is_bound", 0.0)) if maxes else None,
-                "update_rms": rms, "step_time": step_time,
-                "elapsed": elapsed0 + time.perf_counter() - t_start, **probes,
-            }
-            if writer is not None:
-                writer.write(row)
-            if tb is not None:
-                tb.write(row)
-            shown = f"loss {loss_value:.4f}"
-            if math.isfinite(extra["last_val_loss"]):
-                shown += f", val {extra['last_val_loss']:.4f}"
-            bar.set_postfix_str(shown, refresh=False)
-            bar.update(1)
+                    raise NonFiniteLossError(done, f"validation loss ({val_loss})", last.path if last else None)
+                extra["last_val_loss"] = row["val_loss"] = val_loss
+            row["elapsed"] = elapsed0 + time.perf_counter() - t_start
+            records.write(row, extra["last_val_loss"])
             if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-                last_saved = save(done)
-            if stop_now or (flag["stop"] and not active):
-                if last_saved is None or done % cfg.checkpoint_every:
-                    last_saved = save(done)
-                raise Interrupted(done, last_saved)
+                last = save(done)
+            if stop_now or (flag["stop"] and not place.active):
+                if last is None or last.step != done:
+                    last = save(done)
+                raise Interrupted(done, last.path)
     finally:
-        bar.close()
-        if writer is not None:
-            writer.close()
-        if tb is not None:
-            tb.close()
+        records.close()
         if old_handler is not None:
             signal.signal(signal.SIGINT, old_handler)
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
-    return RunResult(optimizer, run_dir, cfg.steps, float(extra["last_val_loss"]),
+    final = extra["last_val_loss"]
+    return RunResult(optimizer, run_dir, cfg.steps, float("nan") if final is None else float(final),
                      elapsed0 + time.perf_counter() - t_start)
 
 
@@ -527,7 +744,7 @@ def progress_bar(label: str, total: int, start: int, tokens_per_step: int, *, en
 
 
 __all__ = [
-    "CHECKPOINT", "CONFIG", "Interrupted", "NonFiniteLossError", "OutputError", "RunResult", "build_model",
-    "build_optimizer", "evaluate", "forward_loss", "lr_factor", "model_config", "progress_bar", "read_max_logits",
-    "train_run",
+    "Interrupted", "NonFiniteLossError", "Opened", "Place", "Records", "RunResult", "State", "build_state",
+    "check_inputs", "check_threads", "clip_grad_norm", "evaluate", "forward_loss", "lr_factor", "open_run_folder",
+    "progress_bar", "read_max_logits", "train_run", "train_step",
 ]

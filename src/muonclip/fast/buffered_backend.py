@@ -29,9 +29,9 @@ from collections.abc import Collection, Sequence
 import torch
 from torch import Tensor
 
-from ..ortho import check_method, ns5_schedule, orthogonalize
+from ..ortho import check_input, check_method, ns5_schedule, run_method
 from ..ortho.gram import default_restarts, uses_gram
-from ..ortho.newton_schulz import POLAR_EXPRESS_SAFETY, gram, polar_express_coefficients, small_side
+from ..ortho.newton_schulz import POLAR_EXPRESS_SAFETY, gram, overflow_scale, polar_express_coefficients, small_side
 from .chunks import check_chunk, chunk_size
 from .kept_buffers import Buffers
 
@@ -70,9 +70,10 @@ class BufferedBackend:
         (default False: a new tensor), for a caller that uses it before calling again.
         """
         m = check_method(method, steps, dtype, coefficients)
+        check_input(V, eps)
         if (method not in BUFFERED_METHODS or V.device.type != "cpu" or V.ndim < 2 or V.numel() == 0
                 or V.is_complex() or (torch.is_grad_enabled() and V.requires_grad)):
-            return orthogonalize(V, method, steps, dtype, eps=eps, coefficients=coefficients)
+            return run_method(V, method, steps, dtype, eps=eps, coefficients=coefficients)
         steps = m.default_steps if steps is None else steps
         dtype = dtype or m.default_dtype
         if method == "polar_express":
@@ -81,6 +82,7 @@ class BufferedBackend:
             coeffs, norm_scale = ns5_schedule(steps, coefficients), 1.0
         *_, A, B = V.shape
         X = V.reshape(-1, A, B).to(dtype)  # V itself when it is in dtype: ours to overwrite
+        X.mul_(overflow_scale(X))  # exact: 1 unless the entries are huge (as muonclip.ortho.newton_schulz.normalized)
         denom = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) * norm_scale + eps
         out = self.buffers.get("result", X.shape, dtype, X.device) if reuse_result else None
         if out is None:

@@ -22,7 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from ..ortho import orthogonalize
+from ..ortho import run_method
 
 
 @runtime_checkable
@@ -55,8 +55,9 @@ class CoreBackend:
     def orthogonalize(self, V: Tensor, method: str, steps: int | None = None, dtype: torch.dtype | None = None, *,
                       eps: float = 1e-7, coefficients: Sequence[float] | None = None,
                       reuse_result: bool = False) -> Tensor:
-        """`muonclip.orthogonalize` (``V`` is not written; ``reuse_result`` is ignored)."""
-        return orthogonalize(V, method, steps, dtype, eps=eps, coefficients=coefficients)
+        """`muonclip.orthogonalize` (``V`` is not written; ``reuse_result`` is ignored), as
+        `muonclip.ortho.run_method`: the step has checked its gradients, no pass over V for it."""
+        return run_method(V, method, steps, dtype, eps=eps, coefficients=coefficients)
 
     def __repr__(self) -> str:
         return "CoreBackend()"

@@ -53,7 +53,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..ortho import orthogonalize
+from ..ortho import run_method
 from .buckets import Bucket, Results
 from .matrices import MatrixSpec
 from .quantized import QuantLayout, dequantize, quantize_
@@ -153,7 +153,7 @@ def muon_update(
     """
     momentum_(momentum_buffer, grad, momentum)
     V = muon_input(grad, momentum_buffer, momentum, nesterov, out=torch.empty_like(grad, dtype=dtype))
-    O = orthogonalize(V, method, steps, dtype, eps=eps, coefficients=coefficients)
+    O = run_method(V, method, steps, dtype, eps=eps, coefficients=coefficients)
     if second_moment is not None:
         normalize_neurons_(O.view(-1, *O.shape[-2:]), second_moment.view(-1, O.shape[-2]), normuon_beta2)
     apply_update_(param, O, lr=lr, weight_decay=weight_decay, scale=scale, cautious=cautious)

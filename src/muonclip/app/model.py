@@ -1,0 +1,55 @@
+"""The model and the optimizer of a run: the reference GPT of a `RunConfig`, and AdamW, Muon or MuonClip."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..optim import param_groups
+from .config import RunConfig, check_optimizer, model_config
+
+
+def build_model(cfg: RunConfig) -> nn.Module:
+    """The reference GPT of ``cfg`` (`muonclip.app.config.model_config`), initialised from
+    ``torch.manual_seed(cfg.seed)``."""
+    from ..models import GPT
+
+    torch.manual_seed(cfg.seed)
+    return GPT(model_config(cfg))
+
+
+def build_optimizer(name: str, model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+    """The optimizer of a run.
+
+    * ``adamw``: ``torch.optim.AdamW(lr=lr_adamw, betas=(0.9, 0.95))``, weight decay on
+      tensors with ndim >= 2 only.
+    * ``muon``: ``muonclip.Muon`` over `muonclip.param_groups` — hidden matrices at
+      ``lr_muon``, embeddings/head/norms by its AdamW branch at ``lr_adamw``.
+    * ``muonclip``: ``muonclip.MuonClip``, the same plus QK-Clip at ``tau``, at ``lr_muonclip``.
+    """
+    check_optimizer(name)
+    if name == "adamw":
+        decay = [p for p in model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in model.parameters() if p.ndim < 2]
+        return torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr_adamw, betas=(0.9, 0.95),
+        )
+    groups = param_groups(model, adamw_lr=cfg.lr_adamw)
+    orth_dtype = getattr(torch, cfg.orth_dtype)
+    if name == "muon":
+        from ..optim import Muon
+
+        return Muon(groups, lr=cfg.lr_muon, weight_decay=cfg.weight_decay, orth_dtype=orth_dtype)
+    from .. import MuonClip
+
+    return MuonClip(model, lr=cfg.lr_muonclip, tau=cfg.tau, groups=groups, weight_decay=cfg.weight_decay,
+                    orth_dtype=orth_dtype)
+
+
+def hidden_matrices(model: nn.Module) -> list[torch.Tensor]:
+    """The parameters `muonclip.param_groups` gives to Muon (the hidden matrices)."""
+    return [p for g in param_groups(model) if g["algorithm"] == "muon" for p in g["params"]]
+
+
+__all__ = ["build_model", "build_optimizer", "hidden_matrices"]

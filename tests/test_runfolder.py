@@ -1,0 +1,259 @@
+"""Run folders you can trust (muonclip.app.runfolder, muonclip.app.resume, muonclip.app.metrics): nothing
+a user wrote is overwritten, one writer at a time, a kill never loses the history, a resume continues
+the run's own config (or refuses), a damaged or foreign checkpoint is refused naming what is wrong."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from muonclip.app.checkpoints import load_file, read_checkpoint
+from muonclip.app.data import builtin_corpus_dir, read_document
+from muonclip.app.main import main
+from muonclip.app.metrics import JSONL, MetricsError, MetricsWriter, read_rows
+from muonclip.app.runfolder import OutputError, RunLock, check_new_run_folder, inspect_folder
+
+TINY = ["--preset", "tiny", "--quiet", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "macbeth.txt"
+    path.write_text(read_document(builtin_corpus_dir() / "tragedies" / "macbeth.md"))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def run4(tmp_path_factory, text):
+    """A finished muonclip run of 4 steps (checkpoint at step 4); tests copy it."""
+    run = tmp_path_factory.mktemp("runs") / "run4"
+    assert main(["train", *TINY, "--data", text, "--steps", "4", "--out", str(run)]) == 0
+    return run
+
+
+def copy_of(run, tmp_path, name="run"):
+    dst = tmp_path / name
+    shutil.copytree(run, dst)
+    return dst
+
+
+def snapshot(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def bad(capsys, argv, match, code=2):
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == code, err
+    assert "muonclip: error:" in err and match in err, err
+    return err
+
+
+# ------------------------------------------------------------------------------------------------
+# nothing a user wrote is overwritten
+
+
+def test_train_refuses_a_folder_that_is_not_one_of_its_runs(tmp_path, capsys, text):
+    """On the old code `train` replaced a user's config.json and wrote into any folder (exit 0)."""
+    user = tmp_path / "u"
+    user.mkdir()
+    (user / "config.json").write_text("precious")
+    bad(capsys, ["train", *TINY, "--data", text, "--steps", "2", "--out", str(user)],
+        "holds files that are not a muonclip run's ('config.json')")
+    assert snapshot(user) == {"config.json": b"precious"}
+    (user / "config.json").unlink()
+    (user / "notes.txt").write_text("mine")
+    bad(capsys, ["train", "--quiet", "--out", str(user), "--resume"],
+        "holds files that are not a muonclip run's ('notes.txt')")
+    assert snapshot(user) == {"notes.txt": b"mine"}
+    with pytest.raises(OutputError, match="--out / holds files that are not a muonclip run's"):
+        check_new_run_folder("/")  # read-only: what `train --out /` now says before writing anything
+
+
+def test_a_run_whose_checkpoint_is_missing_is_never_restarted_over(tmp_path, capsys, text, run4):
+    """On the old code the next plain run into such a folder replaced its 4 logged rows."""
+    run = copy_of(run4, tmp_path)
+    (run / "checkpoint.json").unlink()
+    (run / "checkpoint-step4.pt").unlink()
+    before = snapshot(run)
+    bad(capsys, ["train", *TINY, "--data", text, "--steps", "2", "--out", str(run)],
+        "holds a run whose checkpoint (checkpoint.json) is missing")
+    bad(capsys, ["train", "--quiet", "--out", str(run), "--resume"], "holds a run whose checkpoint")
+    assert snapshot(run) == before and len(read_rows(run)) == 4
+
+
+KILL_IN_REWRITE = """
+import json, os, signal, sys
+from muonclip.app import metrics
+
+real, calls = json.dumps, {"n": 0}
+def dumps(*args, **kwargs):  # the rewrite serialises one row per call: die at the k-th
+    calls["n"] += 1
+    if calls["n"] == int(sys.argv[3]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(*args, **kwargs)
+json.dumps = dumps
+metrics.MetricsWriter(sys.argv[1], 2, keep_until=int(sys.argv[2]))
+"""
+
+
+def test_a_kill_inside_the_metrics_rewrite_leaves_the_whole_old_history(tmp_path):
+    """SIGKILL while a resume rewrites 3000 rows down to 2000: metrics.jsonl is the old file, byte
+    for byte, and the next writer removes the temporary (on the old code, opened with "w": 499 rows)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    w = MetricsWriter(run, 2)
+    for s in range(1, 3001):
+        w.write({"step": s, "loss": 1.0 / s, "max_logits": [1.0, 2.0], "clipped": [0, 0]})
+    w.close()
+    before = (run / JSONL).read_bytes()
+    proc = subprocess.run([sys.executable, "-c", KILL_IN_REWRITE, str(run), "2000", "500"], capture_output=True)
+    assert proc.returncode == -9, proc.stderr.decode()
+    assert (run / JSONL).read_bytes() == before
+    assert [p.name for p in run.iterdir() if p.name.startswith(".metrics.jsonl.tmp-")]
+    assert [r["step"] for r in read_rows(run)] == list(range(1, 3001))
+    MetricsWriter(run, 2, keep_until=2000).close()
+    assert [r["step"] for r in read_rows(run)] == list(range(1, 2001))
+
+
+def test_torn_last_line_is_skipped_and_a_bad_line_names_the_file(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / JSONL).write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')  # a write cut by a kill
+    assert [r["step"] for r in read_rows(run)] == [1, 2]
+    (run / JSONL).write_text('{"step": 1}\nnot json\n{"step": 3}\n')
+    with pytest.raises(MetricsError, match=r"metrics.jsonl, line 2, is not a metrics row"):
+        read_rows(run)
+
+
+def test_a_resume_after_a_kill_removes_what_the_kill_left(tmp_path, capsys, run4):
+    run = copy_of(run4, tmp_path)
+    (run / ".checkpoint-step6.pt.tmp-12345").write_bytes(b"half")
+    (run / ".checkpoint-step6.dcp.tmp").mkdir()
+    (run / ".checkpoint-step6.dcp.tmp" / "__0_0.distcp").write_bytes(b"half")
+    shutil.copy(run / "checkpoint-step4.pt", run / "checkpoint-step5.pt")  # renamed, pointer not yet written
+    (run / ".metrics.jsonl.tmp-999").write_text("{")
+    assert inspect_folder(run).kind == "run"
+    assert main(["train", "--quiet", "--out", str(run), "--resume", "--steps", "5"]) == 0
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "checkpoint-step5.pt", "checkpoint.json",
+                                                     "config.json", "metrics.csv", "metrics.jsonl"]
+    assert read_checkpoint(run).step == 5
+
+
+# ------------------------------------------------------------------------------------------------
+# one writer
+
+
+def test_a_second_writer_is_refused_while_the_first_holds_the_lock(tmp_path, capsys, run4):
+    """The lock is the kernel's (flock): held for the run's life, released when the holder ends.
+    On the old code a second --resume wrote into the folder at the same time."""
+    run = copy_of(run4, tmp_path)
+    held = RunLock(run)
+    held.stamp("t")
+    before = snapshot(run)
+    bad(capsys, ["train", "--quiet", "--out", str(run), "--resume", "--steps", "5"],
+        f"is being written by another muonclip run (process {os.getpid()} on ")
+    assert snapshot(run) == before
+    held.release()
+    assert main(["train", "--quiet", "--out", str(run), "--resume", "--steps", "5"]) == 0
+    # a process that dies holding the lock releases it: the next writer goes on
+    code = f"from muonclip.app.runfolder import RunLock; import os; RunLock({str(run)!r}); os._exit(9)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 9
+    assert main(["train", "--quiet", "--out", str(run), "--resume", "--steps", "6"]) == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# integrity
+
+
+def test_a_flipped_byte_in_the_checkpoint_is_refused_and_nothing_is_modified(tmp_path, capsys, run4):
+    """On the old code 8 flipped bytes inside tensor data resumed with exit 0."""
+    run = copy_of(run4, tmp_path)
+    path = run / "checkpoint-step4.pt"
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 8):
+        data[i] ^= 0x55
+    path.write_bytes(bytes(data))
+    before = snapshot(run)
+    bad(capsys, ["train", "--quiet", "--out", str(run), "--resume", "--steps", "6"],
+        f"checkpoint file {path} does not match its SHA-256 in checkpoint.json")
+    assert snapshot(run) == before
+
+
+def test_a_checkpoint_of_another_run_is_refused_naming_what_differs(tmp_path, capsys, text, run4):
+    """Another run's checkpoint (3 layers, adamw, seed 7) copied in: refused with each difference.
+    On the old code it was adopted and config.json rewritten to it."""
+    other = tmp_path / "other"
+    assert main(["train", *TINY, "--data", text, "--steps", "2", "--optimizer", "adamw", "--seed", "7",
+                 "--set", "n_layer=3", "--out", str(other)]) == 0
+    run = copy_of(run4, tmp_path)
+    for p in run.glob("checkpoint*"):
+        p.unlink()
+    for p in other.glob("checkpoint*"):
+        shutil.copy(p, run / p.name)
+    before = snapshot(run)
+    err = bad(capsys, ["train", "--quiet", "--out", str(run), "--resume", "--optimizer", "adamw"],
+              "is not this folder's run: checkpoint vs config.json: run id")
+    assert "optimizer 'adamw' vs 'muonclip'" in err and "n_layer 3 vs 2" in err and "seed 7 vs 0" in err
+    assert snapshot(run) == before
+
+
+# ------------------------------------------------------------------------------------------------
+# resume = the run's own config
+
+
+def test_resume_overrides_are_applied_to_the_optimizer_and_recorded(tmp_path, text, run4):
+    """--tau, weight_decay and orth_dtype on resume act on the loaded optimizer (on the old code the
+    checkpoint's values came back: tau 100 kept, weights bit-identical to a resume without them), and
+    config.json and the pointer record them."""
+    plain, changed = copy_of(run4, tmp_path, "plain"), copy_of(run4, tmp_path, "changed")
+    assert main(["train", "--quiet", "--out", str(plain), "--resume", "--steps", "6"]) == 0
+    assert main(["train", "--quiet", "--out", str(changed), "--resume", "--steps", "6", "--tau", "0.05",
+                 "--set", "weight_decay=0.9", "--set", "orth_dtype=float32"]) == 0
+    rows = read_rows(changed)
+    assert all(r["clipped_heads"] == 0 for r in rows[:4]) and all(r["clipped_heads"] > 0 for r in rows[4:])
+    assert all(r["clipped_heads"] == 0 for r in read_rows(plain))
+    saved = load_file(read_checkpoint(changed).path)["optim"]
+    assert saved["muonclip"]["tau"] == 0.05
+    muon_groups = [g for g in saved["param_groups"] if g["algorithm"] == "muon"]
+    assert muon_groups and all(g["weight_decay"] == 0.9 and g["orth_dtype"] == torch.float32 for g in muon_groups)
+    a = load_file(read_checkpoint(plain).path)["model"]
+    b = load_file(read_checkpoint(changed).path)["model"]
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+    config = json.loads((changed / "config.json").read_text())
+    assert (config["tau"], config["weight_decay"], config["orth_dtype"]) == (0.05, 0.9, "float32")
+    assert config["run"]["history"] == [{"step": 4, "changed": {
+        "steps": [4, 6], "weight_decay": [0.1, 0.9], "tau": [100.0, 0.05], "orth_dtype": ["bfloat16", "float32"]}}]
+    assert read_checkpoint(changed).run.history == config["run"]["history"]
+
+
+@pytest.mark.parametrize(("args", "field"), [
+    (["--seed", "3"], "seed"),
+    (["--set", "batch_size=4"], "batch_size"),
+    (["--set", "n_head=4"], "n_head"),
+    (["--set", "val_fraction=0.1"], "val_fraction"),
+])
+def test_resume_refuses_fields_that_make_another_run(tmp_path, capsys, run4, args, field):
+    run = copy_of(run4, tmp_path)
+    before = snapshot(run)
+    bad(capsys, ["train", "--quiet", "--out", str(run), "--resume", *args], f"--resume cannot change {field} ")
+    assert snapshot(run) == before
+
+
+def test_resume_refuses_other_training_text(tmp_path, capsys, text, run4):
+    """The same --data path with other text in it (its SHA-256 is in the checkpoint), or another path."""
+    own = tmp_path / "own.txt"
+    shutil.copy(text, own)
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--data", str(own), "--steps", "2", "--out", str(run)]) == 0
+    own.write_text(own.read_text() + "one more line\n")
+    bad(capsys, ["train", "--quiet", "--out", str(run), "--resume", "--steps", "3"],
+        "the training text differs from the one")
+    bad(capsys, ["train", "--quiet", "--out", str(copy_of(run4, tmp_path, "r4")), "--resume", "--data", str(own)],
+        "--resume cannot change data")
