@@ -14,7 +14,7 @@ For the reference GPT of ``muonclip train`` with the settings below (``--set`` s
   the gradients, activations and the state; it depends on the machine's allocator and kernels,
   and on what else runs (the figures in docs/compare.md name the machine).
 
-Usage: ``python benchmarks/bench_optimizer_state.py [--sets n_layer=4,n_embd=256]``.
+Usage: ``python benchmarks/bench_optimizer_state.py [--sets n_layer=4,n_embd=256] [--optimizers adamw,muon]``.
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sets", default="n_layer=4,n_embd=256,batch_size=8")
+    ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     args = ap.parse_args()
     mib = 2**20
     print(f"# {machine()}; settings over the default preset: {args.sets}")
@@ -86,12 +87,12 @@ def main() -> None:
           "| optimizer state (MiB) | peak RSS of 3 steps over the resident set before (MiB) |")
     print("|---|---|---|---|---|")
     rows = {}
-    for o in OPTIMIZERS:
+    for o in args.optimizers.split(","):
         r = rows[o] = measure(o, args.sets)
         print(f"| {o} | {r['state'] / r['params']:.3f} | {r['hidden_state'] / r['hidden_params']:.3f} "
               f"| {r['state'] / mib:.2f} | {r['peak'] / mib:.1f} |", flush=True)
-    p = rows["adamw"]["params"]
-    print(f"\n{p / 1e6:.2f}M parameters, {rows['adamw']['hidden_params'] / 1e6:.2f}M in hidden matrices")
+    r = next(iter(rows.values()))
+    print(f"\n{r['params'] / 1e6:.2f}M parameters, {r['hidden_params'] / 1e6:.2f}M in hidden matrices")
 
 
 if __name__ == "__main__":
