@@ -22,8 +22,8 @@ The three optional lines (each off by default, each a `muonclip.Muon` argument):
   1e-8)``, then O is rescaled to the Frobenius norm it had before (``* |O|_F / max(|O'|_F,
   1e-8)``), so the update keeps Muon's size and the scale rule still applies. Per block of a
   fused split, per expert of a stack: each matrix that is orthogonalised is normalised alone.
-* **Cautious weight decay** (modded-nanogpt, record 43, after Chen et al., "Cautious Weight
-  Decay", arXiv 2510.12402): the decay applies only to the elements where the update that is
+* **Cautious weight decay** (modded-nanogpt, record 43, after Chen et al., arXiv
+  2510.12402): the decay applies only to the elements where the update that is
   subtracted (O) and the weight have the same sign, ``O_ij W_ij >= 0`` (zeros included), as
   modded-nanogpt's ``mask = (v_chunk * param_chunk) >= 0`` and dion's ``cautious_wd``; the mask
   is taken from W before this step's decay.
@@ -31,7 +31,7 @@ The three optional lines (each off by default, each a `muonclip.Muon` argument):
   elements of a row (`muonclip.optim.quantized`); dequantised for the step, V formed from the
   float32 M, M quantised back.
 
-`muon_update` is these lines for one matrix. `muon_step` runs the same phases for every Muon
+`muon_update` is these lines for one matrix (its momentum a float32 buffer). `muon_step` runs the same phases for every Muon
 weight of a step, with the blocks of equal shape batched into one ``orthogonalize`` call
 (`muonclip.optim.buckets`): that is the step `muonclip.Muon` runs in one process. Over several
 processes `muonclip.distributed` runs these phases too, with the exchanges around them.
@@ -42,7 +42,7 @@ References:
     torch.optim.Muon (``torch/optim/_muon.py``), whose update this is with the scale
     ``adjust_lr_fn`` names.
     Z. Li et al., "NorMuon: Making Muon more efficient and scalable", arXiv 2510.05491.
-    L. Chen et al., "Cautious Weight Decay", arXiv 2510.12402.
+    L. Chen et al., arXiv 2510.12402 (cautious weight decay).
 """
 
 from __future__ import annotations
