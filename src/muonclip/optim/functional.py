@@ -31,8 +31,8 @@ The three optional lines (each off by default, each a `muonclip.Muon` argument):
   elements of a row (`muonclip.optim.quantized`); dequantised for the step, V formed from the
   float32 M, M quantised back.
 
-`muon_update` is these lines for one matrix (its momentum a float32 buffer). `muon_step` runs the same phases for every Muon
-weight of a step, with the blocks of equal shape batched into one ``orthogonalize`` call
+`muon_update` is these lines for one matrix (its momentum a float32 buffer). `muon_step` runs the
+same phases for every Muon weight of a step, with the blocks of equal shape batched into one ``orthogonalize`` call
 (`muonclip.optim.buckets`): that is the step `muonclip.Muon` runs in one process. Over several
 processes `muonclip.distributed` runs these phases too, with the exchanges around them.
 `adamw_update` (`muonclip.optim.adamw`) is the AdamW branch's.
