@@ -24,7 +24,7 @@ def _le(is_bound: bool) -> str:
 
 def _pm(values: Sequence[float], spec: str = ".4f") -> str:
     mean, sd = mean_sd(values)
-    return f"{mean:{spec}} ± {sd:{spec}}"
+    return f"{mean:{spec}} ± {sd:{spec.replace('+', '')}}"
 
 
 def _ratio(v: float | None, top: float) -> str:
