@@ -247,8 +247,9 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = 
     wall = time.perf_counter() - t0
     context = _context(cfg, corpus, optimizers, n_params, jobs, wall)
     data.update(config=cfg.to_dict(), reading=text, wall_time=wall)
-    write_summary(out_dir / "summary.md", "muonclip compare: AdamW vs Muon vs MuonClip", context, text, sections,
-                  data)
+    compared = [*optimizers, *(("muon", "muonclip") if stab_specs or tuned_specs else ())]
+    title = "muonclip compare: " + " vs ".join(NAMES.get(o, o) for o in dict.fromkeys(compared))
+    write_summary(out_dir / "summary.md", title, context, text, sections, data)
     return data, "\n\n".join([*tables, text])
 
 
@@ -294,7 +295,7 @@ def _context(cfg: RunConfig, corpus: Any, optimizers: Sequence[str], n_params: i
     tokens = cfg.steps * cfg.batch_size * cfg.block_size
     seeds = ", ".join(str(cfg.seed + i) for i in range(cfg.seeds))
     rates = "; ".join(f"{o} lr {cfg.lr(o):.3g}, warm-up {cfg.warmup(o)}" for o in optimizers)
-    if cfg.lr_adamw_budgets:
+    if cfg.lr_adamw_budgets and "adamw" in optimizers:
         rates += "; AdamW lr per budget " + ", ".join(f"{b:g}x: {v:.3g}" for b, v in zip(cfg.budgets,
                                                                                           cfg.lr_adamw_budgets))
     lines = [
@@ -302,13 +303,17 @@ def _context(cfg: RunConfig, corpus: Any, optimizers: Sequence[str], n_params: i
         f"{cfg.block_size}, attention {cfg.attention}"
         + (f", {cfg.n_expert} experts (top {cfg.n_expert_active}, {cfg.n_shared_expert} shared)" if cfg.n_expert
            else "") + f"; {n_params / 1e6:.3f}M parameters",
-        f"token efficiency: batch {cfg.batch_size} x {cfg.block_size} tokens, {cfg.steps} steps = {tokens / 1e6:.2f}M "
-        f"tokens at 1x ({tokens / n_params:.1f} tokens per parameter); AdamW at "
-        + ", ".join(f"{b:g}x" for b in cfg.budgets) + f"; seeds {seeds}",
-        f"{rates}; cosine to {cfg.min_lr_ratio:g} of the peak; gradient clipping at global norm {cfg.grad_clip:g}; "
-        f"AdamW betas (0.9, 0.95); weight decay {cfg.weight_decay:g} on matrices; the embeddings, tied head and "
-        "norm gains of Muon's runs use AdamW at lr_adamw",
     ]
+    if optimizers:
+        lines += [
+            f"token efficiency: {', '.join(optimizers)}; batch {cfg.batch_size} x {cfg.block_size} tokens, "
+            f"{cfg.steps} steps = {tokens / 1e6:.2f}M tokens at 1x ({tokens / n_params:.1f} tokens per parameter)"
+            + ("; AdamW at " + ", ".join(f"{b:g}x" for b in cfg.budgets) if "adamw" in optimizers else "")
+            + f"; seeds {seeds}",
+            f"{rates}; cosine to {cfg.min_lr_ratio:g} of the peak; gradient clipping at global norm "
+            f"{cfg.grad_clip:g}; AdamW betas (0.9, 0.95); weight decay {cfg.weight_decay:g} on matrices; the "
+            "embeddings, tied head and norm gains of Muon's runs use AdamW at lr_adamw",
+        ]
     if cfg.stability_steps and "excessive" in cfg.stability_segments:
         lines.append(f"stability, a rescue at an excessive rate: Muon and MuonClip, {cfg.stability_steps} steps, lr "
                      f"{cfg.stability_lr:g} ({cfg.stability_lr / cfg.lr_muon:.1f} times Muon's rate) constant after "

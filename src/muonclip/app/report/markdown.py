@@ -147,7 +147,7 @@ def protocol_markdown(cfg: Any, optimizers: Sequence[str], swept: bool) -> str:
     """What the comparison tuned and what it held fixed (Markdown list), from the config."""
     from ..config import TUNED_PRESETS
 
-    shown = [o for o in optimizers] + (["muonclip"] if cfg.stability_steps else [])
+    shown = [*optimizers, *(("muon", "muonclip") if cfg.stability_steps and cfg.stability_segments else ())]
     rates = ", ".join(f"{o} {cfg.lr(o):.4g} (warm-up {cfg.warmup(o)})" for o in dict.fromkeys(shown))
     if swept:
         source = "tuned by this run's sweep (`muonclip.app.sweep`: 5-point log grid sqrt 2 apart, extended while " \
@@ -158,7 +158,7 @@ def protocol_markdown(cfg: Any, optimizers: Sequence[str], swept: bool) -> str:
     else:
         source = "not tuned: set by hand for this preset"
     lines = [f"- peak learning rates and warm-ups: {rates}; {source}"]
-    if cfg.lr_adamw_budgets:
+    if cfg.lr_adamw_budgets and "adamw" in optimizers:
         lines.append("- AdamW's rate at each budget: " + ", ".join(
             f"{b:g}x {v:.4g}" for b, v in zip(cfg.budgets, cfg.lr_adamw_budgets)))
     lines.append(f"- held fixed (not swept by this run): AdamW betas (0.9, 0.95) and eps 1e-8; weight decay "
