@@ -113,7 +113,8 @@ class RunConfig:
         stability_segments: which stability segments run (default both): ``"excessive"``, the
             rescue at ``stability_lr``, and ``"tuned"``, the same segment at Muon's tuned rate
             ``lr_muon`` with ``tau = stability_tuned_tau``, which asks whether the clip costs
-            anything where a tuned run would use it.
+            anything where a tuned run would use it (``k2-mini``, whose rates are not tuned: the
+            first only).
         stability_tuned_tau: tau of the tuned-rate segment (default 30: at lr_muon 0.04 plain
             Muon's max logit passes it, so the clip fires).
 
@@ -286,6 +287,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "k2-mini": dict(
         attention="mla", n_head=4, n_expert=8, n_expert_active=2, n_shared_expert=1, expert_hidden=64,
         block_size=64, steps=300, seeds=1, budgets=(1.0,), lr_adamw_budgets=(), stability_steps=300,
+        stability_segments=("excessive",),  # no tuned rate to test the clip at
         lr_adamw=6e-3, lr_muon=2e-2, lr_muonclip=2e-2, warmup_adamw=None, warmup_muon=None, warmup_muonclip=None,
         lr_normuon=2e-2, lr_muon_cautious=2e-2, lr_muon_8bit=2e-2, warmup_normuon=None, warmup_muon_cautious=None,
         warmup_muon_8bit=None,
