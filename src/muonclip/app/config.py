@@ -7,7 +7,7 @@ stability segment). Presets:
 * ``default`` — what ``muonclip compare`` (``make compare``) runs: a 2-layer, 64-wide GPT on
   the built-in Shakespeare corpus; token efficiency (AdamW at 1x–3x the tokens against Muon)
   and stability (Muon against MuonClip, at an excessive rate and at Muon's tuned rate), 3 seeds
-  each, in about 6 minutes on 2 idle CPU cores. Its
+  each, in a few minutes on 2 idle CPU cores (docs/compare.md has the timings). Its
   learning rates and warm-ups are the tuned values of ``muonclip compare --sweep``.
 * ``tiny`` — a 2-layer, 32-wide GPT, 2 seeds, 2 budgets, for tests: seconds.
 * ``k2-mini`` — a mini Kimi K2: MLA attention with decoupled RoPE and a mixture-of-experts
