@@ -83,8 +83,8 @@ class RunConfig:
             every one strictly inside its grid, see docs/compare.md; ``k2-mini`` uses 6e-3, 2e-2,
             2e-2, untuned, and so does ``tiny``); the AdamW branch of Muon/MuonClip uses lr_adamw.
         lr_normuon, lr_muon_cautious, lr_muon_8bit: the same for Muon's variants (`MUON_VARIANTS`;
-            tuned by ``--sweep`` on the default preset, see docs/compare.md; the other presets use
-            lr_muon's value).
+            default 0.04, Muon's tuned rate, not tuned on their own: ``--sweep`` or
+            benchmarks/tune_muon_variants.py tunes them; the other presets use lr_muon's value).
         weight_decay: decoupled weight decay on matrices (default 0.1; never on vectors).
         grad_clip: the gradients of all parameters are scaled so that their global L2 norm is at
             most this, before every optimizer's step (``torch.nn.utils.clip_grad_norm_``; default
