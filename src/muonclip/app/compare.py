@@ -197,7 +197,8 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = 
     n_params = _parameters(cfg)
     tokens = cfg.steps * cfg.batch_size * cfg.block_size
     ctx = {"model": f"a {cfg.n_layer}-layer, {cfg.n_embd}-wide byte-level GPT ({n_params / 1e6:.2f}M parameters)",
-           "tokens_per_param": tokens / n_params, "params": n_params, "rates": rates_phrase(cfg, sweep is not None),
+           "tokens_per_param": tokens / n_params, "params": n_params,
+           "rates": rates_phrase(cfg, sweep is not None, optimizers),
            "seeds": [cfg.seed + i for i in range(cfg.seeds)], "cpu": cpu_name(),
            "stability_lr": cfg.stability_lr, "lr_muon": cfg.lr_muon}
     eff = stab = None
@@ -253,17 +254,20 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = 
     return data, "\n\n".join([*tables, text])
 
 
-def rates_phrase(cfg: RunConfig, swept: bool) -> str:
+def rates_phrase(cfg: RunConfig, swept: bool, optimizers: Sequence[str] = ()) -> str:
     """Where the learning rates come from, in words: this run's sweep, a tuned preset's values, or
-    rates that were not tuned (another preset, or changed by --set)."""
+    rates that were not tuned (another preset, or changed by --set; Muon's variants, whose preset
+    rates are Muon's)."""
     if swept:
         return "the learning rates and warm-ups tuned by this run's sweep"
     if cfg.preset in TUNED_PRESETS:
         preset = make_config(cfg.preset)
         same = all(cfg.lr(o) == preset.lr(o) and cfg.warmup(o) == preset.warmup(o) for o in OPTIMIZERS)
+        variants = [o for o in optimizers if o in ("normuon", "muon_cautious", "muon_8bit")]
         if same:
             return (f"the `{cfg.preset}` preset's learning rates and warm-ups, tuned by `muonclip compare --sweep` "
-                    "(docs/compare.md)")
+                    "(docs/compare.md)" + (f"; {', '.join(variants)} at Muon's rate, not tuned on their own"
+                                           if variants else ""))
         return "learning rates or warm-ups changed from the tuned preset's: not tuned"
     return (f"the `{cfg.preset}` preset's learning rates and warm-ups, which were not tuned (set by hand; only the "
             "`default` preset's were tuned by `muonclip compare --sweep`)")
