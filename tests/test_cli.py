@@ -111,8 +111,14 @@ def test_compare_end_to_end_writes_a_real_report(tmp_path, text, capsys):
         assert all(r["max_logit"] <= 0.05 for r in read_rows(out / "stability" / f"muonclip-s{seed}")
                    if r["max_logit_is_bound"])
     md = (out / "summary.md").read_text()
-    assert "## Token efficiency: AdamW against Muon" in md and "## Stability: Muon against MuonClip" in md
-    assert data["reading"] in md and "2 seeds" in data["reading"] and "Wen et al. 2025" in data["reading"]
+    assert "## Token efficiency: AdamW, Muon" in md and "## Stability, a rescue at an excessive rate" in md
+    assert "## Stability at Muon's tuned rate" in md and "## Protocol: what was tuned, what was not" in md
+    assert data["reading"] in md and "2 seeds 0, 1" in data["reading"] and "Wen et al. 2025" in data["reading"]
+    assert "which were not tuned" in data["reading"] and "same CPU kind" in data["reading"]
+    tuned = data["stability_tuned"]  # the tuned-rate segment: Muon's own rate (tiny: 0.02), its own tau
+    assert tuned["tau"] == 30.0 and sorted(p.name for p in (out / "stability-tuned").iterdir()) == [
+        "muon-s0", "muon-s1", "muonclip-s0", "muonclip-s1"]
+    assert read_rows(out / "stability-tuned" / "muon-s0")[-1]["lr"] == pytest.approx(0.02)
     assert f"{table[('muon', 1.0)]['mean']:.4f} ± {table[('muon', 1.0)]['sd']:.4f}" in md
     assert "| adamw | 2x | 0.01M |" in printed and data["reading"] in printed
     csv_lines = (out / "stability" / "muonclip-s0" / "metrics.csv").read_text().splitlines()

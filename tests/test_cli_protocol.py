@@ -73,7 +73,7 @@ def test_efficiency_figures_on_synthetic_curves(tmp_path):
     assert rows[("muon", 1.0)]["mean"] == pytest.approx(1.8825) and rows[("muon", 1.0)]["sd"] == pytest.approx(
         0.015 / math.sqrt(2))
     md = report.efficiency_markdown(eff)
-    assert "**1.75x**" in md and "1.75 ± 0.00x (range 1.75–1.75)" in md and "1.9700 vs muon's 1.8825" in md
+    assert "**about 1.75x (1.75–1.75 per seed)**" in md and "1.75 ± 0.00x (range 1.75–1.75)" in md and "1.9700 vs muon's 1.8825" in md
     # a seed whose Muon loss AdamW never reaches: reported as beyond the largest budget, not extrapolated
     runs[("muon", 1.0, 1)] = _write_run(tmp_path / "m1-better", [(100, 2.2), (200, 1.9), (300, 1.75)], 0.012)
     r = report.efficiency(runs, budgets)["ratios"]["muon"]
@@ -94,9 +94,11 @@ def test_stability_figures_on_synthetic_curves(tmp_path):
     assert by["muon"]["peak_max_logit"] == [100] and by["muon"]["peak_after_first_clip"] == [None]
     assert by["muonclip"]["peak_after_first_clip"] == [40] and by["muonclip"]["clip_events"] == [4]
     assert by["muonclip"]["clip_steps"] == [3] and by["muonclip"]["clip_events_per_layer"] == [4]
-    text = report.reading({"model": "m", "params": 1e5, "tokens_per_param": 1.0, "rates": "r"}, None, stab)
+    text = report.reading({"model": "m", "params": 1e5, "tokens_per_param": 1.0, "rates": "r", "stability_lr": 0.1,
+                           "lr_muon": 0.04}, None, stab)
+    assert "a rescue at an excessive constant learning rate, 0.1, 2.5 times Muon's tuned 0.04" in text
     assert "climbs to 100–100 (3.3–3.3 times tau)" in text
-    assert "never exceeds 40.0 after its first clip (tau + 10.0: within one update's growth" in text
+    assert "stays at most 1.33 times tau after its first clip (40.0: within one update's growth" in text
 
 
 def test_log_grid():
@@ -275,3 +277,45 @@ def test_an_interrupted_sweep_goes_on_where_it_stopped(tmp_path, corpus, monkeyp
                    max_extensions=1, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == before and trained == [victim.name]
     assert read_rows(victim)[-1]["step"] == cfg.steps  # still the finished run
+
+
+def test_ratios_are_printed_at_the_precision_their_seeds_allow():
+    """The issue's own case: 2.60x on the seed means, 2.44–2.83 per seed, is "about 2.6x"."""
+    assert report.about(2.6012, [2.44, 2.53, 2.83]) == "about 2.6x (2.4–2.8 per seed)"
+    assert report.about(2.551, [2.54, 2.56, 2.57]) == "about 2.55x (2.54–2.57 per seed)"
+    assert report.about(3.2, [2.1, 3.5, 4.0]) == "about 3x (2–4 per seed)"
+    assert report.decimals([1.0]) == 2 and report.decimals([1.0, 1.1]) == 1
+
+
+def test_the_tuned_rate_row_reports_clips_and_the_loss_difference_per_seed(tmp_path):
+    """The tuned-rate stability segment: per seed plain Muon's peak, MuonClip's clip count and the
+    loss difference MuonClip - Muon, and a reading that says whether it is beyond the spread."""
+    row = {"peak_max_logit": [44.0, 40.0], "final_max_logit": [40.0, 39.0], "peak_after_first_clip": [None, None],
+           "peak_after_first_clip_is_bound": [False, False], "clip_events": [0, 0], "clip_steps": [0, 0],
+           "clip_events_per_layer": [0, 0], "final_val_loss": [1.9117, 1.9200], "mean": 1.91585, "sd": 0.0059}
+    clip = dict(row, optimizer="muonclip", peak_max_logit=[30.5, 30.2], clip_events=[40, 31], clip_steps=[27, 20],
+                final_val_loss=[1.9099, 1.9190])
+    stab = {"tau": 30.0, "seeds": [0, 1], "table": [dict(row, optimizer="muon"), clip]}
+    md = report.tuned_stability_markdown(stab)
+    assert "| 0 | 44.0 (1.47x) | 40 (27) | 1.9117 | 1.9099 | -0.0018 |" in md
+    assert "| 1 | 40.0 (1.33x) | 31 (20) | 1.9200 | 1.9190 | -0.0010 |" in md
+    text = report.reading({"model": "m", "params": 1e5, "tokens_per_param": 1.0, "rates": "r", "lr_muon": 0.04},
+                          None, None, stab)
+    assert "At Muon's tuned rate (0.04)" in text and "1.33–1.47 times tau" in text and "20–27 steps" in text
+    assert "-0.0014 ± 0.0006" in text and "lower than Muon beyond the seed spread" in text
+
+
+def test_the_muon_variants_are_muon_with_one_option_on_at_their_own_rate():
+    from muonclip.app.config import MUON_VARIANTS, make_config
+    from muonclip.app.model import build_model, build_optimizer
+
+    cfg = make_config("tiny", sets=["lr_normuon=0.031", "lr_muon_cautious=0.032", "lr_muon_8bit=0.033"])
+    model = build_model(cfg)
+    for name, options in MUON_VARIANTS.items():
+        opt = build_optimizer(name, model, cfg)
+        muon_groups = [g for g in opt.param_groups if g["algorithm"] == "muon"]
+        assert muon_groups and all(g["lr"] == cfg.lr(name) for g in muon_groups)
+        for key in ("normuon", "cautious_weight_decay", "momentum_8bit"):
+            assert all(g[key] is options.get(key, False) for g in muon_groups), (name, key)
+    with pytest.raises(ValueError, match="stability_segments"):
+        make_config("tiny", sets=["stability_segments=excessive,fast"])

@@ -13,14 +13,19 @@ by ``--sweep``, see `muonclip.app.sweep`):
   steps (1x), and AdamW trains at every budget of ``budgets`` (default 1x, 1.5x, 2x, 3x the tokens),
   each with its own full schedule and its own tuned rate (``lr_adamw_budgets``);
 * **stability**: for the same seeds, Muon and MuonClip train ``stability_steps`` steps with no
-  weight decay, a constant rate ``stability_lr`` after warm-up and ``tau = stability_tau``:
-  the setting in which plain Muon's attention logits grow without bound and QK-Clip holds them.
+  weight decay and a constant rate after warm-up, in two segments (``stability_segments``):
+  *excessive*, a rescue at ``stability_lr`` (2.5 times Muon's tuned rate) with ``tau =
+  stability_tau``, the setting in which plain Muon's attention logits grow without bound and
+  QK-Clip holds them; and *tuned*, the same at Muon's tuned rate ``lr_muon`` with ``tau =
+  stability_tuned_tau`` set where the clip fires, which answers whether the clip costs anything
+  there (clip count and the loss difference MuonClip - Muon, per seed).
 
 The runs go in ``jobs`` worker processes at a time (default: one per core, one thread each;
 `muonclip.app.runner`). Output folder::
 
     <out>/runs/<optimizer>-x<budget>-s<seed>/    one `muonclip train` run folder each
-    <out>/stability/<optimizer>-s<seed>/
+    <out>/stability/<optimizer>-s<seed>/         the excessive-rate segment
+    <out>/stability-tuned/<optimizer>-s<seed>/   the tuned-rate segment
     <out>/sweep/                                 with --sweep: every tuning run, sweep.md, sweep.json
     <out>/val_loss.png, budget.png, max_logit.png, clip_events.png
     <out>/summary.md, summary.json               both tables and the reading (muonclip.app.report)
@@ -44,11 +49,12 @@ from typing import Any
 
 import torch
 
-from .config import RunConfig, check_optimizer
+from .config import OPTIMIZERS, TUNED_PRESETS, RunConfig, check_optimizer, make_config
 from .data import check_fits, corpus_size, corpus_warnings, load_corpus
 from .memory import check_memory
 from .model import build_model
 from .report import (
+    NAMES,
     clip_audit,
     clip_audit_markdown,
     efficiency,
@@ -57,9 +63,11 @@ from .report import (
     experts_markdown,
     plot_efficiency,
     plot_stability,
+    protocol_markdown,
     reading,
     stability,
     stability_markdown,
+    tuned_stability_markdown,
     write_summary,
 )
 from .runfolder import OutputError, check_writable, inspect_folder
@@ -77,19 +85,21 @@ def adamw_budget_lr(cfg: RunConfig, budget: float) -> float:
     return cfg.lr_adamw
 
 
-def stability_config(cfg: RunConfig) -> RunConfig:
-    """The stability segment's config: no weight decay, constant rate ``stability_lr`` after warm-up
-    (for Muon and MuonClip alike), ``tau = stability_tau``, ``stability_steps`` steps."""
+def stability_config(cfg: RunConfig, segment: str = "excessive") -> RunConfig:
+    """A stability segment's config: no weight decay, a constant rate after warm-up (for Muon and
+    MuonClip alike), ``stability_steps`` steps; ``"excessive"``: rate ``stability_lr``, ``tau =
+    stability_tau``; ``"tuned"``: Muon's tuned rate ``lr_muon``, ``tau = stability_tuned_tau``."""
     warm = cfg.warmup("muon")
+    lr, tau = (cfg.stability_lr, cfg.stability_tau) if segment == "excessive" else \
+        (cfg.lr_muon, cfg.stability_tuned_tau)
     return dataclasses.replace(cfg, steps=cfg.stability_steps, weight_decay=0.0, min_lr_ratio=1.0,
-                               lr_muon=cfg.stability_lr, lr_muonclip=cfg.stability_lr, tau=cfg.stability_tau,
-                               warmup_muon=warm, warmup_muonclip=warm)
+                               lr_muon=lr, lr_muonclip=lr, tau=tau, warmup_muon=warm, warmup_muonclip=warm)
 
 
-def plan(cfg: RunConfig, out_dir: Path, optimizers: Sequence[str]) -> tuple[dict[tuple[str, float, int], RunSpec],
-                                                                           dict[tuple[str, int], RunSpec]]:
-    """The runs of a comparison: efficiency runs keyed (optimizer, budget, seed), stability runs
-    keyed (optimizer, seed)."""
+def plan(cfg: RunConfig, out_dir: Path, optimizers: Sequence[str]) -> tuple[
+        dict[tuple[str, float, int], RunSpec], dict[tuple[str, int], RunSpec], dict[tuple[str, int], RunSpec]]:
+    """The runs of a comparison: efficiency runs keyed (optimizer, budget, seed), and the stability
+    runs of the excessive-rate and the tuned-rate segments, each keyed (optimizer, seed)."""
     seeds = [cfg.seed + i for i in range(cfg.seeds)]
     eff: dict[tuple[str, float, int], RunSpec] = {}
     for s in seeds:
@@ -100,15 +110,17 @@ def plan(cfg: RunConfig, out_dir: Path, optimizers: Sequence[str]) -> tuple[dict
                     c = dataclasses.replace(c, lr_adamw=adamw_budget_lr(cfg, b))
                 name = f"{opt}-x{b:g}-s{s}"
                 eff[(opt, b, s)] = RunSpec(c, opt, out_dir / "runs" / name, name)
-    stab: dict[tuple[str, int], RunSpec] = {}
-    if cfg.stability_steps:
-        sc = stability_config(cfg)
+    segments: dict[str, dict[tuple[str, int], RunSpec]] = {"excessive": {}, "tuned": {}}
+    folders = {"excessive": ("stability", "stability"), "tuned": ("stability-tuned", "stability at the tuned rate")}
+    for segment in (cfg.stability_segments if cfg.stability_steps else ()):
+        sc = stability_config(cfg, segment)
+        folder, label = folders[segment]
         for s in seeds:
             for opt in ("muon", "muonclip"):
                 name = f"{opt}-s{s}"
-                stab[(opt, s)] = RunSpec(dataclasses.replace(sc, seed=s), opt, out_dir / "stability" / name,
-                                         f"stability {name}")
-    return eff, stab
+                segments[segment][(opt, s)] = RunSpec(dataclasses.replace(sc, seed=s), opt, out_dir / folder / name,
+                                                      f"{label} {name}")
+    return eff, segments["excessive"], segments["tuned"]
 
 
 def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = EFFICIENCY, jobs: int | None = None,
@@ -140,7 +152,7 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = 
     cfg.validate()
     for o in optimizers:
         check_optimizer(o)
-    if not optimizers and not cfg.stability_steps:
+    if not optimizers and not (cfg.stability_steps and cfg.stability_segments):
         raise ValueError("nothing to compare: give --optimizers or a stability segment (stability_steps > 0)")
     cores = os.cpu_count() or 1
     jobs = cores if jobs is None else jobs
@@ -182,8 +194,9 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = 
                          .split("\n", 2)[2]))
         data["tuned"] = {"sets": tuned.sets(), "notes": tuned.notes}
 
-    eff_specs, stab_specs = plan(cfg, out_dir, optimizers)
-    specs = sorted([*eff_specs.values(), *stab_specs.values()], key=lambda s: -s.cfg.steps)  # longest first
+    eff_specs, stab_specs, tuned_specs = plan(cfg, out_dir, optimizers)
+    specs = sorted([*eff_specs.values(), *stab_specs.values(), *tuned_specs.values()],
+                   key=lambda s: -s.cfg.steps)  # longest first
     outcomes = {o.spec.run_dir: o for o in run_all(specs, corpus, jobs=jobs, progress=progress)}
     assert all(o.result is not None for o in outcomes.values())
 
@@ -191,24 +204,37 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = 
     tokens = cfg.steps * cfg.batch_size * cfg.block_size
     ctx = {"model": f"a {cfg.n_layer}-layer, {cfg.n_embd}-wide byte-level GPT ({n_params / 1e6:.2f}M parameters)",
            "tokens_per_param": tokens / n_params, "params": n_params,
-           "rates": "the learning rates and warm-ups tuned by this run's sweep" if sweep is not None else
-           "this config's learning rates and warm-ups (the presets' were tuned by `muonclip compare --sweep`)"}
+           "rates": rates_phrase(cfg, sweep is not None, optimizers),
+           "seeds": [cfg.seed + i for i in range(cfg.seeds)], "cpu": cpu_name(),
+           "stability_lr": cfg.stability_lr, "lr_muon": cfg.lr_muon}
     eff = stab = None
     tables = []
     if eff_specs:
         runs = {k: s.run_dir for k, s in eff_specs.items()}
         eff = efficiency(runs, cfg.budgets)
         plot_efficiency(runs, eff, out_dir)
-        sections.insert(0, ("Token efficiency: AdamW against Muon", efficiency_markdown(eff)))
+        title = "Token efficiency: " + ", ".join(NAMES.get(o, o) for o in optimizers)
+        sections.insert(0, (title, efficiency_markdown(eff)))
         tables.append(efficiency_markdown(eff))
         data["efficiency"] = eff
     if stab_specs:
         runs2 = {k: s.run_dir for k, s in stab_specs.items()}
         stab = stability(runs2, cfg.stability_tau)
         plot_stability(runs2, cfg.stability_tau, out_dir)
-        sections.insert(1 if eff_specs else 0, ("Stability: Muon against MuonClip", stability_markdown(stab)))
+        sections.insert(1 if eff_specs else 0, (
+            f"Stability, a rescue at an excessive rate: Muon against MuonClip at lr {cfg.stability_lr:g}",
+            stability_markdown(stab)))
         tables.append(stability_markdown(stab))
         data["stability"] = stab
+    tuned_stab = None
+    if tuned_specs:
+        runs3 = {k: s.run_dir for k, s in tuned_specs.items()}
+        tuned_stab = stability(runs3, cfg.stability_tuned_tau)
+        where = len(sections) - (1 if sweep is not None else 0)
+        sections.insert(where, (f"Stability at Muon's tuned rate: Muon against MuonClip at lr {cfg.lr_muon:g}, "
+                                f"tau {cfg.stability_tuned_tau:g}", tuned_stability_markdown(tuned_stab)))
+        tables.append(tuned_stability_markdown(tuned_stab))
+        data["stability_tuned"] = tuned_stab
     every = {s.label: s.run_dir for s in specs}
     expert_rows = experts(every)
     if expert_rows:
@@ -223,13 +249,46 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = 
                          + "\n\nEach factor is the ratio of the row norms just after and just before the clip "
                          "(`muonclip.app.probes.MLAClipAudit`); in parentheses, what K2's rule asks."))
         data["clip_audit"] = audit
-    text = reading(ctx, eff, stab)
+    text = reading(ctx, eff, stab, tuned_stab)
+    sections.append(("Protocol: what was tuned, what was not", protocol_markdown(cfg, optimizers, sweep is not None)))
     wall = time.perf_counter() - t0
     context = _context(cfg, corpus, optimizers, n_params, jobs, wall)
     data.update(config=cfg.to_dict(), reading=text, wall_time=wall)
-    write_summary(out_dir / "summary.md", "muonclip compare: AdamW vs Muon vs MuonClip", context, text, sections,
-                  data)
+    compared = [*optimizers, *(("muon", "muonclip") if stab_specs or tuned_specs else ())]
+    title = "muonclip compare: " + " vs ".join(NAMES.get(o, o) for o in dict.fromkeys(compared))
+    write_summary(out_dir / "summary.md", title, context, text, sections, data)
     return data, "\n\n".join([*tables, text])
+
+
+def rates_phrase(cfg: RunConfig, swept: bool, optimizers: Sequence[str] = ()) -> str:
+    """Where the learning rates come from, in words: this run's sweep, a tuned preset's values, or
+    rates that were not tuned (another preset, or changed by --set; Muon's variants, whose preset
+    rates are Muon's)."""
+    if swept:
+        return "the learning rates and warm-ups tuned by this run's sweep"
+    if cfg.preset in TUNED_PRESETS:
+        preset = make_config(cfg.preset)
+        same = all(cfg.lr(o) == preset.lr(o) and cfg.warmup(o) == preset.warmup(o) for o in OPTIMIZERS)
+        variants = [o for o in optimizers if o in ("normuon", "muon_cautious", "muon_8bit")]
+        if same:
+            return (f"the `{cfg.preset}` preset's learning rates and warm-ups, tuned by `muonclip compare --sweep` "
+                    "(docs/compare.md)" + (f"; {', '.join(variants)} at Muon's rate, not tuned on their own"
+                                           if variants else ""))
+        return "learning rates or warm-ups changed from the tuned preset's: not tuned"
+    return (f"the `{cfg.preset}` preset's learning rates and warm-ups, which were not tuned (set by hand; only the "
+            "`default` preset's were tuned by `muonclip compare --sweep`)")
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux ``/proc/cpuinfo``; elsewhere `platform.processor`)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _parameters(cfg: RunConfig) -> int:
@@ -246,7 +305,7 @@ def _context(cfg: RunConfig, corpus: Any, optimizers: Sequence[str], n_params: i
     tokens = cfg.steps * cfg.batch_size * cfg.block_size
     seeds = ", ".join(str(cfg.seed + i) for i in range(cfg.seeds))
     rates = "; ".join(f"{o} lr {cfg.lr(o):.3g}, warm-up {cfg.warmup(o)}" for o in optimizers)
-    if cfg.lr_adamw_budgets:
+    if cfg.lr_adamw_budgets and "adamw" in optimizers:
         rates += "; AdamW lr per budget " + ", ".join(f"{b:g}x: {v:.3g}" for b, v in zip(cfg.budgets,
                                                                                           cfg.lr_adamw_budgets))
     lines = [
@@ -254,21 +313,31 @@ def _context(cfg: RunConfig, corpus: Any, optimizers: Sequence[str], n_params: i
         f"{cfg.block_size}, attention {cfg.attention}"
         + (f", {cfg.n_expert} experts (top {cfg.n_expert_active}, {cfg.n_shared_expert} shared)" if cfg.n_expert
            else "") + f"; {n_params / 1e6:.3f}M parameters",
-        f"token efficiency: batch {cfg.batch_size} x {cfg.block_size} tokens, {cfg.steps} steps = {tokens / 1e6:.2f}M "
-        f"tokens at 1x ({tokens / n_params:.1f} tokens per parameter); AdamW at "
-        + ", ".join(f"{b:g}x" for b in cfg.budgets) + f"; seeds {seeds}",
-        f"{rates}; cosine to {cfg.min_lr_ratio:g} of the peak; gradient clipping at global norm {cfg.grad_clip:g}; "
-        f"AdamW betas (0.9, 0.95); weight decay {cfg.weight_decay:g} on matrices; the embeddings, tied head and "
-        "norm gains of Muon's runs use AdamW at lr_adamw",
     ]
-    if cfg.stability_steps:
-        lines.append(f"stability: Muon and MuonClip, {cfg.stability_steps} steps, lr {cfg.stability_lr:g} constant "
-                     f"after warm-up {cfg.warmup('muon')}, no weight decay, tau {cfg.stability_tau:g}; seeds {seeds}")
+    if optimizers:
+        lines += [
+            f"token efficiency: {', '.join(optimizers)}; batch {cfg.batch_size} x {cfg.block_size} tokens, "
+            f"{cfg.steps} steps = {tokens / 1e6:.2f}M tokens at 1x ({tokens / n_params:.1f} tokens per parameter)"
+            + ("; AdamW at " + ", ".join(f"{b:g}x" for b in cfg.budgets) if "adamw" in optimizers else "")
+            + f"; seeds {seeds}",
+            f"{rates}; cosine to {cfg.min_lr_ratio:g} of the peak; gradient clipping at global norm "
+            f"{cfg.grad_clip:g}; AdamW betas (0.9, 0.95); weight decay {cfg.weight_decay:g} on matrices; the "
+            "embeddings, tied head and norm gains of Muon's runs use AdamW at lr_adamw",
+        ]
+    if cfg.stability_steps and "excessive" in cfg.stability_segments:
+        lines.append(f"stability, a rescue at an excessive rate: Muon and MuonClip, {cfg.stability_steps} steps, lr "
+                     f"{cfg.stability_lr:g} ({cfg.stability_lr / cfg.lr_muon:.1f} times Muon's rate) constant after "
+                     f"warm-up {cfg.warmup('muon')}, no weight decay, tau {cfg.stability_tau:g}; seeds {seeds}")
+    if cfg.stability_steps and "tuned" in cfg.stability_segments:
+        lines.append(f"stability at Muon's tuned rate: the same segment at lr {cfg.lr_muon:g}, tau "
+                     f"{cfg.stability_tuned_tau:g}; seeds {seeds}")
     lines += [
         f"data: {corpus.source} ({corpus.train.numel() / 1e6:.2f}M train bytes, {corpus.val.numel() / 1e6:.2f}M "
         f"validation bytes; byte tokens; validation on {cfg.eval_batches} batches every {cfg.eval_every} steps)",
-        f"machine: {platform.machine()} CPU, {os.cpu_count()} cores, {jobs} runs at a time with {cfg.threads} "
-        f"thread(s) each; torch {torch.__version__}; wall time of the whole comparison {wall:.0f} s",
+        f"machine: {cpu_name()} ({platform.machine()}), {os.cpu_count()} cores, {jobs} runs at a time with "
+        f"{cfg.threads} thread(s) each; torch {torch.__version__}; wall time of the whole comparison {wall:.0f} s. "
+        "Every run is seeded, so the same figures come back on the same CPU kind and torch version; another CPU "
+        "kind runs other kernels and its losses differ (by up to about 0.01 between two kinds measured)",
     ]
     return lines
 

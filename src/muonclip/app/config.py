@@ -6,17 +6,21 @@ stability segment). Presets:
 
 * ``default`` — what ``muonclip compare`` (``make compare``) runs: a 2-layer, 64-wide GPT on
   the built-in Shakespeare corpus; token efficiency (AdamW at 1x–3x the tokens against Muon)
-  and stability (Muon against MuonClip), 3 seeds each, in about 5 minutes on 2 CPU cores. Its
+  and stability (Muon against MuonClip, at an excessive rate and at Muon's tuned rate), 3 seeds
+  each, in a few minutes on 2 idle CPU cores (docs/compare.md has the timings). Its
   learning rates and warm-ups are the tuned values of ``muonclip compare --sweep``.
 * ``tiny`` — a 2-layer, 32-wide GPT, 2 seeds, 2 budgets, for tests: seconds.
 * ``k2-mini`` — a mini Kimi K2: MLA attention with decoupled RoPE and a mixture-of-experts
   feed-forward (8 routed experts stored as one 3-D stack, top-2, one shared expert, the
   load-balancing loss), 1 seed, a few minutes on 2 cores; the report shows MuonClip's clips per
   layer, the factors applied to each part of a clipped MLA head, and each expert's update RMS.
-  Its rates are not tuned (it shows the clip and the experts, not a token ratio).
+  Its rates are not tuned (6e-3 for AdamW, 2e-2 for Muon and MuonClip, chosen by hand; it shows
+  the clip and the experts, not a token ratio), and its one seed is 0 (``--set seeds=3`` for more).
 
-Learning rates are per optimizer (``lr_adamw``, ``lr_muon``, ``lr_muonclip``): the
-embeddings, LM head and norm gains are trained by AdamW at ``lr_adamw`` in all three runs, so a
+Optimizers: ``adamw``, ``muon``, ``muonclip`` and three variants of Muon with one option on
+(`MUON_VARIANTS`): ``normuon`` (NorMuon), ``muon_cautious`` (cautious weight decay) and
+``muon_8bit`` (8-bit momentum). Learning rates are per optimizer (``lr_<optimizer>``): the
+embeddings, LM head and norm gains are trained by AdamW at ``lr_adamw`` in every run, so a
 comparison isolates what Muon does to the hidden matrices.
 """
 
@@ -27,7 +31,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, get_args, get_origin, get_type_hints
 
-OPTIMIZERS = ("adamw", "muon", "muonclip")
+OPTIMIZERS = ("adamw", "muon", "muonclip", "normuon", "muon_cautious", "muon_8bit")
+MUON_VARIANTS = {"muon": {}, "normuon": {"normuon": True}, "muon_cautious": {"cautious_weight_decay": True},
+                 "muon_8bit": {"momentum_8bit": True}}
+"""The optimizers that are `muonclip.Muon` with one option on (`muonclip.Muon`'s arguments)."""
+STABILITY_SEGMENTS = ("excessive", "tuned")
+TUNED_PRESETS = ("default",)
+"""Presets whose learning rates and warm-ups are the tuned values of ``muonclip compare --sweep``
+(docs/compare.md); the others' are not tuned."""
 ATTENTIONS = ("mha", "mla")
 ORTH_DTYPES = ("bfloat16", "float32")
 SEED_LIMIT = 2**62  # seeds are 0 <= seed < SEED_LIMIT: torch.manual_seed takes 64-bit values, compare adds offsets
@@ -71,6 +82,9 @@ class RunConfig:
             0.04, 0.04: the tuned values of ``muonclip compare --sweep`` on the default preset,
             every one strictly inside its grid, see docs/compare.md; ``k2-mini`` uses 6e-3, 2e-2,
             2e-2, untuned, and so does ``tiny``); the AdamW branch of Muon/MuonClip uses lr_adamw.
+        lr_normuon, lr_muon_cautious, lr_muon_8bit: the same for Muon's variants (`MUON_VARIANTS`;
+            default 0.04, Muon's tuned rate, not tuned on their own: ``--sweep`` or
+            benchmarks/tune_muon_variants.py tunes them; the other presets use lr_muon's value).
         weight_decay: decoupled weight decay on matrices (default 0.1; never on vectors).
         grad_clip: the gradients of all parameters are scaled so that their global L2 norm is at
             most this, before every optimizer's step (``torch.nn.utils.clip_grad_norm_``; default
@@ -79,6 +93,8 @@ class RunConfig:
         warmup_adamw, warmup_muon, warmup_muonclip: the optimizer's own warm-up; None:
             warmup_steps (defaults 200, 20, 20: tuned by ``--sweep`` on the default preset; the
             ``tiny`` and ``k2-mini`` presets use warmup_steps).
+        warmup_normuon, warmup_muon_cautious, warmup_muon_8bit: the same for Muon's variants
+            (default 20, Muon's).
         min_lr_ratio: cosine decay from the peak down to peak * min_lr_ratio (default 0.1).
         tau: QK-Clip threshold on the max logit, also drawn on the plots (default 100, K2's).
         orth_dtype: compute dtype of Muon's orthogonalisation, ``"bfloat16"`` (default, the
@@ -95,6 +111,13 @@ class RunConfig:
         stability_lr: peak rate of Muon and MuonClip in that segment (default 0.1, 2.5 times Muon's
             tuned rate: plain Muon's max logit then passes 3 tau within the segment on every seed).
         stability_tau: tau of that segment (default 30, K2's small-model setting).
+        stability_segments: which stability segments run (default both): ``"excessive"``, the
+            rescue at ``stability_lr``, and ``"tuned"``, the same segment at Muon's tuned rate
+            ``lr_muon`` with ``tau = stability_tuned_tau``, which asks whether the clip costs
+            anything where a tuned run would use it (``k2-mini``, whose rates are not tuned: the
+            first only).
+        stability_tuned_tau: tau of the tuned-rate segment (default 30: at lr_muon 0.04 plain
+            Muon's max logit passes it, so the clip fires).
 
     Bookkeeping:
         seed: model initialisation and batch order (default 0).
@@ -124,12 +147,18 @@ class RunConfig:
     lr_adamw: float = 0.03394
     lr_muon: float = 0.04
     lr_muonclip: float = 0.04
+    lr_normuon: float = 0.04
+    lr_muon_cautious: float = 0.04
+    lr_muon_8bit: float = 0.04
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     warmup_steps: int = 20
     warmup_adamw: int | None = 200
     warmup_muon: int | None = 20
     warmup_muonclip: int | None = 20
+    warmup_normuon: int | None = 20
+    warmup_muon_cautious: int | None = 20
+    warmup_muon_8bit: int | None = 20
     min_lr_ratio: float = 0.1
     tau: float = 100.0
     orth_dtype: str = "bfloat16"
@@ -139,6 +168,8 @@ class RunConfig:
     stability_steps: int = 300
     stability_lr: float = 0.1
     stability_tau: float = 30.0
+    stability_segments: tuple[str, ...] = ("excessive", "tuned")
+    stability_tuned_tau: float = 30.0
     seed: int = 0
     eval_every: int = 50
     eval_batches: int = 16
@@ -153,7 +184,7 @@ class RunConfig:
         return self.warmup_steps if own is None else int(own)
 
     def lr(self, optimizer: str) -> float:
-        """The peak learning rate of ``optimizer`` ("adamw", "muon" or "muonclip")."""
+        """The peak learning rate of ``optimizer`` (one of `OPTIMIZERS`)."""
         check_optimizer(optimizer)
         return float(getattr(self, f"lr_{optimizer}"))
 
@@ -171,12 +202,15 @@ class RunConfig:
             for x in v if isinstance(v, (tuple, list)) else [v]:
                 if isinstance(x, float) and not math.isfinite(x):
                     raise ValueError(f"{f.name} must be a finite number, got {v!r}")
-        for name in ("lr_adamw", "lr_muon", "lr_muonclip", "tau", "stability_lr", "stability_tau"):
+        for name in (*(f"lr_{o}" for o in OPTIMIZERS), "tau", "stability_lr", "stability_tau", "stability_tuned_tau"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("warmup_adamw", "warmup_muon", "warmup_muonclip"):
+        for name in (f"warmup_{o}" for o in OPTIMIZERS):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 or None, got {getattr(self, name)!r}")
+        if not set(self.stability_segments) <= set(STABILITY_SEGMENTS):
+            raise ValueError(f"stability_segments must be among {list(STABILITY_SEGMENTS)}, got "
+                             f"{list(self.stability_segments)}")
         if self.seeds < 1 or self.stability_steps < 0:
             raise ValueError(f"seeds must be >= 1 and stability_steps >= 0, got {self.seeds}, {self.stability_steps}")
         budgets = list(self.budgets)
@@ -246,6 +280,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         block_size=32, n_layer=2, n_head=2, n_embd=32, batch_size=8, steps=30, warmup_steps=3,
         lr_adamw=6e-3, lr_muon=2e-2, lr_muonclip=2e-2, warmup_adamw=None, warmup_muon=None, warmup_muonclip=None,
+        lr_normuon=2e-2, lr_muon_cautious=2e-2, lr_muon_8bit=2e-2, warmup_normuon=None, warmup_muon_cautious=None,
+        warmup_muon_8bit=None,
         eval_every=10, eval_batches=2, checkpoint_every=10, seeds=2, budgets=(1.0, 2.0), lr_adamw_budgets=(),
         stability_steps=10,
     ),
@@ -257,7 +293,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "k2-mini": dict(
         attention="mla", n_head=4, n_expert=8, n_expert_active=2, n_shared_expert=1, expert_hidden=64,
         block_size=64, steps=300, seeds=1, budgets=(1.0,), lr_adamw_budgets=(), stability_steps=300,
+        stability_segments=("excessive",),  # no tuned rate to test the clip at
         lr_adamw=6e-3, lr_muon=2e-2, lr_muonclip=2e-2, warmup_adamw=None, warmup_muon=None, warmup_muonclip=None,
+        lr_normuon=2e-2, lr_muon_cautious=2e-2, lr_muon_8bit=2e-2, warmup_normuon=None, warmup_muon_cautious=None,
+        warmup_muon_8bit=None,
     ),
 }
 
@@ -276,7 +315,7 @@ def parse_value(name: str, raw: str) -> Any:
 
     The type is the field's own annotation (``typing.get_type_hints``): ``int``, ``float``,
     ``bool`` (``1/true/yes/on``, ``0/false/no/off``), ``str``, each optionally ``| None``
-    (``none``, ``null`` or an empty value give None), or ``tuple[float, ...]`` (comma-separated).
+    (``none``, ``null`` or an empty value give None), or a tuple (comma-separated).
 
     Raises:
         ValueError: ``raw`` is not a value of that type; the message names the field and the type.
@@ -285,7 +324,7 @@ def parse_value(name: str, raw: str) -> Any:
     if get_origin(hint) is tuple:  # tuple[float, ...]: comma-separated, empty for ()
         (item, _) = get_args(hint)
         try:
-            return tuple(item(x) for x in raw.split(",") if x.strip())
+            return tuple(item(x.strip()) for x in raw.split(",") if x.strip())
         except ValueError:
             raise ValueError(f"--set {name}={raw}: expected comma-separated {item.__name__}s") from None
     args = get_args(hint)
@@ -346,6 +385,7 @@ def apply_overrides(cfg: RunConfig, overrides: dict[str, Any] | None = None,
 
 
 __all__ = [
-    "ATTENTIONS", "MODEL_FIELDS", "OPTIMIZERS", "ORTH_DTYPES", "PRESETS", "SEED_LIMIT", "SHAPE_FIELDS", "RunConfig",
+    "ATTENTIONS", "MODEL_FIELDS", "MUON_VARIANTS", "OPTIMIZERS", "ORTH_DTYPES", "PRESETS", "SEED_LIMIT",
+    "SHAPE_FIELDS", "STABILITY_SEGMENTS", "TUNED_PRESETS", "RunConfig",
     "apply_overrides", "check_optimizer", "make_config", "model_config", "parse_value",
 ]

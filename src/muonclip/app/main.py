@@ -90,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "and write plots and summary.md to --out (default out/compare-<preset>-<time>).")
     _common(c)
     c.add_argument("--optimizers", default="adamw,muon",
-                   help="comma-separated optimizers of the token-efficiency runs (default: adamw,muon; AdamW is the "
-                        "reference of the ratios; the stability segment always runs muon and muonclip)")
+                   help="comma-separated optimizers of the token-efficiency runs, each at its own rate (default: "
+                        "adamw,muon; also muonclip, normuon, muon_cautious, muon_8bit; AdamW is the reference of the "
+                        "ratios; the stability segment always runs muon and muonclip)")
     c.add_argument("--jobs", type=int, default=None,
                    help="runs at a time, in worker processes (default: one per core)")
     c.add_argument("--sweep", action="store_true",
@@ -193,7 +194,7 @@ def _run_compare(args: argparse.Namespace) -> int:
         if (warmups is not None and any(w < 0 for w in warmups)) or args.sweep_seeds < 1:
             raise ValueError("--sweep-warmups must be >= 0 and --sweep-seeds >= 1")
         sweep = {"warmups": warmups, "seeds": args.sweep_seeds,
-                 "optimizers": [o for o in ("adamw", "muon") if o in optimizers or o == "muon"]}
+                 "optimizers": [o for o in OPTIMIZERS if o != "muonclip" and (o in optimizers or o == "muon")]}
     elif args.sweep_warmups is not None:
         raise ValueError("--sweep-warmups needs --sweep")
     out = Path(args.out) if args.out else Path("out") / f"compare-{cfg.preset}-{_stamp()}"

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ..optim import param_groups
-from .config import RunConfig, check_optimizer, model_config
+from .config import MUON_VARIANTS, RunConfig, check_optimizer, model_config
 
 
 def build_model(cfg: RunConfig) -> nn.Module:
@@ -26,6 +26,8 @@ def build_optimizer(name: str, model: nn.Module, cfg: RunConfig) -> torch.optim.
     * ``muon``: ``muonclip.Muon`` over `muonclip.param_groups` — hidden matrices at
       ``lr_muon``, embeddings/head/norms by its AdamW branch at ``lr_adamw``.
     * ``muonclip``: ``muonclip.MuonClip``, the same plus QK-Clip at ``tau``, at ``lr_muonclip``.
+    * ``normuon``, ``muon_cautious``, ``muon_8bit``: ``muonclip.Muon`` as for ``muon`` with one
+      option on (`muonclip.app.config.MUON_VARIANTS`), at their own rate ``lr_<name>``.
     """
     check_optimizer(name)
     if name == "adamw":
@@ -37,10 +39,11 @@ def build_optimizer(name: str, model: nn.Module, cfg: RunConfig) -> torch.optim.
         )
     groups = param_groups(model, adamw_lr=cfg.lr_adamw)
     orth_dtype = getattr(torch, cfg.orth_dtype)
-    if name == "muon":
+    if name in MUON_VARIANTS:
         from ..optim import Muon
 
-        return Muon(groups, lr=cfg.lr_muon, weight_decay=cfg.weight_decay, orth_dtype=orth_dtype)
+        return Muon(groups, lr=cfg.lr(name), weight_decay=cfg.weight_decay, orth_dtype=orth_dtype,
+                    **MUON_VARIANTS[name])
     from .. import MuonClip
 
     return MuonClip(model, lr=cfg.lr_muonclip, tau=cfg.tau, groups=groups, weight_decay=cfg.weight_decay,

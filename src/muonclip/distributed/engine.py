@@ -33,14 +33,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ..common.dtensor import Piece, covers, is_dtensor, is_empty, local, piece_shape, put, take
 from ..optim.buckets import Bucket, Results, make_buckets, options_key
 from ..optim.distribution import StepStats, register_engine
-from ..optim.functional import apply_blocks_, momentum_, muon_input
+from ..optim.functional import apply_blocks_, muon_input, neuron_moment, normuon_bucket_, step_momentum
 from ..optim.matrices import MatrixSpec, matrix_spec
+from ..optim.state_dicts import state_dtype
 from ..optim.validation import number
+from ..optim.weight_state import momentum_state, second_moment_state
 from .context import GroupContext, locals_and_group, resolve_group
 from .exchange import Transfer, agree, agree_replicas, exchange, signature
 from .plan import Plan, assign_owners
@@ -102,27 +105,26 @@ class DistributedEngine:
             return stats
         names = [n for _, p, n in items if p.grad is not None]
         grads = [local(p.grad) for _, p in live]
-        bufs = []
-        for _, p in live:
-            if "momentum_buffer" not in state[p]:
-                state[p]["momentum_buffer"] = new_buffer(p)
-            bufs.append(local(state[p]["momentum_buffer"]))
         st, new = self._cached_structure(live, names, ctx)
+        specs = [matrix_spec(p.shape, g) for g, p in live]
+        momenta = [momentum_state(state[p], p, g, spec, local, new_buffer) for (g, p), spec in zip(live, specs)]
+        seconds = [second_moment_state(state[p], p, g, spec) for (g, p), spec in zip(live, specs)]
         if new:  # plain tensors must really be replicas (never a shard taken for one)
             plain = [k for k, (_, p) in enumerate(live) if not is_dtensor(p)]
             agree_replicas(ctx, [live[k][1] for k in plain], [names[k]() for k in plain], device_of(live), stats.comm)
         plan, me = st.plan, ctx.rank
         stats.total_ns_flops, stats.ns_flops = sum(plan.flops), plan.flops[me]
-        dtype, device = bufs[0].dtype, bufs[0].device
+        dtype, device = state_dtype(live[0][1]), grads[0].device
         wire = comm_dtype or dtype
 
-        # 2. momentum, once per weight, just before its V is formed
+        # 2. momentum, once per weight, just before its V is formed (8-bit: dequantised, and back)
         fresh = set(range(len(live)))
+        bufs: dict[int, Tensor] = {}
 
         def momentum(k: int) -> Tensor:
             if k in fresh:
                 fresh.discard(k)
-                momentum_(bufs[k], grads[k], live[k][0]["momentum"])
+                bufs[k] = step_momentum(grads[k], live[k][0]["momentum"], *momenta[k])
             return bufs[k]
 
         v_cache: dict[int, Tensor] = {}
@@ -160,10 +162,16 @@ class DistributedEngine:
                     g = live[unit.k][0]
                     muon_input(unit.spec.block(grads[unit.k], b), unit.spec.block(momentum(unit.k), b),
                                g["momentum"], g["nesterov"], out=slot)
-            results.update(collect.of(bucket, bucket.orthogonalize(V, backend, reuse_result=False)))
+            O = bucket.orthogonalize(V, backend, reuse_result=False)
+            normuon_bucket_(bucket, O, lambda u, b: neuron_moment(
+                seconds[st.units[u].k], st.units[u].spec, b, live[st.units[u].k][0]["normuon_beta2"],
+                experts=st.units[u].experts))
+            results.update(collect.of(bucket, O))
             stats.matrices += V.shape[0]
         for k in sorted(fresh):  # momentum of the weights this rank neither owns nor sends
             momentum(k)
+        if any(v is not None for v in seconds):  # NorMuon: every rank gets the owners' second moments
+            share_second_moments(ctx, st, seconds, stats)
 
         # 6. scatter: each rank's piece of every result, from its owner; 7. apply
         got = {}
@@ -181,7 +189,7 @@ class DistributedEngine:
             g, p = live[k]
             axis, ranges, offset = st.scales[k]
             apply_blocks_(local(p), O, lr=number(g["lr"]), weight_decay=number(g["weight_decay"]), axis=axis,
-                          ranges=ranges, offset=offset)
+                          ranges=ranges, offset=offset, cautious=g["cautious_weight_decay"])
         return stats
 
     def _cached_structure(self, live: list[tuple[dict[str, Any], Tensor]], names: list[Callable[[], str]],
@@ -199,6 +207,19 @@ class DistributedEngine:
         if len(self._structures) > _KEPT_STRUCTURES:
             self._structures.popitem(last=False)
         return st, True
+
+
+def share_second_moments(ctx: GroupContext, st: _Routes, seconds: Sequence[Tensor | None], stats: StepStats) -> None:
+    """NorMuon's second moments after a step, the same on every rank: each unit's rows were
+    updated by its owner only; one SUM all-reduce of every unit's rows (the owner's values, zeros
+    from the other ranks: exact) gives every rank the owners' values."""
+    parts = [(u, seconds[unit.k][unit.experts]) for u, unit in enumerate(st.units) if seconds[unit.k] is not None]
+    flat = torch.cat([v.reshape(-1) if st.plan.owners[u] == ctx.rank else torch.zeros_like(v).reshape(-1)
+                      for u, v in parts])
+    dist.all_reduce(flat, group=ctx.group)
+    stats.comm.add("all_reduce", 2 * flat.numel() * flat.element_size() * (ctx.world_size - 1) // ctx.world_size)
+    for (_, v), got in zip(parts, flat.split([v.numel() for _, v in parts])):
+        v.copy_(got.view(v.shape))
 
 
 def device_of(live: list[tuple[dict[str, Any], Tensor]]) -> torch.device:
@@ -223,6 +244,15 @@ class _Unit:
     shape: tuple[int, ...]
     direct: bool
     spec: MatrixSpec
+
+    @property
+    def experts(self) -> slice:
+        """The experts (rows of a per-expert buffer) this unit covers: those of its piece for
+        a stacked-expert weight, else all."""
+        first = self.piece[0]
+        if self.spec.experts and isinstance(first, range) and first.step == 1:
+            return slice(first.start, first.stop)
+        return slice(None)
 
 
 @dataclass
@@ -267,6 +297,8 @@ def _build(live: list[tuple[dict[str, Any], Tensor]], names: list[Callable[[], s
     for k, (g, p) in enumerate(live):
         pieces = ctx.pieces(p, names[k]())
         all_pieces.append(pieces)
+        if g["momentum_8bit"]:
+            _check_whole_rows(p, specs[k], pieces, names[k])
         distinct = list(dict.fromkeys(pc for pc in pieces if not is_empty(pc)))
         full = tuple(range(n) for n in p.shape)
         if specs[k].experts and all(covers(pc, p.shape, (1, 2)) for pc in distinct):
@@ -332,6 +364,23 @@ def _build(live: list[tuple[dict[str, Any], Tensor]], names: list[Callable[[], s
                            [local(live[u.k][1]).device for u in units], plan.owned(me))
     return _Routes(plan, units, [all_pieces[k][me] for k in range(len(live))], gather, gather_unit, sources,
                    scatter, scatter_unit, scatter_piece, mine, scales, buckets)
+
+
+def _check_whole_rows(p: Tensor, spec: MatrixSpec, pieces: Sequence[Piece], name: Callable[[], str]) -> None:
+    """8-bit momentum quantises blocks of a row (`muonclip.optim.quantized`): refuse a layout
+    whose pieces cut rows (sharded along the last dimension; a flattened weight: along any but the
+    first)."""
+    row_dims = range(1, p.ndim) if spec.flatten or p.ndim >= 4 else (p.ndim - 1,)
+    for pc in pieces:
+        if is_empty(pc):
+            continue
+        for d in row_dims:
+            if list(pc[d]) != list(range(p.shape[d])):
+                raise ValueError(
+                    f"{name()}: momentum_8bit keeps one scale per block of a row, and this parameter is sharded "
+                    f"along dimension {d} (placements {getattr(p, 'placements', None)}), which cuts its rows; shard "
+                    "it along its first dimension (FSDP2 does), or put it in a param group with momentum_8bit=False"
+                )
 
 
 register_engine(DistributedEngine())

@@ -5,6 +5,8 @@
 * `muon` — `Muon`, the thin optimizer shell over them (with the AdamW branch of `adamw`).
 * `validation` — what `Muon` accepts (its arguments, param groups and loaded state).
 * `state_dicts` — `Muon`'s state dicts, and their conversions to and from torch.optim's.
+* `weight_state`, `quantized` — a Muon weight's state (float32 or 8-bit momentum, NorMuon's
+  second moment) and the 8-bit momentum's blocks.
 * `matrices`, `buckets`, `scale` — how a weight is seen as matrices (`MatrixSpec`), same-shape
   blocks batched into one orthogonalisation, the update scale rules.
 * `routing`, `fused` — `param_groups`: which parameter gets Muon or AdamW, and how a fused

@@ -4,14 +4,35 @@
 For one weight matrix W (or a batch of them, ``(E, A, B)``), with gradient G and momentum
 buffer M (docs/design.md, "Muon")::
 
+    M = dequantize(M8)                       momentum_8bit only: int8 + a scale per block
     M = mu M + G                             momentum_
+    M8 = quantize(M)                         momentum_8bit only (`muonclip.optim.quantized`)
     V = G + mu M   (nesterov)   or   V = M   muon_input
     O = orth(V)                              muonclip.orthogonalize, in the compute dtype
-    W = W (1 - lr wd)                        apply_update_: decoupled weight decay, base lr,
+    O = normuon(O)                           normuon only: normalize_neurons_, per row
+    mask = sign(O) sign(W) >= 0              cautious_weight_decay only (else mask = 1)
+    W = W - lr wd mask W                     apply_update_: decoupled weight decay, base lr,
     W = W - lr scale(A, B) O                 then the scaled update
 
-`muon_update` is these lines for one matrix. `muon_step` runs the same phases for every Muon
-weight of a step, with the blocks of equal shape batched into one ``orthogonalize`` call
+The three optional lines (each off by default, each a `muonclip.Muon` argument):
+
+* **NorMuon** (Li et al., arXiv 2510.05491; microsoft/dion ``dion/normuon.py``): per matrix
+  and per row i of O (an output neuron), ``v_i = beta2 v_i + (1 - beta2) mean_j O_ij^2``
+  (state ``neuron_second_moment``, float32, zeros at first), ``O_ij = O_ij / (sqrt(v_i) +
+  1e-8)``, then O is rescaled to the Frobenius norm it had before (``* |O|_F / max(|O'|_F,
+  1e-8)``), so the update keeps Muon's size and the scale rule still applies. Per block of a
+  fused split, per expert of a stack: each matrix that is orthogonalised is normalised alone.
+* **Cautious weight decay** (modded-nanogpt, record 43, after Chen et al., arXiv
+  2510.12402): the decay applies only to the elements where the update that is
+  subtracted (O) and the weight have the same sign, ``O_ij W_ij >= 0`` (zeros included), as
+  modded-nanogpt's ``mask = (v_chunk * param_chunk) >= 0`` and dion's ``cautious_wd``; the mask
+  is taken from W before this step's decay.
+* **8-bit momentum**: M stored as int8 with a float32 absmax scale per block of at most 256
+  elements of a row (`muonclip.optim.quantized`); dequantised for the step, V formed from the
+  float32 M, M quantised back.
+
+`muon_update` is these lines for one matrix (its momentum a float32 buffer). `muon_step` runs the
+same phases for every Muon weight of a step, with the blocks of equal shape batched into one ``orthogonalize`` call
 (`muonclip.optim.buckets`): that is the step `muonclip.Muon` runs in one process. Over several
 processes `muonclip.distributed` runs these phases too, with the exchanges around them.
 `adamw_update` (`muonclip.optim.adamw`) is the AdamW branch's.
@@ -20,11 +41,13 @@ References:
     K. Jordan et al., "Muon: An optimizer for hidden layers in neural networks" (2024).
     torch.optim.Muon (``torch/optim/_muon.py``), whose update this is with the scale
     ``adjust_lr_fn`` names.
+    Z. Li et al., "NorMuon: Making Muon more efficient and scalable", arXiv 2510.05491.
+    L. Chen et al., arXiv 2510.12402 (cautious weight decay).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -33,6 +56,10 @@ from torch import Tensor
 from ..ortho import run_method
 from .buckets import Bucket, Results
 from .matrices import MatrixSpec
+from .quantized import QuantLayout, dequantize, quantize_
+
+NORMUON_EPS = 1e-8
+"""NorMuon's epsilon, added to ``sqrt(v)`` and the floor of the rescale's norm (dion's value)."""
 
 
 def momentum_(momentum_buffer: Tensor, grad: Tensor, momentum: float) -> Tensor:
@@ -52,14 +79,35 @@ def muon_input(grad: Tensor, momentum_buffer: Tensor, momentum: float, nesterov:
     return torch.add(grad, momentum_buffer, alpha=momentum, out=out)
 
 
-def apply_update_(param: Tensor, update: Tensor, *, lr: float, weight_decay: float, scale: float) -> None:
-    """``W = W (1 - lr wd)`` then ``W = W - lr * scale * O``, in place.
+def normalize_neurons_(O: Tensor, second_moment: Tensor, beta2: float) -> None:
+    """NorMuon's normalisation of orthogonalised matrices, in place (module docstring).
+
+    ``O``: ``(E, A, B)``, E matrices whose rows are output neurons (any float dtype; the
+    arithmetic is in ``second_moment``'s dtype and the result rounded into ``O`` once).
+    ``second_moment``: ``(E, A)``, the rows' EMA of ``mean_j O_ij^2``, updated in place.
+    """
+    U = O.to(second_moment.dtype)
+    norm = torch.linalg.vector_norm(U, dim=(-2, -1), keepdim=True)
+    second_moment.lerp_(U.square().mean(dim=-1), 1.0 - beta2)
+    N = U / (second_moment.sqrt() + NORMUON_EPS).unsqueeze(-1)
+    N.mul_(norm / torch.linalg.vector_norm(N, dim=(-2, -1), keepdim=True).clamp_min(NORMUON_EPS))
+    O.copy_(N)
+
+
+def apply_update_(param: Tensor, update: Tensor, *, lr: float, weight_decay: float, scale: float,
+                  cautious: bool = False) -> None:
+    """``W = W (1 - lr wd)`` (cautious: only where ``sign(O) sign(W) >= 0``) then
+    ``W = W - lr * scale * O``, in place.
 
     ``update`` (``O``) is added as it is (e.g. bfloat16 into a float32 weight, as
     torch.optim.Muon does), with ``-lr * scale`` as the one coefficient: no scaled copy.
     """
     if weight_decay != 0.0:
-        param.mul_(1.0 - lr * weight_decay)
+        if cautious:
+            same_sign = (update.sign() * param.sign()) >= 0
+            param.sub_(param * same_sign, alpha=lr * weight_decay)
+        else:
+            param.mul_(1.0 - lr * weight_decay)
     param.add_(update, alpha=-lr * scale)
 
 
@@ -78,6 +126,9 @@ def muon_update(
     eps: float = 1e-7,
     coefficients: Sequence[float] | None = None,
     scale: float = 1.0,
+    second_moment: Tensor | None = None,
+    normuon_beta2: float = 0.95,
+    cautious: bool = False,
 ) -> None:
     """One Muon step of one matrix ``(A, B)`` or one batch ``(E, A, B)``, in place.
 
@@ -95,25 +146,55 @@ def muon_update(
             bfloat16).
         scale: the update scale of the matrix shape (`muonclip.optim.scale.update_scale`;
             default 1.0).
+        second_moment: NorMuon's per-row buffer ``(A,)`` or ``(E, A)`` (float32, updated in
+            place); None (default): no NorMuon.
+        normuon_beta2: NorMuon's EMA coefficient (default 0.95).
+        cautious: cautious weight decay (default False).
     """
     momentum_(momentum_buffer, grad, momentum)
     V = muon_input(grad, momentum_buffer, momentum, nesterov, out=torch.empty_like(grad, dtype=dtype))
     O = run_method(V, method, steps, dtype, eps=eps, coefficients=coefficients)
-    apply_update_(param, O, lr=lr, weight_decay=weight_decay, scale=scale)
+    if second_moment is not None:
+        normalize_neurons_(O.view(-1, *O.shape[-2:]), second_moment.view(-1, O.shape[-2]), normuon_beta2)
+    apply_update_(param, O, lr=lr, weight_decay=weight_decay, scale=scale, cautious=cautious)
+
+
+def step_momentum(grad: Tensor, momentum: float, buffer: Tensor | None = None,
+                  quantized: tuple[Tensor, Tensor, QuantLayout] | None = None) -> Tensor:
+    """The momentum phase of one weight: ``M = mu M + G`` on its float32 ``buffer``, or, with
+    ``quantized = (int8 codes, scales, layout)`` (8-bit momentum), on ``M`` dequantised into a
+    new float32 tensor, quantised back after the update. Returns the float32 ``M`` of this step
+    (what V is formed from)."""
+    if quantized is None:
+        return momentum_(buffer, grad, momentum)
+    q, s, lay = quantized
+    M = dequantize(q, s, lay, s.dtype)
+    momentum_(M, grad, momentum)
+    quantize_(M, q, s, lay)
+    return M
 
 
 class MuonWeight(NamedTuple):
     """One Muon weight in a step: its tensors (this process's, in their stored layout), how it
-    is cut into matrices, and its group's settings for this step."""
+    is cut into matrices, and its group's settings for this step.
+
+    ``momentum_buffer`` is the float32 M, or None with ``quantized`` (8-bit momentum:
+    `step_momentum`). ``second_moment`` is NorMuon's ``(batch, rows)`` buffer, the rows of
+    each block after those of the blocks before it (`MatrixSpec.block_offset`), or None.
+    """
 
     param: Tensor
     grad: Tensor
-    momentum_buffer: Tensor
+    momentum_buffer: Tensor | None
     spec: MatrixSpec
     lr: float
     weight_decay: float
     momentum: float
     nesterov: bool
+    second_moment: Tensor | None = None
+    normuon_beta2: float = 0.95
+    cautious: bool = False
+    quantized: tuple[Tensor, Tensor, QuantLayout] | None = None
 
 
 def muon_step(weights: Sequence[MuonWeight], buckets: Sequence[Bucket], backend: Any) -> int:
@@ -121,44 +202,73 @@ def muon_step(weights: Sequence[MuonWeight], buckets: Sequence[Bucket], backend:
 
     For each bucket (`muonclip.optim.buckets.make_buckets` of the weights' specs): each block's
     V is written into its slot in the compute dtype, right after its weight's momentum (once,
-    at the weight's first block: G and M are still in cache); the bucket is orthogonalised by
-    ``backend`` (`muonclip.optim.backend.Backend`, which may reuse the result's storage for the
-    next bucket); every weight whose last block this was is updated at once, its blocks' row
-    ranges each with their own scale. Returns the number of matrices orthogonalised.
+    at the weight's first block: G and M are still in cache; 8-bit momentum is dequantised
+    there and its float32 copy dropped after the weight's last block); the bucket is
+    orthogonalised by ``backend`` (`muonclip.optim.backend.Backend`, which may reuse the
+    result's storage for the next bucket) and NorMuon-normalised per matrix where asked; every
+    weight whose last block this was is updated at once, its blocks' row ranges each with their
+    own scale. Returns the number of matrices orthogonalised.
     """
     results = Results([w.spec for w in weights], reuse_result=True)
-    fresh = set(range(len(weights)))  # momentum not yet updated in this step
+    momenta: dict[int, Tensor] = {}  # this step's M of the weights whose blocks are not all written yet
+    left = [w.spec.n_blocks for w in weights]
     matrices = 0
     for bucket in buckets:
         V = bucket.empty(backend)
         for k, b, slot in bucket.slots(V):
             w = weights[k]
-            if k in fresh:
-                fresh.discard(k)
-                momentum_(w.momentum_buffer, w.grad, w.momentum)
-            muon_input(w.spec.block(w.grad, b), w.spec.block(w.momentum_buffer, b), w.momentum, w.nesterov, out=slot)
+            if k not in momenta:
+                momenta[k] = step_momentum(w.grad, w.momentum, w.momentum_buffer, w.quantized)
+            muon_input(w.spec.block(w.grad, b), w.spec.block(momenta[k], b), w.momentum, w.nesterov, out=slot)
+            left[k] -= 1
+            if not left[k]:
+                del momenta[k]
         O = bucket.orthogonalize(V, backend, reuse_result=True)
+        normuon_bucket_(bucket, O, lambda k, b: neuron_moment(weights[k].second_moment, weights[k].spec, b,
+                                                                weights[k].normuon_beta2))
         for k, O_k in results.of(bucket, O):
             w = weights[k]
-            apply_blocks_(w.param, O_k, lr=w.lr, weight_decay=w.weight_decay, axis=w.spec.axis, ranges=w.spec.ranges)
+            apply_blocks_(w.param, O_k, lr=w.lr, weight_decay=w.weight_decay, axis=w.spec.axis, ranges=w.spec.ranges,
+                          cautious=w.cautious)
         matrices += V.shape[0]
     return matrices
 
 
+def neuron_moment(second_moment: Tensor | None, spec: MatrixSpec, b: int, beta2: float,
+                  experts: slice = slice(None)) -> tuple[Tensor, float] | None:
+    """Block ``b``'s columns of NorMuon's ``(batch, rows)`` buffer (the rows of ``experts``), and
+    beta2; None without NorMuon."""
+    if second_moment is None:
+        return None
+    return second_moment[experts].narrow(1, spec.block_offset(b), spec.block_rows(b)), beta2
+
+
+def normuon_bucket_(bucket: Bucket, O: Tensor,
+                    moment_of: Callable[[int, int], tuple[Tensor, float] | None]) -> None:
+    """`normalize_neurons_` of every slot of the orthogonalised bucket ``O`` whose item has
+    NorMuon: ``moment_of(item, block)`` gives its second-moment rows ``(E, rows_b)`` and beta2."""
+    for (k, b), r in zip(bucket.entries, O.split([s.batch for s in bucket.specs])):
+        moment = moment_of(k, b)
+        if moment is not None:
+            normalize_neurons_(r, *moment)
+
+
 def apply_blocks_(param: Tensor, update: Tensor, *, lr: float, weight_decay: float, axis: int,
-                  ranges: Sequence[tuple[int, int, float]], offset: int = 0) -> None:
+                  ranges: Sequence[tuple[int, int, float]], offset: int = 0, cautious: bool = False) -> None:
     """`apply_update_` for a weight cut into matrix blocks, each with its own scale.
 
     ``ranges``: ``(a, b, scale)`` for the rows ``[a, b)`` along ``axis``
     (`muonclip.optim.matrices.MatrixSpec.ranges`). ``param`` and ``update`` hold the rows
     ``[offset, offset + n)`` along ``axis``, ``n = update.shape[axis]`` (all of them unless the
     weight is a shard of a larger one: a row shard, or a column shard of a transposed weight).
-    The decay applies to all of ``param``, each range's update once.
+    The decay applies to all of ``param`` (``cautious``: elementwise, where ``update`` and
+    ``param`` agree in sign), each range's update once.
     """
-    if weight_decay != 0.0:
+    if weight_decay != 0.0 and not cautious:
         param.mul_(1.0 - lr * weight_decay)
+        weight_decay = 0.0
     for dst, src, scale in _pieces(param, update, axis, ranges, offset):
-        apply_update_(dst, src, lr=lr, weight_decay=0.0, scale=scale)
+        apply_update_(dst, src, lr=lr, weight_decay=weight_decay, scale=scale, cautious=cautious)
 
 
 def _pieces(param: Tensor, update: Tensor, axis: int, ranges: Sequence[tuple[int, int, float]],
@@ -176,4 +286,5 @@ def _pieces(param: Tensor, update: Tensor, axis: int, ranges: Sequence[tuple[int
     return out
 
 
-__all__ = ["MuonWeight", "apply_blocks_", "apply_update_", "momentum_", "muon_input", "muon_step", "muon_update"]
+__all__ = ["NORMUON_EPS", "MuonWeight", "apply_blocks_", "apply_update_", "momentum_", "muon_input", "muon_step",
+           "muon_update", "neuron_moment", "normalize_neurons_", "normuon_bucket_", "step_momentum"]

@@ -93,6 +93,11 @@ class MatrixSpec:
         """Rows of block ``b``'s matrix."""
         return sum(hi - lo for lo, hi in self.blocks[b])
 
+    def block_offset(self, b: int) -> int:
+        """Rows of the blocks before block ``b`` (where its rows start in a per-row buffer that
+        holds the blocks one after another, like NorMuon's second moment)."""
+        return sum(self.block_rows(i) for i in range(b))
+
     def block_shape(self, b: int) -> tuple[int, int, int, int]:
         """``(E, G, s_b, B)``: the shape of `block` ``b`` of a weight cut into several blocks."""
         groups = self.split_groups if self.split_sizes is not None else 1

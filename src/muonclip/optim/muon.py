@@ -33,6 +33,7 @@ from .scale import scale_name
 from .state_dicts import first_param, state_dtype
 from .unrouted import refuse_model, refuse_unrouted
 from .validation import check_group, check_hyperparameters, number, refuse_removed_keywords
+from .weight_state import momentum_state, second_moment_state
 
 
 class Muon(torch.optim.Optimizer):
@@ -120,6 +121,24 @@ class Muon(torch.optim.Optimizer):
             elsewhere), ``"core"`` (the pure functions, fresh tensors each step),
             ``"buffered"``, or a backend object such as
             ``muonclip.fast.BufferedBackend(chunk="cache")``. Never changes what is computed.
+        normuon: NorMuon (Li et al., arXiv 2510.05491, as microsoft/dion's ``NorMuon``
+            defines it): after orthogonalisation each row i of each matrix (an output neuron)
+            is divided by ``sqrt(v_i) + 1e-8``, where ``v_i = normuon_beta2 v_i + (1 -
+            normuon_beta2) mean_j O_ij^2`` (state ``neuron_second_moment``, float32, zeros at
+            first), and the matrix is rescaled to its Frobenius norm before that, so the update
+            keeps Muon's size and ``adjust_lr_fn`` still sets it (default False). Each matrix
+            that is orthogonalised (a fused split's block, a stack's expert) is normalised
+            alone, over its whole rows, also when the weight is sharded (the owner rank does it).
+        normuon_beta2: NorMuon's EMA coefficient in [0, 1) (default 0.95, dion's and the
+            paper's).
+        cautious_weight_decay: decay only the elements where the update that is subtracted
+            and the weight agree in sign, ``O_ij W_ij >= 0`` (modded-nanogpt's record 43 and
+            dion's ``cautious_wd``, after Chen et al., arXiv 2510.12402; default False).
+        momentum_8bit: keep the momentum as int8 with a float32 absmax scale per block of at
+            most 256 elements of a row (state ``momentum_int8``, ``momentum_scale`` instead of
+            ``momentum_buffer``; about 1 byte per element instead of 4), dequantised for the
+            step (`muonclip.optim.quantized`: the blocks, and why they never cross a row, a
+            matrix of a stack or fused split, or a shard; default False).
 
     Every number above (``lr``, ``momentum``, ``weight_decay``, ``betas``, ``adamw_eps``,
     ``eps``, ``ns_coefficients``), given here, in a group (``add_param_group`` too) or in a
@@ -132,8 +151,13 @@ class Muon(torch.optim.Optimizer):
     because torch.optim.Muon's positional order differs: a positional call could silently mean
     other settings; a keyword of an earlier version raises a TypeError naming its replacement.
 
-    State: per parameter ``momentum_buffer`` (Muon) or ``step``, ``exp_avg``, ``exp_avg_sq``
-    (AdamW); the optimizer-wide ``steps_taken`` (steps applied) and ``steps_skipped`` are
+    NorMuon, cautious weight decay and 8-bit momentum are per group too (keys ``normuon``,
+    ``normuon_beta2``, ``cautious_weight_decay``, ``momentum_8bit``), all off by default; the
+    whole update with them: `muonclip.optim.functional`.
+
+    State: per parameter ``momentum_buffer`` (Muon; ``momentum_int8`` and ``momentum_scale``
+    with ``momentum_8bit``; plus ``neuron_second_moment`` with ``normuon``) or ``step``,
+    ``exp_avg``, ``exp_avg_sq`` (AdamW); the optimizer-wide ``steps_taken`` (steps applied) and ``steps_skipped`` are
     attributes, and a state dict carries them in its first parameter's entry (so a state dict
     flattened per parameter keeps them). `load_state_dict` also takes torch.optim.Muon's state
     dict (momentum converted: torch keeps an average, we keep a sum); `torch_state_dict` gives
@@ -168,6 +192,10 @@ class Muon(torch.optim.Optimizer):
         process_group: Any = None,
         comm_dtype: torch.dtype | None = None,
         backend: str | Backend = "auto",
+        normuon: bool = False,
+        normuon_beta2: float = 0.95,
+        cautious_weight_decay: bool = False,
+        momentum_8bit: bool = False,
     ) -> None:
         refuse_model(type(self).__name__, params)
         if on_nonfinite not in ON_NONFINITE:
@@ -190,6 +218,10 @@ class Muon(torch.optim.Optimizer):
             split_groups=1,
             flatten=False,
             transposed=False,
+            normuon=normuon,
+            normuon_beta2=normuon_beta2,
+            cautious_weight_decay=cautious_weight_decay,
+            momentum_8bit=momentum_8bit,
         )
         check_hyperparameters(defaults)  # even where every group sets its own
         self.on_nonfinite = on_nonfinite
@@ -300,8 +332,13 @@ class Muon(torch.optim.Optimizer):
         st = self._cached_structure(live)
         settings = {id(g): (number(g["lr"]), number(g["weight_decay"]), g["momentum"], g["nesterov"])
                     for g, _ in live}  # read once per group and step
-        weights = [MuonWeight(local(p), local(p.grad), local(self._momentum_buffer(p)), spec, *settings[id(g)])
-                   for (g, p), spec in zip(live, st.specs)]
+        weights = []
+        for (g, p), spec in zip(live, st.specs):
+            buffer, quantized = momentum_state(self.state[p], p, g, spec, local, _zeros_fp32)
+            weights.append(MuonWeight(local(p), local(p.grad), buffer, spec, *settings[id(g)],
+                                      second_moment=second_moment_state(self.state[p], p, g, spec),
+                                      normuon_beta2=g["normuon_beta2"], cautious=g["cautious_weight_decay"],
+                                      quantized=quantized))
         stats.matrices = muon_step(weights, st.buckets, self.backend)
         stats.ns_flops = stats.total_ns_flops = st.flops
         return stats
@@ -321,12 +358,6 @@ class Muon(torch.optim.Optimizer):
         st = StepStructure(specs, buckets, sum(s.flops for s in specs))
         self._structure = (key, st)
         return st
-
-    def _momentum_buffer(self, p: Tensor) -> Tensor:
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = _zeros_fp32(p)
-        return state["momentum_buffer"]
 
     # ----------------------------------------------------------------------------------------
     # counters: optimizer-wide, kept in the first parameter's state too (state_dicts.WIDE_KEYS)

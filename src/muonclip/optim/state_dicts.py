@@ -47,13 +47,17 @@ from ..ortho.newton_schulz import NS5_COEFFICIENTS
 from .scale import scale_name
 from .validation import check_group
 
-FP32_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq")
+FP32_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq", "momentum_scale", "neuron_second_moment")
 """State kept in float32 (float64 for float64 parameters) whatever the parameter dtype."""
+
+INT8_STATE = ("momentum_int8",)
+"""State kept in int8 (8-bit momentum codes; torch's loader would cast them to the parameter dtype)."""
 
 WIDE_KEYS = ("steps_taken", "steps_skipped")
 """Optimizer-wide values kept in the first parameter's state."""
 
-ADDED_GROUP_KEYS = ("ns_coefficients", "adamw_eps", "split_groups", "transposed")
+ADDED_GROUP_KEYS = ("ns_coefficients", "adamw_eps", "split_groups", "transposed", "normuon", "normuon_beta2",
+                    "cautious_weight_decay", "momentum_8bit")
 """Group keys a muonclip state dict may lack (added to the format later): the receiving group's
 value is used."""
 
@@ -202,16 +206,17 @@ def _sum_momentum(buf: Tensor, momentum: float) -> Tensor:
 
 
 def split_fp32_state(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[Any, dict[str, Tensor]]]:
-    """``state_dict`` without the `FP32_STATE` tensors, and those tensors by saved parameter id.
+    """``state_dict`` without the `FP32_STATE` and `INT8_STATE` tensors, and those tensors by saved
+    parameter id.
 
-    torch's loader casts floating state to the parameter's dtype (a float32 momentum would
-    become bfloat16 for bfloat16 parameters); the tensors set aside are put back by
+    torch's loader casts state to the parameter's dtype (a float32 momentum would become
+    bfloat16 for bfloat16 parameters, int8 codes float32); the tensors set aside are put back by
     `restore_fp32_state` in their own precision."""
     kept: dict[Any, dict[str, Tensor]] = {}
     state = {}
     for pid, entry in state_dict["state"].items():
         if isinstance(entry, Mapping):
-            kept[pid] = {k: v for k, v in entry.items() if k in FP32_STATE and isinstance(v, Tensor)}
+            kept[pid] = {k: v for k, v in entry.items() if k in FP32_STATE + INT8_STATE and isinstance(v, Tensor)}
             entry = {k: v for k, v in entry.items() if k not in kept[pid]}
         state[pid] = entry
     return {**state_dict, "state": state}, kept
@@ -220,12 +225,13 @@ def split_fp32_state(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[A
 def restore_fp32_state(opt_state: Mapping[Tensor, dict[str, Any]], groups: Sequence[Mapping[str, Any]],
                        saved_groups: Sequence[Mapping[str, Any]], kept: Mapping[Any, Mapping[str, Tensor]]) -> None:
     """Put the tensors `split_fp32_state` set aside into the optimizer's state: copies on each
-    parameter's device, in `state_dtype`."""
+    parameter's device, in `state_dtype` (`INT8_STATE`: int8)."""
     ids = [pid for g in saved_groups for pid in g["params"]]
     params = [p for g in groups for p in g["params"]]
     for pid, p in zip(ids, params):
         for key, value in kept.get(pid, {}).items():
-            opt_state[p][key] = value.detach().to(device=p.device, dtype=state_dtype(p)).clone()
+            dtype = torch.int8 if key in INT8_STATE else state_dtype(p)
+            opt_state[p][key] = value.detach().to(device=p.device, dtype=dtype).clone()
 
 
 # ------------------------------------------------------------------------------------------
@@ -288,6 +294,9 @@ def _check_torch_muon(i: int, g: Mapping[str, Any], own: Mapping[str, Any]) -> N
     for key in ("split_sizes", "flatten", "transposed"):
         if g[key]:
             problems.append(f"{key}={g[key]!r} (torch.optim.Muon orthogonalises each 2-D weight whole, as stored)")
+    for key in ("normuon", "cautious_weight_decay", "momentum_8bit"):
+        if g.get(key):
+            problems.append(f"{key}=True (torch.optim.Muon has no such option)")
     names = own.get("param_names") or [None] * len(own["params"])
     for k, (p, name) in enumerate(zip(own["params"], names)):
         if p.ndim != 2:
@@ -417,5 +426,5 @@ def _label(groups: Sequence[Mapping[str, Any]], p: Tensor) -> str:
     return "a parameter"
 
 
-__all__ = ["ADDED_GROUP_KEYS", "FP32_STATE", "TORCH_MUON_KEYS", "WIDE_KEYS", "first_param", "from_torch",
+__all__ = ["ADDED_GROUP_KEYS", "FP32_STATE", "INT8_STATE", "TORCH_MUON_KEYS", "WIDE_KEYS", "first_param", "from_torch",
            "kind", "prepare", "restore_fp32_state", "split_fp32_state", "state_dtype", "torch_state_dict"]

@@ -33,7 +33,7 @@ ALGORITHMS = ("muon", "adamw")
 
 GROUP_KEYS = ("algorithm", "lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
               "adjust_lr_fn", "method", "orth_dtype", "betas", "adamw_eps", "split_sizes", "split_groups", "flatten",
-              "transposed")
+              "transposed", "normuon", "normuon_beta2", "cautious_weight_decay", "momentum_8bit")
 """The keys of every param group (besides ``params`` and the optional ``param_names``)."""
 
 REMOVED_KEYWORDS = {
@@ -81,8 +81,9 @@ def _float(name: str, value: Any) -> float:
 
 
 def check_hyperparameters(options: Mapping[str, Any], where: str = "") -> None:
-    """Raise a ValueError naming the first of lr, weight_decay, momentum, eps, adamw_eps, betas
-    that is not a finite number in its range; ``where`` prefixes the name (e.g. "a param
+    """Raise a ValueError naming the first of lr, weight_decay, momentum, eps, adamw_eps,
+    normuon_beta2, betas that is not a finite number in its range, or the first of normuon,
+    cautious_weight_decay, momentum_8bit that is not a bool; ``where`` prefixes the name (e.g. "a param
     group's "). A one-element tensor counts as its value."""
     for key in ("lr", "weight_decay"):
         v = _float(f"{where}{key}", options[key])
@@ -94,6 +95,11 @@ def check_hyperparameters(options: Mapping[str, Any], where: str = "") -> None:
         v = _float(f"{where}{key}", options[key])
         if not (math.isfinite(v) and v > 0.0):
             raise ValueError(f"{where}{key} must be a finite number > 0, got {options[key]!r}")
+    if not 0.0 <= _float(f"{where}normuon_beta2", options["normuon_beta2"]) < 1.0:
+        raise ValueError(f"{where}normuon_beta2 must be in [0, 1), got {options['normuon_beta2']!r}")
+    for key in ("normuon", "cautious_weight_decay", "momentum_8bit"):
+        if not isinstance(options[key], bool):
+            raise ValueError(f"{where}{key} must be True or False, got {options[key]!r}")
     betas = options["betas"]
     if len(betas) != 2 or not all(0.0 <= _float(f"{where}betas", b) < 1.0 for b in betas):
         raise ValueError(f"{where}betas must be two numbers in [0, 1), got {betas!r}")

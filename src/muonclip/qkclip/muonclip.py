@@ -79,7 +79,8 @@ class MuonClip(Muon):
             effect: ``"warn"`` (default: a `muonclip.qkclip.check.QKClipIneffectiveWarning` once
             per layer), ``"raise"`` (a `muonclip.qkclip.check.QKClipIneffectiveError`, on every
             rank at the same step under ``torch.distributed``) or ``"ignore"`` (no check).
-        **muon_kwargs: any keyword of `muonclip.Muon` (momentum, weight_decay, adjust_lr_fn, ...).
+        **muon_kwargs: any keyword of `muonclip.Muon` (momentum, weight_decay, adjust_lr_fn, normuon,
+            cautious_weight_decay, momentum_8bit, ...).
 
     Attributes:
         tau: the threshold (settable; also the threshold of every layer's recorder).

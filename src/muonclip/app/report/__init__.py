@@ -23,7 +23,14 @@
 the peak max logit over every layer and head (before QK-Clip) as a multiple of tau; MuonClip's
 peak after its first clip, whose excess over tau is compared with one update's growth: the most
 that one step added to plain Muon's max logit once it was above tau; clip events per layer;
-final validation losses.
+final validation losses. It is a rescue at an excessive rate (2.5 times Muon's tuned rate, both
+optimizers far above a tuned run's loss); the **tuned-rate segment** asks the other question,
+whether the clip costs anything where a tuned run would use it: the same segment at Muon's tuned
+rate with tau set where the clip fires, per seed plain Muon's peak, MuonClip's clips and the loss
+difference MuonClip - Muon.
+
+**Precision**: a ratio is printed at the precision its seeds allow ("about 2.6x, 2.4–2.8 per
+seed": `decimals`), and the figures are said to repeat on the same CPU kind only.
 
 Plots (PNG): ``val_loss.png`` (validation loss against tokens, every optimizer and budget,
 mean over seeds with the min-max band), ``budget.png`` (AdamW's final loss against its budget,
@@ -52,11 +59,16 @@ from .figures import (
 )
 from .markdown import (
     NAMES,
+    about,
+    against_muon,
     clip_audit_markdown,
+    decimals,
     efficiency_markdown,
     experts_markdown,
+    protocol_markdown,
     reading,
     stability_markdown,
+    tuned_stability_markdown,
     write_summary,
 )
 from .plots import plot_efficiency, plot_stability
@@ -64,5 +76,6 @@ from .plots import plot_efficiency, plot_stability
 __all__ = [
     "NAMES", "budget_to_reach", "clip_audit", "clip_audit_markdown", "efficiency", "efficiency_markdown", "experts",
     "experts_markdown", "interpolate", "mean_sd", "plot_efficiency", "plot_stability", "reading", "stability",
-    "stability_markdown", "summarize_run", "tokens_to_reach", "write_summary",
+    "stability_markdown", "summarize_run", "tokens_to_reach", "write_summary", "about", "against_muon", "decimals",
+    "protocol_markdown", "tuned_stability_markdown",
 ]

@@ -24,11 +24,27 @@ def _le(is_bound: bool) -> str:
 
 def _pm(values: Sequence[float], spec: str = ".4f") -> str:
     mean, sd = mean_sd(values)
-    return f"{mean:{spec}} ± {sd:{spec}}"
+    return f"{mean:{spec}} ± {sd:{spec.replace('+', '')}}"
 
 
 def _ratio(v: float | None, top: float) -> str:
     return f"> {top:g}x" if v is None else f"{v:.2f}x"
+
+
+def decimals(values: Sequence[float]) -> int:
+    """Decimals the spread of ``values`` allows: 2 when they span less than 0.1, 1 when less than
+    1, else 0 (a figure is not printed finer than its seeds agree)."""
+    width = max(values) - min(values) if values else 0.0
+    return 2 if width < 0.1 else 1 if width < 1.0 else 0
+
+
+def about(value: float, per_seed: Sequence[float]) -> str:
+    """``"about 2.6x (2.4–2.8 per seed)"``: ``value`` and the per-seed range at the precision their
+    spread allows (`decimals`)."""
+    d = decimals(per_seed)
+    if len(per_seed) < 2:
+        return f"about {value:.{d}f}x (one seed)"
+    return f"about {value:.{d}f}x ({min(per_seed):.{d}f}–{max(per_seed):.{d}f} per seed)"
 
 
 def _ratio_pm(values: Sequence[float | None], top: float) -> str:
@@ -51,9 +67,12 @@ def efficiency_markdown(eff: dict[str, Any]) -> str:
         top = r["max_budget"]
         crossing = r["crossing_per_seed"]
         crossed = _ratio_pm(crossing, 1.0) if None not in crossing else "not reached by every seed"
+        per_seed = r["budget_matched_per_seed"]
+        headline = (about(r["budget_matched"], per_seed) if r["budget_matched"] is not None and None not in per_seed
+                    else _ratio(r["budget_matched"], top))
         lines += ["", f"| {opt} against AdamW | value |", "|---|---|",
                   f"| **tokens AdamW needs to match {opt}'s final loss** (budget-matched: AdamW's own schedule at "
-                  f"each budget, interpolated), on the seed means | **{_ratio(r['budget_matched'], top)}** |",
+                  f"each budget, interpolated), on the seed means | **{headline}** |",
                   f"| the same, per seed (mean ± sd) | {_ratio_pm(r['budget_matched_per_seed'], top)} |",
                   f"| crossing ratio (secondary: {opt}'s tokens, mid-schedule, to first reach AdamW's final loss at "
                   f"1x, over AdamW's tokens; favours the faster starter) | "
@@ -62,7 +81,25 @@ def efficiency_markdown(eff: dict[str, Any]) -> str:
                   f"step {1000 * r['adamw_step_time']:.0f} vs {1000 * r['step_time']:.0f} ms) reaches | "
                   f"{_fmt(r['adamw_loss_wall_clock'], '.4f', 'outside the budgets run')} vs {opt}'s "
                   f"{r['loss']:.4f} |"]
+    against = against_muon(eff)
+    if against:
+        lines += ["", "| against Muon at 1x (same seeds) | final val loss difference, mean ± sd | per seed |",
+                  "|---|---|---|"]
+        for opt, diffs in against.items():
+            lines.append(f"| {opt} - muon | {_pm(diffs, '+.4f')} | {', '.join(f'{d:+.4f}' for d in diffs)} |")
     return "\n".join(lines)
+
+
+def against_muon(eff: dict[str, Any]) -> dict[str, list[float]]:
+    """Each other optimizer's final validation loss at 1x minus Muon's, per seed (the same seed:
+    the same initial weights and batches), for the optimizers other than AdamW and Muon."""
+    by = {(t["optimizer"], t["budget"]): t for t in eff["table"]}
+    muon = by.get(("muon", 1.0))
+    if muon is None:
+        return {}
+    return {o: [a - b for a, b in zip(t["final_val_loss"], muon["final_val_loss"])]
+            for (o, b), t in by.items() if b == 1.0 and o not in ("adamw", "muon")
+            and len(t["final_val_loss"]) == len(muon["final_val_loss"])}
 
 
 def stability_markdown(stab: dict[str, Any]) -> str:
@@ -83,6 +120,52 @@ def stability_markdown(stab: dict[str, Any]) -> str:
     g = stab.get("muon_one_step_growth")
     if g is not None:
         lines += ["", f"The most one update added to plain Muon's max logit once above tau: {g:.1f}."]
+    return "\n".join(lines)
+
+
+def tuned_stability_markdown(stab: dict[str, Any]) -> str:
+    """The tuned-rate stability segment per seed: plain Muon's peak, MuonClip's clips, both final
+    losses and their difference (Markdown)."""
+    tau = stab["tau"]
+    by = {t["optimizer"]: t for t in stab["table"]}
+    mu, mc = by.get("muon"), by.get("muonclip")
+    if mu is None or mc is None:
+        return stability_markdown(stab)
+    lines = ["| seed | Muon's peak max logit (x tau) | MuonClip's clip events (steps) | final val loss Muon | "
+             "MuonClip | MuonClip - Muon |", "|---|---|---|---|---|---|"]
+    diffs = [b - a for a, b in zip(mu["final_val_loss"], mc["final_val_loss"])]
+    for i, s in enumerate(stab["seeds"]):
+        peak = mu["peak_max_logit"][i]
+        lines.append(f"| {s} | {peak:.1f} ({peak / tau:.2f}x) | {mc['clip_events'][i]} ({mc['clip_steps'][i]}) | "
+                     f"{mu['final_val_loss'][i]:.4f} | {mc['final_val_loss'][i]:.4f} | {diffs[i]:+.4f} |")
+    lines.append(f"| mean ± sd | | | {_pm(mu['final_val_loss'])} | {_pm(mc['final_val_loss'])} | "
+                 f"{_pm(diffs, '+.4f')} |")
+    return "\n".join(lines)
+
+
+def protocol_markdown(cfg: Any, optimizers: Sequence[str], swept: bool) -> str:
+    """What the comparison tuned and what it held fixed (Markdown list), from the config."""
+    from ..config import TUNED_PRESETS
+
+    shown = [*optimizers, *(("muon", "muonclip") if cfg.stability_steps and cfg.stability_segments else ())]
+    rates = ", ".join(f"{o} {cfg.lr(o):.4g} (warm-up {cfg.warmup(o)})" for o in dict.fromkeys(shown))
+    if swept:
+        source = "tuned by this run's sweep (`muonclip.app.sweep`: 5-point log grid sqrt 2 apart, extended while " \
+                 "the best is at an edge, tuning seeds apart from the reported ones)"
+    elif cfg.preset in TUNED_PRESETS:
+        source = ("the preset's values, tuned by `muonclip compare --sweep` with the same protocol (docs/compare.md "
+                  "lists every swept point and the settings spot-checked by hand)")
+    else:
+        source = "not tuned: set by hand for this preset"
+    lines = [f"- peak learning rates and warm-ups: {rates}; {source}"]
+    if cfg.lr_adamw_budgets and "adamw" in optimizers:
+        lines.append("- AdamW's rate at each budget: " + ", ".join(
+            f"{b:g}x {v:.4g}" for b, v in zip(cfg.budgets, cfg.lr_adamw_budgets)))
+    lines.append(f"- held fixed (not swept by this run): AdamW betas (0.9, 0.95) and eps 1e-8; weight decay "
+                 f"{cfg.weight_decay:g}; cosine to {cfg.min_lr_ratio:g} of the peak; gradient clipping at "
+                 f"{cfg.grad_clip:g}; batch {cfg.batch_size} x {cfg.block_size}; Muon momentum 0.95 (Nesterov), "
+                 f"orthogonalisation ns5 in {cfg.orth_dtype}")
+    lines.append(f"- seeds reported: {', '.join(str(cfg.seed + i) for i in range(cfg.seeds))}")
     return "\n".join(lines)
 
 
@@ -112,16 +195,22 @@ def clip_audit_markdown(audit: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-NAMES = {"adamw": "AdamW", "muon": "Muon", "muonclip": "MuonClip"}
+NAMES = {"adamw": "AdamW", "muon": "Muon", "muonclip": "MuonClip", "normuon": "NorMuon",
+         "muon_cautious": "Muon with cautious weight decay", "muon_8bit": "Muon with 8-bit momentum"}
 
 
-def reading(context: dict[str, Any], eff: dict[str, Any] | None, stab: dict[str, Any] | None) -> str:
-    """One paragraph in plain words: what the numbers say, with their spread.
+def reading(context: dict[str, Any], eff: dict[str, Any] | None, stab: dict[str, Any] | None,
+            tuned: dict[str, Any] | None = None) -> str:
+    """One paragraph in plain words: what the numbers say, with their spread, at the precision the
+    spread allows.
 
-    ``context``: ``model`` (a phrase), ``params`` (parameters), ``tokens_per_param`` (at 1x) and
-    ``rates`` (a phrase: where the learning rates come from).
+    ``context``: ``model`` (a phrase), ``params`` (parameters), ``tokens_per_param`` (at 1x),
+    ``rates`` (a phrase: where the learning rates come from); optional ``seeds`` (the seeds),
+    ``cpu`` (the CPU's name), ``stability_lr`` and ``lr_muon`` (the two segments' rates).
     """
     parts = []
+    seeds = context.get("seeds")
+    seed_text = f" {', '.join(map(str, seeds))}" if seeds else ""
     if eff and eff["ratios"]:
         opt, r = next(iter(eff["ratios"].items()))
         name = NAMES.get(opt, opt)
@@ -131,8 +220,8 @@ def reading(context: dict[str, Any], eff: dict[str, Any] | None, stab: dict[str,
         parts.append(
             f"On {context['model']} trained on {m1['tokens'] / 1e6:.2f}M tokens ({context['tokens_per_param']:.1f} "
             f"tokens per parameter), {name} ends at a validation loss of {m1['mean']:.3f} ± {m1['sd']:.3f} (mean ± "
-            f"sd over {n} seeds) against AdamW's {a1['mean']:.3f} ± {a1['sd']:.3f} with the same tokens, each at "
-            f"{context['rates']}.")
+            f"sd over {n} seeds{seed_text}) against AdamW's {a1['mean']:.3f} ± {a1['sd']:.3f} with the same tokens, "
+            f"each at {context['rates']}.")
         ratio = r["budget_matched"]
         if ratio is None:
             parts.append(f"AdamW given up to {r['max_budget']:g} times the tokens, each with its own schedule, does "
@@ -142,10 +231,13 @@ def reading(context: dict[str, Any], eff: dict[str, Any] | None, stab: dict[str,
             parts.append(f"AdamW reaches {name}'s loss with the same tokens: no token advantage for {name} here.")
         else:
             known = [v for v in r["budget_matched_per_seed"] if v is not None]
-            spread = (f"{min(known):.2f}–{max(known):.2f} across seeds" if len(known) == n
-                      else f"more than {r['max_budget']:g} for {n - len(known)} of {n} seeds")
-            parts.append(f"To match it, AdamW, retrained with its own schedule on more tokens, needs about "
-                         f"{ratio:.2f} times the tokens ({spread}).")
+            if len(known) == n:
+                parts.append(f"To match it, AdamW, retrained with its own schedule on more tokens, needs "
+                             f"{about(ratio, known).replace('about ', 'about ', 1)} the tokens.")
+            else:
+                parts.append(f"To match it, AdamW, retrained with its own schedule on more tokens, needs about "
+                             f"{ratio:.1f} times the tokens on the seed means (more than {r['max_budget']:g} for "
+                             f"{n - len(known)} of {n} seeds).")
         orders = math.log10(1e8 / context["params"])
         parts.append(f"Careful comparisons at 0.1–1.2B parameters and 20–160 tokens per parameter (1–8 times the "
                      f"Chinchilla optimum) find Muon's advantage at about 1.4x in tokens at 0.1B, falling to 1.1x at "
@@ -156,28 +248,57 @@ def reading(context: dict[str, Any], eff: dict[str, Any] | None, stab: dict[str,
         if r["adamw_loss_wall_clock"] is not None:
             parts.append(f"On this machine a {name} step takes {r['step_time'] / r['adamw_step_time']:.2f} times an "
                          f"AdamW step; given the same seconds, AdamW reaches {r['adamw_loss_wall_clock']:.3f}.")
+    if eff:
+        for opt, diffs in against_muon(eff).items():
+            mean, sd = mean_sd(diffs)
+            verdict = ("lower than Muon's beyond the seed spread" if mean + sd < 0 else
+                       "higher than Muon's beyond the seed spread" if mean - sd > 0 else
+                       "within the seed spread of Muon's")
+            parts.append(f"{NAMES.get(opt, opt)} ends {mean:+.3f} ± {sd:.3f} against Muon (same seeds): {verdict}.")
+    if eff or stab:
+        cpu = context.get("cpu")
+        parts.append((f"Measured on {cpu}; " if cpu else "") + "every run is seeded, so these figures come back on "
+                     "the same CPU kind and torch version, not on another CPU kind, whose kernels round differently "
+                     "(final losses differed by up to about 0.01 between two kinds).")
     if stab and len(stab["table"]) == 2:
         tau = stab["tau"]
         mu, mc = stab["table"]
         peaks = mu["peak_max_logit"]
-        after = [a for a in mc["peak_after_first_clip"] if a is not None]
-        head = (f"In the stability segment (no weight decay, a high constant learning rate, tau = {tau:g}) plain "
-                f"Muon's max attention logit climbs to {min(peaks):.0f}–{max(peaks):.0f} ({min(peaks) / tau:.1f}–"
+        lr, tuned_lr = context.get("stability_lr"), context.get("lr_muon")
+        rate = (f"at an excessive constant learning rate, {lr:g}, {lr / tuned_lr:.1f} times Muon's tuned "
+                f"{tuned_lr:g}" if lr and tuned_lr else "at a high constant learning rate")
+        head = (f"The stability segment is a rescue {rate}, with no weight decay and tau = {tau:g}: plain Muon's max "
+                f"attention logit climbs to {min(peaks):.0f}–{max(peaks):.0f} ({min(peaks) / tau:.1f}–"
                 f"{max(peaks) / tau:.1f} times tau)" if max(peaks) > tau else
-                f"In the stability segment (tau = {tau:g}) plain Muon's max attention logit stays below tau "
+                f"In the stability segment {rate} (tau = {tau:g}) plain Muon's max attention logit stays below tau "
                 f"(at most {max(peaks):.1f}), so there is nothing for QK-Clip to hold")
+        after = [a for a in mc["peak_after_first_clip"] if a is not None]
         g = stab.get("muon_one_step_growth")
         if after and g is not None:
             within = "within" if max(after) - tau <= g else "more than"
-            held = (f", while MuonClip's never exceeds {max(after):.1f} after its first clip (tau + "
-                    f"{max(after) - tau:.1f}: {within} one update's growth, the most one update added to plain Muon's "
-                    f"max logit above tau being {g:.1f})")
+            held = (f", while MuonClip's stays at most {max(after) / tau:.2f} times tau after its first clip "
+                    f"({max(after):.1f}: {within} one update's growth above tau, the most one update added to plain "
+                    f"Muon's max logit there being {g:.1f})")
         elif after:
             held = f", while MuonClip's never exceeds {max(after):.1f} after its first clip"
         else:
             held = ", and MuonClip never clips"
-        parts.append(f"{head}{held}; final validation loss {mc['mean']:.3f} ± {mc['sd']:.3f} for MuonClip against "
-                     f"{mu['mean']:.3f} ± {mu['sd']:.3f} for Muon.")
+        parts.append(f"{head}{held}; both end far from a tuned run: final validation loss {mc['mean']:.3f} ± "
+                     f"{mc['sd']:.3f} for MuonClip against {mu['mean']:.3f} ± {mu['sd']:.3f} for Muon.")
+    if tuned and len(tuned["table"]) == 2:
+        tau = tuned["tau"]
+        mu, mc = tuned["table"]
+        diffs = [b - a for a, b in zip(mu["final_val_loss"], mc["final_val_loss"])]
+        mean, sd = mean_sd(diffs)
+        peaks = mu["peak_max_logit"]
+        lr = context.get("lr_muon")
+        parts.append(
+            f"At Muon's tuned rate{f' ({lr:g})' if lr else ''}, same segment, tau = {tau:g}: plain Muon's max logit "
+            f"peaks at {min(peaks) / tau:.2f}–{max(peaks) / tau:.2f} times tau; MuonClip clips "
+            f"{min(mc['clip_steps'])}–{max(mc['clip_steps'])} steps per seed and ends {mean:+.4f} ± {sd:.4f} against "
+            f"Muon (per seed {', '.join(f'{d:+.4f}' for d in diffs)}): "
+            + ("no cost beyond the seed spread." if abs(mean) <= sd or sd == 0 and mean == 0 else
+               "a cost beyond the seed spread." if mean > 0 else "lower than Muon beyond the seed spread."))
     return " ".join(parts)
 
 
@@ -200,6 +321,7 @@ def _jsonable(v: Any) -> Any:
 
 
 __all__ = [
-    "NAMES", "clip_audit_markdown", "efficiency_markdown", "experts_markdown", "reading", "stability_markdown",
+    "NAMES", "about", "against_muon", "decimals", "protocol_markdown", "tuned_stability_markdown",
+    "clip_audit_markdown", "efficiency_markdown", "experts_markdown", "reading", "stability_markdown",
     "write_summary",
 ]

@@ -9,7 +9,8 @@ from typing import Any
 
 from ..metrics import read_rows
 
-COLORS = {"adamw": "tab:blue", "muon": "tab:orange", "muonclip": "tab:green"}
+COLORS = {"adamw": "tab:blue", "muon": "tab:orange", "muonclip": "tab:green", "normuon": "tab:red",
+          "muon_cautious": "tab:purple", "muon_8bit": "tab:brown"}
 STYLES = {"muonclip": "--"}  # MuonClip equals Muon until the clip first fires: dashed, so both lines stay visible
 
 
