@@ -682,8 +682,10 @@ def _errors_worker(rank, world, out_dir):
     from muonclip.qkclip import AttentionLayer, MHALayout, QKClipIneffectiveError
 
     rec = MaxLogitRecorder(2)
-    layer = AttentionLayer("attn", MHALayout(torch.randn(8, 4), torch.randn(8, 4), 2, 4), rec)
-    clip_opt = MuonClip(torch.nn.Linear(4, 4, bias=False), tau=1.0, layers=[layer], on_ineffective_clip="raise")
+    holder = torch.nn.Module()  # the clip writes only weights its optimizer trains
+    holder.q, holder.k = torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(8, 4))
+    layer = AttentionLayer("attn", MHALayout(holder.q, holder.k, 2, 4), rec)
+    clip_opt = MuonClip(holder, tau=1.0, layers=[layer], on_ineffective_clip="raise")
     for step in range(3):
         rec.update(torch.tensor([4.0, 0.5]) if rank == 0 or step == 0 else torch.tensor([0.5, 0.5]))
         if step < 2:
