@@ -286,10 +286,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         stability_steps=10,
     ),
     # `muonclip compare --preset finetune` (muonclip.app.finetune): the default model pre-trained with AdamW
-    # for `steps` (warm-up a tenth of them) without the histories, then fine-tuned on them for steps // 8
-    # (float32 orthogonalisation: a CPU without bf16 units runs it faster)
-    "finetune": dict(steps=200, warmup_adamw=20, eval_batches=8, orth_dtype="float32", budgets=(1.0,),
-                     lr_adamw_budgets=(), stability_steps=0),
+    # for `steps` without the histories, then fine-tuned on them for steps // 8 (float32 orthogonalisation:
+    # a CPU without bf16 units runs it faster)
+    "finetune": dict(steps=200, eval_batches=8, orth_dtype="float32", budgets=(1.0,), lr_adamw_budgets=(),
+                     stability_steps=0),
     "k2-mini": dict(
         attention="mla", n_head=4, n_expert=8, n_expert_active=2, n_shared_expert=1, expert_hidden=64,
         block_size=64, steps=300, seeds=1, budgets=(1.0,), lr_adamw_budgets=(), stability_steps=300,
