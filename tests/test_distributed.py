@@ -572,9 +572,27 @@ def test_muonclip_fsdp2_gpt_neox_per_head_interleaved_qkv(tmp_path):
 # ------------------------------------------------------------------------------------------
 
 
-def _ckpt_save_worker(rank, world, out_dir):
+VARIANTS = {"plain": {}, "variants": dict(normuon=True, cautious_weight_decay=True, momentum_8bit=True)}
+"""Optimizer options of the checkpoint tests: plain Muon, and NorMuon + cautious weight decay + 8-bit
+momentum, whose state adds per-row second moments (a plain tensor on every rank) and int8 codes with
+float32 block scales (DTensors with their weight's row shards)."""
+
+
+def _continued_within(got: dict, ref: dict, options: dict, start: dict) -> None:
+    """The continued runs agree: to TOL, or, with 8-bit momentum, within the bound its test states
+    (tests/test_muon_variants.py: 2% of the distance the weights moved), since a rank's reduction order
+    can move a momentum value across a rounding boundary of its int8 code (one code step, 1/127 of the
+    block's largest value), which no tolerance on the float weights can absorb."""
+    if not options.get("momentum_8bit"):
+        assert _max_diff(got, ref) <= TOL
+        return
+    moved = _max_diff(ref, start)
+    assert moved > 0 and _max_diff(got, ref) <= 0.02 * moved
+
+
+def _ckpt_save_worker(rank, world, out_dir, options):
     net = _fsdp(_model())
-    opt = Muon(param_groups(net), **OPT)
+    opt = Muon(param_groups(net), **OPT, **options)
     _train(net, opt, 3, rank=rank, world=world)
     checkpoint.save(os.path.join(out_dir, "ckpt2"), net, opt, extra={"step": 3})
     saved = {"params": _params(net), "state": _opt_state(opt), "steps_taken": opt.steps_taken}
@@ -584,9 +602,9 @@ def _ckpt_save_worker(rank, world, out_dir):
         torch.save({"saved": saved, "final": final}, os.path.join(out_dir, "from2.pt"))
 
 
-def _ckpt_load_worker(rank, world, out_dir):
+def _ckpt_load_worker(rank, world, out_dir, options):
     net = _fsdp(_model(seed=123))  # different init: everything must come from the checkpoint
-    opt = Muon(param_groups(net), **OPT)
+    opt = Muon(param_groups(net), **OPT, **options)
     extra = checkpoint.load(os.path.join(out_dir, "ckpt1"), net, opt)
     loaded = {"params": _params(net), "state": _opt_state(opt), "steps_taken": opt.steps_taken, "extra": extra}
     _train(net, opt, 3, start=3, rank=rank, world=world)
@@ -609,33 +627,39 @@ def _assert_same_state(a, b):
                 assert sa[k] == sb[k], (name, k)
 
 
-def test_checkpoint_saved_on_2_ranks_loads_on_1_and_continues(tmp_path):
-    """The loaded state equals the saved one exactly (copies of bytes); the continued run agrees to TOL."""
-    _launch(_ckpt_save_worker, str(tmp_path))
+@pytest.mark.parametrize("options", VARIANTS.values(), ids=VARIANTS.keys())
+def test_checkpoint_saved_on_2_ranks_loads_on_1_and_continues(tmp_path, options):
+    """The loaded state equals the saved one exactly (copies of bytes); the continued run agrees
+    (`_continued_within`)."""
+    _launch(_ckpt_save_worker, str(tmp_path), options)
     got = torch.load(tmp_path / "from2.pt")
     model = _model(seed=123)
-    opt = Muon(param_groups(model), process_group="local", **OPT)
+    opt = Muon(param_groups(model), process_group="local", **OPT, **options)
     extra = checkpoint.load(tmp_path / "ckpt2", model, opt)
     assert extra == {"step": 3}
-    _assert_same_state({"params": _params(model), "state": _opt_state(opt), "steps_taken": opt.steps_taken},
-                       got["saved"])
+    loaded = _opt_state(opt)
+    _assert_same_state({"params": _params(model), "state": loaded, "steps_taken": opt.steps_taken}, got["saved"])
+    for key in ("neuron_second_moment", "momentum_int8", "momentum_scale"):  # the test can tell
+        assert any(key in s for s in loaded.values()) == bool(options), key
     _train(model, opt, 3, start=3)
-    assert _max_diff(_params(model), got["final"]) <= TOL
+    _continued_within(_params(model), got["final"], options, got["saved"]["params"])
 
 
-def test_checkpoint_saved_on_1_process_loads_on_2_ranks_and_continues(tmp_path):
-    """The loaded state equals the saved one exactly (copies of bytes); the continued run agrees to TOL."""
+@pytest.mark.parametrize("options", VARIANTS.values(), ids=VARIANTS.keys())
+def test_checkpoint_saved_on_1_process_loads_on_2_ranks_and_continues(tmp_path, options):
+    """The loaded state equals the saved one exactly (copies of bytes); the continued run agrees
+    (`_continued_within`)."""
     model = _model()
-    opt = Muon(param_groups(model), process_group="local", **OPT)
+    opt = Muon(param_groups(model), process_group="local", **OPT, **options)
     _train(model, opt, 3)
     checkpoint.save(tmp_path / "ckpt1", model, opt, extra={"step": 3})
     saved = {"params": _params(model), "state": _opt_state(opt), "steps_taken": opt.steps_taken}
     _train(model, opt, 3, start=3)
-    _launch(_ckpt_load_worker, str(tmp_path))
+    _launch(_ckpt_load_worker, str(tmp_path), options)
     got = torch.load(tmp_path / "on2.pt")
     assert got["loaded"]["extra"] == {"step": 3}
     _assert_same_state(got["loaded"], saved)
-    assert _max_diff(got["final"], _params(model)) <= TOL
+    _continued_within(got["final"], _params(model), options, saved["params"])
 
 
 # ------------------------------------------------------------------------------------------
