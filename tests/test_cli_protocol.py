@@ -305,6 +305,33 @@ def test_the_tuned_rate_row_reports_clips_and_the_loss_difference_per_seed(tmp_p
     assert "-0.0014 ± 0.0006" in text and "lower than Muon beyond the seed spread" in text
 
 
+def test_a_variant_is_read_against_muon_per_seed_at_four_decimals(tmp_path):
+    """Known answer: a variant 0.0008, 0.0010 below Muon on seeds 0, 1 reads -0.0009 ± 0.0001 (not the
+    -0.001 ± 0.000 that three decimals would print), lower beyond the spread; one 0.002 below and 0.002
+    above reads within it."""
+    runs = {}
+    for seed, (muon, better, mixed) in enumerate([(1.75, 1.7492, 1.748), (1.76, 1.759, 1.762)]):
+        for name, loss in (("muon", muon), ("normuon", better), ("muon_8bit", mixed)):
+            runs[(name, 1.0, seed)] = _write_run(tmp_path / f"{name}{seed}", [(100, 2.0), (200, loss)], 0.01)
+    eff = report.efficiency(runs, [1.0])
+    diffs = report.against_muon(eff)
+    assert diffs["normuon"] == [pytest.approx(-0.0008), pytest.approx(-0.0010)]
+    text = report.reading({"model": "m", "params": 1e5, "tokens_per_param": 1.0, "rates": "r"}, eff, None, None)
+    assert "NorMuon ends -0.0009 ± 0.0001 against Muon (same seeds): lower than Muon's beyond the seed spread" in text
+    assert "+0.0000 ± 0.0028 against Muon (same seeds): within the seed spread of Muon's" in text
+
+
+def test_the_rates_phrase_says_where_each_rate_came_from():
+    from muonclip.app.compare import rates_phrase
+
+    cfg = make_config("default")
+    assert "tuned by `muonclip compare --sweep`" in rates_phrase(cfg, False)
+    assert "normuon: rates tuned by the same protocol" in rates_phrase(cfg, False, ["muon", "normuon"])
+    assert rates_phrase(make_config("default", sets=["lr_muon_8bit=0.05"]), False).endswith("not tuned")
+    assert "which were not tuned" in rates_phrase(make_config("tiny"), False)
+    assert "this run's sweep" in rates_phrase(cfg, True)
+
+
 def test_the_muon_variants_are_muon_with_one_option_on_at_their_own_rate():
     from muonclip.app.config import MUON_VARIANTS, make_config
     from muonclip.app.model import build_model, build_optimizer

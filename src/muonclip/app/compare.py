@@ -262,8 +262,7 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = 
 
 def rates_phrase(cfg: RunConfig, swept: bool, optimizers: Sequence[str] = ()) -> str:
     """Where the learning rates come from, in words: this run's sweep, a tuned preset's values, or
-    rates that were not tuned (another preset, or changed by --set; Muon's variants, whose preset
-    rates are Muon's)."""
+    rates that were not tuned (another preset, or changed by --set)."""
     if swept:
         return "the learning rates and warm-ups tuned by this run's sweep"
     if cfg.preset in TUNED_PRESETS:
@@ -272,8 +271,8 @@ def rates_phrase(cfg: RunConfig, swept: bool, optimizers: Sequence[str] = ()) ->
         variants = [o for o in optimizers if o in ("normuon", "muon_cautious", "muon_8bit")]
         if same:
             return (f"the `{cfg.preset}` preset's learning rates and warm-ups, tuned by `muonclip compare --sweep` "
-                    "(docs/compare.md)" + (f"; {', '.join(variants)} at Muon's rate, not tuned on their own"
-                                           if variants else ""))
+                    "(docs/compare.md)" + (f"; {', '.join(variants)}: rates tuned by the same protocol at Muon's "
+                                           "warm-up (benchmarks/tune_muon_variants.py)" if variants else ""))
         return "learning rates or warm-ups changed from the tuned preset's: not tuned"
     return (f"the `{cfg.preset}` preset's learning rates and warm-ups, which were not tuned (set by hand; only the "
             "`default` preset's were tuned by `muonclip compare --sweep`)")

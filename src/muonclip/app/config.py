@@ -83,8 +83,9 @@ class RunConfig:
             every one strictly inside its grid, see docs/compare.md; ``k2-mini`` uses 6e-3, 2e-2,
             2e-2, untuned, and so does ``tiny``); the AdamW branch of Muon/MuonClip uses lr_adamw.
         lr_normuon, lr_muon_cautious, lr_muon_8bit: the same for Muon's variants (`MUON_VARIANTS`;
-            default 0.04, Muon's tuned rate, not tuned on their own: ``--sweep`` or
-            benchmarks/tune_muon_variants.py tunes them; the other presets use lr_muon's value).
+            defaults 0.04, 0.02828, 0.02828: tuned by benchmarks/tune_muon_variants.py, the
+            ``--sweep`` protocol at Muon's warm-up, every one strictly inside its grid, see
+            docs/compare.md; the other presets use lr_muon's value).
         weight_decay: decoupled weight decay on matrices (default 0.1; never on vectors).
         grad_clip: the gradients of all parameters are scaled so that their global L2 norm is at
             most this, before every optimizer's step (``torch.nn.utils.clip_grad_norm_``; default
@@ -94,7 +95,7 @@ class RunConfig:
             warmup_steps (defaults 200, 20, 20: tuned by ``--sweep`` on the default preset; the
             ``tiny`` and ``k2-mini`` presets use warmup_steps).
         warmup_normuon, warmup_muon_cautious, warmup_muon_8bit: the same for Muon's variants
-            (default 20, Muon's).
+            (default 20, Muon's tuned warm-up, held fixed while their rates were tuned).
         min_lr_ratio: cosine decay from the peak down to peak * min_lr_ratio (default 0.1).
         tau: QK-Clip threshold on the max logit, also drawn on the plots (default 100, K2's).
         orth_dtype: compute dtype of Muon's orthogonalisation, ``"bfloat16"`` (default, the
@@ -148,8 +149,8 @@ class RunConfig:
     lr_muon: float = 0.04
     lr_muonclip: float = 0.04
     lr_normuon: float = 0.04
-    lr_muon_cautious: float = 0.04
-    lr_muon_8bit: float = 0.04
+    lr_muon_cautious: float = 0.02828
+    lr_muon_8bit: float = 0.02828
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     warmup_steps: int = 20

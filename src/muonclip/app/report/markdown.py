@@ -254,7 +254,7 @@ def reading(context: dict[str, Any], eff: dict[str, Any] | None, stab: dict[str,
             verdict = ("lower than Muon's beyond the seed spread" if mean + sd < 0 else
                        "higher than Muon's beyond the seed spread" if mean - sd > 0 else
                        "within the seed spread of Muon's")
-            parts.append(f"{NAMES.get(opt, opt)} ends {mean:+.3f} ± {sd:.3f} against Muon (same seeds): {verdict}.")
+            parts.append(f"{NAMES.get(opt, opt)} ends {mean:+.4f} ± {sd:.4f} against Muon (same seeds): {verdict}.")
     if eff or stab:
         cpu = context.get("cpu")
         parts.append((f"Measured on {cpu}; " if cpu else "") + "every run is seeded, so these figures come back on "
