@@ -8,11 +8,15 @@ For the reference GPT of ``muonclip train`` with the settings below (``--set`` s
   ``optimizer.state_dict()["state"]`` (step counters included), over the model's parameter
   count; and the same over the hidden matrices only (the parameters Muon updates), where the
   momentum format shows alone (4 bytes per element float32; 1 + 4/256 for 8-bit);
-* **peak RSS of a step**: a fresh process builds the model, the optimizer and one batch, resets
-  the high-water mark (Linux ``/proc/self/clear_refs``), runs three steps (the state is created
-  in the first) and reports the peak resident set over the resident set before them. It counts
-  the gradients, activations and the state; it depends on the machine's allocator and kernels,
-  and on what else runs (the figures in docs/compare.md name the machine).
+* **peak RSS of a step**: a fresh process builds the model, the optimizer and the batches, then
+  runs three steps (the state is created in the first) and reports the peak resident set over the
+  resident set before them, read from the high-water mark (Linux ``/proc/self/clear_refs`` resets
+  it before each forward/backward and each optimizer step; the peak is the highest of those
+  marks). It counts the gradients, activations and the state; it depends on the machine's
+  allocator and kernels, and on what else runs (the figures in docs/compare.md name the machine);
+* **the optimizer step's own rise**: the largest, over the three steps, of the high-water mark
+  during ``optimizer.step()`` over the resident set just before it: the step's new state and
+  temporaries beyond the memory the allocator already holds (freed activations are reused).
 
 Usage: ``python benchmarks/bench_optimizer_state.py [--sets n_layer=4,n_embd=256] [--optimizers adamw,muon]``.
 """
@@ -46,14 +50,24 @@ corpus = load_corpus(None)
 model = build_model(cfg)
 opt = build_optimizer(optimizer, model, cfg)
 batches = [train_batch(corpus, s, batch_size=cfg.batch_size, block_size=cfg.block_size, seed=0) for s in range(3)]
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
-before = status("VmRSS")
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return status("VmRSS")
+
+
+before = reset_peak()
+highest, step_rise = 0, 0
 for x, y in batches:
     opt.zero_grad(set_to_none=True)
+    reset_peak()
     forward_loss(model, x, y).backward()
+    highest = max(highest, status("VmHWM"))
+    start = reset_peak()
     opt.step()
-peak = status("VmHWM") - before
+    highest = max(highest, status("VmHWM"))
+    step_rise = max(step_rise, status("VmHWM") - start)
+peak = highest - before
 sd = opt.state_dict()["state"]
 state = sum(v.nbytes for entry in sd.values() for v in entry.values() if torch.is_tensor(v))
 params = sum(p.numel() for p in model.parameters())
@@ -64,7 +78,7 @@ hidden_state = sum(v.nbytes for i, entry in sd.items() if id(ids[i]) in hidden f
                    if torch.is_tensor(v))
 hidden_params = sum(p.numel() for p in hidden_matrices(model))
 print(json.dumps({"params": params, "state": state, "hidden_params": hidden_params, "hidden_state": hidden_state,
-                  "peak": peak}))
+                  "peak": peak, "step_rise": step_rise}))
 """
 
 
@@ -84,13 +98,14 @@ def main() -> None:
     mib = 2**20
     print(f"# {machine()}; settings over the default preset: {args.sets}")
     print("| optimizer | state bytes / parameter (whole model) | state bytes / element (hidden matrices) "
-          "| optimizer state (MiB) | peak RSS of 3 steps over the resident set before (MiB) |")
-    print("|---|---|---|---|---|")
+          "| optimizer state (MiB) | peak RSS of 3 steps over the resident set before (MiB) "
+          "| of which the optimizer step's own rise, largest of 3 (MiB) |")
+    print("|---|---|---|---|---|---|")
     rows = {}
     for o in args.optimizers.split(","):
         r = rows[o] = measure(o, args.sets)
         print(f"| {o} | {r['state'] / r['params']:.3f} | {r['hidden_state'] / r['hidden_params']:.3f} "
-              f"| {r['state'] / mib:.2f} | {r['peak'] / mib:.1f} |", flush=True)
+              f"| {r['state'] / mib:.2f} | {r['peak'] / mib:.1f} | {r['step_rise'] / mib:.1f} |", flush=True)
     r = next(iter(rows.values()))
     print(f"\n{r['params'] / 1e6:.2f}M parameters, {r['hidden_params'] / 1e6:.2f}M in hidden matrices")
 
