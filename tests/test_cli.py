@@ -12,18 +12,10 @@ import torch
 import muonclip.app.train as train_mod
 from muonclip.app.checkpoints import load_file, read_checkpoint
 from muonclip.app.config import make_config
-from muonclip.app.data import builtin_corpus_dir, read_document
 from muonclip.app.main import main
 from muonclip.app.metrics import read_rows
 
 TINY = ["--preset", "tiny", "--quiet", "--threads", "1"]
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory):
-    path = tmp_path_factory.mktemp("text") / "macbeth.txt"
-    path.write_text(read_document(builtin_corpus_dir() / "tragedies" / "macbeth.md"))
-    return str(path)
 
 
 def snapshot(folder):

@@ -21,7 +21,6 @@ import torch
 
 from muonclip.app.checkpoints import load_checkpoint, load_file, read_checkpoint
 from muonclip.app.config import RunConfig
-from muonclip.app.data import builtin_corpus_dir, read_document
 from muonclip.app.main import main
 from muonclip.app.metrics import read_rows
 from muonclip.app.model import build_model, build_optimizer
@@ -30,13 +29,6 @@ TOL = 1e-5
 EXACT = ["--preset", "tiny", "--quiet", "--set", "orth_dtype=float32", "--set", "warmup_steps=0",
          "--set", "min_lr_ratio=1", "--tau", "0.05", "--set", "eval_every=3"]
 SCRIPT = shutil.which("muonclip", path=str(Path(sys.executable).parent)) or shutil.which("muonclip")
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory):
-    path = tmp_path_factory.mktemp("text") / "macbeth.txt"
-    path.write_text(read_document(builtin_corpus_dir() / "tragedies" / "macbeth.md"))
-    return str(path)
 
 
 def torchrun(args, nproc=2, timeout=120):

@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from muonclip.app.data import builtin_corpus_dir, read_document
-
 TINY = ["--preset", "tiny", "--quiet", "--set", "checkpoint_every=1000"]
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="finds the workers in Linux's /proc")
 
@@ -29,13 +27,6 @@ if cores:
     os.cpu_count = lambda: int(cores)
 sys.exit(main(sys.argv[1:] + extra))
 """
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory):
-    path = tmp_path_factory.mktemp("text") / "macbeth.txt"
-    path.write_text(read_document(builtin_corpus_dir() / "tragedies" / "macbeth.md"))
-    return str(path)
 
 
 def launch(tmp_path, args, env=None, shutdown=2, **popen):

@@ -14,19 +14,11 @@ import pytest
 import torch
 
 from muonclip.app.checkpoints import load_file, read_checkpoint
-from muonclip.app.data import builtin_corpus_dir, read_document
 from muonclip.app.main import main
 from muonclip.app.metrics import JSONL, MetricsError, MetricsWriter, read_rows
 from muonclip.app.runfolder import OutputError, RunLock, check_new_run_folder, inspect_folder
 
 TINY = ["--preset", "tiny", "--quiet", "--threads", "1"]
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory):
-    path = tmp_path_factory.mktemp("text") / "macbeth.txt"
-    path.write_text(read_document(builtin_corpus_dir() / "tragedies" / "macbeth.md"))
-    return str(path)
 
 
 @pytest.fixture(scope="module")
