@@ -50,6 +50,9 @@ WIDTH_FACTORS = (1.0, 1.5, 2.0)
 """Each rung's ``n_embd`` and ``n_head`` over the config's."""
 TUNING_SEEDS = 1
 """Tuning seeds per grid point at every rung."""
+MAX_EXTENSIONS = 4
+"""Rates added past an edge of a rung's grid at most (`muonclip.app.sweep.bracket`; the report marks a
+rate still at an edge)."""
 LADDER_OPTIMIZERS = ("adamw", "muon")
 
 
@@ -143,7 +146,7 @@ def compare_ladder(cfg: RunConfig, out_dir: str | Path, *, jobs: int | None = No
                                 lr_muonclip=centre["muon"])
         tuned = tune(c, folder / "sweep", corpus, optimizers=LADDER_OPTIMIZERS,
                      warmups={o: [c.warmup(o)] for o in LADDER_OPTIMIZERS}, seeds=TUNING_SEEDS, budgets=(1.0,),
-                     jobs=jobs, progress=progress)
+                     max_extensions=MAX_EXTENSIONS, jobs=jobs, progress=progress)
         centre = dict(tuned.lr)
         c = dataclasses.replace(c, lr_adamw=tuned.lr["adamw"], lr_muon=tuned.lr["muon"], lr_muonclip=tuned.lr["muon"])
         eff_specs, _, _ = plan(c, folder, LADDER_OPTIMIZERS)
@@ -220,5 +223,5 @@ def context(cfg: RunConfig, ladder: list[Rung], results: list[dict[str, Any]], c
     ]
 
 
-__all__ = ["LADDER_OPTIMIZERS", "Rung", "TUNING_SEEDS", "WIDTH_FACTORS", "check", "compare_ladder", "context",
-           "json_data", "rungs"]
+__all__ = ["LADDER_OPTIMIZERS", "MAX_EXTENSIONS", "Rung", "TUNING_SEEDS", "WIDTH_FACTORS", "check", "compare_ladder",
+           "context", "json_data", "rungs"]

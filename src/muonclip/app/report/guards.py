@@ -107,7 +107,8 @@ def guards_markdown(fig: dict[str, Any], arms: Sequence[Any]) -> str:
         loss = _pm(done) + ("" if len(done) == n or not done else f" ({len(done)} of {n})") if done else "diverged"
         per = ", ".join("div." if v is None else f"{v:.4f}" for v in e["final_val_loss"])
         diffs = [d for d in e["minus_muon"] if d is not None]
-        minus = "" if arm.name == "muon" else (_pm(diffs, "+.4f") if diffs else "-")
+        minus = "" if arm.name == "muon" else (_pm(diffs, "+.4f") + ("" if len(diffs) == n else
+                                                                     f" ({len(diffs)} of {n})") if diffs else "-")
         soft = [p for p in e["softmax_peak"] if p is not None]
         saw = _num(max(soft)) + (f" (c = {fig['cap']:g})" if arm.softcap else "") if soft else "-"
         cost = _muon_cost(costs.get("muon")) if arm.name == "muon" else _cost(costs.get(arm.name))

@@ -87,7 +87,8 @@ def ladder_reading(results: Sequence[dict[str, Any]], planned: int) -> str:
     parts.append(f"The tokens AdamW needs to reach Muon's final loss ({seeds} at each width, {tpp:.1f} tokens per "
                  f"parameter at 1x, every rate re-bracketed at each width): " + "; ".join(rows) + ".")
     if len(results) < planned:
-        parts.append(f"Only {len(results)} of the {planned} widths finished: the trend below is over those.")
+        parts.append(f"Only {len(results)} of the {planned} widths finished"
+                     + (": the trend below is over those." if len(results) > 1 else "."))
     ratios = [_ratio(r["efficiency"]) for r in results]
     known = [(r, q) for r, q in zip(results, ratios) if q and q["budget_matched"] is not None
              and None not in q["budget_matched_per_seed"]]
