@@ -30,7 +30,10 @@ The runs go in ``jobs`` worker processes at a time (default: one per core, one t
     <out>/val_loss.png, budget.png, max_logit.png, clip_events.png
     <out>/summary.md, summary.json               both tables and the reading (muonclip.app.report)
 
-``--preset finetune`` runs the fine-tuning protocol of `muonclip.app.finetune` instead.
+Some presets run a protocol of their own instead (`OWN_PROTOCOL`): ``finetune``
+(`muonclip.app.finetune`), ``guards`` and ``guards-mla`` (the guards of the attention logits side by
+side, `muonclip.app.guards`), ``ladder`` (the budget-matched ratio at three widths,
+`muonclip.app.ladder`); they share this module's checks before anything is written (`prepare`).
 
 MuonClip with the default ``tau`` (100) never clips in the efficiency runs (the max logit stays
 far below it), so its run there would be Muon's step for step; it runs only where the clip acts.
