@@ -35,10 +35,13 @@ on the same seed; whether and where it diverged; and the **step cost against pla
 timed here, interleaved: after the runs, each arm's model and optimizer are loaded from the
 first seed's last checkpoint of the segment (its trained state: logits as large as the run left
 them, so the clip acts as it did there), and `timing_rounds` rounds each time one step of every
-arm in a rotating order (forward, backward, gradient clipping, optimizer step, reading the max
-logits: what a run's step does), ``threads`` threads. An arm's cost is the median over the
-rounds of its step time over plain Muon's in the same round: load on the machine moves every arm
-of a round alike, so the ratio holds on a shared machine where the runs' own step times do not.
+arm in a rotating order (forward, backward, gradient clipping, optimizer step), ``threads``
+threads. Each arm's step is the one a user of that guard runs: QK-Clip's includes capturing the
+max logits its clip needs (the gated capture) and the clip; the others record no max logit (the
+runs themselves record every arm's, for the report, so their own step times include it). An
+arm's cost is the median over the rounds of its step time over plain Muon's in the same round:
+load on the machine moves every arm of a round alike, so the ratio holds on a shared machine
+where the runs' own step times do not.
 
 Output: ``<out>/<segment>/<arm>-s<seed>/`` (one `muonclip train` run folder each), ``max_logit.png``
 (max logit per step, every arm and seed, one panel per segment), ``summary.md`` and
@@ -92,7 +95,7 @@ MLA_ARMS = (
     Arm("muon-qknorm", "Muon + QK-Norm on q^C, k^C (non-rotary parts)", "muon", qk_norm=True),
     Arm("muon-softcap", "Muon + soft-capping", "muon", softcap=True),
 )
-TIMING_ROUNDS = 40
+TIMING_ROUNDS = 100
 """Timed rounds of the step-cost measurement at most (`timing_rounds`), after `TIMING_WARMUP`."""
 TIMING_WARMUP = 3
 
@@ -143,6 +146,10 @@ def check(cfg: RunConfig) -> None:
                          f"preset's 30), got {cfg.attn_softcap}")
 
 
+def _clips(state: Any) -> bool:
+    return hasattr(state.opt, "last_max_logits")  # MuonClip: its step consumes the recorded max logits
+
+
 def _timed_step(state: Any, cfg: RunConfig, x: torch.Tensor, y: torch.Tensor) -> float:
     t0 = time.perf_counter()
     loss = forward_loss(state.train_model, x, y)
@@ -151,7 +158,8 @@ def _timed_step(state: Any, cfg: RunConfig, x: torch.Tensor, y: torch.Tensor) ->
     if cfg.grad_clip > 0:
         clip_grad_norm(state.model.parameters(), cfg.grad_clip)
     state.opt.step()
-    read_max_logits(state.model, state.opt)
+    if _clips(state):
+        read_max_logits(state.model, state.opt)
     return time.perf_counter() - t0
 
 
@@ -184,6 +192,9 @@ def step_costs(specs: dict[str, RunSpec], corpus: Corpus, rounds: int, *, refere
                 found = None  # diverged before its first checkpoint: the initial weights
             states[name] = build_state(spec.cfg, spec.optimizer, place, found)
             states[name].train_model.train()
+            if not _clips(states[name]):  # no max logit to compute: the step a user of this arm runs
+                for attn in states[name].model.attention_modules():
+                    attn.recorder = None
         times: dict[str, list[float]] = {name: [] for name in specs}
         errors: dict[str, str] = {}
         order = list(specs)
@@ -328,7 +339,8 @@ def context(cfg: RunConfig, corpus: Corpus, jobs: int, wall: float, tuned: bool)
                     for s in cfg.stability_segments),
         f"step cost: each arm's seed-{cfg.seed} run reloaded from its last checkpoint, {timing_rounds(cfg)} rounds "
         f"(after {TIMING_WARMUP} untimed) of one step per arm in a rotating order, in one process, {cfg.threads} "
-        "thread(s); the ratio to plain Muon's step in the same round, median over the rounds",
+        "thread(s); each arm's step as its user runs it (QK-Clip's with the max-logit capture it needs, the others "
+        "recording none); the ratio to plain Muon's step in the same round, median over the rounds",
         f"data: {corpus.source} ({corpus.train.numel() / 1e6:.2f}M train bytes, {corpus.val.numel() / 1e6:.2f}M "
         f"validation bytes; byte tokens; validation on {cfg.eval_batches} batches every {cfg.eval_every} steps)",
         f"machine: {cpu_name()} ({platform.machine()}), {os.cpu_count()} cores, {jobs} runs at a time with "

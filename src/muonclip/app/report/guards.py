@@ -151,7 +151,8 @@ def segment_reading(fig: dict[str, Any], arms: Sequence[Any], rate: tuple[str, s
     if muon is not None:
         peaks = [p for p in muon["peak_max_logit"] if p is not None]
         div = sum(d is not None for d in muon["diverged_at"])
-        parts.append(f"Plain Muon's max logit reaches {span([p / tau for p in peaks], '.2f')} times tau"
+        parts.append(f"Plain Muon's max logit reaches "
+                     f"{span([p / tau for p in peaks], '.2f' if max(peaks) < 10 * tau else '.1f')} times tau"
                      + (f" and diverges on {div} of {n} seeds" if div else "") + ";")
     clauses = []
     for arm in arms:
@@ -162,7 +163,7 @@ def segment_reading(fig: dict[str, Any], arms: Sequence[Any], rate: tuple[str, s
         if not peaks:
             clauses.append(f"{e['label']} diverged before its first step was recorded")
             continue
-        where = f"{span([p / tau for p in peaks], '.2f')} times tau"
+        where = f"{span([p / tau for p in peaks], '.2f' if max(peaks) < 10 * tau else '.1f')} times tau"
         if arm.softcap:
             top = max(p for p in e["softmax_peak"] if p is not None)
             what = f"lets the raw logits reach {where} while the softmax sees at most {top:.3g} (c = {fig['cap']:g})"
