@@ -229,7 +229,8 @@ def plot_guards(runs: dict[str, dict[tuple[str, int], Path]], segments: dict[str
                 arms: Sequence[Any], cap: float, out_dir: Path, titles: dict[str, str] | None = None) -> Path:
     """``max_logit.png``: the max logit per step of every arm and seed, one panel per segment
     (``titles``: segment -> its name; log scale; tau and 3 tau drawn; soft-capping's capped logit
-    dashed; a diverged run's last step marked with x)."""
+    dashed; a diverged run's last step marked with x). QK-Clip's values at or below tau may be the
+    gated capture's upper bounds (`muonclip.app.report`), which its legend says."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -246,7 +247,10 @@ def plot_guards(runs: dict[str, dict[tuple[str, int], Path]], segments: dict[str
                 rows = [r for r in read_rows(runs[segment][(arm.name, s)]) if r.get("max_logit") is not None]
                 xs, ys = [r["step"] for r in rows], [r["max_logit"] for r in rows]
                 color = colors.get(arm.name)
-                ax.plot(xs, ys, color=color, lw=1, alpha=0.8, label=arm.label if s == first else None)
+                bound = any(r.get("max_logit_is_bound") for r in rows)  # the gated capture's bounds at or below tau
+                ax.plot(xs, ys, color=color, lw=1, alpha=0.8,
+                        label=(arm.label + (" (at or below tau: an upper bound, from the LSE)" if bound else ""))
+                        if s == first else None)
                 if arm.softcap:
                     ax.plot(xs, [cap * math.tanh(y / cap) for y in ys], color=color, lw=1, ls="--", alpha=0.8,
                             label=f"{arm.label}: what the softmax sees" if s == first else None)
