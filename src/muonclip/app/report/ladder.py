@@ -140,21 +140,22 @@ def plot_ladder(results: Sequence[dict[str, Any]], out_dir: Path) -> Path:
         lo = [y - min(v for v in q["budget_matched_per_seed"] if v is not None) for y, (_, q) in zip(ys, pts)]
         hi = [max(v for v in q["budget_matched_per_seed"] if v is not None) - y for y, (_, q) in zip(ys, pts)]
         ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", color="tab:orange", capsize=3,
-                    label="this ladder: Muon vs AdamW, budget-matched (mean; bars: per-seed range)")
+                    label=f"this ladder, {results[0]['tokens_per_param']:.1f} tokens per parameter: Muon vs AdamW, "
+                          "budget-matched (mean; bars: per-seed range)")
     beyond = [(r["params"], _ratio(r["efficiency"])["max_budget"]) for r in results
               if _ratio(r["efficiency"]) and _ratio(r["efficiency"])["budget_matched"] is None]
     if beyond:
         ax.scatter([p for p, _ in beyond], [b for _, b in beyond], marker="^", s=60, color="tab:orange",
                    label="this ladder: beyond AdamW's largest budget (a lower bound)")
     ax.plot([p for p, _ in WEN_2025], [w for _, w in WEN_2025], marker="s", ls="--", color="tab:gray",
-            label="Wen et al. 2025: matrix-based optimizers vs AdamW (abstract: 0.1B, 1.2B)")
+            label="Wen et al. 2025, 20–160 tokens per parameter: matrix-based optimizers vs AdamW (abstract)")
     ax.axhline(1.0, color="black", lw=0.8, ls=":")
     ax.set_xscale("log")
     ax.set_xlabel("parameters")
     ax.set_ylabel("tokens AdamW needs to match Muon (x)")
     ax.set_title("Muon's token advantage against model size")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     path = out_dir / "ratio_vs_params.png"
     fig.savefig(path, dpi=110)
