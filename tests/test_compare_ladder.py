@@ -102,12 +102,12 @@ def test_the_reading_judges_the_trend_by_the_seed_spread():
     assert slope(falling) == pytest.approx((1.80 - 2.56) / 2)
     text = ladder_reading(falling, 2)
     assert "0.100M parameters: about 2.6x (2.4–2.6 per seed); 0.400M parameters: about 1.8x (1.7–1.9 per seed)" in text
-    assert "moves by -0.8 (2.4–2.6 per seed at the smallest, 1.7–1.9 at the largest: every seed of the largest " \
-           "width below every seed of the smallest: a fall beyond the seed spread); least squares over the widths: " \
+    assert "moves by -0.8 (2.4–2.6 per seed at the smallest, 1.7–1.9 at the largest); every seed of the largest " \
+           "width is below every seed of the smallest, a fall beyond the seed spread; least squares over the widths: " \
            "-0.38 per doubling" in text
     assert "Not extrapolated" in text and "1.4x at 0.1B" in text and "1.1x at 1.2B" in text
     overlapping = [_rung(100_000, [2.2, 2.6, 3.0], 2.6), _rung(400_000, [2.0, 2.3, 2.7], 2.3)]
-    assert "the per-seed ranges overlap: no change beyond the seed spread" in ladder_reading(overlapping, 3)
+    assert "the per-seed ranges overlap, so no change beyond the seed spread" in ladder_reading(overlapping, 3)
     assert "Only 2 of the 3 widths finished" in ladder_reading(overlapping, 3)
     assert ratio_text(_rung(1, [None], None)["efficiency"]) == "> 3x"
     md = ladder_markdown(falling)

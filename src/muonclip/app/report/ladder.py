@@ -99,17 +99,19 @@ def ladder_reading(results: Sequence[dict[str, Any]], planned: int) -> str:
         d = decimals([*first, *last]) if n > 1 else 1
         growth = r1["params"] / r0["params"]
         if n > 1 and max(last) < min(first):
-            verdict = "every seed of the largest width below every seed of the smallest: a fall beyond the seed spread"
+            verdict = ("every seed of the largest width is below every seed of the smallest, a fall beyond the seed "
+                       "spread")
         elif n > 1 and min(last) > max(first):
-            verdict = "every seed of the largest width above every seed of the smallest: a rise beyond the seed spread"
+            verdict = ("every seed of the largest width is above every seed of the smallest, a rise beyond the seed "
+                       "spread")
         elif n > 1:
-            verdict = "the per-seed ranges overlap: no change beyond the seed spread"
+            verdict = "the per-seed ranges overlap, so no change beyond the seed spread"
         else:
             verdict = "one seed: no spread to judge the change by"
         s = slope(results)
         parts.append(f"From {r0['params'] / 1e6:.3f}M to {r1['params'] / 1e6:.3f}M parameters ({growth:.1f} times) "
                      f"the ratio moves by {change:+.{d}f} ({span(first, f'.{d}f')} per seed at the smallest, "
-                     f"{span(last, f'.{d}f')} at the largest: {verdict})"
+                     f"{span(last, f'.{d}f')} at the largest); {verdict}"
                      + (f"; least squares over the widths: {s:+.2f} per doubling of the parameters" if s is not None
                         else "") + ". Not extrapolated beyond the widths run.")
     (p0, w0), (p1, w1) = WEN_2025
