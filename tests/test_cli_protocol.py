@@ -105,8 +105,9 @@ def test_stability_figures_on_synthetic_curves(tmp_path):
 def test_log_grid():
     assert sweep.log_grid(1e-3, 5, 2.0) == [2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3]  # powers of two: exact
     assert sweep.log_grid(1.0, 6, 2.0) == [0.25, 0.5, 1.0, 2.0, 4.0, 8.0]
-    with pytest.raises(ValueError, match="at least 5 points"):
-        sweep.log_grid(1e-3, 4)
+    assert sweep.log_grid(1.0, 3, 2.0) == [0.5, 1.0, 2.0]
+    with pytest.raises(ValueError, match="at least 3 points"):
+        sweep.log_grid(1e-3, 2)
 
 
 def _quadratic(best):

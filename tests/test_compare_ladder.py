@@ -31,8 +31,11 @@ def test_the_default_ladder_keeps_tokens_per_parameter_and_schedule_shares():
         assert abs(p - per_param[0]) * r.params <= 0.5  # round(steps) at most half a step off
         assert r.cfg.warmup("adamw") == round(200 * r.cfg.steps / 400) and r.cfg.warmup("muon") == round(
             20 * r.cfg.steps / 400)
-        assert r.cfg.budgets == (1.0, 1.5, 2.0, 3.0) and r.cfg.lr_adamw_budgets == () and r.cfg.seeds == 3
+        assert r.cfg.budgets == (1.0, 1.5, 2.0, 3.0) and r.cfg.lr_adamw_budgets == ()
     assert [r.cfg.steps for r in rungs] == [400, 856, 1484]
+    # 3 seeds and 5-point grids below the largest rung; one seed and a 3-point grid at it
+    assert [(r.cfg.seeds, r.points) for r in rungs] == [(3, 5), (3, 5), (1, 3)]
+    assert [r.cfg.seeds for r in ladder.rungs(make_config("ladder", sets=["seeds=1"]))] == [1, 1, 1]
 
 
 def test_a_width_factor_that_splits_a_head_is_refused():
@@ -64,9 +67,12 @@ def test_each_rung_brackets_its_rates_around_the_rung_below_and_reports_with_the
         sweep = json.loads((ladder_run / f"width{r['n_embd']}" / "sweep" / "sweep.json").read_text())
         for opt in ("adamw", "muon"):
             rates = sorted(p["lr"] for p in sweep["points"] if p["optimizer"] == opt)
-            assert len(rates) >= 5 and all(p["seeds"] == [1000] for p in sweep["points"])
-            # the first grid: 5 points sqrt 2 apart centred on the rung below's best (the config's at the first)
-            assert any(math.isclose(x, centre[opt] * SQRT2**k, rel_tol=1e-9) for x in rates for k in (-2,))
+            assert len(rates) >= r["points"] and all(p["seeds"] == [1000] for p in sweep["points"])
+            # the first grid: 5 points (3 at the largest rung) sqrt 2 apart centred on the rung below's best (the
+            # config's at the first)
+            half = r["points"] // 2
+            assert all(any(math.isclose(x, centre[opt] * SQRT2**k, rel_tol=1e-9) for x in rates)
+                       for k in range(-half, half + 1))
             assert r["lr"][opt] in rates and (rates[0] < r["lr"][opt] < rates[-1]) == r["bracketed"][opt]
         for name, opt, budget in (("muon-x1-s0", "muon", 1), ("adamw-x1-s0", "adamw", 1), ("adamw-x2-s0", "adamw", 2)):
             saved = json.loads((ladder_run / f"width{r['n_embd']}" / "runs" / name / "config.json").read_text())
@@ -111,17 +117,31 @@ def test_the_reading_judges_the_trend_by_the_seed_spread():
     assert "Only 2 of the 3 widths finished" in ladder_reading(overlapping, 3)
     assert ratio_text(_rung(1, [None], None)["efficiency"]) == "> 3x"
     md = ladder_markdown(falling)
-    assert "| 64 x 2 | 0.100M | 400 | 0.70M (7.0) | 0.03 | 0.04 (at an edge) |" in md
+    assert "| 64 x 2 | 0.100M | 400 | 3 | 0.70M (7.0) | 0.03 | 0.04 (at an edge) |" in md
+    # one seed at the largest rung: where it lies against the smallest's seeds, never a spread of its own
+    top_one = [_rung(100_000, [2.44, 2.57, 2.64], 2.56), _rung(400_000, [1.8], 1.8)]
+    text = ladder_reading(top_one, 2)
+    assert "(3 seeds at 0.100M, one seed at 0.400M, 7.0 tokens per parameter" in text
+    assert "0.400M parameters: about 1.8x (one seed: no spread measured)" in text
+    assert "the largest width's one seed is below every seed of the smallest, a fall suggested but not " \
+           "established (one seed: the largest width's own spread is not measured)" in text
+    assert "within the smallest's per-seed range, so no change beyond the seed spread" in ladder_reading(
+        [_rung(100_000, [2.44, 2.57, 2.64], 2.56), _rung(400_000, [2.5], 2.5)], 2)
+    md = ladder_markdown(top_one)
+    assert "(mean ± sd; one seed: the value)" in md and "| 1 | 2.80M (7.0) |" in md
     assert WEN_2025 == ((130e6, 1.4), (1.2e9, 1.1))
 
 
-def test_a_ladder_stopped_part_way_leaves_the_rungs_it_finished(tmp_path, text, monkeypatch):
-    """The report is rewritten after each rung: stopped while tuning the second rung, it holds the first."""
+def test_a_ladder_stopped_part_way_leaves_the_rungs_it_finished_and_goes_on_from_them(tmp_path, text, monkeypatch):
+    """The report is rewritten after each rung: stopped while tuning the second rung, it holds the first. Run
+    again into the same folder with the same settings, the first rung is read (not tuned, not rerun: its runs'
+    files untouched) and the other two run; other settings, or a folder holding something else, are refused
+    before anything is written."""
     real = ladder.tune
     calls = []
 
     def stop_at_the_second_rung(*args, **kwargs):
-        calls.append(1)
+        calls.append(args[1])
         if len(calls) == 2:
             raise KeyboardInterrupt
         return real(*args, **kwargs)
@@ -129,11 +149,37 @@ def test_a_ladder_stopped_part_way_leaves_the_rungs_it_finished(tmp_path, text, 
     monkeypatch.setattr(ladder, "tune", stop_at_the_second_rung)
     monkeypatch.setattr(ladder, "MAX_EXTENSIONS", 0)
     out = tmp_path / "part"
-    rc = main(["compare", "--preset", "ladder", "--quiet", "--threads", "1", "--jobs", "1", "--data", text,
-               "--steps", "3", "--set", "n_embd=16", "--set", "block_size=16", "--set", "batch_size=2",
-               "--set", "eval_every=3", "--set", "eval_batches=1", "--set", "seeds=1", "--set", "budgets=1,2",
-               "--set", "warmup_adamw=1", "--set", "warmup_muon=1", "--out", str(out)])
-    assert rc == 130
+    args = ["compare", "--preset", "ladder", "--quiet", "--threads", "1", "--jobs", "1", "--data", text,
+            "--steps", "3", "--set", "n_embd=16", "--set", "block_size=16", "--set", "batch_size=2",
+            "--set", "eval_every=3", "--set", "eval_batches=1", "--set", "seeds=2", "--set", "budgets=1,2",
+            "--set", "warmup_adamw=1", "--set", "warmup_muon=1", "--out", str(out)]
+    assert main(args) == 130
     md = (out / "summary.md").read_text()
     assert "finished: 1 of 3 rungs" in md and "Only 1 of the 3 widths finished." in md
     assert "\n| 16 x 2 |" in md and "\n| 24 x 3 |" not in md
+    first = json.loads((out / "summary.json").read_text())["rungs"][0]
+    kept = {p: p.stat().st_mtime_ns for p in (out / "width16").rglob("*") if p.is_file()}
+
+    assert main([*args[:-1], str(out), "--set", "lr_muon=0.03"]) == 2  # other settings: refused, nothing touched
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / "notes.txt").write_text("mine")
+    assert main([*args[:-1], str(stray)]) == 2
+    assert sorted(p.name for p in stray.iterdir()) == ["notes.txt"]
+
+    calls.clear()
+    monkeypatch.setattr(ladder, "tune", real)
+    assert main(args) == 0
+    data = json.loads((out / "summary.json").read_text())
+    assert data["rungs"][0] == first and [r["n_embd"] for r in data["rungs"]] == [16, 24, 32]
+    assert {p: p.stat().st_mtime_ns for p in (out / "width16").rglob("*") if p.is_file()} == kept
+    assert [r["seeds"] for r in data["rungs"]] == [[0, 1], [0, 1], [0]]  # one seed at the largest rung
+    assert [r["points"] for r in data["rungs"]] == [5, 5, 3]
+    top = json.loads((out / "width32" / "sweep" / "sweep.json").read_text())["points"]
+    assert sorted(p["lr"] for p in top if p["optimizer"] == "muon") == pytest.approx(
+        [data["rungs"][1]["lr"]["muon"] * SQRT2**k for k in (-1, 0, 1)], rel=1e-9)
+    md = (out / "summary.md").read_text()
+    assert "finished: 3 of 3 rungs (1 read from this folder" in md
+    assert "2 seeds (0, 1) at 16, 2 seeds (0, 1) at 24, seed 0 at 32" in md
+    assert "5 points at 16, 5 points at 24, 3 points at 32" in md
+    assert "(mean ± sd; one seed: the value)" in md and "± 0.0000" not in md

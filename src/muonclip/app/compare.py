@@ -130,12 +130,13 @@ def plan(cfg: RunConfig, out_dir: Path, optimizers: Sequence[str]) -> tuple[
 
 
 def prepare(cfg: RunConfig, out_dir: Path, runs: Sequence[tuple[RunConfig, str]], jobs: int | None,
-            longest: int) -> tuple[RunConfig, Corpus, int]:
+            longest: int, *, resume: bool = False) -> tuple[RunConfig, Corpus, int]:
     """Every check of a comparison before anything is written, then its folder created: ``jobs``
     (default None: one per core) and ``threads`` (the cores shared between the jobs when 0), the
     memory of each of ``runs`` (config, optimizer) with ``jobs`` of them at a time, the output
-    folder (absent or empty, writable), the corpus (loaded; its warnings for a run of ``longest``
-    steps printed). Returns the config with its threads set, the corpus and the jobs.
+    folder (absent or empty, writable; ``resume``: the caller checked that it holds the same
+    comparison stopped part way, default False), the corpus (loaded; its warnings for a run of
+    ``longest`` steps printed). Returns the config with its threads set, the corpus and the jobs.
 
     Raises:
         DataError, OutputError, ValueError: bad input; nothing written.
@@ -153,7 +154,7 @@ def prepare(cfg: RunConfig, out_dir: Path, runs: Sequence[tuple[RunConfig, str]]
     if inspect_folder(out_dir).kind == "run":
         raise OutputError(f"--out {out_dir} already holds a run of muonclip train; choose a new folder for the "
                           "comparison")
-    if out_dir.exists() and any(out_dir.iterdir()):
+    if not resume and out_dir.exists() and any(out_dir.iterdir()):
         raise OutputError(f"--out {out_dir} is not empty; choose a new folder so nothing is overwritten")
     check_writable(out_dir)
     corpus = load_corpus(cfg.data, cfg.val_fraction)

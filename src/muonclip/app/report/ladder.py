@@ -46,17 +46,18 @@ def ladder_markdown(results: Sequence[dict[str, Any]]) -> str:
     if not results:
         return "No rung finished yet."
     budgets = results[0]["efficiency"]["budgets"]
-    n = len(results[0]["efficiency"]["seeds"])
-    loss = "mean ± sd" if n > 1 else "one seed"
-    head = ("| width x heads | parameters | steps | tokens (per parameter) | AdamW lr | Muon lr | "
+    ns = {len(r["efficiency"]["seeds"]) for r in results}
+    loss = "one seed" if ns == {1} else "mean ± sd" if 1 not in ns else "mean ± sd; one seed: the value"
+    head = ("| width x heads | parameters | steps | seeds | tokens (per parameter) | AdamW lr | Muon lr | "
             + " | ".join(f"AdamW {b:g}x ({loss})" for b in budgets)
             + f" | Muon 1x ({loss}) | **tokens AdamW needs to match Muon** |")
-    lines = [head, "|" + "---|" * (8 + len(budgets))]
+    lines = [head, "|" + "---|" * (9 + len(budgets))]
     for r in results:
         by = {(t["optimizer"], t["budget"]): t for t in r["efficiency"]["table"]}
         rates = [f"{r['lr'][o]:.4g}" + ("" if r["bracketed"][o] else " (at an edge)") for o in ("adamw", "muon")]
         cells = [_pm(by[("adamw", b)]["final_val_loss"]) if ("adamw", b) in by else "-" for b in budgets]
         lines.append(f"| {r['n_embd']} x {r['n_head']} | {r['params'] / 1e6:.3f}M | {r['steps']} | "
+                     f"{len(r['efficiency']['seeds'])} | "
                      f"{r['tokens'] / 1e6:.2f}M ({r['tokens_per_param']:.1f}) | {rates[0]} | {rates[1]} | "
                      + " | ".join(cells) + f" | {_pm(by[('muon', 1.0)]['final_val_loss'])} | "
                      f"**{ratio_text(r['efficiency'])}** |")
@@ -80,11 +81,15 @@ def ladder_reading(results: Sequence[dict[str, Any]], planned: int) -> str:
     if not results:
         return f"No rung of the {planned} finished."
     parts = []
-    n = len(results[0]["efficiency"]["seeds"])
-    seeds = "one seed" if n == 1 else f"{n} seeds"
+    counts = [len(r["efficiency"]["seeds"]) for r in results]
+    word = {1: "one seed"}
+    if len(set(counts)) == 1:
+        seeds = f"{word.get(counts[0], f'{counts[0]} seeds')} at each width"
+    else:
+        seeds = ", ".join(f"{word.get(n, f'{n} seeds')} at {r['params'] / 1e6:.3f}M" for n, r in zip(counts, results))
     rows = [f"{r['params'] / 1e6:.3f}M parameters: {ratio_text(r['efficiency'])}" for r in results]
     tpp = results[0]["tokens_per_param"]
-    parts.append(f"The tokens AdamW needs to reach Muon's final loss ({seeds} at each width, {tpp:.1f} tokens per "
+    parts.append(f"The tokens AdamW needs to reach Muon's final loss ({seeds}, {tpp:.1f} tokens per "
                  f"parameter at 1x, every rate re-bracketed at each width): " + "; ".join(rows) + ".")
     if len(results) < planned:
         parts.append(f"Only {len(results)} of the {planned} widths finished"
@@ -96,18 +101,30 @@ def ladder_reading(results: Sequence[dict[str, Any]], planned: int) -> str:
         (r0, q0), (r1, q1) = known[0], known[-1]
         first, last = q0["budget_matched_per_seed"], q1["budget_matched_per_seed"]
         change = q1["budget_matched"] - q0["budget_matched"]
-        d = decimals([*first, *last]) if n > 1 else 1
+        d = decimals([*first, *last]) if len(first) > 1 or len(last) > 1 else 1
         growth = r1["params"] / r0["params"]
-        if n > 1 and max(last) < min(first):
+        if len(first) == 1 and len(last) == 1:
+            verdict = "one seed at each: no spread to judge the change by"
+        elif len(first) == 1 or len(last) == 1:
+            one, many, side, other = ((last[0], first, "largest", "smallest") if len(last) == 1
+                                      else (first[0], last, "smallest", "largest"))
+            if min(many) <= one <= max(many):
+                verdict = (f"the {side} width's one seed is within the {other}'s per-seed range, so no change beyond "
+                           "the seed spread")
+            else:
+                below = one < min(many)
+                trend = "fall" if below == (side == "largest") else "rise"
+                verdict = (f"the {side} width's one seed is {'below' if below else 'above'} every seed of the "
+                           f"{other}, a {trend} suggested but not established (one seed: the {side} width's own "
+                           "spread is not measured)")
+        elif max(last) < min(first):
             verdict = ("every seed of the largest width is below every seed of the smallest, a fall beyond the seed "
                        "spread")
-        elif n > 1 and min(last) > max(first):
+        elif min(last) > max(first):
             verdict = ("every seed of the largest width is above every seed of the smallest, a rise beyond the seed "
                        "spread")
-        elif n > 1:
-            verdict = "the per-seed ranges overlap, so no change beyond the seed spread"
         else:
-            verdict = "one seed: no spread to judge the change by"
+            verdict = "the per-seed ranges overlap, so no change beyond the seed spread"
         s = slope(results)
         parts.append(f"From {r0['params'] / 1e6:.3f}M to {r1['params'] / 1e6:.3f}M parameters ({growth:.1f} times) "
                      f"the ratio moves by {change:+.{d}f} ({span(first, f'.{d}f')} per seed at the smallest, "
