@@ -22,7 +22,8 @@ stability segment). Presets:
   rate, 3 seeds. ``guards-mla``: the same on ``k2-mini``'s MLA model (Muon's arms only).
 * ``ladder`` — the budget-matched ratio at three widths of the ``default`` model, 1x, 1.5x and 2x
   ``n_embd`` and ``n_head`` (`muonclip.app.ladder`), every rate re-bracketed at each width, the
-  same tokens per parameter, 3 seeds.
+  same tokens per parameter; 3 seeds at the two smaller widths, one at the largest (its runs cost
+  about 14 times the first width's).
 * ``finetune`` — fine-tuning an AdamW-pretrained model (`muonclip.app.finetune`).
 
 Optimizers: ``adamw``, ``muon``, ``muonclip`` and three variants of Muon with one option on
