@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from ..optim import Muon, param_groups
+from .binding import ParameterBinding
 from .check import ClipCheck, QKClipIneffectiveError, QKClipIneffectiveWarning
 from .clip import all_reduce_max_, apply_qk_clip
 from .discovery import discover_layers
@@ -119,9 +120,11 @@ class MuonClip(Muon):
         groups = list(param_groups(model) if groups is None else groups)
         check_clip_targets(layers, [g if isinstance(g, Mapping) else {"params": [g]} for g in groups],
                            {id(p): n for n, p in model.named_parameters()})
-        super().__init__(groups, lr=lr, **muon_kwargs)
         self.layers = layers
+        self._tau = float(tau)  # before Muon's __init__, which copies the optimizer-wide values into the groups
+        super().__init__(groups, lr=lr, **muon_kwargs)
         self.tau = float(tau)
+        self._binding = ParameterBinding(model, self.param_groups, layers)
         self.last_max_logits: dict[str, Tensor] = {}
         self.last_bounded: dict[str, Tensor] = {}
         self.last_clipped: dict[str, Tensor] = {}
@@ -130,6 +133,7 @@ class MuonClip(Muon):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Optimizer update, then QK-Clip with the maxima recorded since the last step."""
+        self._binding.follow(self.param_groups, self.state)  # a wrapper may have replaced parameters
         taken = self.steps_taken  # a skipped step does not count (a masked one does: it runs, undone on the device)
         loss = super().step(closure)
         if self.steps_taken == taken:
@@ -157,6 +161,7 @@ class MuonClip(Muon):
         ``masked``: 0-D bool device flag of a masked step (``on_nonfinite="mask"``; default
         None): where set, every gamma is 1, so no weight changes (no host sync).
         """
+        self._binding.follow(self.param_groups, self.state)
         all_reduce_max_(self.layers)
         self.last_bounded = {
             layer.name: layer.recorder.bounded for layer in self.layers if layer.recorder.value is not None
@@ -225,10 +230,10 @@ class MuonClip(Muon):
         self._tau = value
         for layer in self.layers:
             layer.recorder.threshold = value
+        self._record_wide_state()
 
     def _wide_state(self) -> dict[str, Any]:
-        """Muon's optimizer-wide values and ``tau``: a state dict carries them in its first
-        parameter's entry."""
+        """Muon's optimizer-wide values and ``tau``: every param group carries them."""
         return {**super()._wide_state(), "tau": self.tau}
 
     def _load_wide_state(self, values: dict[str, Any]) -> None:
@@ -237,9 +242,17 @@ class MuonClip(Muon):
         if values.get("tau") is not None:
             self.tau = values["tau"]
 
+    def state_dict(self) -> dict[str, Any]:
+        """`muonclip.Muon.state_dict`, of the parameters the model holds now
+        (`muonclip.qkclip.binding`); every param group also holds ``tau``."""
+        self._binding.follow(self.param_groups, self.state)
+        return super().state_dict()
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """`muonclip.Muon.load_state_dict` (``tau`` restored when the state dict has one); the
-        runtime check starts afresh."""
+        """`muonclip.Muon.load_state_dict` into the parameters the model holds now
+        (`muonclip.qkclip.binding`; ``tau`` restored when the state dict has one); the runtime
+        check starts afresh."""
+        self._binding.follow(self.param_groups, self.state)
         super().load_state_dict(state_dict)
         self._clip_check.reset()
 
