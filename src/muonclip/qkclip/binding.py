@@ -37,6 +37,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from ..common.dtensor import is_dtensor
+from ..optim.flat import INSTEAD, flat_kind
 from .layouts import AttentionLayer
 from .writable import check_clip_targets
 
@@ -202,15 +203,12 @@ def _layout(t: Tensor) -> str:
 
 def _wrapper_hint(t: Any) -> str:
     """Which wrapper a replacement looks like, and what to use instead."""
-    if t is not None and hasattr(t, "ds_id"):
-        return ("DeepSpeed ZeRO-3 partitions each parameter into flat pieces, and Muon orthogonalises whole matrices. "
-                "Use FSDP2 (torch.distributed.fsdp.fully_shard; accelerate with fsdp_version=2; Lightning's "
-                "ModelParallelStrategy) or DDP")
-    if t is None or type(t).__name__ == "FlatParameter" or (isinstance(t, Tensor) and t.ndim == 1):
+    kind = flat_kind(t) if isinstance(t, Tensor) else None
+    if kind is not None:
+        return f"{kind} flattens parameters. {INSTEAD}"
+    if t is None or (isinstance(t, Tensor) and t.ndim == 1):
         return ("FSDP1 (FullyShardedDataParallel) flattens parameters into 1-D pieces (with use_orig_params=False "
-                "they leave the module altogether), and Muon orthogonalises whole matrices. Use FSDP2 "
-                "(torch.distributed.fsdp.fully_shard; accelerate with fsdp_version=2; Lightning's "
-                "ModelParallelStrategy): its DTensor parameters keep their shape")
+                f"they leave their modules). {INSTEAD}")
     return "build MuonClip on the model after the wrapper that changed it"
 
 

@@ -12,7 +12,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..distributed.context import collective_group
 from ..optim import Muon, param_groups
+from ..optim.flat import refuse_flat_model
+from ..optim.validation import number
 from .binding import ParameterBinding
 from .check import ClipCheck, QKClipIneffectiveError, QKClipIneffectiveWarning
 from .clip import all_reduce_max_, apply_qk_clip
@@ -108,6 +111,7 @@ class MuonClip(Muon):
         if not isinstance(model, nn.Module):
             raise TypeError(_not_a_model(model))
         _check_tau(tau)
+        refuse_flat_model(model)  # FSDP1 / DeepSpeed ZeRO pieces: named, before any layout's shape check
         clip_check = ClipCheck(on_ineffective_clip)
         layers = list(discover_layers(model) if layers is None else layers)
         names = [layer.name for layer in layers]
@@ -145,7 +149,8 @@ class MuonClip(Muon):
             self.clip()
         else:
             self.clip(masked=self.last_masked)
-        if not self.last_max_logits and any(p.grad is not None for g in self.param_groups for p in g["params"]):
+        if not self.last_max_logits and any(p.grad is not None for g in self.param_groups for p in g["params"]) \
+                and any(number(g["lr"]) != 0 for g in self.param_groups):  # lr 0 everywhere: DCP creating state
             warnings.warn(
                 "MuonClip.step: no attention max logit was recorded since the last step, so QK-Clip did nothing. "
                 "Only training forwards feed the clip: the model in training mode (model.train()) with grad enabled "
@@ -162,29 +167,38 @@ class MuonClip(Muon):
         None): where set, every gamma is 1, so no weight changes (no host sync).
         """
         self._binding.follow(self.param_groups, self.state)
-        all_reduce_max_(self.layers)
+        group = collective_group([p for g in self.param_groups for p in g["params"]], self.process_group)
+        if group is not None:
+            all_reduce_max_(self.layers, group)
         self.last_bounded = {
             layer.name: layer.recorder.bounded for layer in self.layers if layer.recorder.value is not None
         }
         self.last_max_logits, self.last_clipped = apply_qk_clip(self.layers, self.tau, masked=masked)
-        reports = self._clip_check.observe(self.layers, self.last_max_logits, self.last_clipped, self.tau)
+        reports = self._clip_check.observe(self.layers, self.last_max_logits, self.last_clipped, self.tau,
+                                           distributed=group is not None)
         if reports and self._clip_check.mode == "raise":
             raise QKClipIneffectiveError("\n".join(reports))
         for msg in reports:
             warnings.warn(msg, QKClipIneffectiveWarning, stacklevel=_outside_frames())
 
     def clip_stats(self) -> dict[str, float]:
-        """Numbers for loggers about the last clip (one host sync).
+        """Numbers for loggers about the last clip (one host sync when something was recorded).
 
-        Keys: ``"max_logit"`` (max over layers and heads), ``"max_logit_is_bound"`` (1.0 when
-        that value is an LSE upper bound, not the exact max: every head was at or below tau and
-        the exact max lies within ``log(keys)`` below it; else 0.0), ``"clipped_heads"`` (how
-        many heads were scaled), ``"clipped_fraction"``, and per layer ``"max_logit/<name>"``,
-        ``"max_logit_is_bound/<name>"`` and ``"clipped_heads/<name>"``. Empty when nothing was
-        recorded.
+        Keys, always present (before the first step too): ``"max_logit"`` (max over layers and
+        heads), ``"max_logit_is_bound"`` (1.0 when that value is an LSE upper bound, not the
+        exact max: every head was at or below tau and the exact max lies within ``log(keys)``
+        below it; else 0.0), ``"clipped_heads"`` (how many heads were scaled),
+        ``"clipped_fraction"`` (of the heads of the layers that recorded), and for every layer
+        ``"max_logit/<name>"``, ``"max_logit_is_bound/<name>"`` and ``"clipped_heads/<name>"``.
+        A max logit nothing was recorded for (no clip yet, a step without training forwards, a
+        layer that did not run) is NaN, its counts 0.0.
         """
+        stats = {"max_logit": math.nan, "max_logit_is_bound": 0.0, "clipped_heads": 0.0, "clipped_fraction": 0.0}
+        for layer in self.layers:
+            stats.update({f"max_logit/{layer.name}": math.nan, f"max_logit_is_bound/{layer.name}": 0.0,
+                          f"clipped_heads/{layer.name}": 0.0})
         if not self.last_max_logits:
-            return {}
+            return stats
         names = list(self.last_max_logits)
         rows = []
         for n in names:
@@ -194,7 +208,7 @@ class MuonClip(Muon):
             rows.append(torch.stack([v.max(), exact.max(), self.last_clipped[n].sum().float()]).cpu())
         maxes, exacts, clips = torch.stack(rows).T.tolist()
         n_heads = sum(self.last_clipped[n].numel() for n in names)
-        stats = {
+        stats |= {
             "max_logit": max(maxes),
             "max_logit_is_bound": float(max(maxes) > max(exacts)),
             "clipped_heads": float(sum(clips)),
@@ -214,6 +228,10 @@ class MuonClip(Muon):
 
     @tau.setter
     def tau(self, value: float) -> None:
+        inner = self.__dict__.get("_optimizer")
+        if isinstance(inner, MuonClip) and inner is not self:  # set through Lightning's LightningOptimizer
+            inner.tau = value
+            return
         _check_tau(value)
         value = float(value)
         for layer in self.layers:  # values bounded at the old tau must stay at or below the new one
@@ -231,6 +249,16 @@ class MuonClip(Muon):
         for layer in self.layers:
             layer.recorder.threshold = value
         self._record_wide_state()
+
+    def __getattr__(self, name: str) -> Any:
+        """An attribute this object lacks, from the optimizer it wraps: Lightning's
+        ``LightningOptimizer`` (``self.optimizers()``) is made an instance of this class without
+        its attributes, so ``clip_stats()``, ``tau``, ``last_max_logits``, ``steps_taken`` ...
+        read through it are the optimizer's own. Anything else: AttributeError."""
+        inner = self.__dict__.get("_optimizer")
+        if inner is not None and inner is not self:
+            return getattr(inner, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _wide_state(self) -> dict[str, Any]:
         """Muon's optimizer-wide values and ``tau``: every param group carries them."""
