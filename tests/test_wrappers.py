@@ -142,7 +142,11 @@ def test_what_cannot_be_followed_is_refused_by_name():
 @pytest.mark.parametrize("options", [dict(cpu_offload=True), dict(full_state_dict=True, cpu_offload=True),
                                      dict(flatten_optimizer_state_dict=True)])
 def test_torch_get_and_set_optimizer_state_dict_continue_bit_for_bit(options):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
     model = gpt()
     opt = MuonClip(model, tau=TAU, **OPT)
