@@ -45,8 +45,9 @@ def flat_kind(p: Tensor, module: nn.Module | None = None, attr: str = "") -> str
 
     Args:
         p: a parameter.
-        module, attr: the module holding it and its attribute name, when known: a 0-D/1-D
-            ``weight`` of a linear, embedding or convolution module is a flattened matrix.
+        module: the module holding it, when known (default None): a 0-D/1-D ``weight`` of a
+            linear, embedding or convolution module is a flattened matrix.
+        attr: its attribute name in ``module`` (default ``""``).
 
     Returns:
         ``"FSDP1 (use_orig_params=False)"`` for a ``FlatParameter``, ``"DeepSpeed ZeRO"`` for a

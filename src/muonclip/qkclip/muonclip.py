@@ -30,7 +30,7 @@ class MuonClip(Muon):
     One step::
 
         Muon / AdamW update of every parameter             # muonclip.Muon.step
-        S = all_reduce_MAX(recorded per-head max logits)   # one packed call; only under torch.distributed
+        S = all_reduce_MAX(recorded per-head max logits)   # one packed call, over the optimizer's process group
         for each attention layer, head h with S_h > tau:
             gamma_h = tau / S_h; scale head h's q/k rows so its logits are times gamma_h
         reset the recorders
@@ -61,6 +61,22 @@ class MuonClip(Muon):
     `muonclip.attention.gate`). The clip's decisions and gammas are exactly those of the exact
     maxima. ``last_bounded`` and ``clip_stats()`` say which logged maxima are such bounds.
 
+    The maxima are reduced over the optimizer's process group
+    (`muonclip.distributed.context.collective_group`, the group its step uses): the DTensor
+    parameters' mesh, else every rank when several run, a ``ProcessGroup`` given as
+    ``process_group=``; ``process_group="local"`` issues no collective, so independent models in
+    one job each clip with their own maxima.
+
+    Wrappers may replace the parameters after the optimizer is built: accelerate's FSDP2
+    ``prepare`` (new DTensor parameters in the model and, swapped in, in the param groups),
+    ``fully_shard`` or ``load_state_dict(assign=True)`` after it (in the model only). Before every
+    step, ``state_dict`` and ``load_state_dict``, `MuonClip` takes the tensors in use
+    (`muonclip.qkclip.binding`): it trains and clips as if built after the wrapper, or says by
+    name why it cannot. A model wrapped in FSDP1 or holding DeepSpeed ZeRO's flat pieces is
+    refused (`muonclip.optim.flat`). Lightning's ``LightningOptimizer`` (``self.optimizers()``)
+    passes on every attribute (``clip_stats()``, ``tau``, ``last_max_logits``, ...); under
+    accelerate's wrapper reach them with `muonclip.integrations.unwrap_optimizer`.
+
     What the clip writes follows one rule (`muonclip.qkclip.writable`): only trainable, plain
     floating-point tensors in the optimizer's param groups. A layer whose clip would scale a
     frozen tensor (the base weight under a LoRA adapter), a quantized one (a 4-bit base) or one
@@ -87,7 +103,8 @@ class MuonClip(Muon):
             cautious_weight_decay, momentum_8bit, ...).
 
     Attributes:
-        tau: the threshold (settable; also the threshold of every layer's recorder).
+        tau: the threshold (settable; also the threshold of every layer's recorder; kept in every
+            param group, so state dicts carry it).
         layers: the attention layers.
         last_max_logits: per layer name, the ``(n_heads,)`` maxima the last clip used (layers
             with nothing recorded are absent): exact where `last_bounded` is False, else an
