@@ -96,6 +96,40 @@ def test_a_swap_as_accelerate_does_it_is_followed():
     assert all(layer.layout.q_weight is model.get_submodule(layer.name).q_proj.weight for layer in opt.layers)
 
 
+def _gpt2() -> nn.Module:
+    """Tiny HF GPT-2: q and k are Rows of the fused c_attn, stored (in, out); large q/k columns."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=24, n_layer=1, n_head=3, n_positions=16, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    with torch.no_grad():
+        model.transformer.h[0].attn.c_attn.weight[:, :48].mul_(8.0)
+    return model
+
+
+def test_a_swap_is_followed_into_fused_rows_of_a_hugging_face_model():
+    """GPT-2's q and k are Rows of one fused (in, out) weight: the Rows are re-pointed too."""
+    def run(model, opt):
+        for s in range(3):
+            x, y = batch(s)
+            logits = model(input_ids=x).logits
+            nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+            yield sum(int(c.sum()) for c in opt.last_clipped.values())
+
+    ref = _gpt2()
+    swap_like_accelerate(ref, None)
+    ref_clipped = list(run(ref, MuonClip(ref, tau=2.0, **OPT)))
+    model = _gpt2()
+    opt = MuonClip(model, tau=2.0, **OPT)
+    swap_like_accelerate(model, opt)
+    assert list(run(model, opt)) == ref_clipped and sum(ref_clipped) > 0
+    assert max_diff(params(model), params(ref)) <= TOL
+    assert opt.layers[0].layout.q_weight.tensor is model.transformer.h[0].attn.c_attn.weight
+
+
 def test_a_model_side_replacement_after_steps_moves_the_state_along():
     """load_state_dict(assign=True) puts new tensors in the model only, after 2 steps: the
     optimizer takes them with their momentum and Adam moments, and continues as if nothing happened."""
@@ -327,3 +361,23 @@ def test_the_docs_one_process_accelerate_recipe_is_a_plain_loop(accelerator):
     log = train(ref, MuonClip(ref, tau=TAU, **OPT), [batch(s) for s in range(3)])
     assert clipped_heads(log) > 0
     assert max_diff(params(model), params(ref)) == 0.0
+
+
+def test_a_zero_lr_step_as_checkpointers_make_it_does_not_warn():
+    """torch.distributed.checkpoint (under Lightning's and accelerate's loaders) creates missing
+    optimizer state with a zero-gradient step at lr 0, with no forward before it: no "nothing
+    recorded" warning for a step that cannot change a weight; a step that can still warns."""
+    model = gpt()
+    opt = MuonClip(model, tau=TAU, **OPT)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    lrs = [g["lr"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+    for g, lr in zip(opt.param_groups, lrs):
+        g["lr"] = lr
+    with pytest.warns(UserWarning, match="no attention max logit was recorded"):
+        opt.step()

@@ -185,12 +185,18 @@ class ParameterBinding:
                     "wrapper replaced, and only a dataclass layout can be re-pointed; build MuonClip after the "
                     "wrapper (fully_shard, accelerator.prepare of the model alone)"
                 )
+            changes = {}
             for f in dataclasses.fields(layer.layout):
                 value = getattr(layer.layout, f.name)
                 if isinstance(value, Tensor) and id(value) in moved:
-                    setattr(layer.layout, f.name, moved[id(value)])
+                    changes[f.name] = moved[id(value)]
                 elif isinstance(getattr(value, "tensor", None), Tensor) and id(value.tensor) in moved:
-                    setattr(layer.layout, f.name, dataclasses.replace(value, tensor=moved[id(value.tensor)]))
+                    changes[f.name] = dataclasses.replace(value, tensor=moved[id(value.tensor)])  # Rows, Magnitudes...
+            if type(layer.layout).__dataclass_params__.frozen:
+                layer.layout = dataclasses.replace(layer.layout, **changes)
+            else:  # in place: whoever else holds the layout sees the new tensors too
+                for name, value in changes.items():
+                    setattr(layer.layout, name, value)
         check_clip_targets(self.layers, groups, {id(s.tensor): s.name for s in self.slots})
 
 
