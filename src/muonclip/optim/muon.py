@@ -30,7 +30,7 @@ from .masked import MaskedStep
 from .matrices import MatrixSpec, matrix_spec
 from .nonfinite import ON_NONFINITE, NonFiniteGradError, finite_per_tensor, nonfinite_indices
 from .scale import scale_name
-from .state_dicts import first_param, state_dtype
+from .state_dicts import state_dtype
 from .unrouted import refuse_model, refuse_unrouted
 from .validation import check_group, check_hyperparameters, number, refuse_removed_keywords
 from .weight_state import momentum_state, second_moment_state
@@ -157,11 +157,13 @@ class Muon(torch.optim.Optimizer):
 
     State: per parameter ``momentum_buffer`` (Muon; ``momentum_int8`` and ``momentum_scale``
     with ``momentum_8bit``; plus ``neuron_second_moment`` with ``normuon``) or ``step``,
-    ``exp_avg``, ``exp_avg_sq`` (AdamW); the optimizer-wide ``steps_taken`` (steps applied) and ``steps_skipped`` are
-    attributes, and a state dict carries them in its first parameter's entry (so a state dict
-    flattened per parameter keeps them). `load_state_dict` also takes torch.optim.Muon's state
-    dict (momentum converted: torch keeps an average, we keep a sum); `torch_state_dict` gives
-    one torch.optim.Muon or torch.optim.AdamW continues; `load_torch_state_dicts` takes torch's
+    ``exp_avg``, ``exp_avg_sq`` (AdamW); the optimizer-wide ``steps_taken`` (steps applied)
+    and ``steps_skipped`` are attributes, copied into every param group (so a parameter swapped
+    by a wrapper, or a state dict flattened per parameter, keeps them;
+    `muonclip.optim.state_dicts`). ``state_dict()`` writes dtypes (``orth_dtype``) as strings,
+    so any checkpointer can save it. `load_state_dict` also takes torch.optim.Muon's state dict
+    (momentum converted: torch keeps an average, we keep a sum); `torch_state_dict` gives one
+    torch.optim.Muon or torch.optim.AdamW continues; `load_torch_state_dicts` takes torch's
     Muon + AdamW pair into this one optimizer (docs/migrating.md).
 
     References:
@@ -235,7 +237,7 @@ class Muon(torch.optim.Optimizer):
         self.last_masked: Tensor | None = None
         self._structure: tuple[Any, StepStructure] | None = None  # the one-process step's buckets, cached
         self._mask_copies: list[Tensor] = []  # on_nonfinite="mask": the snapshot, reused between steps
-        super().__init__(params, defaults)
+        super().__init__(params, defaults)  # add_param_group copies the counters into each group
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group after validating it (`muonclip.optim.validation.check_group`); see the class
@@ -251,6 +253,7 @@ class Muon(torch.optim.Optimizer):
         except (ValueError, TypeError):
             self.param_groups.pop()
             raise
+        self._record_wide_state()
 
     # ----------------------------------------------------------------------------------------
     # the step
@@ -360,7 +363,7 @@ class Muon(torch.optim.Optimizer):
         return st
 
     # ----------------------------------------------------------------------------------------
-    # counters: optimizer-wide, kept in the first parameter's state too (state_dicts.WIDE_KEYS)
+    # counters: optimizer-wide, copied into every param group (state_dicts.WIDE_KEYS)
     # ----------------------------------------------------------------------------------------
 
     @property
@@ -396,9 +399,9 @@ class Muon(torch.optim.Optimizer):
         self._masked_count.add_(found)
 
     def _wide_state(self) -> dict[str, Any]:
-        """The optimizer-wide values a state dict carries in its first parameter's entry:
-        ``steps_taken`` and ``steps_skipped`` (``steps_skipped`` without the masked steps not yet
-        read in ``"mask"`` mode; `state_dict` reads them)."""
+        """The optimizer-wide values every param group carries: ``steps_taken`` and
+        ``steps_skipped`` (``steps_skipped`` without the masked steps not yet read in ``"mask"``
+        mode; `state_dict` reads them)."""
         return {"steps_taken": self.steps_taken, "steps_skipped": self._skipped_host}
 
     def _load_wide_state(self, values: dict[str, Any]) -> None:
@@ -407,13 +410,14 @@ class Muon(torch.optim.Optimizer):
         self.steps_skipped = int(values.get("steps_skipped", 0))
 
     def _record_wide_state(self) -> None:
-        """Keep `_wide_state` in the state of the first parameter once the optimizer has state
-        (a step made it), so that a state dict, even one flattened per parameter, carries it."""
-        if not self.__dict__.get("state"):
+        """Copy `_wide_state` into every param group (once there are groups), so that a state
+        dict, even one flattened per parameter, carries it, and no parameter swap can lose it."""
+        groups = self.__dict__.get("param_groups")
+        if not groups:
             return
-        first = first_param(self.param_groups)
-        if first is not None:
-            self.state[first].update(self._wide_state())
+        values = self._wide_state()
+        for group in groups:
+            group.update(values)
 
     # ----------------------------------------------------------------------------------------
     # state
@@ -427,14 +431,12 @@ class Muon(torch.optim.Optimizer):
         return {**kept, "_structure": None, "_mask_copies": []}
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state dict; the first parameter's entry also holds the optimizer-wide
-        values (``steps_taken``, ``steps_skipped``)."""
-        self.steps_skipped  # noqa: B018  (folds a masked count kept on the device into the state)
-        sd = super().state_dict()
-        first = first_param(sd["param_groups"])
-        if first is not None:  # also before the first step, when the live state is still empty
-            sd["state"][first] = {**sd["state"].get(first, {}), **self._wide_state()}
-        return sd
+        """torch's optimizer state dict in its saved form (`muonclip.optim.state_dicts.saved_form`:
+        dtypes as strings); every param group holds the optimizer-wide values (``steps_taken``,
+        ``steps_skipped``)."""
+        self.steps_skipped  # noqa: B018  (folds a masked count kept on the device into the groups)
+        self._record_wide_state()
+        return state_dicts.saved_form(super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this optimizer, of an earlier version of it, or of torch.optim.Muon.
@@ -450,7 +452,7 @@ class Muon(torch.optim.Optimizer):
         saved_groups: list[dict[str, Any]] = []
 
         def prepare(opt: Muon, sd: dict[str, Any]) -> dict[str, Any]:  # after every user pre-hook
-            sd = state_dicts.prepare(sd, opt.param_groups)
+            sd = state_dicts.prepare(sd, opt.param_groups, tuple(opt._wide_state()))
             sd, stashed = state_dicts.split_fp32_state(sd)
             kept.update(stashed)
             saved_groups.extend(sd["param_groups"])
@@ -458,8 +460,7 @@ class Muon(torch.optim.Optimizer):
 
         def finish(opt: Muon) -> None:  # before every user post-hook
             state_dicts.restore_fp32_state(opt.state, opt.param_groups, saved_groups, kept)
-            first = first_param(opt.param_groups)
-            opt._load_wide_state(dict(opt.state.get(first, {})) if first is not None else {})
+            opt._load_wide_state(dict(opt.param_groups[0]) if opt.param_groups else {})
             opt._structure = None
 
         pre = self.register_load_state_dict_pre_hook(prepare)

@@ -9,7 +9,9 @@ Rules (docs/design.md, "Which matrices: fused projections, heads and routers"), 
    Linear whose out_features equals an embedding's vocabulary size. A weight tied to an
    embedding is one parameter and is routed once, as an embedding.
 4. 0-D and 1-D tensors (norm gains, biases, scalars), and the per-expert biases ``(E, n)`` of
-   transformers' stacked experts -> AdamW with weight_decay 0 ("vector").
+   transformers' stacked experts -> AdamW with weight_decay 0 ("vector"). A 1-D tensor that is
+   a flattened matrix (FSDP1's flat parameters, DeepSpeed ZeRO's partitions) is no vector: a
+   model holding one is refused first (`muonclip.optim.flat`).
 5. peft adapters, by structure (the attribute names of peft's LoRA layers): LoRA's ``lora_A`` /
    ``lora_B`` matrices per ``lora=`` (default ``"muon"``: both to Muon, "LoRA A" / "LoRA B";
    ``"muon_b"``: B to Muon, A to AdamW; ``"adamw"``: both to AdamW), ``lora_embedding_A/B``
@@ -43,6 +45,7 @@ from typing import Any
 
 from torch import nn
 
+from .flat import refuse_flat_model
 from .fused import MatrixLayout, matrix_layouts
 
 HEAD_NAMES = ("lm_head", "head", "output", "unembed", "classifier", "score")
@@ -157,16 +160,21 @@ def param_groups(
             "Routing adapters", states the evidence behind the default.
 
     Returns:
-        `ParamGroups`: a list of dicts with ``params``, ``param_names`` and ``algorithm`` (and
+        `ParamGroups`: a list of dicts with ``params``, ``param_names``, ``algorithm`` and a
+        unique ``name`` (``"muon"``, ``"adamw"``, ``"adamw_no_decay"``, ...: what loggers such
+        as Lightning's LearningRateMonitor show) (and
         ``flatten``/``transposed``/``split_sizes``/``split_groups``/``lr``/``weight_decay`` where
         set), ready for ``muonclip.Muon(groups, lr=...)``; ``.report()`` prints the routing.
 
     Raises:
         ValueError: a ``muon=`` pattern names a 0-D/1-D tensor, a ``split=`` value is malformed,
             or a parameter would be routed twice or not at all.
+        FlatParameterError: (a ValueError) the model holds flattened pieces of matrices (FSDP1,
+            DeepSpeed ZeRO; `muonclip.optim.flat`), named with what to use instead.
     """
     if lora not in LORA_ROUTES:
         raise ValueError(f"lora must be one of {LORA_ROUTES}, got {lora!r}")
+    refuse_flat_model(model)  # a flattened matrix is never routed as a vector
     split = {pat: _split_options(pat, v) for pat, v in (split or {}).items()}
     known = matrix_layouts(model, per_head=per_head, split_fused=split_fused)
     owner: dict[int, nn.Module] = {}
@@ -274,11 +282,33 @@ def param_groups(
         group["param_names"].append(name)
 
     groups = list(buckets.values())
+    _name_groups(groups)
     seen = [id(p) for g in groups for p in g["params"]]
     expected = {id(p) for p in model.parameters() if p.requires_grad}
     if len(seen) != len(set(seen)) or set(seen) != expected:
         raise ValueError("internal routing error: a parameter is routed twice or not at all")
     return ParamGroups(groups, routes, frozen)
+
+
+def _name_groups(groups: list[dict[str, Any]]) -> None:
+    """Give every group a unique ``name`` (shown by loggers, e.g. Lightning's LearningRateMonitor):
+    its algorithm, then what sets it apart: ``"muon"``, ``"muon_split"`` (fused weights cut into
+    matrices), ``"muon_conv"`` (flattened), ``"muon_transposed"`` (``Conv1D``), ``"adamw"``,
+    ``"adamw_no_decay"`` (vectors); a second group of the same name gets ``_2``, and so on."""
+    seen: dict[str, int] = {}
+    for g in groups:
+        parts = [g["algorithm"]]
+        if g.get("split_sizes") is not None:
+            parts.append("split")
+        if g.get("flatten"):
+            parts.append("conv")
+        if g.get("transposed"):
+            parts.append("transposed")
+        if g["algorithm"] == "adamw" and g.get("weight_decay") == 0.0:
+            parts.append("no_decay")
+        base = "_".join(parts)
+        seen[base] = seen.get(base, 0) + 1
+        g["name"] = base if seen[base] == 1 else f"{base}_{seen[base]}"
 
 
 LORA_ROUTES = ("muon", "muon_b", "adamw")

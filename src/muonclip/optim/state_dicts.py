@@ -21,10 +21,20 @@ Every group is then validated as the constructor validates it
 (`muonclip.optim.validation.check_group`), before anything is loaded.
 
 **Optimizer-wide values** (``steps_taken``, ``steps_skipped``; `muonclip.MuonClip` adds
-``tau``) are kept in the state of the optimizer's first parameter, as torch.optim.LBFGS keeps
-its counters, so that a state dict flattened per parameter
-(``torch.distributed.checkpoint.state_dict`` with ``flatten_optimizer_state_dict=True``, as
-torchtitan saves it) carries them too.
+``tau``) are kept in every param group (the optimizer's attributes are the truth; the groups
+hold a copy, refreshed after every step and by ``state_dict()``). A param group survives what
+replaces parameters (accelerate's FSDP2 ``prepare`` swaps new tensors into ``params``), and a
+state dict flattened per parameter (``torch.distributed.checkpoint.state_dict`` with
+``flatten_optimizer_state_dict=True``, as torchtitan saves it) carries each group's values with
+every parameter; no per-parameter state exists before the first step. State dicts of earlier
+versions kept them in the first parameter's state (or a top-level ``"muonclip"`` entry): they
+are read from there and never put back into the state.
+
+**The saved form** holds nothing a checkpointer cannot store (`saved_form`): torch dtypes in
+param groups (``orth_dtype``) are strings such as ``"torch.bfloat16"``, turned back into dtypes
+on load (`from_saved_form`); everything else is a tensor, a number, a string, None or a list,
+tuple or dict of those, which ``torch.distributed.checkpoint`` (full or sharded, with or without
+``cpu_offload``), accelerate and Lightning save.
 
 **Out to torch**: `torch_state_dict` gives torch.optim.Muon's state dict of the Muon groups
 (momentum ``buf = (1 - mu) M``, concrete ``ns_steps`` and ``ns_coefficients``), or
@@ -54,7 +64,10 @@ INT8_STATE = ("momentum_int8",)
 """State kept in int8 (8-bit momentum codes; torch's loader would cast them to the parameter dtype)."""
 
 WIDE_KEYS = ("steps_taken", "steps_skipped")
-"""Optimizer-wide values kept in the first parameter's state."""
+"""`muonclip.Muon`'s optimizer-wide values, kept in every param group (`muonclip.MuonClip` adds ``tau``)."""
+
+DTYPE_PREFIX = "torch."
+"""A torch dtype in the saved form: ``str(dtype)``, e.g. ``"torch.bfloat16"``."""
 
 ADDED_GROUP_KEYS = ("ns_coefficients", "adamw_eps", "split_groups", "transposed", "normuon", "normuon_beta2",
                     "cautious_weight_decay", "momentum_8bit")
@@ -84,6 +97,51 @@ def state_dtype(p: Tensor) -> torch.dtype:
 def first_param(groups: Sequence[Mapping[str, Any]]) -> Any:
     """The first parameter (or saved id) of the first group that has one; None if none."""
     return next((p for g in groups for p in g["params"]), None)
+
+
+# ------------------------------------------------------------------------------------------
+# the saved form, and the optimizer-wide values
+# ------------------------------------------------------------------------------------------
+
+
+def saved_form(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with every torch dtype in its param groups written as a string
+    (``torch.bfloat16`` -> ``"torch.bfloat16"``); a new dict and new groups, the state shared."""
+    groups = [{k: str(v) if isinstance(v, torch.dtype) else v for k, v in g.items()}
+              for g in state_dict["param_groups"]]
+    return {**state_dict, "param_groups": groups}
+
+
+def from_saved_form(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A saved param group with its dtype strings (`saved_form`) back as torch dtypes; a new dict.
+    A group that holds dtypes (earlier versions saved them so) is taken as it is."""
+    return {k: _dtype(v) if isinstance(v, str) and v.startswith(DTYPE_PREFIX) else v for k, v in group.items()}
+
+
+def _dtype(text: str) -> Any:
+    value = getattr(torch, text[len(DTYPE_PREFIX):], None)
+    return value if isinstance(value, torch.dtype) else text
+
+
+def wide_values(state_dict: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    """The optimizer-wide values ``keys`` a muonclip state dict holds: from its first param group
+    that has them, else (earlier versions) from the first parameter's state entry, else from a
+    top-level ``"muonclip"`` entry. Absent ones are left out."""
+    groups, state = state_dict["param_groups"], state_dict["state"]
+    found: dict[str, Any] = {}
+    for key in keys:
+        for g in groups:
+            if key in g:
+                found[key] = g[key]
+                break
+    first = first_param(groups)
+    entry = state.get(first) if first is not None else None
+    older = [entry if isinstance(entry, Mapping) else {}, state_dict.get("muonclip") or {}]
+    for source in older:
+        for key in keys:
+            if key not in found and key in source:
+                found[key] = source[key]
+    return {k: v.item() if isinstance(v, Tensor) else v for k, v in found.items()}
 
 
 # ------------------------------------------------------------------------------------------
@@ -131,12 +189,15 @@ def _is_torch_adamw_group(g: Mapping[str, Any]) -> bool:
 # ------------------------------------------------------------------------------------------
 
 
-def prepare(state_dict: Mapping[str, Any], groups: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def prepare(state_dict: Mapping[str, Any], groups: Sequence[dict[str, Any]],
+            wide_keys: Sequence[str] = WIDE_KEYS) -> dict[str, Any]:
     """The state dict to hand torch's loader: recognised, converted to this version's format,
     every group validated against the optimizer's ``groups``; a new dict (the one passed in, and
-    its tensors, are not modified)."""
+    its tensors, are not modified). The optimizer-wide values ``wide_keys`` it holds
+    (`wide_values`, wherever this or an earlier version kept them) are put in every group, and
+    taken out of the per-parameter state; a torch.optim.Muon state dict has none."""
     source = kind(state_dict)
-    saved = state_dict["param_groups"]
+    saved = [from_saved_form(g) for g in state_dict["param_groups"]]
     if len(saved) != len(groups):
         hint = (" (torch's Muon + AdamW pair goes in with Muon.load_torch_state_dicts)"
                 if source == "torch.optim.Muon" else "")
@@ -156,10 +217,15 @@ def prepare(state_dict: Mapping[str, Any], groups: Sequence[dict[str, Any]]) -> 
                     state[pid]["momentum_buffer"] = _sum_momentum(state[pid]["momentum_buffer"], g["momentum"])
     else:
         new_groups = [_upgrade_group(g, own, i) for i, (g, own) in enumerate(zip(saved, groups))]
-        wide = state_dict.get("muonclip")
-        first = first_param(new_groups)
-        if isinstance(wide, Mapping) and first is not None:  # the counters' place in earlier versions
-            state[first] = {**state.get(first, {}), **{k: v for k, v in wide.items() if k not in state.get(first, {})}}
+    wide = wide_values(state_dict, wide_keys) if source == "muonclip" else {}
+    for g in new_groups:
+        for key in wide_keys:
+            g.pop(key, None)
+        g.update(wide)
+    for entry in state.values():
+        if isinstance(entry, dict):
+            for key in wide_keys:
+                entry.pop(key, None)
     for i, (g, own) in enumerate(zip(new_groups, groups)):
         if len(g["params"]) != len(own["params"]):
             raise ValueError(f"param group {i} of the state dict has {len(g['params'])} parameters, this "
@@ -184,6 +250,8 @@ def _upgrade_group(saved: Mapping[str, Any], own: Mapping[str, Any], i: int) -> 
     for key in ADDED_GROUP_KEYS:
         if key not in group:
             group[key] = own[key]
+    if "name" in own and "name" not in group:
+        group["name"] = own["name"]
     return group
 
 
@@ -402,9 +470,8 @@ def from_torch(own_state_dict: Mapping[str, Any], groups: Sequence[Mapping[str, 
             step = int(entry["step"])
             steps = max(steps, step)
             state[index_of[p]] = {"step": step, "exp_avg": entry["exp_avg"], "exp_avg_sq": entry["exp_avg_sq"]}
-    first = first_param(new_groups)
-    if first is not None:
-        state.setdefault(first, {}).update(steps_taken=steps, steps_skipped=0)
+    for g in new_groups:
+        g.update(steps_taken=steps, steps_skipped=0)
     return {"state": state, "param_groups": new_groups}
 
 
@@ -426,5 +493,6 @@ def _label(groups: Sequence[Mapping[str, Any]], p: Tensor) -> str:
     return "a parameter"
 
 
-__all__ = ["ADDED_GROUP_KEYS", "FP32_STATE", "INT8_STATE", "TORCH_MUON_KEYS", "WIDE_KEYS", "first_param", "from_torch",
-           "kind", "prepare", "restore_fp32_state", "split_fp32_state", "state_dtype", "torch_state_dict"]
+__all__ = ["ADDED_GROUP_KEYS", "DTYPE_PREFIX", "FP32_STATE", "INT8_STATE", "TORCH_MUON_KEYS", "WIDE_KEYS",
+           "first_param", "from_saved_form", "from_torch", "kind", "prepare", "restore_fp32_state", "saved_form",
+           "split_fp32_state", "state_dtype", "torch_state_dict", "wide_values"]
