@@ -16,7 +16,7 @@ import torch
 from muonclip.app.checkpoints import load_file, read_checkpoint
 from muonclip.app.main import main
 from muonclip.app.metrics import JSONL, MetricsError, MetricsWriter, read_rows
-from muonclip.app.runfolder import OutputError, RunLock, check_new_run_folder, inspect_folder
+from muonclip.app.runfolder import OutputError, RunLock, check_new_run_folder, inspect_folder, read_lock_token
 
 TINY = ["--preset", "tiny", "--quiet", "--threads", "1"]
 
@@ -69,15 +69,26 @@ def test_train_refuses_a_folder_that_is_not_one_of_its_runs(tmp_path, capsys, te
 
 
 def test_a_run_whose_checkpoint_is_missing_is_never_restarted_over(tmp_path, capsys, text, run4):
-    """On the old code the next plain run into such a folder replaced its 4 logged rows."""
+    """A pointer naming a checkpoint that is gone, or no pointer in a run whose metrics go past its first
+    checkpoint (so it had one): refused for a resume and for a new run, nothing modified. On the old code
+    the next plain run into such a folder replaced its logged rows."""
     run = copy_of(run4, tmp_path)
-    (run / "checkpoint.json").unlink()
     (run / "checkpoint-step4.pt").unlink()
     before = snapshot(run)
-    bad(capsys, ["train", *TINY, "--data", text, "--steps", "2", "--out", str(run)],
-        "holds a run whose checkpoint (checkpoint.json) is missing")
-    bad(capsys, ["train", "--quiet", "--out", str(run), "--resume"], "holds a run whose checkpoint")
-    assert snapshot(run) == before and len(read_rows(run)) == 4
+    bad(capsys, ["train", "--quiet", "--out", str(run), "--resume"],
+        f"checkpoint file {run / 'checkpoint-step4.pt'} cannot be read (No such file or directory)")
+    bad(capsys, ["train", *TINY, "--data", text, "--steps", "2", "--out", str(run)], "already holds a run")
+    assert snapshot(run) == before
+    lost = tmp_path / "lost"
+    assert main(["train", *TINY, "--data", text, "--steps", "4", "--set", "checkpoint_every=2", "--out", str(lost)]) == 0
+    (lost / "checkpoint.json").unlink()
+    (lost / "checkpoint-step4.pt").unlink()
+    before = snapshot(lost)
+    bad(capsys, ["train", "--quiet", "--out", str(lost), "--resume"], "holds a run whose checkpoint (checkpoint.json) "
+        "is missing: its metrics go to step 4, past its first checkpoint (step 2); it cannot be continued")
+    bad(capsys, ["train", *TINY, "--data", text, "--steps", "2", "--out", str(lost)],
+        "holds a run without a checkpoint (checkpoint.json), and a new run will not overwrite it")
+    assert snapshot(lost) == before and len(read_rows(lost)) == 4
 
 
 KILL_IN_REWRITE = """
@@ -108,7 +119,7 @@ def test_a_kill_inside_the_metrics_rewrite_leaves_the_whole_old_history(tmp_path
     proc = subprocess.run([sys.executable, "-c", KILL_IN_REWRITE, str(run), "2000", "500"], capture_output=True)
     assert proc.returncode == -9, proc.stderr.decode()
     assert (run / JSONL).read_bytes() == before
-    assert [p.name for p in run.iterdir() if p.name.startswith(".metrics.jsonl.tmp-")]
+    assert [p.name for p in run.iterdir() if p.name.startswith(".metrics.jsonl.muonclip-tmp-")]
     assert [r["step"] for r in read_rows(run)] == list(range(1, 3001))
     MetricsWriter(run, 2, keep_until=2000).close()
     assert [r["step"] for r in read_rows(run)] == list(range(1, 2001))
@@ -125,12 +136,15 @@ def test_torn_last_line_is_skipped_and_a_bad_line_names_the_file(tmp_path):
 
 
 def test_a_resume_after_a_kill_removes_what_the_kill_left(tmp_path, capsys, run4):
+    """Temporaries named with the token of a writer that .lock records (the killed one), and checkpoints
+    no pointer names: removed by the next writer."""
     run = copy_of(run4, tmp_path)
-    (run / ".checkpoint-step6.pt.tmp-12345").write_bytes(b"half")
-    (run / ".checkpoint-step6.dcp.tmp").mkdir()
-    (run / ".checkpoint-step6.dcp.tmp" / "__0_0.distcp").write_bytes(b"half")
+    token = read_lock_token(run)
+    (run / f".checkpoint-step6.pt.muonclip-tmp-{token}").write_bytes(b"half")
+    (run / f".checkpoint-step6.dcp.muonclip-tmp-{token}").mkdir()
+    (run / f".checkpoint-step6.dcp.muonclip-tmp-{token}" / "__0_0.distcp").write_bytes(b"half")
     shutil.copy(run / "checkpoint-step4.pt", run / "checkpoint-step5.pt")  # renamed, pointer not yet written
-    (run / ".metrics.jsonl.tmp-999").write_text("{")
+    (run / f".metrics.jsonl.muonclip-tmp-{token}").write_text("{")
     assert inspect_folder(run).kind == "run"
     assert main(["train", "--quiet", "--out", str(run), "--resume", "--steps", "5"]) == 0
     assert sorted(p.name for p in run.iterdir()) == [".lock", "checkpoint-step5.pt", "checkpoint.json",
