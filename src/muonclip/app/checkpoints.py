@@ -198,11 +198,11 @@ def check_rng(state: Any, where: str) -> None:
     if not isinstance(state, dict) or not isinstance(state.get("torch"), torch.Tensor):
         raise CheckpointError(f"{where}: rng must be {{'torch': a uint8 tensor, 'cuda': ...}}, got {state!r:.100}")
     cuda = state.get("cuda")
+    if cuda is not None and not isinstance(cuda, (list, tuple)):
+        raise CheckpointError(f"{where}: rng.cuda must be None or a list of CUDA generator states, got {cuda!r:.100}")
     for name, t in [("rng.torch", state["torch"]), *((f"rng.cuda[{i}]", t) for i, t in enumerate(cuda or []))]:
         if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.ndim != 1:
             raise CheckpointError(f"{where}: {name} must be a 1-D uint8 tensor (a generator's state), got {t!r:.100}")
-    if cuda is not None and not isinstance(cuda, list):
-        raise CheckpointError(f"{where}: rng.cuda must be None or a list of CUDA generator states, got {cuda!r:.100}")
     own = torch.get_rng_state()
     try:
         torch.set_rng_state(state["torch"])
@@ -434,9 +434,11 @@ def load_file(path: str | Path) -> dict[str, Any]:
     except Exception as e:  # torch raises many kinds for a torn or foreign file
         raise CheckpointError(f"checkpoint {path} is corrupt or unreadable ({type(e).__name__}: {e})") from None
     if not isinstance(data, dict) or data.get("format") != FILE_FORMAT:
-        raise CheckpointError(f"{path} is not a muonclip checkpoint")
+        got = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise CheckpointError(f"{path} is not a muonclip checkpoint (format {got!r:.100}, expected {FILE_FORMAT!r})")
     if data.get("version") != VERSION:
-        raise CheckpointError(f"{path} has checkpoint version {data.get('version')}, this muonclip reads {VERSION}")
+        raise CheckpointError(f"{path} has checkpoint version {data.get('version')!r:.100}, this muonclip reads "
+                              f"{VERSION}")
     missing = [k for k in ("step", "model", "optim", "rng") if k not in data]
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks {missing}; it is incomplete")

@@ -146,7 +146,9 @@ def _run_train(args: argparse.Namespace) -> int:
             raise OutputError("--resume needs --out, the folder of the run to continue")
         if args.preset is not None:
             raise ValueError("--preset cannot be used with --resume: the run's config comes from its checkpoint")
-        if check_run_folder(Path(args.out)).has_checkpoint:
+        state = check_run_folder(Path(args.out))
+        record = read_run_config(Path(args.out))  # every file checked before anything is read for training
+        if state.has_checkpoint:
             found = read_checkpoint(Path(args.out))
             optimizer = args.optimizer or found.optimizer
             try:
@@ -154,7 +156,6 @@ def _run_train(args: argparse.Namespace) -> int:
             except (TypeError, ValueError) as e:
                 raise CheckpointError(f"{found.path} holds an unreadable config ({e})") from None
         else:  # a run that stopped before its first checkpoint restarts with its own config
-            record = read_run_config(Path(args.out))
             check_restart(Path(args.out), record.config)
             optimizer, base = args.optimizer or record.optimizer, record.config
         over = _overrides(args)

@@ -215,9 +215,9 @@ def step_memory(cfg: RunConfig, optimizer: str, *, world_size: int = 1, fsdp: bo
     C, V = cfg.n_embd, 256
     # every layer's, the final norm's, the logits' (with log-softmax and both gradients), one
     # layer's gradients in flight during the backward pass, the int64 inputs and targets
-    widths = per_layer * cfg.n_layer + [C] * 2 + [V] * 4 + [4 * C] * 2 + [4]
-    activations = sum(FLOAT * tokens * w for w in widths)
-    slack = sum((ALLOCATOR_FACTOR - 1) * FLOAT * tokens * w for w in widths if FLOAT * tokens * w < MMAP_BYTES)
+    widths = [(w, cfg.n_layer) for w in per_layer] + [(C, 2), (V, 4), (4 * C, 2), (4, 1)]  # (floats, how many)
+    activations = sum(FLOAT * tokens * w * n for w, n in widths)
+    slack = sum((ALLOCATOR_FACTOR - 1) * FLOAT * tokens * w * n for w, n in widths if FLOAT * tokens * w < MMAP_BYTES)
     scores = FLOAT * (cfg.n_layer + 2) * sequences * scores_per_sequence  # a softmax a layer, two gradients
     parts = StepMemory(parameters=int(FLOAT * copies), activations=activations, attention_scores=scores,
                        overhead=int(slack) + LIBRARY_BYTES, corpus=corpus_memory(*corpus))
@@ -317,15 +317,20 @@ def _gib(n: float) -> str:
 def _largest_fitting(cfg: RunConfig, optimizer: str, name: str, available: int, world_size: int,
                      fsdp: bool, corpus: tuple[int, int]) -> int | None:
     """The largest value below the current one of setting ``name`` whose step fits, or None
-    (``n_embd`` in multiples of ``2 n_head``: whole heads of even width, as RoPE needs)."""
+    (``n_embd`` in multiples of ``2 n_head``: whole heads of even width, as RoPE needs; ``n_expert``
+    at least ``n_expert_active``). A binary search of the arithmetic estimate: about 62 steps at most."""
     unit = 2 * cfg.n_head if name == "n_embd" else 1
-    lo, hi = 0, getattr(cfg, name) // unit  # in units: lo fits (0: nothing yet), hi does not
+    floor = cfg.n_expert_active if name == "n_expert" else 1
+    lo, hi = floor - 1, getattr(cfg, name) // unit  # in units: lo fits (floor - 1: nothing yet), hi does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        need = step_memory(replace(cfg, **{name: mid * unit}), optimizer, world_size=world_size, fsdp=fsdp,
-                           corpus=corpus).total
+        try:
+            need = step_memory(replace(cfg, **{name: mid * unit}), optimizer, world_size=world_size, fsdp=fsdp,
+                               corpus=corpus).total
+        except ValueError:  # not a model (e.g. n_embd no longer a multiple of the heads)
+            need = available + 1
         lo, hi = (mid, hi) if need <= available else (lo, mid)
-    return lo * unit or None
+    return lo * unit if lo >= floor else None
 
 
 def check_memory(cfg: RunConfig, optimizer: str, device: torch.device, *, world_size: int = 1,
@@ -336,7 +341,9 @@ def check_memory(cfg: RunConfig, optimizer: str, device: torch.device, *, world_
 
     The setting named is the one that dominates the estimate: ``block_size`` when the attention
     scores do (they grow with its square), ``batch_size`` when the activations do, ``n_embd``
-    when the parameters and optimizer state do, each with the largest value that would fit.
+    when the parameters and optimizer state do, each with the largest value that would fit;
+    where lowering neither of those would make it fit, the sizes that would (``n_layer``,
+    ``n_embd``, ``batch_size``, ``block_size``, ``n_expert``).
     ``ranks_here`` processes share the machine's memory; ``sharing`` names them in the message
     (default "ranks"; `muonclip compare` runs several runs at a time). ``corpus``: the sizes of
     the corpus's files and of the largest one, read into this process's memory (`step_memory`;
@@ -355,10 +362,14 @@ def check_memory(cfg: RunConfig, optimizer: str, device: torch.device, *, world_
              "parameters": need.parameters}
     order = {"attention_scores": ("block_size", "batch_size"), "activations": ("batch_size", "block_size"),
              "parameters": ("n_embd", "n_layer")}[max(parts, key=parts.__getitem__)]
-    hints = []
-    for name in order:
-        fits = _largest_fitting(cfg, optimizer, name, available, world_size, fsdp, corpus)
-        hints.append(f"{name} (now {getattr(cfg, name)}" + (f"; {fits} would fit)" if fits else ")"))
+    fits = {name: _largest_fitting(cfg, optimizer, name, available, world_size, fsdp, corpus) for name in order}
+    if not any(fits.values()):  # lowering neither helps: the setting out of all proportion is another
+        others = [n for n in ("n_layer", "n_embd", "batch_size", "block_size", *(("n_expert",) if cfg.n_expert else ()))
+                  if n not in order]
+        found = {n: _largest_fitting(cfg, optimizer, n, available, world_size, fsdp, corpus) for n in others}
+        if any(found.values()):
+            fits = {n: v for n, v in found.items() if v}
+    hints = [f"{name} (now {getattr(cfg, name)}" + (f"; {v} would fit)" if v else ")") for name, v in fits.items()]
     where = "the GPU" if device.type == "cuda" else "this machine" + (f"'s share for each of {ranks_here} {sharing}"
                                                                      if ranks_here > 1 else "")
     if unknown:

@@ -449,7 +449,9 @@ class RunLock:
         if self.fd is None:
             return
         self.token = token
-        earlier = re.findall(r"\b[0-9a-f]{32}\b", os.pread(self.fd, 1 << 16, 0).decode("utf-8", "replace"))
+        text = os.pread(self.fd, 1 << 16, 0).decode("utf-8", "replace")
+        line = next((x for x in text.splitlines() if x.startswith("writers ")), text)  # oldest first
+        earlier = re.findall(r"\b[0-9a-f]{32}\b", line)
         record = [t for t in dict.fromkeys(earlier) if t != token][-(LOCK_RECORD - 1):]
         text = f"{os.getpid()} {os.uname().nodename} {token}\nwriters {' '.join([*record, token])}\n".encode()
         os.ftruncate(self.fd, 0)
