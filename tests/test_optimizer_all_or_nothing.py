@@ -200,12 +200,15 @@ MUTATIONS = {
     "step string": (("adamw", 0), "step", lambda v: "abc", r"step must be a whole number >= 0, got 'abc'"),
     "step float": (("adamw", 0), "step", lambda v: 2.5, r"step must be a whole number"),
     "step bool": (("adamw", 0), "step", lambda v: True, r"step must be a whole number"),
-    # counters (on the old code "abc" gave a ValueError whose message was a generator's repr)
-    "steps_taken string": (("muon", 0), "steps_taken", lambda v: "abc",
-                           r"steps_taken must be a whole number >= 0, got 'abc'"),
-    "steps_taken negative": (("muon", 0), "steps_taken", lambda v: -3, r"steps_taken must be a whole number"),
-    "steps_skipped float": (("muon", 0), "steps_skipped", lambda v: 0.5, r"steps_skipped must be a whole number"),
 }
+
+
+def counters(sd):
+    """The dict of a state dict that holds the optimizer-wide counters: a param group, or (the format
+    before they moved to the groups) the first parameter's state entry."""
+    if "steps_taken" in sd["param_groups"][0]:
+        return sd["param_groups"][0]
+    return sd["state"][sd["param_groups"][0]["params"][0]]
 
 
 @pytest.mark.parametrize("case", list(MUTATIONS))
@@ -225,6 +228,23 @@ def test_load_state_dict_checks_every_state_tensor_and_counter(case):
     mixed_loss(model, 3).backward()
     opt.step()  # still usable, and never NaN
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize(("key", "value", "match"), [
+    # on the old code "abc" gave a ValueError whose message was a generator's repr
+    ("steps_taken", "abc", r"steps_taken must be a whole number >= 0, got 'abc'"),
+    ("steps_taken", -3, r"steps_taken must be a whole number"),
+    ("steps_skipped", 0.5, r"steps_skipped must be a whole number"),
+])
+def test_load_state_dict_checks_the_counters(key, value, match):
+    _, src = trained()
+    sd = copy.deepcopy(src.state_dict())
+    counters(sd)[key] = value
+    model, opt = trained(seed=1)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(sd)
+    assert same_tree(opt.state_dict(), before) and opt.steps_taken == 2
 
 
 def test_load_state_dict_checks_8bit_and_normuon_state():
@@ -268,11 +288,10 @@ def test_muonclip_tau_in_a_loaded_state_is_checked_before_the_load():
         return opt
 
     sd = copy.deepcopy(clip_opt(2).state_dict())
-    first = sd["param_groups"][0]["params"][0]
     opt = clip_opt(1)
     before = copy.deepcopy(opt.state_dict())
     for bad in ("big", -1.0, math.inf):
-        sd["state"][first]["tau"] = bad
+        counters(sd)["tau"] = bad
         with pytest.raises(ValueError, match=r"tau must be a finite number > 0"):
             opt.load_state_dict(sd)
         assert same_tree(opt.state_dict(), before) and opt.tau == 100.0

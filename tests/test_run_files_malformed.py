@@ -152,7 +152,8 @@ def test_every_field_of_config_json(tmp_path, capsys, run4):
 
 
 def _pt_cases(data):
-    first_state = next(iter(data["optim"]["state"]))
+    groups = data["optim"]["param_groups"]  # the counters: in a group, or (earlier) the first parameter's state
+    home = ("optim", "param_groups", 0) if "steps_taken" in groups[0] else ("optim", "state", groups[0]["params"][0])
     adamw_state = next(pid for g in data["optim"]["param_groups"] if g["algorithm"] == "adamw"
                        for pid in g["params"] if pid in data["optim"]["state"])
     name = next(iter(data["model"]))
@@ -185,9 +186,9 @@ def _pt_cases(data):
         (put("optim", "param_groups", 0, "params"), 5, "optim"),
         (put("optim", "param_groups", 0, "lr"), "abc", "lr"), (put("optim", "param_groups", 0, "lr"), 1e39, "lr"),
         (put("optim", "param_groups", 0, "betas"), 0.9, "betas"),
-        (put("optim", "state", first_state, "steps_taken"), "abc", "steps_taken"),
-        (put("optim", "state", first_state, "steps_taken"), -1, "steps_taken"),
-        (put("optim", "state", first_state, "tau"), "big", "tau"),
+        (put(*home, "steps_taken"), "abc", "steps_taken"),
+        (put(*home, "steps_taken"), -1, "steps_taken"),
+        (put(*home, "tau"), "big", "tau"),
         (put("optim", "state", adamw_state, "exp_avg_sq"), -torch.ones(3), "exp_avg_sq"),
         (put("optim", "state", adamw_state, "step"), -1, "step"),
         (put("optim", "state", adamw_state), "abc", "optim"),

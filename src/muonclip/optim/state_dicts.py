@@ -18,8 +18,7 @@
 * Anything else is refused with a ValueError that says what it looks like.
 
 Every group is then validated as the constructor validates it
-(`muonclip.optim.validation.check_group`), and every state tensor and counter against its
-parameter (`muonclip.optim.state_validation`), before anything is loaded.
+(`muonclip.optim.validation.check_group`), before anything is loaded.
 
 **Optimizer-wide values** (``steps_taken``, ``steps_skipped``; `muonclip.MuonClip` adds
 ``tau``) are kept in the state of the optimizer's first parameter, as torch.optim.LBFGS keeps
