@@ -251,13 +251,13 @@ class Muon(torch.optim.Optimizer):
         self.comm_dtype = comm_dtype
         self.backend = make_backend(backend)
         self.last_step_stats = StepStats()
+        self._checked: dict[int, tuple[Any, ...]] = {}  # per group: what the last full check of a step saw
         self.steps_taken = 0
         self.steps_skipped = 0
         # on_nonfinite="mask": the last step's device flag (True: masked), for what runs after it
         self.last_masked: Tensor | None = None
         self._structure: tuple[Any, StepStructure] | None = None  # the one-process step's buckets, cached
         self._mask_copies: list[Tensor] = []  # on_nonfinite="mask": the snapshot, reused between steps
-        self._checked: dict[int, tuple[Any, ...]] = {}  # per group: what the last full check of a step saw
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
