@@ -190,24 +190,18 @@ def check_step_scalars(group: Mapping[str, Any], limits: StepLimits, where: str 
 
 
 def step_numbers(group: Mapping[str, Any], limits: StepLimits, where: str = "") -> tuple[float, float]:
-    """``(lr, weight_decay)`` of ``group`` as floats, for a step: the fast path checks only what
-    can have changed since the group was validated (lr and weight decay, momentum, betas and
-    AdamW's epsilon: their ranges, and the coefficients of `check_step_scalars`); anything out
-    of range raises the ValueError of `check_hyperparameters` or `check_step_scalars`, before
-    the step changes anything."""
+    """``(lr, weight_decay)`` of an already validated ``group`` as floats, for a step: the fast
+    path checks what a scheduler may have set since (``lr`` and ``weight_decay``: their kind,
+    range and the coefficients of `check_step_scalars`); anything wrong raises the ValueError of
+    `check_hyperparameters` or `check_step_scalars`, before the step changes anything."""
     lr, wd = group["lr"], group["weight_decay"]
     try:
         if type(lr) is not float or type(wd) is not float:
             lr, wd = _float(f"{where}lr", lr), _float(f"{where}weight_decay", wd)
-        if group["algorithm"] == "muon":
-            ok, factor = 0.0 <= group["momentum"] < 1.0, max(wd, limits.scale)
-        else:
-            beta1, beta2 = group["betas"]
-            ok = 0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0 and 0.0 < group["adamw_eps"] <= limits.state_max
-            factor = max(wd, 1.0 / (1.0 - beta1)) if ok else 0.0
-        if ok and 0.0 <= lr and 0.0 <= wd and lr * factor <= limits.dtype_max:
+        factor = max(wd, limits.scale if group["algorithm"] == "muon" else 1.0 / (1.0 - group["betas"][0]))
+        if 0.0 <= lr and 0.0 <= wd and lr * factor <= limits.dtype_max:  # False for NaN
             return lr, wd
-    except (TypeError, ValueError):  # a value of the wrong kind: the full check below names it
+    except (TypeError, ValueError, ZeroDivisionError):  # a value of the wrong kind: the full check names it
         pass
     check_hyperparameters(group, where)
     check_step_scalars(group, limits, where)
