@@ -15,12 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from operator import itemgetter
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from . import state_dicts
+from . import state_dicts, state_validation
 from .adamw import adamw_step
 from .backend import Backend, make_backend
 from .buckets import Bucket, make_buckets, options_key
@@ -32,8 +33,18 @@ from .nonfinite import ON_NONFINITE, NonFiniteGradError, finite_per_tensor, nonf
 from .scale import scale_name
 from .state_dicts import state_dtype
 from .unrouted import refuse_model, refuse_unrouted
-from .validation import check_group, check_hyperparameters, number, refuse_removed_keywords
+from .validation import (
+    GROUP_KEYS,
+    check_group,
+    check_hyperparameters,
+    check_step_params,
+    refuse_removed_keywords,
+    step_numbers,
+)
 from .weight_state import momentum_state, second_moment_state
+
+_SETTINGS = itemgetter(*(k for k in GROUP_KEYS if k not in ("lr", "weight_decay")))
+"""A group's settings other than lr and weight decay (a step re-validates the group when they change)."""
 
 
 class Muon(torch.optim.Optimizer):
@@ -142,14 +153,25 @@ class Muon(torch.optim.Optimizer):
 
     Every number above (``lr``, ``momentum``, ``weight_decay``, ``betas``, ``adamw_eps``,
     ``eps``, ``ns_coefficients``), given here, in a group (``add_param_group`` too) or in a
-    loaded state dict, must be finite and in its range: a ValueError names the one that is not
-    (nan or inf would reach every weight; `muonclip.optim.validation`). ``lr`` (and
+    loaded state dict, must be a number (an int or a float; not a string or a bool), finite and
+    in its range, and small enough that what the step computes from it fits the parameters'
+    dtype (``lr * scale`` of each matrix, ``lr * weight_decay``, AdamW's ``lr / (1 - beta1)``:
+    ``lr=1e39`` overflows float32): a ValueError names the one that is not and the largest value
+    that fits (nan or inf would reach every weight; `muonclip.optim.validation`); so does a
+    ``betas`` that is not two numbers. The flags (``nesterov``, ``normuon``,
+    ``cautious_weight_decay``, ``momentum_8bit``) must be True or False. ``lr`` (and
     ``weight_decay``) may be a one-element tensor of any shape (``()``, ``(1,)``, ``(1, 1)``),
     as in torch.optim: the step reads its value each time (on a GPU, one host sync per group
     and step). Complex parameters are refused when added (TypeError): the orthogonalisation and
     the update scale are defined for real matrices. Everything after ``lr`` is keyword-only,
     because torch.optim.Muon's positional order differs: a positional call could silently mean
     other settings; a keyword of an earlier version raises a TypeError naming its replacement.
+
+    A step is all or nothing: before it changes any parameter, buffer or counter it checks again
+    what the groups hold now (``lr`` and ``weight_decay`` every step, as a scheduler may set
+    them; every other setting when one changed; a parameter on the meta device, which has no
+    data, is refused with a ValueError naming it), so a value set between steps that the step
+    could not run with raises there, and the optimizer is as it was.
 
     NorMuon, cautious weight decay and 8-bit momentum are per group too (keys ``normuon``,
     ``normuon_beta2``, ``cautious_weight_decay``, ``momentum_8bit``), all off by default; the
@@ -208,13 +230,13 @@ class Muon(torch.optim.Optimizer):
             weight_decay=weight_decay,
             momentum=momentum,
             nesterov=nesterov,
-            ns_coefficients=None if ns_coefficients is None else tuple(ns_coefficients),
+            ns_coefficients=tuple(ns_coefficients) if isinstance(ns_coefficients, list) else ns_coefficients,
             eps=eps,
             ns_steps=ns_steps,
             adjust_lr_fn=scale_name(adjust_lr_fn),
             method=method,
             orth_dtype=orth_dtype,
-            betas=tuple(betas),
+            betas=tuple(betas) if isinstance(betas, list) else betas,
             adamw_eps=adamw_eps,
             split_sizes=None,
             split_groups=1,
@@ -231,6 +253,7 @@ class Muon(torch.optim.Optimizer):
         self.comm_dtype = comm_dtype
         self.backend = make_backend(backend)
         self.last_step_stats = StepStats()
+        self._checked: dict[int, tuple[Any, ...]] = {}  # per group: what the last full check of a step saw
         self.steps_taken = 0
         self.steps_skipped = 0
         # on_nonfinite="mask": the last step's device flag (True: masked), for what runs after it
@@ -266,6 +289,7 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        numbers = self._check_groups()  # before anything changes: a step runs whole or not at all
         named = [(g, i, p) for g in self.param_groups for i, p in enumerate(g["params"])]
         live = [(g, i, p) for g, i, p in named if p.grad is not None]
         for g, i, p in live:
@@ -289,7 +313,7 @@ class Muon(torch.optim.Optimizer):
             guard = MaskedStep([p for _, _, p in live], [self.state[p] for _, _, p in live], found, local,
                                cache=self._mask_copies)
             self.last_masked = found
-            self._update(engine, ctx, local)
+            self._update(engine, ctx, local, numbers)
             guard.restore()
             self._count_masked(found)
             self._record_wide_state()
@@ -306,17 +330,37 @@ class Muon(torch.optim.Optimizer):
                 "no parameter was updated. Check the loss and the learning rate, clip gradients, "
                 "or pass on_nonfinite='skip' to skip such steps."
             )
-        self._update(engine, ctx, local)
+        self._update(engine, ctx, local, numbers)
         self._record_wide_state()
         return loss
 
-    def _update(self, engine: Engine | None, ctx: Any, local: Callable[[Tensor], Tensor]) -> None:
-        """The Muon update of every Muon parameter with a gradient, then the AdamW groups'."""
-        self.steps_taken += 1
+    def _check_groups(self) -> dict[int, tuple[float, float]]:
+        """Every group's ``(lr, weight_decay)`` for this step, by ``id(group)``, after checking that
+        the step can run on what the groups hold now (`muonclip.optim.validation.step_numbers`):
+        a group whose other settings (or parameters) changed since the last step is validated
+        whole again (`check_group`, and no parameter on the meta device). Raises ValueError
+        (TypeError for a complex parameter) naming the group and value; nothing has changed then."""
+        numbers, checked = {}, self.__dict__.setdefault("_checked", {})
+        for gi, g in enumerate(self.param_groups):
+            where = f"param group {gi}'s "
+            settings, params = _SETTINGS(g), g["params"]
+            seen = checked.get(id(g))
+            if seen is None or seen[0] is not params or seen[1] != len(params) or seen[2] != settings:
+                limits = check_group(g, where, f"param group {gi}: ")
+                check_step_params(g, f"param group {gi}")
+                seen = (params, len(params), settings, limits)
+                checked[id(g)] = seen
+            numbers[id(g)] = step_numbers(g, seen[3], where)
+        return numbers
+
+    def _update(self, engine: Engine | None, ctx: Any, local: Callable[[Tensor], Tensor],
+                numbers: dict[int, tuple[float, float]]) -> None:
+        """The Muon update of every Muon parameter with a gradient, then the AdamW groups', with each
+        group's checked ``(lr, weight_decay)`` (`_check_groups`); ``steps_taken`` counts it once done."""
         if engine is None or ctx.world_size == 1:
             live = [(g, p) for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"]
                     if p.grad is not None]
-            self.last_step_stats = self._muon_step(live, local)
+            self.last_step_stats = self._muon_step(live, local, numbers)
         else:  # on every rank, even one without grads: it runs collectives
             items = [(g, p, partial(_name, self, g, i))  # the name is only formatted for an error
                      for g in self.param_groups if g["algorithm"] == "muon" for i, p in enumerate(g["params"])]
@@ -324,17 +368,19 @@ class Muon(torch.optim.Optimizer):
                                                     new_buffer=_zeros_fp32, comm_dtype=self.comm_dtype)
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
-                adamw_step(group["params"], self.state, lr=number(group["lr"]), betas=group["betas"],
-                           eps=group["adamw_eps"], weight_decay=number(group["weight_decay"]), new_buffer=_zeros_fp32)
+                lr, wd = numbers[id(group)]
+                adamw_step(group["params"], self.state, lr=lr, betas=group["betas"], eps=group["adamw_eps"],
+                           weight_decay=wd, new_buffer=_zeros_fp32)
+        self.steps_taken += 1
 
-    def _muon_step(self, live: list[tuple[dict[str, Any], Tensor]], local: Callable[[Tensor], Tensor]) -> StepStats:
+    def _muon_step(self, live: list[tuple[dict[str, Any], Tensor]], local: Callable[[Tensor], Tensor],
+                   numbers: dict[int, tuple[float, float]]) -> StepStats:
         """One process: `muonclip.optim.functional.muon_step` of every Muon weight with a gradient."""
         stats = StepStats()
         if not live:
             return stats
         st = self._cached_structure(live)
-        settings = {id(g): (number(g["lr"]), number(g["weight_decay"]), g["momentum"], g["nesterov"])
-                    for g, _ in live}  # read once per group and step
+        settings = {id(g): (*numbers[id(g)], g["momentum"], g["nesterov"]) for g, _ in live}  # once per group
         weights = []
         for (g, p), spec in zip(live, st.specs):
             buffer, quantized = momentum_state(self.state[p], p, g, spec, local, _zeros_fp32)
@@ -428,7 +474,7 @@ class Muon(torch.optim.Optimizer):
         # settings and counters too (copy.deepcopy and pickle go through here). The cached
         # structure and copies are not state.
         kept = {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_")}
-        return {**kept, "_structure": None, "_mask_copies": []}
+        return {**kept, "_structure": None, "_mask_copies": [], "_checked": {}}
 
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state dict in its saved form (`muonclip.optim.state_dicts.saved_form`:
@@ -442,7 +488,10 @@ class Muon(torch.optim.Optimizer):
         """Load a state dict of this optimizer, of an earlier version of it, or of torch.optim.Muon.
 
         What is recognised and how it is converted: `muonclip.optim.state_dicts`. Every group is
-        validated as the constructor validates its arguments, before anything is loaded. Momentum
+        validated as the constructor validates its arguments, and every state tensor and counter
+        against its parameter (`muonclip.optim.state_validation`: shape, dtype, finite values,
+        ``exp_avg_sq >= 0``, whole step counts >= 0), before anything is loaded: a ValueError names
+        the group or parameter and the entry, and the optimizer is left as it was. Momentum
         and AdamW moments stay float32 (float64 for float64 parameters) whatever the parameter
         dtype. torch's load_state_dict hooks run as for any optimizer: pre-hooks see (and may
         replace) the dict as given, post-hooks see the loaded state. The dict passed in is not
@@ -453,6 +502,7 @@ class Muon(torch.optim.Optimizer):
 
         def prepare(opt: Muon, sd: dict[str, Any]) -> dict[str, Any]:  # after every user pre-hook
             sd = state_dicts.prepare(sd, opt.param_groups, tuple(opt._wide_state()))
+            state_validation.check_loaded_state(sd, opt.param_groups)
             sd, stashed = state_dicts.split_fp32_state(sd)
             kept.update(stashed)
             saved_groups.extend(sd["param_groups"])
@@ -462,6 +512,7 @@ class Muon(torch.optim.Optimizer):
             state_dicts.restore_fp32_state(opt.state, opt.param_groups, saved_groups, kept)
             opt._load_wide_state(dict(opt.param_groups[0]) if opt.param_groups else {})
             opt._structure = None
+            opt._checked = {}
 
         pre = self.register_load_state_dict_pre_hook(prepare)
         post = self.register_load_state_dict_post_hook(finish, prepend=True)

@@ -160,7 +160,7 @@ def kind(state_dict: Mapping[str, Any]) -> str:
     if "muonclip" in state_dict or any("algorithm" in g for g in groups):
         return "muonclip"
     if groups and all(_is_torch_muon_group(g) for g in groups) and all(
-            set(s) <= {"momentum_buffer"} for s in state_dict["state"].values()):
+            isinstance(s, Mapping) and set(s) <= {"momentum_buffer"} for s in state_dict["state"].values()):
         return "torch.optim.Muon"
     keys = sorted({k for g in groups for k in g} - {"params", "param_names"})
     like = ""
@@ -270,6 +270,8 @@ def _from_torch_muon_group(g: Mapping[str, Any], own: Mapping[str, Any]) -> dict
 
 def _sum_momentum(buf: Tensor, momentum: float) -> Tensor:
     """torch.optim.Muon's averaged momentum as our sum: ``buf / (1 - mu)`` (in float64, rounded once)."""
+    if not isinstance(buf, Tensor) or not buf.is_floating_point():
+        raise ValueError(f"torch.optim.Muon's momentum_buffer must be a floating-point tensor, got {buf!r:.100}")
     return (buf.detach().to(torch.float64) / (1.0 - float(momentum))).to(torch.promote_types(buf.dtype, torch.float32))
 
 

@@ -4,13 +4,22 @@
 ``add_param_group`` on every group, ``load_state_dict`` on every group of the state dict, so a
 setting is refused with the same message wherever it comes from. It raises
 
-* ValueError naming the first hyperparameter that is not a finite number in its range (nan and
-  inf never are: they would reach every weight), an unknown ``algorithm`` or orthogonalisation
-  method, a group key that is missing, a 0-D/1-D tensor in a Muon group, or matrix keys that do
-  not fit a weight (`muonclip.optim.matrices.matrix_spec`);
+* ValueError naming the first hyperparameter that is not a number of its kind (an int or a float,
+  or a one-element real tensor with a value: not a string, not a tensor on the meta device), not
+  finite and in its range (nan and inf never are: they would reach every weight), or so large
+  that what the step computes from it overflows the parameters' dtype (`check_step_scalars`:
+  ``lr * weight_decay``, Muon's ``lr * scale`` of each matrix, AdamW's ``lr / (1 - beta1)``);
+  a flag that is not True or False; an unknown ``algorithm`` or orthogonalisation method, a
+  group key that is missing, a 0-D/1-D tensor in a Muon group, or matrix keys that do not fit a
+  weight (`muonclip.optim.matrices.matrix_spec`);
 * TypeError for a complex parameter: Muon's orthogonalisation and update scale are defined for
   real matrices (a complex ``(A, B)`` viewed as real ``(A, 2B)`` would be another optimizer),
   so ``Muon`` refuses complex parameters when they are added, not at the first step.
+
+The step itself reads a group's values again before it changes anything (`StepLimits`,
+`step_numbers`): ``lr`` and ``weight_decay`` (which schedulers set between steps) at every step,
+the rest whenever one of them changed, so a value set between steps is refused before any
+parameter or counter moves, never half-way through a step.
 
 `refuse_removed_keywords` turns a keyword argument of earlier versions into a TypeError that
 names its replacement (docs/changelog.md lists them).
@@ -20,9 +29,11 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch
 from torch import Tensor
 
 from ..ortho import check_method
@@ -74,17 +85,37 @@ def number(value: Any) -> Any:
 
 
 def _float(name: str, value: Any) -> float:
+    """``value`` as a float: an int or a float (not a bool, not a string), or a one-element real
+    tensor that holds a value (not on the meta device); else a ValueError naming ``name``."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(f"{name} must be a number or a one-element real tensor, got a tensor of shape "
+                             f"{tuple(value.shape)} and dtype {value.dtype}")
+        if value.device.type == "meta":
+            raise ValueError(f"{name} is a tensor on the meta device, which holds no value; give a number or a "
+                             "tensor on a real device")
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number (an int or a float), got {value!r} ({type(value).__name__})")
     try:
         return float(value)
-    except (TypeError, ValueError, RuntimeError):
-        raise ValueError(f"{name} must be a number, got {value!r}") from None
+    except OverflowError:
+        raise ValueError(f"{name} must be a finite number, got an int of {value.bit_length()} bits") from None
+
+
+def _pair(name: str, value: Any) -> tuple[Any, Any]:
+    """``value`` as a pair (a tuple or list of two); else a ValueError naming ``name``."""
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ValueError(f"{name} must be two numbers in [0, 1), got {value!r}")
+    return value[0], value[1]
 
 
 def check_hyperparameters(options: Mapping[str, Any], where: str = "") -> None:
     """Raise a ValueError naming the first of lr, weight_decay, momentum, eps, adamw_eps,
-    normuon_beta2, betas that is not a finite number in its range, or the first of normuon,
-    cautious_weight_decay, momentum_8bit that is not a bool; ``where`` prefixes the name (e.g. "a param
-    group's "). A one-element tensor counts as its value."""
+    normuon_beta2, betas that is not a finite number in its range, or the first of nesterov,
+    normuon, cautious_weight_decay, momentum_8bit that is not a bool; ``where`` prefixes the name
+    (e.g. "a param group's "). A one-element tensor counts as its value; a string, a bool or a
+    tensor without a value (on the meta device) is not a number."""
     for key in ("lr", "weight_decay"):
         v = _float(f"{where}{key}", options[key])
         if not (math.isfinite(v) and v >= 0.0):
@@ -97,18 +128,90 @@ def check_hyperparameters(options: Mapping[str, Any], where: str = "") -> None:
             raise ValueError(f"{where}{key} must be a finite number > 0, got {options[key]!r}")
     if not 0.0 <= _float(f"{where}normuon_beta2", options["normuon_beta2"]) < 1.0:
         raise ValueError(f"{where}normuon_beta2 must be in [0, 1), got {options['normuon_beta2']!r}")
-    for key in ("normuon", "cautious_weight_decay", "momentum_8bit"):
+    for key in ("nesterov", "normuon", "cautious_weight_decay", "momentum_8bit"):
         if not isinstance(options[key], bool):
             raise ValueError(f"{where}{key} must be True or False, got {options[key]!r}")
-    betas = options["betas"]
-    if len(betas) != 2 or not all(0.0 <= _float(f"{where}betas", b) < 1.0 for b in betas):
-        raise ValueError(f"{where}betas must be two numbers in [0, 1), got {betas!r}")
+    betas = _pair(f"{where}betas", options["betas"])
+    if not all(0.0 <= _float(f"{where}betas", b) < 1.0 for b in betas):
+        raise ValueError(f"{where}betas must be two numbers in [0, 1), got {options['betas']!r}")
 
 
-def check_group(group: Mapping[str, Any], where: str = "a param group's ", context: str = "") -> None:
+@dataclass(frozen=True)
+class StepLimits:
+    """What bounds the numbers a step of one param group computes (`group_limits`).
+
+    Attributes:
+        scale: the largest update scale of the group's Muon matrices (`muonclip.optim.scale`;
+            0.0 for an AdamW group): the step subtracts ``lr * scale * O``.
+        dtype_max: the largest value of the narrowest floating dtype among the group's parameters
+            (float16: 65504; bfloat16 and float32: about 3.4e38): every coefficient the step
+            applies to a parameter (``lr * scale``, ``lr * weight_decay``, AdamW's
+            ``lr / (1 - beta1^t)``) must fit it, or torch fails half-way through the step.
+        state_max: the largest float32 value (the optimizer state's dtype; float64 for float64
+            parameters): AdamW's epsilon is added to its moments.
+    """
+
+    scale: float
+    dtype_max: float
+    state_max: float
+
+
+def group_limits(group: Mapping[str, Any], specs: Sequence[Any] = ()) -> StepLimits:
+    """The `StepLimits` of ``group`` (``specs``: the `muonclip.optim.matrices.MatrixSpec` of each
+    of its Muon parameters, already computed)."""
+    floats = [p.dtype for p in group["params"] if p.is_floating_point()]
+    dtype_max = min((torch.finfo(d).max for d in floats), default=math.inf)
+    state_max = min((torch.finfo(torch.promote_types(d, torch.float32)).max for d in floats), default=math.inf)
+    scale = max((s for spec in specs for s in spec.scales), default=0.0)
+    return StepLimits(scale, dtype_max, state_max)
+
+
+def check_step_scalars(group: Mapping[str, Any], limits: StepLimits, where: str = "") -> None:
+    """Raise a ValueError when a coefficient the step computes from ``group``'s (valid)
+    hyperparameters overflows its parameters' dtype (`StepLimits`); the message names the
+    hyperparameter and the largest value that fits."""
+    lr, wd = _float(f"{where}lr", group["lr"]), _float(f"{where}weight_decay", group["weight_decay"])
+    if group["algorithm"] == "muon":
+        factors = {"its largest update scale": limits.scale}
+    else:
+        beta1 = _float(f"{where}betas", _pair(f"{where}betas", group["betas"])[0])
+        factors = {"1 / (1 - beta1), AdamW's first bias correction": 1.0 / (1.0 - beta1)}
+        eps = _float(f"{where}adamw_eps", group["adamw_eps"])
+        if eps > limits.state_max:
+            raise ValueError(f"{where}adamw_eps={eps:g} does not fit the optimizer state's dtype (largest "
+                             f"{limits.state_max:.4g})")
+    factors["weight_decay"] = wd
+    for what, factor in factors.items():
+        if lr * factor > limits.dtype_max:
+            raise ValueError(
+                f"{where}lr={lr:g} is too large: the step multiplies it by {what} ({factor:.4g}), which gives "
+                f"{lr * factor:.4g}, beyond the largest value of the parameters' dtype ({limits.dtype_max:.4g}); "
+                f"use lr <= {limits.dtype_max / factor:.4g}")
+
+
+def step_numbers(group: Mapping[str, Any], limits: StepLimits, where: str = "") -> tuple[float, float]:
+    """``(lr, weight_decay)`` of an already validated ``group`` as floats, for a step: the fast
+    path checks what a scheduler may have set since (``lr`` and ``weight_decay``: their kind,
+    range and the coefficients of `check_step_scalars`); anything wrong raises the ValueError of
+    `check_hyperparameters` or `check_step_scalars`, before the step changes anything."""
+    lr, wd = group["lr"], group["weight_decay"]
+    try:
+        if type(lr) is not float or type(wd) is not float:
+            lr, wd = _float(f"{where}lr", lr), _float(f"{where}weight_decay", wd)
+        factor = max(wd, limits.scale if group["algorithm"] == "muon" else 1.0 / (1.0 - group["betas"][0]))
+        if 0.0 <= lr and 0.0 <= wd and lr * factor <= limits.dtype_max:  # False for NaN
+            return lr, wd
+    except (TypeError, ValueError, ZeroDivisionError):  # a value of the wrong kind: the full check names it
+        pass
+    check_hyperparameters(group, where)
+    check_step_scalars(group, limits, where)
+    return _float(f"{where}lr", group["lr"]), _float(f"{where}weight_decay", group["weight_decay"])
+
+
+def check_group(group: Mapping[str, Any], where: str = "a param group's ", context: str = "") -> StepLimits:
     """Validate a complete param group (every key of `GROUP_KEYS`, ``params``); see the module
     docstring. ``where`` prefixes the hyperparameter named in a message, ``context`` the other
-    messages (a loaded state dict names the group)."""
+    messages (a loaded state dict names the group). Returns the group's `StepLimits`."""
     missing = [k for k in ("params", *GROUP_KEYS) if k not in group]
     if missing:
         raise ValueError(f"{context}keys {missing} are missing (a Muon param group has {list(GROUP_KEYS)})")
@@ -122,10 +225,19 @@ def check_group(group: Mapping[str, Any], where: str = "a param group's ", conte
     check_hyperparameters(group, where)
     try:
         scale_name(group["adjust_lr_fn"])
-        check_method(group["method"], group["ns_steps"], group["orth_dtype"], group["ns_coefficients"])
-    except ValueError as e:
+        coefficients = group["ns_coefficients"]
+        if coefficients is not None and (not isinstance(coefficients, (tuple, list)) or not all(
+                isinstance(c, (int, float)) and not isinstance(c, bool) for c in coefficients)):
+            raise ValueError(f"ns_coefficients must be None or three numbers (a, b, c), got {coefficients!r}")
+        check_method(group["method"], group["ns_steps"], group["orth_dtype"], coefficients)
+        orth = group["orth_dtype"]
+        eps = _float(f"{where}eps", group["eps"])
+        if isinstance(orth, torch.dtype) and orth.is_floating_point and eps > torch.finfo(orth).max:
+            raise ValueError(f"{where}eps={eps:g} does not fit orth_dtype {orth}")
+    except (ValueError, TypeError) as e:
         raise ValueError(f"{context}{e}") from None
     names = group.get("param_names") or [None] * len(group["params"])
+    specs = []
     for i, (p, name) in enumerate(zip(group["params"], names)):
         label = f"parameter '{name}'" if name else f"parameter {i} (shape {tuple(p.shape)})"
         if p.is_complex():
@@ -141,8 +253,26 @@ def check_group(group: Mapping[str, Any], where: str = "a param group's ", conte
                     "tensors (biases, norm gains, scalars) must go in an algorithm='adamw' group; "
                     "muonclip.param_groups(model) routes them for you"
                 )
-            matrix_spec(tuple(p.shape), group)
+            specs.append(matrix_spec(tuple(p.shape), group))
+    limits = group_limits(group, specs)
+    check_step_scalars(group, limits, where)
+    return limits
 
 
-__all__ = ["ALGORITHMS", "GROUP_KEYS", "REMOVED_KEYWORDS", "RENAMED_GROUP_KEYS", "check_group",
-           "check_hyperparameters", "number", "refuse_removed_keywords"]
+def check_step_params(group: Mapping[str, Any], where: str = "") -> None:
+    """Raise a ValueError naming a parameter of ``group`` on the meta device: it has no data, so
+    no step can update it (materialise the model, e.g. ``model.to_empty(device=...)``, and build
+    the optimizer over its parameters)."""
+    names = group.get("param_names") or [None] * len(group["params"])
+    for i, (p, name) in enumerate(zip(group["params"], names)):
+        if p.device.type == "meta":
+            label = f"parameter '{name}'" if name else f"parameter {i} of {where or 'a param group'} (shape " \
+                                                       f"{tuple(p.shape)})"
+            raise ValueError(f"{label} is on the meta device: it has no data, so no step can update it. "
+                             "Materialise the model first (e.g. model.to_empty(device=...) and its weights' "
+                             "initialisation), then build the optimizer over its parameters")
+
+
+__all__ = ["ALGORITHMS", "GROUP_KEYS", "REMOVED_KEYWORDS", "RENAMED_GROUP_KEYS", "StepLimits", "check_group",
+           "check_hyperparameters", "check_step_params", "check_step_scalars", "group_limits", "number",
+           "refuse_removed_keywords", "step_numbers"]
