@@ -269,7 +269,7 @@ REFUSAL_CAUSES = {
     "q/k clamped after the projection": r"clamps q, k and v to \[",
     "a keyword the attention function does not compute": r"passes `\w+`, which the 'muonclip' attention function "
                                                         r"does not compute",
-    "a keyword the attention function does not implement": r"passes `\w+` \(\w+\) to its attention function, a "
+    "a keyword the attention function does not implement": r"passes `\w+` \([^)]*\) to its attention function, a "
                                                           r"keyword the 'muonclip' attention function does not "
                                                           r"implement",
 }

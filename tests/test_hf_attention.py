@@ -5,6 +5,7 @@ packed sequences. Tiny models built from configs (never downloaded)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -193,12 +194,12 @@ def test_forward_check_runs_once_on_the_first_training_forward():
 def test_forward_check_stops_an_attention_that_drops_the_sinks(monkeypatch, small):
     """The bug the check exists for: an attention function that ignores `s_aux` changes the model; the
     first training forward says so, naming the layer. Also on a subsample of a large call's rows."""
-    sdpa = hf_attention.scaled_dot_product_attention
+    record_attend = hf_attention.record_attend
 
-    def drop_sinks(*args, sinks=None, **kwargs):
-        return sdpa(*args, **kwargs)
+    def drop_sinks(call, *args, **kwargs):
+        return record_attend(dataclasses.replace(call, sinks=None), *args, **kwargs)
 
-    monkeypatch.setattr(hf_attention, "scaled_dot_product_attention", drop_sinks)
+    monkeypatch.setattr(hf_attention, "record_attend", drop_sinks)
     if small:
         monkeypatch.setattr(hf_check, "CHECK_SCORES", 4 * 3 * 10)  # one batch row, three query rows
     model = gpt_oss()
