@@ -37,19 +37,26 @@ Everything muonclip does with transformers lives in the ``hf*`` modules of this 
    mask, ``position_ids`` restarting per document) attend within its documents, by asking
    transformers for the document mask with ``use_cache=False`` (transformers builds it from
    ``position_ids`` only without a cache; a packed batch given with a cache of its own is
-   refused), and hands the batch's real tokens (`real_tokens`) down to the attention function,
-   so that padding never feeds the clip (the pair rule of `muonclip.attention.pairs`).
+   refused), and hands such a batch's real tokens (`real_tokens`) down to the attention
+   function, so that padding never feeds the clip (the pair rule of `muonclip.attention.pairs`).
 
-**Which tokens are padding** (`real_tokens`): the 2-D ``attention_mask`` (0 = padding, on
-either side); in padding-free packing, where the batch has no mask (TRL's
-``DataCollatorForLanguageModeling(padding_free=True, pad_to_multiple_of=...)``), a token is
-padding when it is the pad token (``config.pad_token_id``, which TRL's ``SFTTrainer`` sets to its
-collator's) *and* a one-token document of its own (its position id restarts, and so does the
-next one's): exactly the trailing pads that collator appends, each at position 0. Not the
-labels: TRL sets ``-100`` on the first token of every document and on prompts, which are real
-tokens. Not the pad id alone: tokenizers that pad with ``eos`` or ``bos`` use it inside
-documents. A one-token document made of the pad token alone is taken for padding (it carries no
-pair but itself).
+**Which tokens are padding.** With a 2-D ``attention_mask`` (0 = padding, on either side), the
+mask transformers builds from it: it hides every padding key, and every other rule it writes lets
+a token see itself, so a query is padding exactly when its own key is masked
+(`muonclip.integrations.hf_attention.real_queries`; every family, with or without the forward
+pre-hook). In padding-free packing, where the batch has no mask (TRL's
+``DataCollatorForLanguageModeling(padding_free=True, pad_to_multiple_of=...)``: each trailing pad
+gets position id 0, so transformers' document mask makes it a one-token document that sees
+itself), a token is padding when it is the pad token (``config.pad_token_id``, which TRL's
+``SFTTrainer`` sets to its collator's) *and* a one-token document of its own (its position id
+restarts, and so does the next one's): exactly the trailing pads that collator appends
+(`real_tokens`, handed down by the forward pre-hook). Not the labels: TRL sets ``-100`` on the
+first token of every document and on prompts, which are real tokens. Not the pad id alone:
+tokenizers that pad with ``eos`` or ``bos`` use it inside documents. A one-token document made of
+the pad token alone is taken for padding (it carries no pair but itself). The keyword reaches the
+attention function only where the family's layers pass the model's keywords on (as they must for
+flash-attention's packed batches): StableLM and Nemotron at transformers 5.24 do not, so their
+padding-free pads are still recorded.
 
 Refused before any step, with the cause named, by ``attach`` (so by ``MuonClip(model)``), and
 before the model is switched: a model whose attention does not go through transformers'
@@ -235,23 +242,19 @@ def _packed(position_ids: Tensor) -> bool:
     return position_ids.ndim >= 1 and position_ids.shape[-1] > 1 and bool((position_ids.diff(dim=-1) != 1).any())
 
 
-def real_tokens(attention_mask: Tensor | None, input_ids: Tensor | None = None, position_ids: Tensor | None = None,
-                pad_token_id: int | None = None) -> Tensor | None:
-    """``(B, T)`` bool, True for the real tokens of a batch, False for padding (module docstring,
-    "Which tokens are padding"); None when nothing says (every token is then taken as real).
+def real_tokens(input_ids: Tensor | None, position_ids: Tensor | None, pad_token_id: int | None) -> Tensor | None:
+    """``(B, T)`` bool, the real tokens of a padding-free packed batch (no attention mask), False
+    for its padding (module docstring, "Which tokens are padding"); None when nothing says.
 
     Args:
-        attention_mask: the model's ``attention_mask``; a 2-D one decides alone (nonzero = real).
-        input_ids: ``(B, T)`` token ids (read only without a 2-D mask).
-        position_ids: ``(B, T)`` positions; a row whose positions restart is packed.
-        pad_token_id: the pad token id (None: no padding-free pads can be told apart).
+        input_ids: ``(B, T)`` token ids.
+        position_ids: ``(B, T)`` positions, restarting per document.
+        pad_token_id: the pad token id (None: padding cannot be told apart).
 
-    Without a 2-D mask, a token is padding when it is ``pad_token_id`` and a one-token document:
-    its position restarts (differs from the previous one's plus 1, as transformers finds packed
-    documents) and so does the next token's (or the row ends there).
+    A token is padding when it is ``pad_token_id`` and a one-token document: its position
+    restarts (differs from the previous one's plus 1, as transformers finds packed documents)
+    and so does the next token's (or the row ends there).
     """
-    if isinstance(attention_mask, Tensor):
-        return attention_mask.to(bool) if attention_mask.ndim == 2 else None
     if not isinstance(input_ids, Tensor) or not isinstance(position_ids, Tensor) or pad_token_id is None:
         return None
     if input_ids.ndim != 2 or position_ids.shape != input_ids.shape:
@@ -271,14 +274,15 @@ def _pad_token_id(model: nn.Module) -> int | None:
 def _batch_pre_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
     """Forward pre-hook of a switched model: what the attention function needs to know of the batch.
 
-    * Its real tokens (`real_tokens`), passed down as the keyword
-      `muonclip.integrations.hf_attention.TOKENS_KWARG` (transformers hands a model's keyword
-      arguments to its attention function), so padding queries never feed the clip.
     * A packed batch without an attention mask attends per document: transformers builds the
       document mask from ``position_ids`` only when no attention mask and no cache are given; in
       training mode ``use_cache`` defaults to the config's (usually True), which skips it and lets
       documents attend to each other. So for a packed batch this asks for ``use_cache=False``; a
       packed batch given with a cache of its own is refused.
+    * Such a batch's real tokens (`real_tokens`: its padding has no mask to say so) are passed
+      down as the keyword `muonclip.integrations.hf_attention.TOKENS_KWARG` (transformers hands
+      a model's keyword arguments to its attention function), so padding queries never feed the
+      clip. A batch with a 2-D mask needs nothing: the call's mask says which queries are padding.
     """
     signature = inspect.signature(module.forward)
     try:
@@ -289,23 +293,21 @@ def _batch_pre_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> t
     for p in signature.parameters.values():  # keywords the signature collects in **kwargs
         if p.kind is inspect.Parameter.VAR_KEYWORD:
             bound = {**bound, **bound.pop(p.name, {})}
-    position_ids, attention_mask = bound.get("position_ids"), bound.get("attention_mask")
-    packed = isinstance(position_ids, Tensor) and attention_mask is None and _packed(position_ids)
+    position_ids = bound.get("position_ids")
+    packed = isinstance(position_ids, Tensor) and bound.get("attention_mask") is None and _packed(position_ids)
     if packed and (bound.get("past_key_values") is not None or bound.get("cache") is not None):
         raise ValueError(
             f"{type(module).__name__}: a packed batch (position_ids restart inside a row) given with a cache: "
             "transformers builds no document mask then, so documents would attend to each other. Pass the packed "
             "batch without past_key_values, or pad it and pass an attention_mask."
         )
-    if not var_keyword:
+    if not packed or ("use_cache" not in signature.parameters and not var_keyword):
         return None
     kwargs = dict(kwargs)
-    tokens = real_tokens(attention_mask, bound.get("input_ids"), position_ids if packed else None,
-                         _pad_token_id(module))
+    kwargs["use_cache"] = False
+    tokens = real_tokens(bound.get("input_ids"), position_ids, _pad_token_id(module)) if var_keyword else None
     if tokens is not None:
         kwargs[TOKENS_KWARG] = tokens
-    if packed:
-        kwargs["use_cache"] = False
     return args, kwargs
 
 
@@ -322,9 +324,19 @@ def _switch(model: nn.Module) -> None:
             setattr(m, PACKING_HOOK_ATTR, m.register_forward_pre_hook(_batch_pre_hook, with_kwargs=True))
 
 
-def _text_layer(model: nn.Module, module: nn.Module) -> bool:
-    """Whether an attention module's queries are the model's tokens: its config is the text config
-    of the outermost model containing it (the model's own config for a text-only model)."""
+_CROSS = ("cross", "encoder_attn", "encdec")
+"""Name parts of cross-attention modules (Bart's ``encoder_attn``, Bert's ``crossattention``,
+Mllama's ``MllamaTextCrossAttention``, T5's ``EncDecAttention``): their queries and keys are two
+sequences."""
+
+
+def _text_layer(model: nn.Module, name: str, module: nn.Module) -> bool:
+    """Whether an attention module is a self-attention over the model's tokens: not a
+    cross-attention (`_CROSS`, or ``is_cross_attention``), and its config is the text config of
+    the outermost model containing it (the model's own config for a text-only model)."""
+    labels = (name.rsplit(".", 1)[-1].lower(), type(module).__name__.lower())
+    if getattr(module, "is_cross_attention", False) or any(c in lab for c in _CROSS for lab in labels):
+        return False
     own = getattr(module, "config", None)
     for m in _outermost_pretrained(model):
         if any(sub is module for sub in m.modules()):
@@ -398,7 +410,7 @@ def attach(model: nn.Module, *, gqa_policy: str = "per_head", verify_attention: 
         if implementation == ATTN_IMPLEMENTATION:  # attached before: check against what it had then
             implementation = getattr(previous, "implementation", None)
         setattr(module, LAYER_ATTR, name)
-        setattr(module, TEXT_ATTR, _text_layer(model, module))
+        setattr(module, TEXT_ATTR, _text_layer(model, name, module))
         checks.append(ForwardCheck(module, implementation) if verify_attention else None)
     for (_, module), layer, check in zip(found, layers, checks):
         setattr(module, RECORDER_ATTR, layer.recorder)  # plain attributes: not submodules, not in state_dict

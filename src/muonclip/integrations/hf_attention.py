@@ -24,10 +24,10 @@ itself, before the model is switched.
 
 **Padding queries** (the pair rule of `muonclip.attention.pairs`). transformers' mask already
 keeps every query away from padding keys (and, for a packed row, from other documents), but not
-padding *queries*: under right padding a pad query sees the real keys before it. `attach`'s
-forward pre-hook hands the model's real-token mask down to this function as the keyword
-`TOKENS_KWARG` (`muonclip.integrations.hf.real_tokens`), and the function gives the call's
-queries theirs (``real_queries``): their pairs are not recorded; the output is unchanged.
+padding *queries*: under right padding a pad query sees the real keys before it. The function
+tells the call which queries are real (`real_queries`: from the mask itself, and in
+padding-free packing from the real-token mask `attach`'s forward pre-hook passes down as the
+keyword `TOKENS_KWARG`); their pairs are not recorded; the output is unchanged.
 
 `register` registers the function, and the SDPA boolean mask (``sdpa_mask``) as its mask
 function under the same name with ``AttentionMaskInterface``: without a registered mask
@@ -43,11 +43,13 @@ import textwrap
 from functools import cache
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..attention.call import AttentionCall
+from ..attention.pairs import allowed_pairs
 from ..attention.record import attend as record_attend
 from .hf_layouts import SELECTION_CHILDREN
 
@@ -68,8 +70,9 @@ TOKENS_KWARG = "muonclip_real_tokens"
 down to the attention function (`muonclip.integrations.hf.real_tokens`)."""
 
 TEXT_ATTR = "muonclip_text_layer"
-"""Attribute of an attention module: True when its queries are the model's tokens (its text
-stack), so `TOKENS_KWARG` describes them; a vision tower's layers never read it."""
+"""Attribute of an attention module: True when it is a self-attention over the model's tokens
+(its text stack, not a cross-attention), so its queries' padding can be read off its mask and
+`TOKENS_KWARG` (`real_queries`); a vision tower's or a cross-attention's layers never read it."""
 
 _MODEL_LEVEL = (
     "a model-level argument passed down through the attention module's **kwargs; it does not enter attention"
@@ -102,7 +105,8 @@ KEYWORDS: dict[str, str] = {
     "logits_to_keep": _MODEL_LEVEL,
     "encoder_hidden_states": "a cross-attention module computes its keys and values from it before the call; "
                              "the copy passed down does not enter attention",
-    TOKENS_KWARG: "the batch's real tokens (attach's forward pre-hook): padding queries' pairs are not recorded",
+    TOKENS_KWARG: "the real tokens of a padding-free packed batch (attach's forward pre-hook): padding queries' "
+                  "pairs are not recorded",
 }
 """Every keyword the function accepts (besides those of `OFF_ONLY`), and how it is honoured."""
 
@@ -210,17 +214,35 @@ def muonclip_attention_forward(
 
 def real_queries(module: nn.Module, tokens: Tensor | None, attention_mask: Tensor | None, query: Tensor,
                  key: Tensor) -> Tensor | None:
-    """``(B, Tq)`` bool, which of the call's queries are real tokens, from the model's real-token
-    mask ``tokens`` (`TOKENS_KWARG`), or None (all real). The queries are the last ``Tq`` of the
-    ``Tk`` keys (self-attention, after any cached ones). None where the call has no mask (then
-    transformers found no padding and no packed documents), the module is not in the model's text
-    stack (`TEXT_ATTR`), or the shapes are not those of a self-attention over ``tokens``."""
-    if tokens is None or attention_mask is None or not getattr(module, TEXT_ATTR, False):
+    """``(B, Tq)`` bool, which of the call's queries are real tokens, or None (all real).
+
+    For a self-attention layer over the model's tokens (`TEXT_ATTR`; the queries are the last
+    ``Tq`` of the ``Tk`` keys, after any cached ones):
+
+    * the 2-D attention mask, as the call's mask holds it: transformers builds it so that no query
+      sees a padding key, and every other rule it writes (causal, sliding window, chunks, packed
+      documents) lets a token see itself, so a query is padding exactly when its own key is
+      masked (the mask's diagonal at offset ``Tk - Tq``, under the pair rule's
+      `muonclip.attention.pairs.allowed_pairs`);
+    * in padding-free packing, ``tokens``: the real-token mask ``(B, Tk)`` `attach`'s forward
+      pre-hook passes down (`TOKENS_KWARG`, `muonclip.integrations.hf.real_tokens`).
+
+    None where the call has no mask (transformers found no padding and no packed documents), or
+    the module is not such a layer.
+    """
+    if attention_mask is None or not getattr(module, TEXT_ATTR, False):
         return None
     b, tq, tk = query.shape[0], query.shape[2], key.shape[2]
-    if tokens.ndim != 2 or tokens.shape[0] != b or tokens.shape[1] != tk or tq > tk:
+    if tq > tk:
         return None
-    return tokens[:, tk - tq:]
+    mask = attention_mask.reshape((1,) * (4 - attention_mask.ndim) + tuple(attention_mask.shape))
+    if mask.shape[-2:] != (tq, tk):
+        return None
+    own = allowed_pairs(torch.diagonal(mask, offset=tk - tq, dim1=-2, dim2=-1))  # (B or 1, H or 1, Tq)
+    real = own.any(dim=1).expand(b, tq)
+    if tokens is not None and tokens.ndim == 2 and tokens.shape == (b, tk):
+        real = real & tokens[:, tk - tq:]
+    return real
 
 
 def attend(
