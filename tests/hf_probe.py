@@ -9,6 +9,8 @@ left out by the batch's own 2-D attention mask (`real_tokens`), never by the lib
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -55,7 +57,15 @@ def capture_forward(module, query, key, value, attention_mask, scaling=None, **k
     for slot in (module.layer_idx, id(module)):
         prev = _captured.get(slot)
         _captured[slot] = m if prev is None else torch.maximum(prev, m)
-    kwargs.pop("s_aux", None)  # transformers' SDPA function takes no sinks (only layer 0's q.k is measured)
+    if kwargs.get("s_aux") is not None:  # sinks: the module's own eager attention (SDPA's function takes none)
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        if attention_mask is None:
+            attention_mask = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril(tk - tq)[None, None]
+        if attention_mask.dtype == torch.bool:
+            attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~attention_mask, torch.finfo(query.dtype).min)
+        kwargs.pop("is_causal", None)
+        return eager(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
