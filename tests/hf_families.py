@@ -21,7 +21,7 @@ from hf_probe import assert_only_clipped_rows_changed, real_tokens, replay_layer
 from transformers import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from muonclip.integrations.hf import attach, attach_report
+from muonclip.integrations.hf import attach, attach_report, detach
 from muonclip.integrations.hf_attention import CHECK_ATTR
 from muonclip.qkclip import MuonClip
 
@@ -341,6 +341,7 @@ def run_family(family: str) -> Verdict:
         FAMILY_SETUP[family](model)
     ref = copy.deepcopy(model)
     impl = model.config._attn_implementation
+    impls = [(m, m.config._attn_implementation) for m in model.modules() if isinstance(m, transformers.PreTrainedModel)]
     try:
         layers = attach(model)
     except ValueError as e:
@@ -398,4 +399,7 @@ def run_family(family: str) -> Verdict:
                                msg=lambda m: f"{family}: layer 0 not clipped to tau: {m}")
     assert 0 < int(clipped.sum()) < clipped.numel()
     assert_only_clipped_rows_changed(model, [first], {first.name: clipped}, w0)
+    detach(model)  # every (sub-)model back to its own implementation, nothing of ours left
+    assert [m.config._attn_implementation for m, _ in impls] == [i for _, i in impls], f"{family}: detach"
+    assert not any(hasattr(m, CHECK_ATTR) or m._forward_pre_hooks for m in model.modules()), f"{family}: detach"
     return Verdict(family, "supported", _supported_why(layers, model))

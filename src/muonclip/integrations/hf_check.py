@@ -46,7 +46,7 @@ compiling to keep even those out). Turning it off is an explicit choice: ``attac
 
 from __future__ import annotations
 
-import json
+import ast
 import sys
 import weakref
 from collections.abc import Callable
@@ -167,10 +167,11 @@ class ForwardCheck:
             return out
         self.close()
         if torch.compiler.is_compiling():  # the comparison runs when the graph runs, as one opaque op
-            plain = {k_: v_ for k_, v_ in kwargs.items() if isinstance(v_, (bool, int, float, str, type(None)))}
+            plain = repr(tuple((k_, v_) for k_, v_ in kwargs.items()
+                               if isinstance(v_, (bool, int, float, str, type(None)))))
             return torch.ops.muonclip.forward_check(
                 out, query, key, value, attention_mask, kwargs.get("s_aux"), id(self), float(dropout), scaling,
-                is_causal, json.dumps(plain))
+                is_causal, plain)
         with torch.no_grad():
             self._compare(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs, out)
         return out
@@ -239,12 +240,12 @@ def forward_check(out: Tensor, query: Tensor, key: Tensor, value: Tensor, attent
                   keywords: str) -> Tensor:
     """The one-time check inside a compiled graph: an opaque op (no graph break) that runs
     `ForwardCheck` number ``check``'s comparison eagerly when the graph runs, on the call's tensors
-    and its keywords (``s_aux`` as ``sinks``; the others that are plain values as the JSON
-    ``keywords``), and returns a copy of ``out`` (so that the graph keeps the op; its gradient
-    passes through unchanged). Raises `AttentionMismatchError`."""
+    and its keywords (``s_aux`` as ``sinks``; the others that are plain values as ``keywords``, the
+    ``repr`` of their ``(name, value)`` pairs), and returns a copy of ``out`` (so that the graph
+    keeps the op; its gradient passes through unchanged). Raises `AttentionMismatchError`."""
     found = _CHECKS.get(check)
     if found is not None:
-        kwargs = json.loads(keywords)
+        kwargs = dict(ast.literal_eval(keywords))
         if sinks is not None:
             kwargs["s_aux"] = sinks
         with torch.no_grad():
