@@ -54,7 +54,8 @@ def clip_pairs(attn_mask: Tensor | None, is_causal: bool, tq: int, tk: int, real
     Args:
         attn_mask: the call's mask as SDPA takes it (None, boolean, or additive float).
         is_causal: the call's top-left causal rule.
-        tq, tk: query and key lengths.
+        tq: query length.
+        tk: key length.
         real_queries: ``(B, Tq)`` bool, True for a real token (None: every query is real).
         real_keys: ``(B, Tk)`` bool (None: every key is real).
 

@@ -13,7 +13,8 @@ keywords listed in `KEYWORDS`, each with how it is honoured, and refuses any oth
 ValueError naming the keyword and the layer. Some keywords name features it does not compute
 and are accepted only when they are off (`OFF_ONLY`: ``softcap=None``, ``position_bias=None``,
 ``output_attentions`` false, ...). A new transformers release that passes a new keyword stops
-at the first forward instead of changing the model.
+at the first forward instead of changing the model (or, where its class passes it explicitly,
+at ``attach``: below).
 
 **Keywords visible before any forward.** The keywords a module's class passes explicitly to
 its attention function are read from its source when the model is attached

@@ -38,10 +38,11 @@ model is switched to it (it does not dispatch through transformers' ``AttentionI
 that path) raises too: its max logits would never be recorded. Each check runs once; `pending`
 is then False and the hook is removed. The cost is one reference attention call per layer, once, on at most
 `CHECK_SCORES` scores (``benchmarks/bench_hf_overhead.py`` measures it). Under ``torch.compile``
-the check runs outside the graph (``torch.compiler.disable``): a compiled *first* training forward
-breaks its graph once per layer for it, later forwards never (run one training step before
-compiling to keep even those out). Turning it off is an explicit choice: ``attach(model, verify_attention=False)``, then
-``MuonClip(model, layers=that)``.
+the check is one opaque custom op in the graph (`forward_check`): the compiled first training
+forward hands it the call's tensors and plain keywords, it compares when the graph runs and
+raises from there, and no forward breaks its graph; the forward after the check recompiles once
+without it. Turning it off is an explicit choice: ``attach(model, verify_attention=False)``,
+then ``MuonClip(model, layers=that)``.
 """
 
 from __future__ import annotations
