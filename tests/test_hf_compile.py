@@ -58,25 +58,18 @@ def _breaks(model, ids, am) -> int:
 
 
 @pytest.mark.parametrize("build", [llama, gpt_oss])
-def test_no_more_graph_breaks_than_the_models_own_attention(build):
-    ids, am = batch()
-    own = build()
-    ours = copy.deepcopy(own)
-    MuonClip(ours, tau=3.0)
-    ours(ids, attention_mask=am, use_cache=False)  # the one-time forward check, eagerly
-    assert _breaks(ours, ids, am) <= _breaks(own, ids, am)
-    torch._dynamo.reset()
-
-
-@pytest.mark.parametrize("build", [llama, gpt_oss])
-def test_the_first_training_forward_compiles_without_a_graph_break_and_runs_the_check(build):
+def test_no_graph_break_from_the_first_training_forward_on(build):
+    """With MuonClip attached, the first training forward (where the one-time check runs, inside the
+    graph) and a right-padded batch (its queries' padding read off the mask) break no more than the
+    model's own attention: never. The check ran and passed."""
     from muonclip.integrations.hf_attention import CHECK_ATTR
 
     ids, am = batch()
-    model = build()
-    opt = MuonClip(model, tau=3.0)
-    assert _breaks(model, ids, am.flip(-1)) == 0  # right padding: the queries' padding read off the mask
-    checks = [getattr(model.get_submodule(ly.name), CHECK_ATTR) for ly in opt.layers]
+    own = build()
+    ours = copy.deepcopy(own)
+    opt = MuonClip(ours, tau=3.0)
+    assert _breaks(ours, ids, am.flip(-1)) == 0 == _breaks(own, ids, am.flip(-1))
+    checks = [getattr(ours.get_submodule(ly.name), CHECK_ATTR) for ly in opt.layers]
     assert all(not c.pending and c.max_error <= c.tolerance for c in checks)
     assert all(ly.recorder.value is not None for ly in opt.layers)
     torch._dynamo.reset()

@@ -264,3 +264,20 @@ def test_a_4d_mask_masks_at_every_fill_value(backend, fill):
         assert torch.equal(opt_m.last_clipped[name], opt_a.last_clipped[name]), name
     for name, w in qk(with_mask).items():
         torch.testing.assert_close(w, qk(alone)[name], rtol=1e-6, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_padding_is_left_out_under_gradient_checkpointing(reentrant):
+    """The queries' padding is read off the call's own mask, so the recomputed forward of activation
+    checkpointing (reentrant or not: the one that records, for reentrant) sees it too."""
+    base = build("qwen2")
+    docs = documents()
+    ids, am = padded(docs, "right")
+    batch = {"input_ids": ids, "attention_mask": am}
+    ref = unpadded_max(base, docs)
+    tau = tau_between(ref)
+    adversarial_pad(base, batch, ref, tau)
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    if reentrant:
+        base.enable_input_require_grads()
+    assert_same_step(base, tau, ref, [batch], docs)

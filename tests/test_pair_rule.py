@@ -147,3 +147,39 @@ def test_the_rule_in_one_place():
     seen, causal = clip_pairs(None, True, 4, 4, real_queries=real, real_keys=real)
     want = torch.ones(4, 4, dtype=torch.bool).tril() & real[0][:, None] & real[0][None, :]
     assert not causal and torch.equal(seen[0, 0], want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (benchmarks/gpu_check.sh runs it)")
+@pytest.mark.parametrize("name", ["gated", "chunked", "flex"])
+def test_the_rule_on_cuda(name, monkeypatch):
+    """The Triton kernels (exact, and the gate fused into them, on every call size) and FlexAttention's
+    row maxima see the same pairs: adversarial right padding, and a -1e9 document mask."""
+    import muonclip.attention.record as record
+
+    monkeypatch.setattr(record, "GPU_GATE_MIN_WORK", {})
+    set_max_logit_backend(name)
+    try:
+        q, k, v = qkv()
+        t = q.shape[2]
+        real = lengths_mask(t, [9, 6, 4], "right")
+        q = torch.where(real[:, None, :, None], q * 3, q * 60)
+        mask = torch.ones(t, t, dtype=torch.bool).tril() & real[:, None, None, :]
+        want = explicit(q, k, mask & real[:, None, :, None])
+        rec, _ = record_on(q, k, v, want, "cuda", attn_mask=mask, real_queries=real)
+        assert_records(rec, want)
+        doc = torch.tensor([0] * 4 + [1] * 5)
+        allowed = (doc[:, None] == doc[None, :]) & torch.ones(t, t, dtype=torch.bool).tril()
+        want = explicit(q, k, allowed[None, None])
+        rec, _ = record_on(q, k, v, want, "cuda", attn_mask=torch.zeros(t, t).masked_fill(~allowed, -1e9))
+        assert_records(rec, want)
+    finally:
+        set_max_logit_backend("gated")
+
+
+def record_on(q, k, v, want, device, **kw):
+    moved = {n: t.to(device) if isinstance(t, torch.Tensor) else t for n, t in kw.items()}
+    rec = MaxLogitRecorder(q.shape[1], threshold=between(want))
+    out = scaled_dot_product_attention(q.to(device), k.to(device), v.to(device), recorder=rec,
+                                       enable_gqa=q.shape[1] != k.shape[1], **moved)
+    rec.value, rec.exact = rec.value.cpu(), rec.exact.cpu()
+    return rec, out
