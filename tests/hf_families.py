@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 import transformers
-from hf_probe import assert_only_clipped_rows_changed, replay_layer_max, tau_between
+from hf_probe import assert_only_clipped_rows_changed, real_tokens, replay_layer_max, tau_between
 from transformers import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from muonclip.integrations.hf import attach, attach_report
+from muonclip.integrations.hf import attach, attach_report, detach
 from muonclip.integrations.hf_attention import CHECK_ATTR
 from muonclip.qkclip import MuonClip
 
@@ -269,7 +269,7 @@ REFUSAL_CAUSES = {
     "q/k clamped after the projection": r"clamps q, k and v to \[",
     "a keyword the attention function does not compute": r"passes `\w+`, which the 'muonclip' attention function "
                                                         r"does not compute",
-    "a keyword the attention function does not implement": r"passes `\w+` \(\w+\) to its attention function, a "
+    "a keyword the attention function does not implement": r"passes `\w+` \([^)]*\) to its attention function, a "
                                                           r"keyword the 'muonclip' attention function does not "
                                                           r"implement",
 }
@@ -287,10 +287,12 @@ class Verdict:
 
 
 def _batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Input ids and a left-padded attention mask (row 1: 4 pads)."""
+    """Input ids and an attention mask padded on both sides: row 0 right-padded (3 pads, whose
+    queries see the real keys before them), row 1 left-padded (4 pads)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, VOCAB, (B, T), generator=g)
     am = torch.ones(B, T, dtype=torch.long)
+    am[0, T - 3:] = 0
     am[1, :4] = 0
     return ids.masked_fill(am == 0, 0), am
 
@@ -339,6 +341,7 @@ def run_family(family: str) -> Verdict:
         FAMILY_SETUP[family](model)
     ref = copy.deepcopy(model)
     impl = model.config._attn_implementation
+    impls = [(m, m.config._attn_implementation) for m in model.modules() if isinstance(m, transformers.PreTrainedModel)]
     try:
         layers = attach(model)
     except ValueError as e:
@@ -378,12 +381,16 @@ def run_family(family: str) -> Verdict:
     hook = module.register_forward_pre_hook(save, with_kwargs=True)
     _logits(model, ids, am)[real].float().square().mean().backward()  # recorders without a threshold: exact
     hook.remove()
-    before = torch.stack([replay_layer_max(model, module, a, kw) for a, kw in saved]).amax(0)
-    tau = tau_between(before)
-    opt = MuonClip(model, lr=0.0, weight_decay=0.0, tau=tau, layers=layers, on_ineffective_clip="raise")
-    w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt.step()
-    after = torch.stack([replay_layer_max(model, module, a, kw) for a, kw in saved]).amax(0)
+    real_tokens(am)  # the probe leaves padding queries out by the batch's own mask
+    try:
+        before = torch.stack([replay_layer_max(model, module, a, kw) for a, kw in saved]).amax(0)
+        tau = tau_between(before)
+        opt = MuonClip(model, lr=0.0, weight_decay=0.0, tau=tau, layers=layers, on_ineffective_clip="raise")
+        w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        after = torch.stack([replay_layer_max(model, module, a, kw) for a, kw in saved]).amax(0)
+    finally:
+        real_tokens(None)
     clipped = before > tau
     torch.testing.assert_close(opt.last_max_logits[first.name].cpu(), before, rtol=1e-5, atol=1e-5,
                                msg=lambda m: f"{family}: recorded max logits: {m}")
@@ -392,4 +399,7 @@ def run_family(family: str) -> Verdict:
                                msg=lambda m: f"{family}: layer 0 not clipped to tau: {m}")
     assert 0 < int(clipped.sum()) < clipped.numel()
     assert_only_clipped_rows_changed(model, [first], {first.name: clipped}, w0)
+    detach(model)  # every (sub-)model back to its own implementation, nothing of ours left
+    assert [m.config._attn_implementation for m, _ in impls] == [i for _, i in impls], f"{family}: detach"
+    assert not any(hasattr(m, CHECK_ATTR) or m._forward_pre_hooks for m in model.modules()), f"{family}: detach"
     return Verdict(family, "supported", _supported_why(layers, model))

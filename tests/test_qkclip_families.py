@@ -6,12 +6,14 @@ heads, experts, vocabulary, per-layer patterns). One row per family (``hf_famili
 which is one of:
 
 * **supported**: `attach` accepts it; the forward with MuonClip attached equals the model's own
-  (its default implementation, eager or SDPA) in eval and in train mode, with a left-padded
-  attention mask, and every layer that ran passed its one-time forward check; then, with layer
-  0's heads spread apart, ``MuonClip(lr=0, weight_decay=0)`` records exactly the max logits an
-  independent probe measures (``hf_probe``: ``scale * q.k`` in float64 on the layer's own
-  inputs), and after one step each of layer 0's heads above tau lands on tau, the others keep
-  their max, and every other weight element (other heads, V, other layers) is bit-identical;
+  (its default implementation, eager or SDPA) in eval and in train mode, with one row
+  right-padded and one left-padded, and every layer that ran passed its one-time forward check;
+  then, with layer 0's heads spread apart, ``MuonClip(lr=0, weight_decay=0)`` records exactly the
+  max logits an independent probe measures (``hf_probe``: ``scale * q.k`` in float64 on the
+  layer's own inputs, padding queries left out by the batch's own 2-D mask), after one step each
+  of layer 0's heads above tau lands on tau, the others keep their max, and every other weight
+  element (other heads, V, other layers) is bit-identical; `detach` then gives every (sub-)model
+  the implementation it had;
 * **refused** before any step, by `attach` or by the first forward, with a ValueError whose
   message names one of the causes of ``hf_families.REFUSAL_CAUSES``;
 * **not built**: the family's config cannot be built small (the reason is recorded).
