@@ -132,6 +132,6 @@ def test_the_rule_is_written_once():
     assert feeds == ["attention/forward_rule.py", "attention/record.py"]  # its definition, its one caller
     updates = sorted(n for n, s in sources.items() if re.search(r"\b(target|recorder)\.update\(", s))
     assert updates == ["attention/record.py"]
-    thresholds = sorted(n for n, s in sources.items() if re.search(r"[<>]=? *(torch\.)?finfo\(", s)
+    thresholds = sorted(n for n, s in sources.items() if re.search(r"[<>]=? *(torch\.)?finfo\([^)]*\)\.min", s)
                         or re.search(r"MASKED_AT *=", s))
     assert thresholds == ["attention/pairs.py"]
