@@ -208,7 +208,7 @@ def family_knowledge(tree: ast.Module, names: set[str], own: set[str]) -> list[s
 def test_the_core_imports_no_framework_and_names_nothing_of_the_family_table():
     """Every class and attribute name of the family table (transformers', peft's, torch's fused
     projections, head counts, q/k norms, adapter names) is stated there only: the core reads it
-    through the registry (`muonclip.common.families`)."""
+    through the registry (`muonclip.common.families`, `muonclip.common.family_readers`)."""
     names = set().union(*(table_names(getattr(family_table, n)) for n in family_table.__all__))
     assert {"GPT2Attention", "Conv1D", "lora_A", "base_layer", "c_attn", "Qwen3Attention", "mp_num"} <= names
     files = sorted(p for d in CORE for p in (SRC / d).rglob("*.py"))

@@ -20,7 +20,7 @@ from toy_models import unfuse
 
 import muonclip
 from muonclip.optim.backend import CoreBackend
-from muonclip.optim.fused import matrix_layouts
+from muonclip.optim.fused import weight_splits
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -411,7 +411,7 @@ def test_a_registered_family_is_split_as_its_table_states(monkeypatch):
     assert "split_sizes" not in group_of(muonclip.param_groups(net), name)  # "packed" is no fused name: plain
     monkeypatch.setattr(families, "TABLES", list(families.TABLES))
     table = families.FamilyTable(
-        heads=families.HeadCounts(heads=families.Read(("n_q",)), kv_heads=families.Read(("n_kv",))),
+        heads=families.HeadSources(heads=families.Read(("n_q",)), kv_heads=families.Read(("n_kv",))),
         fused_qkv=(families.FusedQKV(("PackedAttention",), "packed", per_kv_head=True),),
     )
     families.register_families(table)
@@ -459,9 +459,9 @@ def test_layouts_of_torch_multihead_attention():
     """Heads from the module itself, never from the config of a model holding it (a vision tower's
     ``nn.MultiheadAttention`` inside a model whose text config has 2 key/value heads)."""
     mha = nn.MultiheadAttention(16, 4)
-    found = matrix_layouts(mha)[id(mha.in_proj_weight)]
+    found = weight_splits(mha)[id(mha.in_proj_weight)]
     assert found.split_sizes == (16, 16, 16)
-    assert matrix_layouts(mha, per_head=True)[id(mha.in_proj_weight)].split_sizes == (4,) * 12
+    assert weight_splits(mha, per_head=True)[id(mha.in_proj_weight)].split_sizes == (4,) * 12
     holder = nn.ModuleDict({"pool": mha})
     holder.config = transformers.LlamaConfig(num_attention_heads=8, num_key_value_heads=2, hidden_size=64)
-    assert matrix_layouts(holder)[id(mha.in_proj_weight)].split_sizes == (16, 16, 16)
+    assert weight_splits(holder)[id(mha.in_proj_weight)].split_sizes == (16, 16, 16)

@@ -73,7 +73,7 @@ from ..common.families import (
     FamilyTable,
     FusedMLP,
     FusedQKV,
-    HeadCounts,
+    HeadSources,
     LatentAttention,
     Projections,
     Read,
@@ -92,7 +92,7 @@ ADAPTER_BASE = "base_layer"
 ADAPTER_COPIES = "modules_to_save"
 """peft's ``ModulesToSaveWrapper``: the ModuleDict of its trainable copies."""
 
-HEADS = HeadCounts(
+HEADS = HeadSources(
     heads=Read(("num_heads", "n_head", "num_attention_heads"), ("num_attention_heads",)),
     kv_heads=Read(("num_key_value_heads", "n_kv_head"), ("num_key_value_heads",)),
     kv_groups=("num_key_value_groups",),

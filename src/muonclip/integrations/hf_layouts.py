@@ -11,14 +11,14 @@ lists them (modules with a ``layer_idx`` and no softmax attention in or above th
 **Layouts** (`layout_of`), from the family table (`muonclip.integrations.families`, read through
 `muonclip.common.families`), checked against the weights by `muonclip.qkclip.AttentionLayer.check`.
 Head counts come from the module, the config only where the module holds none
-(`muonclip.common.families.heads_of`):
+(`muonclip.common.family_readers.heads_of`):
 
 * Separate projections (Llama / Mistral / Qwen2 style ``q_proj``, ``k_proj``; BERT style
   ``query``, ``key``; CTRL's ``Wq``, ``Wk``): `MHALayout` when key heads = query heads, else
   `GQALayout` (exact per-head policy by default); q/k biases are part of the layout.
 * Fused projections, for the classes whose row order the table states (a fused projection of
   any other class is refused: its order is not stated): the rows of q and k as the table's
-  `muonclip.common.families.QKVRows` gives them — the same rows `muonclip.param_groups` splits
+  `muonclip.common.family_readers.QKVRows` gives them — the same rows `muonclip.param_groups` splits
   into the q and k maps — as `Rows` ranges of one weight (Phi-3's ``qkv_proj``, GPT-2's
   ``Conv1D`` ``c_attn`` stored ``(in, out)``, GPTBigCode's multi-query ``c_attn``; a
   cross-attention layer's queries from ``q_attn``) or `StridedRows` (q, k and v interleaved per
@@ -50,9 +50,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ..common.families import (
+from ..common.families import families
+from ..common.family_readers import (
     QKVRows,
-    families,
     fused_qkv,
     heads_of,
     latent_attention,
@@ -60,12 +60,10 @@ from ..common.families import (
     separate_projections,
     stored_transposed,
 )
-from ..qkclip.layouts import GQALayout, MHALayout, MLALayout, Rows, StridedRows
+from ..qkclip.layouts import GQALayout, Layout, MHALayout, MLALayout, Rows, StridedRows
 from ..qkclip.qknorm import check_no_qk_norm
 from .families import CLAMPS, OUTPUT_NORMS, SELECTION_CHILDREN
 from .hf_adapters import projection_rows, unwrap
-
-Layout = MHALayout | GQALayout | MLALayout
 
 
 @cache
@@ -128,7 +126,8 @@ def _linear(module: nn.Module, attr: str, name: str) -> nn.Module:
 
 
 def _heads(name: str, module: nn.Module, config: Any) -> tuple[int, int, int]:
-    """``(query heads, key heads, head dim)`` of attention module ``name`` (`muonclip.common.families.heads_of`)."""
+    """``(query heads, key heads, head dim)`` of attention module ``name``
+    (`muonclip.common.family_readers.heads_of`)."""
     heads = heads_of(module, config)
     if heads is None:
         spec = families().heads
@@ -259,4 +258,4 @@ def layout_of(name: str, module: nn.Module, config: Any, gqa_policy: str = "per_
     raise _no_layout(name, module)
 
 
-__all__ = ["Layout", "attention_modules", "dispatches_attention", "layout_of", "mixers_without_attention"]
+__all__ = ["attention_modules", "dispatches_attention", "layout_of", "mixers_without_attention"]

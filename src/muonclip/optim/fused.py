@@ -1,6 +1,6 @@
 """Which rows of a weight are which linear map: fused projections, heads, experts, routers.
 
-`muonclip.param_groups` calls `matrix_layouts` to learn, for each weight, how Muon should see it.
+`muonclip.param_groups` calls `weight_splits` to learn, for each weight, how Muon should see it.
 Every layout is declared by the model's family, as the registered family table states it
 (`muonclip.common.families`; the table itself, with every family it knows, is
 `muonclip.integrations.families`): a module class whose storage is known, declared experts,
@@ -14,11 +14,11 @@ orthogonalising its parts (``orth([A; B]) != [orth(A); orth(B)]``, and the updat
 be computed from the stacked shape), so each part is its own matrix, exactly as if the model
 stored the maps as separate linear layers:
 
-* A fused attention projection (`muonclip.common.families.fused_qkv`): its q, k and v maps,
+* A fused attention projection (`muonclip.common.family_readers.fused_qkv`): its q, k and v maps,
   ``split_sizes`` the rows of each map in one group and ``split_groups`` the groups (q, k, v
   interleaved per head or per partition), ``transposed`` for a layer stored ``(in, out)``.
   The clip's rows of q and k (`muonclip.integrations.hf_layouts`) come from the same
-  `muonclip.common.families.QKVRows`, so a map the clip scales is one matrix here.
+  `muonclip.common.family_readers.QKVRows`, so a map the clip scales is one matrix here.
 * A fused MLP projection (`muonclip.common.families.FusedMLP`): ``[gate | up]``.
 * Stacked experts that declare their layout (`muonclip.common.families.StackedExperts`):
   ``gate_up`` ``(E, 2I, H)`` is ``[gate | up]`` per expert, or rows alternating gate/up
@@ -59,12 +59,10 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ..common.families import (
-    LatentAttention,
+from ..common.families import LatentAttention, Read, families
+from ..common.family_readers import (
     QKVRows,
-    Read,
     child_weight,
-    families,
     fused_qkv,
     heads_of,
     latent_attention,
@@ -75,7 +73,7 @@ from ..common.families import (
 
 
 @dataclass(frozen=True)
-class MatrixLayout:
+class WeightSplit:
     """How `param_groups` sees one weight, and why.
 
     Attributes:
@@ -97,7 +95,7 @@ class MatrixLayout:
     algorithm: str | None = None
 
     def options(self) -> dict[str, Any]:
-        """The param-group keys this layout sets (``split_sizes``, ``split_groups``, ``transposed``)."""
+        """The param-group keys this split sets (``split_sizes``, ``split_groups``, ``transposed``)."""
         out: dict[str, Any] = {}
         if self.split_sizes is not None:
             out["split_sizes"] = list(self.split_sizes)
@@ -108,8 +106,8 @@ class MatrixLayout:
         return out
 
 
-def matrix_layouts(model: nn.Module, *, per_head: bool = False, split_fused: bool = True) -> dict[int, MatrixLayout]:
-    """The `MatrixLayout` of every weight of ``model`` that is not a plain matrix, keyed by ``id(param)``.
+def weight_splits(model: nn.Module, *, per_head: bool = False, split_fused: bool = True) -> dict[int, WeightSplit]:
+    """The `WeightSplit` of every weight of ``model`` that is not a plain matrix, keyed by ``id(param)``.
 
     Args:
         model: the model (any ``nn.Module``; its families are recognised by the registered family
@@ -118,23 +116,23 @@ def matrix_layouts(model: nn.Module, *, per_head: bool = False, split_fused: boo
         per_head: one block per attention head for q/k/v and latent-attention up-projections
             (default False).
         split_fused: split known fused projections into their maps (default True). False keeps
-            every fused weight whole (the layout is still reported), per-head blocks included.
+            every fused weight whole (the split is still reported), per-head blocks included.
 
     Returns:
-        ``{id(param): MatrixLayout}``; weights not in it are plain matrices (or not matrices).
+        ``{id(param): WeightSplit}``; weights not in it are plain matrices (or not matrices).
     """
     root_config = getattr(model, "config", None)
-    found: dict[int, MatrixLayout] = {}
+    found: dict[int, WeightSplit] = {}
     for module in model.modules():
         config = getattr(module, "config", None) or root_config
-        for p, layout in _module_layouts(module, config, per_head, split_fused):
-            found.setdefault(id(p), layout)
+        for p, split in _module_splits(module, config, per_head, split_fused):
+            found.setdefault(id(p), split)
     fused_names = families().fused_names
     for mname, module in model.named_modules():  # fused by name, layout not known: say so
         for attr, p in _named_weights(module):
             if attr in fused_names and id(p) not in found and p.ndim >= 2:
                 where = f"{mname}.{attr}" if mname else attr
-                found[id(p)] = MatrixLayout(
+                found[id(p)] = WeightSplit(
                     "fused? layout unknown",
                     f"{type(module).__name__}.{attr} looks fused but muonclip does not know how it stacks its maps: "
                     f"one matrix (cut it with split={{'{where}*': [...]}})",
@@ -147,8 +145,8 @@ def matrix_layouts(model: nn.Module, *, per_head: bool = False, split_fused: boo
 # ------------------------------------------------------------------------------------------------
 
 
-def _module_layouts(module: nn.Module, config: Any, per_head: bool,
-                    split_fused: bool) -> Iterable[tuple[Tensor, MatrixLayout]]:
+def _module_splits(module: nn.Module, config: Any, per_head: bool,
+                    split_fused: bool) -> Iterable[tuple[Tensor, WeightSplit]]:
     rows = fused_qkv(module, config)
     latent = latent_attention(module)
     if rows is not None:
@@ -167,22 +165,22 @@ def _sections(rows: dict[str, int]) -> str:
 
 
 def _fused(p: Tensor, reason: str, parts: dict[str, int], why: str, split_fused: bool, *,
-           groups: int = 1, transposed: bool = False, per_head: tuple[int, ...] | None = None) -> MatrixLayout:
-    """The layout of a fused weight with ``parts`` (row counts per group, in order): split, per
+           groups: int = 1, transposed: bool = False, per_head: tuple[int, ...] | None = None) -> WeightSplit:
+    """The split of a fused weight with ``parts`` (row counts per group, in order): split, per
     head, or kept whole, after checking the parts against the weight's matrix rows."""
     rows = p.shape[-1] if transposed else p.shape[1] if p.ndim == 3 else p.shape[0]
     sizes = tuple(parts.values())
     text = f"[{_sections(parts)}] x {groups}, interleaved" if groups > 1 else _sections(parts)
     if sum(sizes) * groups != rows:
-        return MatrixLayout("fused? layout unknown", f"{rows} rows, not {text} ({why}): one matrix",
+        return WeightSplit("fused? layout unknown", f"{rows} rows, not {text} ({why}): one matrix",
                             transposed=transposed)
     text += f" ({why})"
     if not split_fused:
-        return MatrixLayout(reason, text + "; kept whole: split_fused=False", transposed=transposed)
+        return WeightSplit(reason, text + "; kept whole: split_fused=False", transposed=transposed)
     if per_head is not None:
-        return MatrixLayout("per-head", f"{len(per_head)} blocks of {per_head[0]} rows; {text}", per_head,
+        return WeightSplit("per-head", f"{len(per_head)} blocks of {per_head[0]} rows; {text}", per_head,
                             transposed=transposed)
-    return MatrixLayout(reason, text, sizes, groups, transposed=transposed)
+    return WeightSplit(reason, text, sizes, groups, transposed=transposed)
 
 
 def _fused_attention(module: nn.Module, rows: QKVRows, per_head: bool, split_fused: bool) -> Iterable[tuple]:
@@ -196,7 +194,7 @@ def _fused_attention(module: nn.Module, rows: QKVRows, per_head: bool, split_fus
     stored = "; stored (in, out)" if transposed else ""
     problem = rows.error(p.shape[1] if transposed else p.shape[0])
     if problem is not None:
-        yield p, MatrixLayout("fused? layout unknown",
+        yield p, WeightSplit("fused? layout unknown",
                               f"{type(module).__name__}.{fused.attr} {problem}{stored}: one matrix",
                               transposed=transposed)
         return
@@ -233,14 +231,14 @@ def _experts(module: nn.Module, config: Any, split_fused: bool) -> Iterable[tupl
         stored = "(E, in, out)" if transposed else "(E, out, in)"
         for attr, p in _named_weights(module):
             if p.ndim == 2 and attr.endswith(spec.bias_suffix):
-                yield p, MatrixLayout("vector", f"per-expert biases (E={p.shape[0]}) x {p.shape[1]}: vectors",
+                yield p, WeightSplit("vector", f"per-expert biases (E={p.shape[0]}) x {p.shape[1]}: vectors",
                                       algorithm="adamw")
             elif p.ndim != 3:
                 continue
             elif attr == spec.gate_up and getattr(module, spec.gated):
                 size = spec.size.read(module, config)
                 if size is None:
-                    yield p, MatrixLayout("fused? layout unknown",
+                    yield p, WeightSplit("fused? layout unknown",
                                           "experts' intermediate size not found: one matrix per expert",
                                           transposed=transposed)
                     continue
@@ -254,7 +252,7 @@ def _experts(module: nn.Module, config: Any, split_fused: bool) -> Iterable[tupl
                     yield p, _fused(p, "experts, fused gate|up", {"gate": 1, "up": 1}, why, split_fused,
                                     groups=inter, transposed=transposed)
             elif transposed:
-                yield p, MatrixLayout("experts", f"E={p.shape[0]} matrices, stored {stored}", transposed=True)
+                yield p, WeightSplit("experts", f"E={p.shape[0]} matrices, stored {stored}", transposed=True)
         return
 
 
@@ -267,7 +265,7 @@ def _router(module: nn.Module, config: Any) -> Iterable[tuple]:
         for attr in spec.attrs:
             p = child_weight(module, attr)
             if p is not None and n is not None and p.shape[0] == n:
-                yield p, MatrixLayout(
+                yield p, WeightSplit(
                     "router",
                     f"E={n} x {p.shape[1]}, one matrix on Muon, as Moonlight/Kimi K2, Megatron-LM and torchtitan "
                     f"train routers (adamw=['*.{attr}.weight'] moves it)",
@@ -284,7 +282,7 @@ def _mla(module: nn.Module, latent: LatentAttention, config: Any, per_head: bool
     nope, rope, v = (s[0] for s in sizes)
     kv_a = child_weight(module, latent.kv_down) if latent.kv_down is not None else None
     if kv_a is not None:
-        yield kv_a, MatrixLayout("MLA", f"[c_kv {kv_a.shape[0] - rope} | shared rotary key {rope}]: one matrix, as "
+        yield kv_a, WeightSplit("MLA", f"[c_kv {kv_a.shape[0] - rope} | shared rotary key {rope}]: one matrix, as "
                                   "DeepSeek-V3, Moonlight and Kimi K2 train it (split= cuts it)")
     q = next((w for w in (child_weight(module, a) for a in latent.q_up) if w is not None), None)
     kv = child_weight(module, latent.kv_up)
@@ -293,9 +291,9 @@ def _mla(module: nn.Module, latent: LatentAttention, config: Any, per_head: bool
             continue
         d = p.shape[0] // nh
         if per_head and d * nh == p.shape[0]:
-            yield p, MatrixLayout("per-head", f"{nh} blocks of {d} rows, one per head [{parts}]", (d,) * nh)
+            yield p, WeightSplit("per-head", f"{nh} blocks of {d} rows, one per head [{parts}]", (d,) * nh)
         else:
-            yield p, MatrixLayout("MLA", f"{nh} heads x [{parts}]: one matrix, as DeepSeek-V3, Moonlight and Kimi K2 "
+            yield p, WeightSplit("MLA", f"{nh} heads x [{parts}]: one matrix, as DeepSeek-V3, Moonlight and Kimi K2 "
                                          "train it (per_head=True: one block per head)")
 
 
@@ -311,11 +309,11 @@ def _separate_qkv(module: nn.Module, config: Any) -> Iterable[tuple]:
         if p is None:
             continue
         if p.shape[0] % n:
-            yield p, MatrixLayout("hidden matrix",
+            yield p, WeightSplit("hidden matrix",
                                   f"per_head: {p.shape[0]} rows do not split into {n} heads: one matrix")
         else:
             d = p.shape[0] // n
-            yield p, MatrixLayout("per-head", f"{n} blocks of {d} rows, one per head", (d,) * n)
+            yield p, WeightSplit("per-head", f"{n} blocks of {d} rows, one per head", (d,) * n)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -347,4 +345,4 @@ def _n_experts(experts: nn.Module, count: Read, config: Any) -> int | None:
     return None
 
 
-__all__ = ["MatrixLayout", "matrix_layouts"]
+__all__ = ["WeightSplit", "weight_splits"]

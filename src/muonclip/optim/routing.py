@@ -27,7 +27,7 @@ Rules (docs/design.md, "Which matrices: fused projections, heads and routers"), 
    of a linear layer stored ``(in, out)`` (the family table's ``transposed``: transformers'
    ``Conv1D``, GPT-2) in a group with ``transposed=True`` ("conv1d (in, out)").
 
-How each Muon weight is cut into matrices comes from `muonclip.optim.fused` (layouts declared by
+How each Muon weight is cut into matrices comes from `muonclip.optim.fused` (splits declared by
 the model's family in the registered family table, checked against the weight): known fused
 projections (GPT-2's ``c_attn``, ``qkv_proj``, ``query_key_value``, ``gate_up_proj``, stacked
 experts, ...: `muonclip.integrations.families` lists them) are split
@@ -47,9 +47,9 @@ from typing import Any
 
 from torch import nn
 
-from ..common.families import adapter_role, copied_name, output_layer, stored_transposed
+from ..common.family_readers import adapter_role, copied_name, output_layer, stored_transposed
 from .flat import refuse_flat_model
-from .fused import MatrixLayout, matrix_layouts
+from .fused import WeightSplit, weight_splits
 
 HEAD_NAMES = ("lm_head", "head", "output", "unembed", "classifier", "score")
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -63,7 +63,7 @@ class Route:
     shape: tuple[int, ...]
     algorithm: str  # "muon" or "adamw"
     reason: str  # "hidden matrix", "conv", "conv1d (in, out)", "experts", "embedding", "lm head", "vector",
-    #              "override", or a `muonclip.optim.fused.MatrixLayout` reason ("fused qkv", "router", "per-head", ...)
+    #              "override", or a `muonclip.optim.fused.WeightSplit` reason ("fused qkv", "router", "per-head", ...)
     detail: str = ""  # how a Muon weight is cut into matrices, and from what (config sizes, split= pattern)
 
 
@@ -144,7 +144,7 @@ def param_groups(
             ``{"*.qkv.weight": [d, d, d]}``; for a ``Conv1D`` weight, rows of its ``(out, in)``
             transpose. A value may also be ``{"split_sizes": [...], "split_groups": G}`` for an
             interleaved layout (`muonclip.optim.matrices`). A match wins over the automatic
-            layouts below and keeps that weight exactly as given.
+            splits below and keeps that weight exactly as given.
         split_fused: split the fused projections whose layout the family table states
             (default True; `muonclip.optim.fused`, `muonclip.integrations.families`): Phi-3's
             ``qkv_proj`` and ``gate_up_proj``, GPT-2's and GPTBigCode's ``c_attn``, GPT-NeoX's
@@ -181,7 +181,7 @@ def param_groups(
         raise ValueError(f"lora must be one of {LORA_ROUTES}, got {lora!r}")
     refuse_flat_model(model)  # a flattened matrix is never routed as a vector
     split = {pat: _split_options(pat, v) for pat, v in (split or {}).items()}
-    known = matrix_layouts(model, per_head=per_head, split_fused=split_fused)
+    known = weight_splits(model, per_head=per_head, split_fused=split_fused)
     owner: dict[int, nn.Module] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):
@@ -219,7 +219,7 @@ def param_groups(
             and module is last_linear
         )
         extra: dict[str, Any] = {}
-        layout: MatrixLayout | None = known.get(id(p))
+        split_of: WeightSplit | None = known.get(id(p))
         detail = ""
         if _matches(name, adamw):
             algo, reason = "adamw", "override"
@@ -243,8 +243,8 @@ def param_groups(
             algo, reason = "adamw", "lm head"
         elif p.ndim < 2:
             algo, reason = "adamw", "vector"
-        elif layout is not None and layout.algorithm == "adamw":
-            algo, reason, detail = "adamw", layout.reason, layout.detail
+        elif split_of is not None and split_of.algorithm == "adamw":
+            algo, reason, detail = "adamw", split_of.reason, split_of.detail
         elif isinstance(module, _CONV):
             algo, reason = "muon", "conv"
         elif _stored_transposed(module, p):
@@ -261,13 +261,13 @@ def param_groups(
             pat = next((pat for pat in split if fnmatch.fnmatchcase(name, pat)), None)
             if pat is not None:
                 extra.update(split[pat])
-                if layout is not None and layout.transposed:
+                if split_of is not None and split_of.transposed:
                     extra["transposed"] = True
                 groups = f" x {split[pat]['split_groups']}, interleaved" if "split_groups" in split[pat] else ""
                 detail = f"rows {split[pat]['split_sizes']}{groups}, as split={{{pat!r}: ...}} gives"
-            elif layout is not None:
-                extra.update(layout.options())
-                reason, detail = (reason if reason == "override" else layout.reason), layout.detail
+            elif split_of is not None:
+                extra.update(split_of.options())
+                reason, detail = (reason if reason == "override" else split_of.reason), split_of.detail
             if lr is not None:
                 extra["lr"] = lr
             if weight_decay is not None:
@@ -338,7 +338,8 @@ def _split_options(pattern: str, value: Sequence[int] | Mapping[str, Any]) -> di
 
 
 def _stored_transposed(module: nn.Module | None, p: nn.Parameter) -> bool:
-    """Is ``p`` the weight of a linear layer stored ``(in, out)`` (`muonclip.common.families.stored_transposed`)?"""
+    """Is ``p`` the weight of a linear layer stored ``(in, out)``
+    (`muonclip.common.family_readers.stored_transposed`)?"""
     return module is not None and p is getattr(module, "weight", None) and stored_transposed(module)
 
 

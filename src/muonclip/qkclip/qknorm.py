@@ -22,7 +22,7 @@ states that it feeds a projection the clip scales (``inputs``: DeepSeek MLA's
   except a `torch.nn.Identity` (a disabled norm).
 
 Independently of its children, an attention class that the registered family table states
-always normalises q/k (`muonclip.common.families.normalises_qk`; transformers' classes are
+always normalises q/k (`muonclip.common.family_readers.normalises_qk`; transformers' classes are
 listed in `muonclip.integrations.families.QK_NORM_CLASSES`) is refused, so a release that moves
 the norm into a function call is still caught. Classes whose norm depends on the config are
 decided by their modules.
@@ -44,7 +44,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from ..common.families import normalises_qk
+from ..common.family_readers import normalises_qk
 
 _TORCH_NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.modules.batchnorm._NormBase)
 
@@ -88,7 +88,7 @@ def check_no_qk_norm(name: str, module: nn.Module, inputs: Iterable[nn.Module] =
     """Raise ValueError when attention layer ``name`` normalises q/k after its projections.
 
     Refused: a layer with a normalisation module found by `find_qk_norms` (``inputs`` as there),
-    or whose class always normalises q/k (`muonclip.common.families.normalises_qk`). The message
+    or whose class always normalises q/k (`muonclip.common.family_readers.normalises_qk`). The message
     names the layer, its class and the modules, says why QK-Clip cannot bound its logits and what
     to do instead.
     """

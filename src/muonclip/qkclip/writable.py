@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from torch import Tensor, nn
 
 from ..common.dtensor import is_dtensor
-from ..common.families import under_adapter_base
+from ..common.family_readers import under_adapter_base
 from .layouts import AttentionLayer
 
 
