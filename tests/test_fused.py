@@ -404,7 +404,7 @@ def test_a_registered_family_is_split_as_its_table_states(monkeypatch):
     """The registry is the extension point: a table naming a class, its fused child and where its head
     counts are (merged after the registered ones) makes `param_groups` split it into q, k and v per
     key/value group; unregistered, the same module is reported, not guessed."""
-    from muonclip.common import families
+    from muonclip.common import families, family_readers
 
     net = nn.ModuleDict({"attn": PackedAttention()})
     name = "attn.packed.weight"
@@ -417,7 +417,7 @@ def test_a_registered_family_is_split_as_its_table_states(monkeypatch):
     families.register_families(table)
     families.register_families(table)  # again: a no-op
     assert families.TABLES.count(table) == 1
-    rows = families.fused_qkv(net["attn"], None)
+    rows = family_readers.fused_qkv(net["attn"], None)
     assert (rows.groups, rows.sizes, rows.rows("k")) == (2, (8, 4, 4), (8, 4, 16, 2))
     groups = muonclip.param_groups(net)
     assert route(groups, name).reason == "fused qkv"

@@ -121,7 +121,7 @@ def heads_of(module: nn.Module, config: Any) -> Heads | None:
     if kv is None:
         groups = Read(spec.kv_groups).read(module, None)
         if groups is not None and n % groups[0] == 0:
-            kv = n // groups[0], groups[1]
+            kv = n // groups[0], f"{groups[1]} ({n // groups[0]} key/value heads)"
     if kv is None:
         kv = Read((), spec.kv_heads.config).read(None, config)
     if kv is not None:
