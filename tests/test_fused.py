@@ -249,8 +249,8 @@ def test_fused_attention_step_is_blockwise_orthogonalisation(kind):
     """GPTBigCode (multi-query and multi-head) and CodeGen: one Muon step (no momentum, no weight
     decay, exact polar factor in float64) moves each of q, k and v, the rows the model's forward
     takes for it, by the polar factor of its own gradient rows times the update scale of its own
-    shape, to 1e-6; orthogonalising the fused weight whole (what routing did before the family
-    table knew these layouts) misses by far more."""
+    shape, to 1e-6; orthogonalising the fused weight whole (`split_fused=False`) misses by far
+    more."""
     name, maps_of = BLOCKWISE[kind]
     model = tiny(kind)
     groups = muonclip.param_groups(model)
