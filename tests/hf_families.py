@@ -21,9 +21,11 @@ from hf_probe import assert_only_clipped_rows_changed, real_tokens, replay_layer
 from transformers import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+import muonclip
 from muonclip.integrations.hf import attach, attach_report, detach
 from muonclip.integrations.hf_attention import CHECK_ATTR
-from muonclip.qkclip import MuonClip
+from muonclip.optim.matrices import matrix_spec
+from muonclip.qkclip import MLALayout, MuonClip, Rows, StridedRows
 
 VOCAB = 128
 WIDTH = 64
@@ -209,11 +211,13 @@ def _shrink_dict(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def tiny_config(model_type: str):
-    """The family's default config, shrunk (module docstring), plus its `FAMILY_OVERRIDES`; the config
-    class is the model class's own (a multimodal family's causal LM takes its text config)."""
+def tiny_config(model_type: str, variant: dict[str, Any] | None = None):
+    """The family's default config, shrunk (module docstring), plus its `FAMILY_OVERRIDES` and
+    ``variant`` (config keywords of a variant of the family, e.g. GPTBigCode without multi-query
+    attention); the config class is the model class's own (a multimodal family's causal LM takes
+    its text config)."""
     cls = getattr(transformers, families()[model_type][0]).config_class
-    overrides = FAMILY_OVERRIDES.get(model_type, {})
+    overrides = {**FAMILY_OVERRIDES.get(model_type, {}), **(variant or {})}
     try:  # a family whose default config fails its own validation starts from the overrides
         base = cls(**overrides)
     except Exception:  # noqa: BLE001 - transformers' strict-dataclass validation raises its own types
@@ -223,13 +227,13 @@ def tiny_config(model_type: str):
     return cls(**{k: v for k, v in d.items() if v is not None})
 
 
-def build(model_type: str, seed: int = 0) -> torch.nn.Module:
-    """The family's tiny model: float32, training mode, every dropout probability 0, projection biases
-    drawn from N(0.25, 0.25^2): a zero bias would hide whether the clip scales it, and q/k biases of one
-    sign keep the max logits of a model without RoPE positive."""
+def build(model_type: str, seed: int = 0, variant: dict[str, Any] | None = None) -> torch.nn.Module:
+    """The family's tiny model (``variant``: as `tiny_config`): float32, training mode, every dropout
+    probability 0, projection biases drawn from N(0.25, 0.25^2): a zero bias would hide whether the clip
+    scales it, and q/k biases of one sign keep the max logits of a model without RoPE positive."""
     model_cls, _ = families()[model_type]
     torch.manual_seed(seed)
-    config = tiny_config(model_type)
+    config = tiny_config(model_type, variant)
     model = getattr(transformers, model_cls)(config).float()
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
@@ -326,15 +330,68 @@ def _supported_why(layers, model) -> str:
     return "; ".join(parts)
 
 
-def run_family(family: str) -> Verdict:
-    """Build the family tiny and decide its row (``tests/test_qkclip_families.py`` states the criteria).
+def _clip_rows(t: Any) -> tuple[torch.Tensor, list[int]] | None:
+    """``(tensor, the matrix rows the clip scales, in head order)`` of a layout weight (None: DoRA
+    magnitudes, not rows of a weight)."""
+    if isinstance(t, Rows):
+        return t.tensor, list(range(t.start, t.stop))
+    if isinstance(t, StridedRows):
+        return t.tensor, t.indices().tolist()
+    if isinstance(t, torch.Tensor):
+        return t, list(range(t.shape[0]))
+    return None
+
+
+def _routed_maps(group: dict[str, Any], p: torch.Tensor) -> set[tuple[int, ...]]:
+    """The matrices Muon sees in weight ``p`` of param group ``group``, each as the tuple of its
+    ``(out, in)`` rows (`muonclip.optim.matrices.MatrixSpec.blocks`)."""
+    spec = matrix_spec(p.shape, {"split_sizes": group.get("split_sizes"), "split_groups": group.get("split_groups", 1),
+                                 "transposed": group.get("transposed", False), "flatten": group.get("flatten", False),
+                                 "adjust_lr_fn": "match_rms_adamw", "method": "ns5", "ns_steps": None})
+    return {tuple(sorted(r for lo, hi in segs for r in range(lo, hi))) for segs in spec.blocks}
+
+
+def check_routing_agrees(family: str, model: torch.nn.Module, layers: list) -> None:
+    """Routing and the clip see the same maps: wherever the clip scales rows of a weight as a layer's
+    q or k, `muonclip.param_groups` gives Muon exactly those rows as one matrix of that weight (a
+    fused weight is split into the maps the clip scales), and with ``per_head=True`` each head's rows
+    as one matrix. (MLA's ``kv_b_proj``, whose per-head rows hold k and v, is left out.)"""
+    for per_head in (False, True):
+        routed = {id(p): g for g in muonclip.param_groups(model, per_head=per_head) for p in g["params"]}
+        for ly in layers:
+            lay = ly.layout
+            if isinstance(lay, MLALayout):
+                fields = [("q_weight", lay.n_heads, lay.qk_nope_head_dim + lay.qk_rope_head_dim)]
+            else:
+                fields = [("q_weight", lay.n_heads, lay.head_dim),
+                          ("k_weight", getattr(lay, "n_kv_heads", lay.n_heads), lay.head_dim)]
+            for field, heads, d in fields:
+                found = _clip_rows(getattr(lay, field))
+                if found is None:
+                    continue
+                t, rows = found
+                group = routed.get(id(t))
+                assert group is not None and group["algorithm"] == "muon", f"{family}: {ly.name}.{field} not on Muon"
+                maps = _routed_maps(group, t)
+                wanted = [rows[h * d:(h + 1) * d] for h in range(heads)] if per_head else [rows]
+                for w in wanted:
+                    assert tuple(sorted(w)) in maps, (
+                        f"{family}: {ly.name}.{field} (per_head={per_head}): the clip scales rows {w[:4]}... "
+                        f"({len(w)} rows), which are not one matrix of param_groups' split "
+                        f"{ {k: group.get(k) for k in ('split_sizes', 'split_groups', 'transposed')} }")
+
+
+def run_family(family: str, variant: dict[str, Any] | None = None) -> Verdict:
+    """Build the family tiny (``variant``: as `tiny_config`) and decide its row
+    (``tests/test_qkclip_families.py`` states the criteria).
 
     Raises:
         AssertionError: the family is neither supported (every criterion) nor refused with a
-            cause of `REFUSAL_CAUSES` before any step.
+            cause of `REFUSAL_CAUSES` before any step, or routing splits a weight the clip scales
+            into other maps than the clip's (`check_routing_agrees`).
     """
     try:
-        model = build(family)
+        model = build(family, variant=variant)
     except Exception as e:  # noqa: BLE001 - any failure to build is recorded with its message
         return Verdict(family, "not built", f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
     if family in FAMILY_SETUP:
@@ -347,6 +404,7 @@ def run_family(family: str) -> Verdict:
     except ValueError as e:
         assert model.config._attn_implementation == impl, f"{family}: refused but switched"
         return _refused(family, e, "when attaching")
+    check_routing_agrees(family, model, layers)
     ids, am = _batch()
     real = am.bool()
     try:

@@ -18,6 +18,13 @@ which is one of:
   message names one of the causes of ``hf_families.REFUSAL_CAUSES``;
 * **not built**: the family's config cannot be built small (the reason is recorded).
 
+Every row that attaches also checks that routing and the clip see the same maps
+(``hf_families.check_routing_agrees``): wherever the clip scales rows of a weight as q or k,
+`muonclip.param_groups` makes exactly those rows one matrix (and, with ``per_head=True``, each
+head's rows), both being derived from the family table (`muonclip.integrations.families`).
+`VARIANTS` adds rows for configurations of a family that its default config does not build
+(GPTBigCode without multi-query attention).
+
 A family that is neither supported nor refused fails here, and so does one that cannot be built
 small unless the recorded table ``tests/hf_family_table.json`` (written by
 ``tests/family_table.py``, which also writes the table of docs/integrations.md) says so: a new
@@ -75,6 +82,19 @@ def test_family_row(family):
     assert (row.verdict, row.why) == (recorded["verdict"], recorded["why"]), (
         f"{family}: recorded {recorded['verdict']} ({recorded['why']}), now {row.verdict} ({row.why}): "
         f"{row.detail}")
+
+
+VARIANTS = {"gpt_bigcode, multi-head": ("gpt_bigcode", {"multi_query": False})}
+"""Configurations of a family beyond its default one: name -> (family, config keywords)."""
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_family_variant_row(name):
+    """GPTBigCode's multi-head ``c_attn`` interleaves q, k and v per head (its multi-query one
+    stacks them): supported by the same criteria as a family row, routing split included."""
+    family, variant = VARIANTS[name]
+    row = run_family(family, variant)
+    assert row.verdict == "supported", (name, row)
 
 
 def test_gpt_neox_strided_rows_are_the_q_and_k_its_forward_uses():

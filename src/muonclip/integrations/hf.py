@@ -108,7 +108,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from ..attention.running_max import MaxLogitRecorder
 from ..common.dtensor import is_dtensor
-from ..qkclip.layouts import AttentionLayer, MLALayout
+from ..qkclip.layouts import AttentionLayer, Layout, MLALayout
 from ..qkclip.tensor_parallel import record_local_heads
 from .hf_attention import (
     ATTN_IMPLEMENTATION,
@@ -125,7 +125,7 @@ from .hf_attention import (
 )
 from .hf_callback import MuonClipTrainerCallback
 from .hf_check import AttentionMismatchError, ForwardCheck
-from .hf_layouts import Layout, attention_modules, layout_of, mixers_without_attention
+from .hf_layouts import attention_modules, layout_of, mixers_without_attention
 from .hf_trainer import TrainerArgumentsWarning, trainer_optimizer
 
 PACKING_HOOK_ATTR = "muonclip_packing_hook"

@@ -52,7 +52,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from ..attention.call import AttentionCall
 from ..attention.pairs import allowed_pairs
 from ..attention.record import attend as record_attend
-from .hf_layouts import SELECTION_CHILDREN
+from .families import SELECTION_CHILDREN
 
 ATTN_IMPLEMENTATION = "muonclip"
 """The name our attention function and mask are registered under."""
@@ -341,7 +341,7 @@ def check_module_keywords(module: nn.Module, name: str | None = None) -> None:
     function does not implement, or an `OFF_ONLY` feature on in the module's configuration (its
     value read from the module: ``softcap=self.attn_logit_softcapping``), or a sparse key
     selection from an ``indexer`` child (``indices``: DeepSeek sparse attention hands its top-k to
-    any attention function but eager and SDPA; `muonclip.integrations.hf_layouts.SELECTION_CHILDREN`).
+    any attention function but eager and SDPA; `muonclip.integrations.families.SELECTION_CHILDREN`).
     ``name`` is the layer's name for the message (default: `layer_name`).
 
     Raises:
