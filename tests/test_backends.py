@@ -14,10 +14,8 @@ from test_ortho_fast import conditioned
 
 import muonclip
 from muonclip import orthogonalize
-from muonclip.fast import BufferedBackend, kept_buffers
-from muonclip.fast.buffered_backend import quintic_into
-from muonclip.fast.chunks import CPU_CHUNK_BYTES, chunk_size, working_set
-from muonclip.fast.kept_buffers import Buffers
+from muonclip.fast import BufferedBackend, buffered_backend
+from muonclip.fast.buffered_backend import CPU_CHUNK_BYTES, Buffers, chunk_size, working_set
 from muonclip.optim.backend import AutoBackend, CoreBackend, make_backend
 from muonclip.ortho.newton_schulz import normalized, polar_express_coefficients, quintic
 
@@ -28,7 +26,7 @@ SHAPES = [(7, 24, 72), (7, 72, 24), (7, 24, 24)]
 @pytest.fixture
 def keep_small(monkeypatch):
     """Keep even the small temporaries of these test shapes."""
-    monkeypatch.setattr(kept_buffers, "KEEP_BYTES", 0)
+    monkeypatch.setattr(buffered_backend, "KEEP_BYTES", 0)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -77,9 +75,10 @@ def test_buffered_may_overwrite_only_its_input(method):
 @pytest.mark.parametrize("steps", [1, 2, 5, 6])
 @pytest.mark.parametrize("shape", [(3, 16, 40), (3, 40, 16), (3, 16, 16)])
 def test_quintic_ping_pong_equals_the_plain_loop(keep_small, steps, shape):
-    """The quintic's steps alternate between the input and the result (odd and even step
-    counts, wide, tall and square): bit for bit the core's loop of fresh ``baddbmm`` results,
-    the result in ``out``; a third X-sized buffer only for step 0 of an even step count.
+    """The one quintic iteration given storage: its steps alternate between the input and the
+    result (odd and even step counts, wide, tall and square), bit for bit the same iteration
+    with fresh ``baddbmm`` results, the result in ``out``; a third X-sized buffer only for step
+    0 of an even step count.
 
     Bit for bit on any machine: the same bmm/baddbmm calls on the same operands in the same
     layouts, into other storage."""
@@ -89,7 +88,7 @@ def test_quintic_ping_pong_equals_the_plain_loop(keep_small, steps, shape):
     want = quintic(X0, coeffs)
     out = torch.full(shape, float("nan"), dtype=torch.bfloat16)
     kept = Buffers()
-    got = quintic_into(X0.clone(), coeffs, out, kept)
+    got = quintic(X0.clone(), coeffs, out=out, scratch=kept.get)
     assert torch.isfinite(want).all() and torch.equal(got, want) and got.data_ptr() == out.data_ptr()
     assert ("ns.X" in kept.roles()) == (steps % 2 == 0)
 
@@ -112,7 +111,7 @@ def test_backends_stay_differentiable_and_fall_back_to_the_core(method):
 
 
 def test_kept_buffers(monkeypatch):
-    monkeypatch.setattr(kept_buffers, "KEEP_BYTES", 0)
+    monkeypatch.setattr(buffered_backend, "KEEP_BYTES", 0)
     kept = Buffers()
     cpu = torch.device("cpu")
     a = kept.get("x", (2, 3), torch.float32, cpu)
@@ -124,7 +123,7 @@ def test_kept_buffers(monkeypatch):
     assert kept.get("x", (2,), torch.bfloat16, cpu).dtype == torch.bfloat16  # per dtype
     assert kept.get("y", (2,), torch.float32, torch.device("meta")) is None  # off the CPU: allocate as usual
     assert kept.empty("y", (2,), torch.float32, torch.device("meta")).device.type == "meta"
-    monkeypatch.setattr(kept_buffers, "KEEP_BYTES", 1024)
+    monkeypatch.setattr(buffered_backend, "KEEP_BYTES", 1024)
     assert kept.get("z", (255,), torch.float32, cpu) is None  # small: allocate as usual
     assert kept.get("z", (256,), torch.float32, cpu).numel() == 256
     assert len(copy.deepcopy(kept)) == 0  # scratch, not state

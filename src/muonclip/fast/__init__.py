@@ -4,7 +4,7 @@ Layers on the core (`muonclip.ortho`, `muonclip.optim`), which never imports the
 this package registers them (``import muonclip`` does):
 
 * backend ``"buffered"`` (`BufferedBackend`): Muon's buckets orthogonalised into buffers kept
-  between steps, on CPU; optional CPU chunking (`muonclip.fast.chunks`). The default for CPU
+  between steps, on CPU; optional CPU chunking (`muonclip.fast.buffered_backend.chunk_size`). The default for CPU
   parameters (``Muon(backend="auto")``), measured faster there; ``backend="core"`` turns it off.
 * method ``"ns5_sym"`` (`muonclip.fast.symmetric`): the quintic computing only half of its
   symmetric products (row strips on CPU, the Triton kernel of `muonclip.fast.triton_syrk` on

@@ -4,19 +4,46 @@ A backend (`muonclip.optim.backend.Backend`) decides where a Muon step's bucket 
 matrices lives and how it is orthogonalised. The core's (`CoreBackend`) allocates every tensor
 afresh and calls the pure `muonclip.orthogonalize`. On a CPU, fresh multi-MB tensors are
 page-faulted in again on every step (glibc hands large freed blocks back to the OS), so this
-backend, for ``"ns5"``, ``"polar_express"`` and ``"gram"`` on CPU tensors:
+backend, for the methods whose iteration takes storage (`muonclip.ortho.Method.in_place`:
+``"ns5"``, ``"polar_express"``, ``"gram"``) on CPU tensors:
 
 * keeps the bucket's input and result, and the iteration's temporaries (S, P; Gram's R, Z,
-  Q), in `muonclip.fast.kept_buffers.Buffers` held by the backend object, reused by every bucket
-  and every step (scratch, not state: a copy of the optimizer starts without them);
-* normalises the bucket in place and alternates the quintic's steps between it and the result,
-  so a call touches two matrix-sized buffers besides S and P instead of a new one per step;
-* optionally runs the batch in chunks of matrices (``chunk``: `muonclip.fast.chunks`; off by
-  default).
+  Q), in `Buffers` held by the backend object, reused by every bucket and every step
+  (scratch, not state: a copy of the optimizer starts without them);
+* has the method normalise the bucket in place and alternate the quintic's steps between it
+  and the result (`muonclip.ortho.newton_schulz.quintic`'s ``out``), so a call touches two
+  matrix-sized buffers besides S and P instead of a new one per step;
+* optionally runs the batch in chunks of matrices (``chunk``: `chunk_size`; off by default).
 
-Without chunking it makes exactly the core's products on the same values, so its result equals
-the core's bit for bit; only where the tensors live differs. Other methods, other devices and
-inputs that require grad go to the core `muonclip.orthogonalize` unchanged.
+It runs the core's own iteration (`muonclip.ortho.newton_schulz.quintic`,
+`muonclip.ortho.gram.gram_iteration`) with its storage: without chunking it makes exactly the
+core's products on the same values, so its result equals the core's bit for bit; only where
+the tensors live differs. Other methods, other devices and inputs that require grad go to the
+core `muonclip.orthogonalize` unchanged.
+
+**Kept buffers** (`Buffers`). glibc returns a freed multi-MB block to the OS when it lies at the
+top of the heap, so a computation that allocates the same large temporaries on every call
+faults their pages in again on every call (the kernel zeroes each 4 KiB page). `Buffers.get`
+cuts each temporary from a buffer kept for its role and dtype, grown when too small. Tensors
+under `KEEP_BYTES` are allocated as usual (glibc serves them from its heap without faults, and
+a lookup would cost more than it saves), and so is everything off the CPU (a GPU's caching
+allocator already reuses memory).
+
+**Chunks** (`chunk_size`). A GPU takes the whole batch at once. On a CPU without matrix units
+a batch whose working set is far past the L2 caches can run faster in cache-sized chunks; on a
+CPU with matrix units (AMX), or when the batch fits in cache, the whole batch is as fast or
+faster. Which is the case depends on the machine, so chunking is off by default and chosen by
+a rule, never by timing trials (the first optimizer step costs what a later one does):
+
+* ``None`` (default): the whole batch.
+* an int ``k``: ``k`` matrices at a time.
+* ``"cache"``: the most matrices whose working set (X, the new X, S and P: `working_set`) fits
+  in `CPU_CHUNK_BYTES`, rounded down to a multiple of the thread count (an odd chunk leaves a
+  thread idle), and the whole batch when it fits anyway.
+
+A chunked run makes the same products on each chunk as one call makes on the batch, but a
+batched matrix product over k matrices need not round as one over N does, so the result can
+differ from the whole batch's in the last bits (the tests compare at round-off tolerance).
 
 `muonclip.Muon` uses it by default for CPU parameters (``backend="auto"``): docs/benchmarks.md
 gives the measured difference on the benchmark GPT set.
@@ -24,19 +51,108 @@ gives the measured difference on the benchmark GPT set.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from ..ortho import check_input, check_method, ns5_schedule, run_method
-from ..ortho.gram import default_restarts, uses_gram
-from ..ortho.newton_schulz import POLAR_EXPRESS_SAFETY, gram, overflow_scale, polar_express_coefficients, small_side
-from .chunks import check_chunk, chunk_size
-from .kept_buffers import Buffers
+from ..ortho import check_input, check_method, run_method
 
-BUFFERED_METHODS = ("ns5", "polar_express", "gram")
-"""The methods this backend runs in kept buffers (the others run as the core runs them)."""
+KEEP_BYTES = 128 * 1024  # glibc's default mmap threshold: smaller blocks come from its heap
+
+# Working-set budget of the "cache" rule: the L2 caches of a 2-core AMD EPYC test machine.
+CPU_CHUNK_BYTES = 4 * 2**20
+RULES = ("cache",)
+
+
+class Buffers:
+    """Named CPU buffers reused from call to call; scratch, never state (a copy starts empty)."""
+
+    def __init__(self) -> None:
+        self._store: dict[tuple[str, torch.dtype], Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def roles(self) -> set[str]:
+        """The roles that hold a buffer."""
+        return {role for role, _ in self._store}
+
+    def pointers(self) -> dict[tuple[str, torch.dtype], int]:
+        """Where each buffer's storage is (to check that a later step reused it)."""
+        return {k: v.data_ptr() for k, v in self._store.items()}
+
+    def get(self, role: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device,
+            avoid: Tensor | None = None) -> Tensor | None:
+        """A ``shape`` view of the buffer kept for (``role``, ``dtype``), or None (not on the CPU,
+        or under `KEEP_BYTES`: the caller allocates as usual, e.g. by passing ``out=None``). A
+        `muonclip.ortho.newton_schulz.Scratch`.
+
+        Args:
+            role: what the tensor is for; tensors alive at the same time need different roles.
+            shape, dtype, device: of the tensor wanted.
+            avoid: a tensor the result must not share storage with (ping-pong: where ``role``'s
+                buffer holds ``avoid``, the role's second buffer is used).
+
+        Returns:
+            A contiguous view of the first ``prod(shape)`` elements of the buffer (its contents
+            are left over from earlier use), or None.
+        """
+        if device.type != "cpu":
+            return None
+        n = math.prod(shape)
+        if n * dtype.itemsize < KEEP_BYTES:
+            return None
+        buf = self._grown((role, dtype), n, dtype, device)
+        if avoid is not None and buf.untyped_storage().data_ptr() == avoid.untyped_storage().data_ptr():
+            buf = self._grown((role + "'", dtype), n, dtype, device)
+        return buf[:n].view(*shape)
+
+    def empty(self, role: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """`get`, or a new uninitialised tensor where nothing is kept."""
+        kept = self.get(role, shape, dtype, device)
+        return torch.empty(tuple(shape), dtype=dtype, device=device) if kept is None else kept
+
+    def _grown(self, key: tuple[str, torch.dtype], n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        buf = self._store.get(key)
+        if buf is None or buf.numel() < n:
+            buf = self._store[key] = torch.empty(n, dtype=dtype, device=device)
+        return buf
+
+    def __getstate__(self) -> dict:  # copy.deepcopy and pickle: scratch is not copied
+        return {"_store": {}}
+
+
+def working_set(m: int, n: int, dtype: torch.dtype) -> int:
+    """Bytes one m x n matrix (m <= n) occupies in a quintic step: X, the new X, S and P."""
+    return (2 * m * n + 2 * m * m) * dtype.itemsize
+
+
+def check_chunk(chunk: int | str | None) -> None:
+    """Raise ValueError unless ``chunk`` is None, an int >= 1 or a rule name."""
+    if chunk is None or chunk in RULES:
+        return
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be None (the whole batch), an int >= 1 or one of {RULES}, got {chunk!r}")
+
+
+def chunk_size(chunk: int | str | None, batch: int, p: int, q: int, dtype: torch.dtype, device: torch.device,
+               threads: int | None = None) -> int:
+    """Matrices per Newton–Schulz run for a batch of ``batch`` p x q matrices (module docstring,
+    "Chunks"). The whole batch off the CPU, for one matrix and while compiling, whatever
+    ``chunk`` says. ``threads`` defaults to ``torch.get_num_threads()``.
+    """
+    if chunk is None or device.type != "cpu" or batch == 1 or torch.compiler.is_compiling():
+        return batch
+    if chunk != "cache":
+        return max(1, min(batch, int(chunk)))
+    per = working_set(min(p, q), max(p, q), dtype)
+    if batch * per <= CPU_CHUNK_BYTES:
+        return batch
+    threads = max(1, threads or torch.get_num_threads())
+    fit = CPU_CHUNK_BYTES // per
+    return min(batch, max(threads, fit - fit % threads))
 
 
 class BufferedBackend:
@@ -44,10 +160,10 @@ class BufferedBackend:
 
     Args:
         chunk: matrices per Newton–Schulz run on CPU (default None: the whole batch; an int;
-            or ``"cache"``: cache-sized chunks; `muonclip.fast.chunks`).
+            or ``"cache"``: cache-sized chunks; `chunk_size`).
 
     Attributes:
-        buffers: the kept `muonclip.fast.kept_buffers.Buffers`.
+        buffers: the kept `Buffers`.
     """
 
     name = "buffered"
@@ -71,93 +187,25 @@ class BufferedBackend:
         """
         m = check_method(method, steps, dtype, coefficients)
         check_input(V, eps)
-        if (method not in BUFFERED_METHODS or V.device.type != "cpu" or V.ndim < 2 or V.numel() == 0
-                or V.is_complex() or (torch.is_grad_enabled() and V.requires_grad)):
+        if (not m.in_place or V.device.type != "cpu" or V.numel() == 0
+                or (torch.is_grad_enabled() and V.requires_grad)):
             return run_method(V, method, steps, dtype, eps=eps, coefficients=coefficients)
         steps = m.default_steps if steps is None else steps
         dtype = dtype or m.default_dtype
-        if method == "polar_express":
-            coeffs, norm_scale = polar_express_coefficients(steps), POLAR_EXPRESS_SAFETY
-        else:
-            coeffs, norm_scale = ns5_schedule(steps, coefficients), 1.0
         *_, A, B = V.shape
         X = V.reshape(-1, A, B).to(dtype)  # V itself when it is in dtype: ours to overwrite
-        X.mul_(overflow_scale(X))  # exact: 1 unless the entries are huge (as muonclip.ortho.newton_schulz.normalized)
-        denom = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) * norm_scale + eps
         out = self.buffers.get("result", X.shape, dtype, X.device) if reuse_result else None
         if out is None:
             out = torch.empty_like(X)
-        on_gram = method == "gram" and uses_gram(A, B)
         N = X.shape[0]
         k = chunk_size(self.chunk, N, A, B, dtype, X.device)
-        for i in range(0, N, k):  # each chunk normalised just before its steps (still in cache)
-            Xs = torch.div(X[i : i + k], denom[i : i + k], out=X[i : i + k])
-            if on_gram:
-                gram_into(Xs, coeffs, out[i : i + k], self.buffers)
-            else:
-                quintic_into(Xs, coeffs, out[i : i + k], self.buffers)
+        for i in range(0, N, k):  # each chunk normalised (in place) just before its steps, still in cache
+            m.run(X[i : i + k], steps, dtype, eps, coefficients, out=out[i : i + k], scratch=self.buffers.get)
         return out.view(V.shape).to(V.dtype)
 
     def __repr__(self) -> str:
         return f"BufferedBackend(chunk={self.chunk!r})"
 
 
-def quintic_into(X: Tensor, coefficients: Sequence[tuple[float, float, float]], out: Tensor,
-                 buffers: Buffers) -> Tensor:
-    """`muonclip.ortho.newton_schulz.quintic` on the normalised batch ``X`` (overwritten), its
-    result written into ``out`` (X's shape, not overlapping it), temporaries in ``buffers``.
-
-    The steps alternate between ``out`` and ``X`` itself, free once step 0 has read it; only
-    step 0 of an even number of steps needs a third X-sized buffer (kept as ``"ns.X"``). The
-    result is thus written on every second step, and the call touches two X-sized buffers
-    besides S and P. The same products as `quintic`, into other storage.
-    """
-    last = len(coefficients) - 1
-    dtype, device, small = X.dtype, X.device, (X.shape[0], *[min(X.shape[-2:])] * 2)
-    spare = X
-    for i, (a, b, c) in enumerate(coefficients):
-        S = gram(X, out=buffers.get("ns.S", small, dtype, device))  # (batch, m, m)
-        P = torch.baddbmm(S, S, S, beta=b, alpha=c, out=buffers.get("ns.P", small, dtype, device))  # b S + c S S
-        if (last - i) % 2 == 0:
-            nxt = out
-        else:
-            nxt = spare if i > 0 else buffers.get("ns.X", X.shape, dtype, device)
-        X = small_side(P, X, beta=a, out=nxt)  # a X + P X
-    return out
-
-
-def gram_into(X: Tensor, coefficients: Sequence[tuple[float, float, float]], out: Tensor, buffers: Buffers,
-              restarts: Collection[int] | None = None) -> Tensor:
-    """`muonclip.ortho.gram.gram_iteration` on the normalised batch ``X``, its result written
-    into ``out``, the m x m temporaries (R, Z, Q, R Z) and a restart's X in ``buffers``: the same
-    products into other storage."""
-    if restarts is None:
-        restarts = default_restarts(len(coefficients))
-    dtype, device, small = X.dtype, X.device, (X.shape[0], *[min(X.shape[-2:])] * 2)
-
-    def keep(role: str, avoid: Tensor | None = None) -> Tensor | None:
-        return buffers.get(role, small, dtype, device, avoid)
-
-    R = gram(X, out=keep("ns.R"))  # (batch, m, m)
-    Q: Tensor | None = None
-    last = len(coefficients) - 1
-    for i, (a, b, c) in enumerate(coefficients):
-        if i != 0 and i in restarts and Q is not None:
-            X = small_side(Q, X, out=buffers.get("ns.X", X.shape, dtype, device, avoid=X))
-            R, Q = gram(X, out=R), None
-        Z = torch.baddbmm(R, R, R, beta=b, alpha=c, out=keep("ns.Z"))  # b R + c R^2
-        if Q is None:
-            q = keep("ns.Q")
-            Q = Z.clone() if q is None else q.copy_(Z)
-            Q.diagonal(dim1=-2, dim2=-1).add_(a)  # a I + Z
-        else:
-            Q = torch.baddbmm(Q, Q, Z, beta=a, out=keep("ns.Q", avoid=Q))  # Q (a I + Z)
-        if i < last and (i + 1) not in restarts:
-            RZ = torch.baddbmm(R, R, Z, beta=a, out=keep("ns.RZ"))  # a R + R Z
-            R = torch.baddbmm(RZ, Z, RZ, beta=a, out=R)  # (a I + Z) R (a I + Z)
-    if Q is None:
-        return out.copy_(X)
-    return small_side(Q, X, out=out)
-
-
-__all__ = ["BUFFERED_METHODS", "BufferedBackend", "gram_into", "quintic_into"]
+__all__ = ["CPU_CHUNK_BYTES", "KEEP_BYTES", "RULES", "BufferedBackend", "Buffers", "check_chunk", "chunk_size",
+           "working_set"]
