@@ -65,7 +65,7 @@ def rebuilt_every_step(opt):
     """``opt.step`` with its cached step structure dropped first."""
 
     def step():
-        opt._structure = None
+        opt._structures.clear()
         opt.step()
 
     return step

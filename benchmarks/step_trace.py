@@ -16,9 +16,10 @@ Two measures, each printed as a table and, with ``--json``, as one JSON object:
   its end, ``sys.settrace`` follows every Python frame of ``src/muonclip``:
 
   - a **stay** is a frame (one call of a function) in which the lr is held as a value: an
-    argument or local variable that equals ``LR``, or a tuple, list, dict value or dataclass
-    field (one level down) that does; the param group itself (the dict the user's lr sits
-    in) does not count: the walk starts where the lr is read out of it;
+    argument or local variable that equals ``LR``, or holds it up to two levels down (tuple,
+    list, dict value, dataclass field: e.g. a list of per-weight records, a dict of per-group
+    ``(lr, weight_decay)``); the param group itself (the dict the user's lr sits in) does not
+    count: the walk starts where the lr is read out of it;
   - a **room** is a distinct function among the stays;
   - a **return** is a ``return`` event whose value is, or holds (as above), ``LR``.
 
@@ -93,9 +94,9 @@ def files_and_functions(backend: str = "auto") -> dict[str, list[str]]:
     return out
 
 
-def holds_lr(v: object, depth: int = 1) -> bool:
-    """Whether ``v`` is ``LR`` or holds it one level down (tuple, list, dict value, dataclass
-    field, NamedTuple field); a param group (a dict with ``"params"``) does not count."""
+def holds_lr(v: object, depth: int = 2) -> bool:
+    """Whether ``v`` is ``LR`` or holds it up to two levels down (tuple, list, dict value,
+    dataclass field, NamedTuple field); a param group (a dict with ``"params"``) does not count."""
     if isinstance(v, float) and not isinstance(v, bool):
         return v == LR
     if depth == 0:
@@ -109,37 +110,44 @@ def holds_lr(v: object, depth: int = 1) -> bool:
     return False
 
 
+def trace_walk(opt: muonclip.Muon) -> dict[str, list[str]]:
+    """The lr walk of one ``opt.step()`` on this process (module docstring): the functions of its
+    stays and of its returns, in order."""
+    stays: list[str] = []
+    returns: list[str] = []
+
+    def trace(frame, event, arg):
+        if event != "call" or not frame.f_code.co_filename.startswith(SRC):
+            return None
+        seen = False
+
+        def lines(frame, event, arg):  # this frame's events: a stay once it holds the lr
+            nonlocal seen
+            if not seen and any(holds_lr(v) for v in frame.f_locals.values()):
+                seen = True
+                stays.append(frame.f_code.co_qualname)
+            if event == "return" and holds_lr(arg):
+                returns.append(frame.f_code.co_qualname)
+            return lines
+
+        return lines(frame, event, arg)
+
+    sys.settrace(trace)
+    try:
+        opt.step()
+    finally:
+        sys.settrace(None)
+    return {"stays": stays, "returns": returns}
+
+
 def _walk_worker(rank: int, world: int, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         opt = optimizer("core", experts=False)
         opt.step()  # the first step builds the state and the plan; the second is walked
-        stays: list[str] = []
-        returns: list[str] = []
-
-        def trace(frame, event, arg):
-            if event != "call" or not frame.f_code.co_filename.startswith(SRC):
-                return None
-            seen = False
-
-            def lines(frame, event, arg):  # this frame's events: a stay once it holds the lr
-                nonlocal seen
-                if not seen and any(holds_lr(v) for v in frame.f_locals.values()):
-                    seen = True
-                    stays.append(frame.f_code.co_qualname)
-                if event == "return" and holds_lr(arg):
-                    returns.append(frame.f_code.co_qualname)
-                return lines
-
-            return lines(frame, event, arg)
-
-        sys.settrace(trace)
-        try:
-            opt.step()
-        finally:
-            sys.settrace(None)
+        got = trace_walk(opt)
         if rank == 0:
-            Path(out).write_text(json.dumps({"stays": stays, "returns": returns}))
+            Path(out).write_text(json.dumps(got))
     finally:
         dist.destroy_process_group()
 

@@ -213,9 +213,9 @@ def test_step_structure_is_cached_and_rebuilt_when_an_option_changes():
         if change is not None:
             change(opt)
             change(ref)
-        ref._structure = None  # nothing cached
+        ref._structures.clear()  # nothing cached
         _step_both(params, twin, opt, ref)
-        seen.append(opt._structure[1])
+        seen.append(opt._structures.latest())
         for p, q in zip(params, twin):
             assert torch.equal(p, q)
     assert seen[1] is seen[0] and seen[2] is seen[0]  # same structure; lr/wd/momentum still applied

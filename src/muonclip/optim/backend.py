@@ -108,6 +108,14 @@ class AutoBackend:
         return f"AutoBackend({self.by_device!r})"
 
 
+def backend_for(backend: Backend, device: torch.device) -> Backend:
+    """The backend that runs ``device``'s buckets: ``backend.for_device(device)`` for a backend that
+    chooses per device (`AutoBackend`), else ``backend`` itself. A step resolves it once, when it
+    builds its buckets (`muonclip.optim.buckets.make_buckets`)."""
+    choose = getattr(backend, "for_device", None)
+    return backend if choose is None else choose(device)
+
+
 def make_backend(backend: str | Backend) -> Backend:
     """The backend ``Muon(backend=...)`` names: ``"auto"``, a registered name, or an object with
     `Backend`'s methods (used as it is). Raises ValueError otherwise."""
@@ -122,4 +130,4 @@ def make_backend(backend: str | Backend) -> Backend:
     return backend
 
 
-__all__ = ["BACKENDS", "AutoBackend", "Backend", "CoreBackend", "make_backend", "register_backend"]
+__all__ = ["BACKENDS", "AutoBackend", "Backend", "CoreBackend", "backend_for", "make_backend", "register_backend"]
