@@ -2,7 +2,7 @@
 
 Two measures, each printed as a table and, with ``--json``, as one JSON object:
 
-* **Files and functions per step** (one process, CPU, ``Muon``'s defaults, or ``--backend``):
+* **Files and functions per step** (one process, CPU, ``Muon``'s defaults, or ``--workspace``):
   a small GPT-like set of weights (per layer q, k, v, o ``d x d``, the MLP's ``4d x d`` and
   ``d x 4d``, plus a stacked-expert weight and an AdamW group) takes a first step (the state
   and the step's structure are made then), and the second step is traced with
@@ -26,7 +26,7 @@ Two measures, each printed as a table and, with ``--json``, as one JSON object:
   The weights: 3 layers of the GPT set above, 18 matrices in one group. The figures count
   frames, not time, and are the same on every run.
 
-Usage: ``python benchmarks/step_trace.py [--backend auto|core] [--walk] [--json]``.
+Usage: ``python benchmarks/step_trace.py [--workspace auto|core] [--walk] [--json]``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def shapes(layers: int = LAYERS, d: int = D) -> list[tuple[int, ...]]:
     return [s for _ in range(layers) for s in [(d, d)] * 4 + [(4 * d, d), (d, 4 * d)]]
 
 
-def optimizer(backend: str = "auto", experts: bool = True) -> muonclip.Muon:
+def optimizer(workspace: str = "auto", experts: bool = True) -> muonclip.Muon:
     """A Muon over the GPT set (plus a stacked-expert weight and an AdamW group), with gradients."""
     gen = torch.Generator().manual_seed(0)
     muon = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes()]
@@ -64,16 +64,16 @@ def optimizer(backend: str = "auto", experts: bool = True) -> muonclip.Muon:
     adamw = [torch.nn.Parameter(torch.randn(D, generator=gen))]
     for p in muon + adamw:
         p.grad = torch.randn(p.shape, generator=gen)
-    return muonclip.Muon([{"params": muon}, {"params": adamw, "algorithm": "adamw"}], lr=LR, backend=backend)
+    return muonclip.Muon([{"params": muon}, {"params": adamw, "algorithm": "adamw"}], lr=LR, workspace=workspace)
 
 
 def _short(filename: str) -> str:
     return os.path.relpath(filename, SRC)
 
 
-def files_and_functions(backend: str = "auto") -> dict[str, list[str]]:
+def files_and_functions(workspace: str = "auto") -> dict[str, list[str]]:
     """``file (relative to src/muonclip) -> sorted functions`` entered by the second step."""
-    opt = optimizer(backend)
+    opt = optimizer(workspace)
     opt.step()
     entered: set[tuple[str, str]] = set()
 
@@ -172,12 +172,12 @@ def _counts(names: list[str]) -> dict[str, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--workspace", default="auto")
     parser.add_argument("--walk", action="store_true", help="also the two-rank lr walk")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    entered = files_and_functions(args.backend)
+    entered = files_and_functions(args.workspace)
     result: dict[str, object] = {"files": len(entered), "functions": sum(map(len, entered.values())),
                                  "entered": entered}
     if args.walk:
@@ -185,7 +185,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(result, indent=1))
         return
-    print(f"# one Muon.step (backend={args.backend!r}, CPU): {result['files']} files, "
+    print(f"# one Muon.step (workspace={args.workspace!r}, CPU): {result['files']} files, "
           f"{result['functions']} functions of src/muonclip\n")
     for f, fns in entered.items():
         print(f"{f:40s} {len(fns):3d}  {', '.join(fns)}")

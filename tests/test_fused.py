@@ -18,8 +18,8 @@ from torch import nn
 from toy_models import unfuse
 
 import muonclip
-from muonclip.optim.backend import CoreBackend
 from muonclip.optim.fused import matrix_layouts
+from muonclip.optim.workspace import CoreWorkspace
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -271,12 +271,12 @@ def test_per_head_blocks_are_batched_in_one_call():
     model = tiny("llama")
     calls = []
 
-    class Spy(CoreBackend):
+    class Spy(CoreWorkspace):
         def orthogonalize(self, V, *a, **k):
             calls.append(tuple(V.shape))
             return super().orthogonalize(V, *a, **k)
 
-    train(model, muonclip.param_groups(model, per_head=True), steps=1, backend=Spy())
+    train(model, muonclip.param_groups(model, per_head=True), steps=1, workspace=Spy())
     assert [c for c in calls if c[1:] == (8, 32)] == [(8, 8, 32)]
 
 

@@ -186,11 +186,11 @@ def test_rms_scale_gives_update_rms_point_two(shape):
 
 
 def test_same_shape_matrices_orthogonalised_in_one_batch():
-    from muonclip.optim.backend import CoreBackend
+    from muonclip.optim.workspace import CoreWorkspace
 
     calls = []
 
-    class Spy(CoreBackend):
+    class Spy(CoreWorkspace):
         def orthogonalize(self, V, *args, **kwargs):
             calls.append(tuple(V.shape))
             return super().orthogonalize(V, *args, **kwargs)
@@ -198,5 +198,5 @@ def test_same_shape_matrices_orthogonalised_in_one_batch():
     params = make_params([(16, 32)] * 5 + [(4, 16, 32)] + [(32, 16)])
     for p in params:
         p.grad = torch.randn_like(p)
-    muonclip.Muon(params, backend=Spy()).step()
+    muonclip.Muon(params, workspace=Spy()).step()
     assert sorted(calls) == sorted([(9, 16, 32), (1, 32, 16)])

@@ -17,7 +17,7 @@ CONFIGS = {
     "polar-fp32": dict(method="polar_express", orth_dtype=torch.float32),
     "svd-unscaled": dict(method="svd", orth_dtype=torch.float64, adjust_lr_fn="unscaled"),
     "torch-kwargs": dict(adjust_lr_fn="match_rms_adamw", ns_steps=4, eps=1e-6),
-    "core-backend": dict(backend="core"),
+    "core-workspace": dict(workspace="core"),
     "skip-nonfinite": dict(on_nonfinite="skip", betas=(0.8, 0.99)),
 }
 configs = pytest.mark.parametrize("cfg", list(CONFIGS), ids=list(CONFIGS))
@@ -300,7 +300,7 @@ def test_a_state_dict_with_an_unknown_old_scale_is_refused():
         (dict(betas=(0.9, 1.0)), "betas"),
         (dict(on_nonfinite="ignore"), "on_nonfinite"),
         (dict(adjust_lr_fn="sqrt"), "adjust_lr_fn"),
-        (dict(backend="gpu"), "backend"),
+        (dict(workspace="gpu"), "workspace"),
         # nan and +-inf: never a setting (each would reach every weight); the error names it
         (dict(lr=math.inf), "lr"),
         (dict(lr=math.nan), "lr"),

@@ -14,7 +14,7 @@
   scale rules.
 * `routing`, `fused` — `param_groups`: which parameter gets Muon or AdamW, and how a fused
   weight is cut into its maps.
-* `backend`, `distribution` — the extension points that `muonclip.fast` (where buckets live)
+* `workspace`, `distribution` — the extension points that `muonclip.fast` (where buckets live)
   and `muonclip.distributed` (the exchanges of a step over several processes) plug into.
 """
 

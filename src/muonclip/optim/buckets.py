@@ -27,8 +27,8 @@ import torch
 from torch import Tensor
 
 from ..ortho import METHODS
-from .backend import Backend, backend_for
 from .matrices import MatrixSpec, matrix_spec
+from .workspace import Workspace, workspace_for
 
 STRUCTURAL_OPTIONS = ("method", "ns_steps", "orth_dtype", "eps", "ns_coefficients", "flatten", "split_sizes",
                       "transposed", "split_groups", "adjust_lr_fn")
@@ -55,8 +55,8 @@ class Bucket:
         device, method, steps, dtype, eps, coefficients: where and how it is orthogonalised
             (a param group's ``method``, ``ns_steps``, ``orth_dtype``, ``eps``,
             ``ns_coefficients``).
-        backend: the backend its tensors come from and that orthogonalises it
-            (`muonclip.optim.backend.Backend`, the one for ``device``).
+        workspace: the workspace its tensors come from and that orthogonalises it
+            (`muonclip.optim.workspace.Workspace`, the one for ``device``).
         entries: ``(item, block)`` of each slot, in order.
         specs: each slot's item's `MatrixSpec`.
     """
@@ -69,7 +69,7 @@ class Bucket:
     dtype: torch.dtype | None
     eps: float
     coefficients: tuple[float, float, float] | None
-    backend: Backend | None = None
+    workspace: Workspace | None = None
     entries: list[tuple[int, int]] = field(default_factory=list)
     specs: list[MatrixSpec] = field(default_factory=list)
 
@@ -84,12 +84,12 @@ class Bucket:
         return (sum(s.batch for s in self.specs), self.A, self.B)
 
     def empty(self) -> Tensor:
-        """An uninitialised bucket from its backend."""
-        return self.backend.empty("input", self.shape, self.compute_dtype, self.device)
+        """An uninitialised bucket from its workspace."""
+        return self.workspace.empty("input", self.shape, self.compute_dtype, self.device)
 
     def orthogonalize(self, V: Tensor, reuse_result: bool) -> Tensor:
-        """Its backend's ``orthogonalize`` of the filled bucket ``V`` with the bucket's settings."""
-        return self.backend.orthogonalize(V, self.method, self.steps, self.dtype, eps=self.eps,
+        """Its workspace's ``orthogonalize`` of the filled bucket ``V`` with the bucket's settings."""
+        return self.workspace.orthogonalize(V, self.method, self.steps, self.dtype, eps=self.eps,
                                           coefficients=self.coefficients, reuse_result=reuse_result)
 
     def slots(self, V: Tensor) -> Iterator[tuple[int, int, Tensor]]:
@@ -100,10 +100,10 @@ class Bucket:
 
 
 def make_buckets(specs: Sequence[MatrixSpec], groups: Sequence[Mapping[str, Any]], devices: Sequence[torch.device],
-                 owned: Iterable[int], backend: Backend) -> list[Bucket]:
+                 owned: Iterable[int], workspace: Workspace) -> list[Bucket]:
     """The buckets of the ``owned`` items (item k: ``specs[k]``, its param group ``groups[k]``, on
     ``devices[k]``): blocks bucketed by shape and orthogonalisation settings, in item order, each
-    with ``backend``'s backend for its device (`muonclip.optim.backend.backend_for`)."""
+    with ``workspace``'s workspace for its device (`muonclip.optim.workspace.workspace_for`)."""
     buckets: dict[tuple, Bucket] = {}
     for k in owned:
         spec, g = specs[k], groups[k]
@@ -112,7 +112,7 @@ def make_buckets(specs: Sequence[MatrixSpec], groups: Sequence[Mapping[str, Any]
                       g["ns_coefficients"])
             bucket = buckets.get(frozen(fields))
             if bucket is None:
-                bucket = buckets[frozen(fields)] = Bucket(*fields, backend=backend_for(backend, devices[k]))
+                bucket = buckets[frozen(fields)] = Bucket(*fields, workspace=workspace_for(workspace, devices[k]))
             bucket.entries.append((k, b))
             bucket.specs.append(spec)
     return list(buckets.values())
@@ -123,7 +123,7 @@ class Results:
 
     `add` returns an item's result, in its stored shape and the compute dtype, once its last
     block is in: a view into the bucket's result when the item is one block, else its blocks
-    copied into a new tensor. With ``reuse_result`` (the backend may overwrite a bucket's result
+    copied into a new tensor. With ``reuse_result`` (the workspace may overwrite a bucket's result
     storage with the next bucket's) a block of an item that is still incomplete is copied.
     """
 
@@ -211,9 +211,9 @@ class StepStructure:
 
 
 def step_structure(live: Sequence[tuple[Mapping[str, Any], Tensor]], devices: Sequence[torch.device],
-                   backend: Backend, plan: Any = None) -> StepStructure:
+                   workspace: Workspace, plan: Any = None) -> StepStructure:
     """The `StepStructure` of the weights ``live`` (``(param group, parameter)``, this process's
-    tensors on ``devices``), their buckets from ``backend``: every weight one unit orthogonalised
+    tensors on ``devices``), their buckets from ``workspace``: every weight one unit orthogonalised
     here, or, with ``plan`` (`muonclip.optim.distribution.Routes`, from ``Exchange.plan``), the
     units, owned units, places and flops it says."""
     specs = [matrix_spec(p.shape, g) for g, p in live]
@@ -225,7 +225,7 @@ def step_structure(live: Sequence[tuple[Mapping[str, Any], Tensor]], devices: Se
     else:
         units, owned, places, flops, total = plan.units, plan.owned, plan.places, plan.flops, plan.total_flops
     buckets = make_buckets([u.spec for u in units], [live[u.k][0] for u in units], [devices[u.k] for u in units],
-                           owned, backend)
+                           owned, workspace)
     direct = [0] * len(live)
     for u in owned:
         if units[u].direct:
@@ -237,7 +237,7 @@ class StructureCache:
     """The step structures of the last few distinct steps, by key (least recently used dropped).
 
     The key is whatever decides a structure (`Muon` passes each weight's `options_key`, shape and
-    device, the backend, and over several ranks the layout the distribution layer reports):
+    device, the workspace, and over several ranks the layout the distribution layer reports):
     lr, weight decay, momentum and Nesterov are read every step and are not part of it.
     """
 

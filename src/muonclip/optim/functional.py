@@ -57,9 +57,9 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor
 
-from .backend import CoreBackend
 from .buckets import Bucket, Place, Results, StepStructure, Unit, step_structure
 from .quantized import QuantLayout, dequantize, quantize_
+from .workspace import CoreWorkspace
 
 if TYPE_CHECKING:
     from .distribution import Exchange
@@ -137,7 +137,7 @@ def muon_update(
     cautious: bool = False,
 ) -> None:
     """One Muon step of one weight, in place: `muon_step` (the body `muonclip.Muon` runs) on a
-    step of this one weight, with the core backend (fresh tensors).
+    step of this one weight, with the core workspace (fresh tensors).
 
     The weight is seen as `muonclip.Muon` sees it without group keys: a 2-D ``(A, B)`` weight is
     one matrix, a 3-D ``(E, A, B)`` one a batch of E, one of 4 or more dimensions the matrix
@@ -164,7 +164,7 @@ def muon_update(
     """
     group = {"method": method, "ns_steps": steps, "orth_dtype": dtype, "eps": eps, "ns_coefficients": coefficients,
              "flatten": False, "split_sizes": None, "split_groups": 1, "transposed": False, "adjust_lr_fn": "unscaled"}
-    st = step_structure([(group, param)], [param.device], CoreBackend())
+    st = step_structure([(group, param)], [param.device], CoreWorkspace())
     spec = st.specs[0]
     st.places[0] = (spec.axis, ((0, spec.rows, scale),), 0)  # the scale given, for all rows
     moment = None if second_moment is None else second_moment.view(spec.batch, spec.rows)
@@ -218,8 +218,8 @@ def muon_step(weights: Sequence[MuonWeight], structure: StepStructure, exchange:
     ``exchange`` (`muonclip.optim.distribution.Exchange`; None in one process): the gather of V
     to the owners before orthogonalisation, the scatter of the results after. A weight's momentum
     is updated just before its V is first formed (8-bit: its float32 copy dropped after its last
-    block); a bucket is written in the compute dtype, orthogonalised in one call by its backend; a
-    result is applied once its weight is complete (the backend may then reuse it), or scattered.
+    block); a bucket is written in the compute dtype, orthogonalised in one call by its workspace; a
+    result is applied once its weight is complete (the workspace may then reuse it), or scattered.
     """
     units, left = structure.units, list(structure.direct_blocks)  # slots still to form from each momentum
     fresh, momenta = set(range(len(weights))), {}  # weights whose momentum is not updated yet; this step's M

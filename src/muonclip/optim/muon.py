@@ -23,7 +23,6 @@ from torch import Tensor
 from ..common.dtensor import is_dtensor
 from . import state_dicts, state_validation
 from .adamw import adamw_step
-from .backend import Backend, make_backend
 from .buckets import StepStructure, StructureCache, options_key, step_structure
 from .distribution import Engine, Exchange, StepStats, engine_for
 from .functional import MuonWeight, muon_step
@@ -44,6 +43,7 @@ from .validation import (
     nonfinite_indices,
     step_numbers,
 )
+from .workspace import Workspace, make_workspace
 
 _SETTINGS = itemgetter(*(k for k in GROUP_KEYS if k not in ("lr", "weight_decay")))
 """A group's settings other than lr and weight decay (a step re-validates the group when they change)."""
@@ -128,12 +128,12 @@ class Muon(torch.optim.Optimizer):
         comm_dtype: wire dtype of those exchanges (default None: the momentum dtype,
             float32). ``torch.bfloat16`` halves the bytes; with ``orth_dtype=torch.bfloat16``
             it is lossless for the built-in methods.
-        backend: where buckets live and how they are orthogonalised
-            (`muonclip.optim.backend`): ``"auto"`` (default: ``"buffered"`` for CPU parameters,
+        workspace: where buckets live and how they are orthogonalised
+            (`muonclip.optim.workspace`): ``"auto"`` (default: ``"buffered"`` for CPU parameters,
             buffers kept between steps, measured faster there, docs/benchmarks.md; ``"core"``
             elsewhere), ``"core"`` (the pure functions, fresh tensors each step),
-            ``"buffered"``, or a backend object such as
-            ``muonclip.fast.BufferedBackend(chunk="cache")``. Never changes what is computed.
+            ``"buffered"``, or a workspace object such as
+            ``muonclip.fast.BufferedWorkspace(chunk="cache")``. Never changes what is computed.
         normuon: NorMuon (Li et al., arXiv 2510.05491, as microsoft/dion's ``NorMuon``
             defines it): after orthogonalisation each row i of each matrix (an output neuron)
             is divided by ``sqrt(v_i) + 1e-8``, where ``v_i = normuon_beta2 v_i + (1 -
@@ -216,7 +216,7 @@ class Muon(torch.optim.Optimizer):
         on_nonfinite: str = "raise",
         process_group: Any = None,
         comm_dtype: torch.dtype | None = None,
-        backend: str | Backend = "auto",
+        workspace: str | Workspace = "auto",
         normuon: bool = False,
         normuon_beta2: float = 0.95,
         cautious_weight_decay: bool = False,
@@ -252,7 +252,7 @@ class Muon(torch.optim.Optimizer):
         self.on_nonfinite = on_nonfinite
         self.process_group = process_group
         self.comm_dtype = comm_dtype
-        self.backend = make_backend(backend)
+        self.workspace = make_workspace(workspace)
         self.last_step_stats = StepStats()
         self._checked: dict[int, tuple[Any, ...]] = {}  # per group: what the last full check of a step saw
         self.steps_taken = 0
@@ -390,7 +390,7 @@ class Muon(torch.optim.Optimizer):
     def _structure_of(self, live: list[tuple[dict[str, Any], int, Tensor]], local: Callable[[Tensor], Tensor],
                       exchange: Exchange | None) -> StepStructure:
         """The step's structure (`muonclip.optim.buckets.StepStructure`), rebuilt only when a shape, a
-        device, a structural option (`muonclip.optim.buckets.STRUCTURAL_OPTIONS`), the backend or,
+        device, a structural option (`muonclip.optim.buckets.STRUCTURAL_OPTIONS`), the workspace or,
         over several ranks, the layout (`Exchange.key`) changed; a new one over several ranks is
         planned by the exchange (`Exchange.plan`)."""
         options: dict[int, tuple] = {}  # per group, once
@@ -398,7 +398,7 @@ class Muon(torch.optim.Optimizer):
             if id(g) not in options:
                 options[id(g)] = options_key(g)
         params = [p for _, _, p in live]
-        key = (self.backend, None if exchange is None else exchange.key(params),
+        key = (self.workspace, None if exchange is None else exchange.key(params),
                tuple((options[id(g)], tuple(p.shape), p.device) for g, _, p in live))
         st = self._structures.get(key)
         if st is None:
@@ -407,7 +407,7 @@ class Muon(torch.optim.Optimizer):
             if exchange is not None:
                 names = [partial(_name, self, g, i) for g, i, _ in live]
                 plan = exchange.plan(pairs, names, [matrix_spec(p.shape, g) for g, p in pairs])
-            st = step_structure(pairs, [local(p).device for p in params], self.backend, plan)
+            st = step_structure(pairs, [local(p).device for p in params], self.workspace, plan)
             self._structures.put(key, st)
         return st
 

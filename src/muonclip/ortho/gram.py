@@ -33,7 +33,7 @@ float32/float64 (tested) if wanted.
 n is more than about 1.5 m (0.67x at n = 4 m); for squarer matrices `gram_newton_schulz` runs
 the plain quintic (``min_aspect``).
 
-Pure functions unless given storage, like `muonclip.ortho.newton_schulz` (`muonclip.fast.buffered_backend`
+Pure functions unless given storage, like `muonclip.ortho.newton_schulz` (`muonclip.fast.buffered`
 runs the same iteration into kept buffers).
 
 Reference: J. Zhang, N. Amsel, B. Chen, T. Dao, "Gram Newton–Schulz: A Fast, Hardware-Aware
@@ -70,7 +70,7 @@ def gram_iteration(
 ) -> Tensor:
     """The quintic steps of ``coefficients`` on X, done on its small Gram matrix (`gram`: ``X X^T``
     wide, ``X^T X`` tall; Q applied on that side by `small_side`): the one definition of the Gram
-    iteration (the buffered backend runs it with its kept storage).
+    iteration (the buffered workspace runs it with its kept storage).
 
     ``restarts``: step indices before which X and its Gram matrix are recomputed (index 0 is
     ignored: step 0 always starts from X); None means `default_restarts`. ``out``: X's shape,

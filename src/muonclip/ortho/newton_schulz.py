@@ -9,7 +9,7 @@ Two coefficient schedules share one iteration (docs/design.md, "Orthogonalisatio
 
 A batch ``V`` of shape ``(..., A, B)`` in, a new tensor of that shape out; no buffer is kept and
 the input is never written, unless the caller passes storage (``out``, ``scratch``: what
-`muonclip.fast.buffered_backend` does with buffers kept between optimizer steps; the same
+`muonclip.fast.buffered` does with buffers kept between optimizer steps; the same
 products into other storage).
 """
 
@@ -89,7 +89,7 @@ def overflow_scale(X: Tensor) -> Tensor:  # X: (batch, A, B)
 Scratch = Callable[..., "Tensor | None"]
 """Where an iteration's temporaries may live: ``scratch(role, shape, dtype, device, avoid=None)``
 returns a tensor of that shape to overwrite (not sharing storage with ``avoid``), or None for a
-new one (e.g. `muonclip.fast.buffered_backend.Buffers.get`: buffers kept between optimizer steps)."""
+new one (e.g. `muonclip.fast.buffered.Buffers.get`: buffers kept between optimizer steps)."""
 
 
 def no_scratch(role: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device,
@@ -126,7 +126,7 @@ def quintic(X: Tensor, coefficients: Sequence[tuple[float, float, float]], *, ou
     nothing is copied into a transposed layout. ``4 m^2 n + 2 m^3`` flops a step, m <= n the sides.
 
     This is the one definition every quintic method runs (``ns5``, ``polar_express``, ``gram`` on
-    squarish matrices, the buffered backend, ``ns5_sym``, ``ns5_compiled``); they differ only in
+    squarish matrices, the buffered workspace, ``ns5_sym``, ``ns5_compiled``); they differ only in
     where the tensors live and how the two symmetric products are computed:
 
     * ``out`` (X's shape, not overlapping X): the result is written there and X is overwritten:

@@ -1,14 +1,14 @@
-"""`BufferedBackend`: Muon's buckets orthogonalised into buffers kept between steps (CPU).
+"""`BufferedWorkspace`: Muon's buckets orthogonalised into buffers kept between steps (CPU).
 
-A backend (`muonclip.optim.backend.Backend`) decides where a Muon step's bucket of same-shape
-matrices lives and how it is orthogonalised. The core's (`CoreBackend`) allocates every tensor
+A workspace (`muonclip.optim.workspace.Workspace`) decides where a Muon step's bucket of same-shape
+matrices lives and how it is orthogonalised. The core's (`CoreWorkspace`) allocates every tensor
 afresh and calls the pure `muonclip.orthogonalize`. On a CPU, fresh multi-MB tensors are
 page-faulted in again on every step (glibc hands large freed blocks back to the OS), so this
-backend, for the methods whose iteration takes storage (`muonclip.ortho.Method.in_place`:
+workspace, for the methods whose iteration takes storage (`muonclip.ortho.Method.in_place`:
 ``"ns5"``, ``"polar_express"``, ``"gram"``) on CPU tensors:
 
 * keeps the bucket's input and result, and the iteration's temporaries (S, P; Gram's R, Z,
-  Q), in `Buffers` held by the backend object, reused by every bucket and every step
+  Q), in `Buffers` held by the workspace object, reused by every bucket and every step
   (scratch, not state: a copy of the optimizer starts without them);
 * has the method normalise the bucket in place and alternate the quintic's steps between it
   and the result (`muonclip.ortho.newton_schulz.quintic`'s ``out``), so a call touches two
@@ -45,7 +45,7 @@ A chunked run makes the same products on each chunk as one call makes on the bat
 batched matrix product over k matrices need not round as one over N does, so the result can
 differ from the whole batch's in the last bits (the tests compare at round-off tolerance).
 
-`muonclip.Muon` uses it by default for CPU parameters (``backend="auto"``): docs/benchmarks.md
+`muonclip.Muon` uses it by default for CPU parameters (``workspace="auto"``): docs/benchmarks.md
 gives the measured difference on the benchmark GPT set.
 """
 
@@ -155,7 +155,7 @@ def chunk_size(chunk: int | str | None, batch: int, p: int, q: int, dtype: torch
     return min(batch, max(threads, fit - fit % threads))
 
 
-class BufferedBackend:
+class BufferedWorkspace:
     """Orthogonalise Muon's buckets into buffers kept between steps (see module docstring).
 
     Args:
@@ -204,8 +204,8 @@ class BufferedBackend:
         return out.view(V.shape).to(V.dtype)
 
     def __repr__(self) -> str:
-        return f"BufferedBackend(chunk={self.chunk!r})"
+        return f"BufferedWorkspace(chunk={self.chunk!r})"
 
 
-__all__ = ["CPU_CHUNK_BYTES", "KEEP_BYTES", "RULES", "BufferedBackend", "Buffers", "check_chunk", "chunk_size",
+__all__ = ["CPU_CHUNK_BYTES", "KEEP_BYTES", "RULES", "BufferedWorkspace", "Buffers", "check_chunk", "chunk_size",
            "working_set"]
