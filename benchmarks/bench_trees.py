@@ -5,8 +5,9 @@ branch's). Every round, each tree's step is timed in a fresh process that import
 (``PYTHONPATH``), the trees in a shuffled order each round, so that load from other processes
 on a shared machine hits both alike. For each parameter set of `bench_step.py` (the GPT set and
 the 64-expert set) a process builds ``muonclip.Muon`` with the given workspace (default:
-``Muon``'s own default) over the set's weights and fixed gradients, takes ``--warmup`` steps,
-then times ``--steps`` steps and reports their median. ``--clock process`` (the default, with
+``Muon``'s own default; the keyword ``backend`` in a tree from before it was named so) over the
+set's weights and fixed gradients, takes ``--warmup`` steps, then times ``--steps`` steps and
+reports their median. ``--clock process`` (the default, with
 ``--threads 1``) counts the CPU time of the process, which other processes on a shared machine
 barely change; ``wall`` counts wall time.
 
@@ -21,6 +22,7 @@ Usage: ``python benchmarks/bench_trees.py --tree main=/path/to/main/src --tree m
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import random
@@ -46,7 +48,8 @@ def worker(args: argparse.Namespace) -> None:
     experts = conditioned((64, 256, 176), seed=99)
     sets = {"gpt": (gpt_shapes(), [conditioned(s, seed=i) for i, s in enumerate(gpt_shapes())]),
             "experts": ([tuple(experts.shape)], [experts])}
-    kw = {} if args.workspace == "auto" else {"workspace": args.workspace}
+    key = "workspace" if "workspace" in inspect.signature(muonclip.Muon).parameters else "backend"  # its older name
+    kw = {} if args.workspace == "auto" else {key: args.workspace}
     out = {"file": muonclip.__file__}
     for name, (shapes, grads) in sets.items():
         opt = muonclip.Muon(make_params(shapes, grads, "cpu"), lr=LR, weight_decay=WD, **kw)
@@ -74,7 +77,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--clock", choices=("process", "wall"), default="process")
-    parser.add_argument("--workspace", default="auto")
+    parser.add_argument("--workspace", default="auto", help="Muon's workspace ('backend' in a tree before the name)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

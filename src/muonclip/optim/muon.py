@@ -167,7 +167,7 @@ class Muon(torch.optim.Optimizer):
     and step). Complex parameters are refused when added (TypeError): the orthogonalisation and
     the update scale are defined for real matrices. Everything after ``lr`` is keyword-only,
     because torch.optim.Muon's positional order differs: a positional call could silently mean
-    other settings; a keyword of an earlier version raises a TypeError naming its replacement.
+    other settings.
 
     A step is all or nothing: before it changes any parameter, buffer or counter it checks again
     what the groups hold now (``lr`` and ``weight_decay`` every step, as a scheduler may set
@@ -488,7 +488,7 @@ class Muon(torch.optim.Optimizer):
         return state_dicts.saved_form(super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict of this optimizer, of an earlier version of it, or of torch.optim.Muon.
+        """Load a state dict of this optimizer or of torch.optim.Muon.
 
         What is recognised and how it is converted: `muonclip.optim.state_dicts`. Every group is
         validated as the constructor validates its arguments, and every state tensor and counter
