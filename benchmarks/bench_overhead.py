@@ -24,7 +24,7 @@ import argparse
 from contextlib import contextmanager
 
 import torch
-from bench_step import LR, WD, gpt_shapes, make_params
+from step_sets import LR, WD, gpt_shapes, make_params
 from timing import machine, round_robin, setup_threads
 
 import muonclip

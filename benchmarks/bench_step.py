@@ -42,26 +42,14 @@ from functools import partial
 
 import torch
 from bench_ortho import conditioned, matmul_floor, ortho_error, quintic_flops, torch_ns
+from step_sets import LR, WD, gpt_shapes, make_params
 from timing import machine, round_robin, setup_threads
 
 import muonclip
 from muonclip.fast import BufferedWorkspace
 from muonclip.ortho import orthogonalize
 
-LR, WD = 0.02, 0.1
 NS5 = (3.4445, -4.7750, 2.0315)
-
-
-def gpt_shapes(d: int = 384, layers: int = 6) -> list[tuple[int, ...]]:
-    """Hidden matrices of a GPT block stack: q, k, v, o (d x d), c_fc (4d x d), c_proj (d x 4d)."""
-    return [s for _ in range(layers) for s in [(d, d)] * 4 + [(4 * d, d), (d, 4 * d)]]
-
-
-def make_params(shapes, grads, device):
-    params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
-    for p, g in zip(params, grads):
-        p.grad = g.to(device).clone()
-    return params
 
 
 def contenders(shapes, grads, device, torch_shapes=None, torch_grads=None):

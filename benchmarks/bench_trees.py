@@ -38,7 +38,7 @@ SETS = ("gpt", "experts")
 def worker(args: argparse.Namespace) -> None:
     """In a fresh process importing one tree: the median step time of each set (seconds)."""
     from bench_ortho import conditioned
-    from bench_step import LR, WD, gpt_shapes, make_params
+    from step_sets import LR, WD, gpt_shapes, make_params
     from timing import CLOCKS, setup_threads
 
     import muonclip
