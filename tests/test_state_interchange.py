@@ -286,8 +286,8 @@ def test_load_state_dict_refuses_a_group_with_a_missing_key():
 @pytest.mark.parametrize("mode", ["skip", "mask"])
 def test_counters_survive_a_state_dict_flattened_per_parameter(mode):
     """torch.distributed.checkpoint.state_dict with flatten_optimizer_state_dict=True (torchtitan's
-    checkpoints) keeps per-parameter state and param-group keys only: the counters ride in every
-    param group."""
+    checkpoints) keeps per-parameter state and param-group keys only: the counters ride in the first
+    parameter's state."""
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
     torch.manual_seed(0)
 

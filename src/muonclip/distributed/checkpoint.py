@@ -252,8 +252,9 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
 
 
 def _place_wide_values(osd: dict[str, Any], optimizer: torch.optim.Optimizer, metadata: Metadata) -> None:
-    """Ask DCP for the optimizer-wide values (Muon's counters, MuonClip's ``tau``) of the param
-    groups where the checkpoint holds them (in every param group: `muonclip.optim.state_dicts`)."""
+    """Ask DCP for the optimizer-wide values (Muon's counters, MuonClip's ``tau``) where the
+    checkpoint holds them: in every param group (this version), or in the first parameter's state
+    (earlier versions, `muonclip.optim.state_dicts`), so that both load."""
     wide = getattr(optimizer, "_wide_state", None)
     if not callable(wide):
         return
@@ -262,6 +263,10 @@ def _place_wide_values(osd: dict[str, Any], optimizer: torch.optim.Optimizer, me
         for key in keys:
             if f"optim.param_groups.{i}.{key}" not in saved:
                 group.pop(key, None)
+    for fqn, entry in osd.get("state", {}).items():
+        for key in keys:
+            if f"optim.state.{fqn}.{key}" in saved:
+                entry[key] = 0
 
 
 def model_shapes(model: nn.Module) -> dict[str, list[int]]:

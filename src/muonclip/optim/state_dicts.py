@@ -2,9 +2,10 @@
 
 **What `Muon.load_state_dict` takes** (`prepare`). A state dict is recognised by its param groups:
 
-* ``muonclip.Muon``'s: some group has an ``algorithm`` key. Every group must hold every key
-  of `muonclip.optim.validation.GROUP_KEYS` (a missing one is an error that names it); a
-  group's ``name``, when the receiving group has one and the saved one not, is kept.
+* ``muonclip.Muon``'s: some group has an ``algorithm`` key, or the dict has a top-level
+  ``"muonclip"`` entry. Every group must hold every key of
+  `muonclip.optim.validation.GROUP_KEYS` (a missing one is an error that names it); a group's
+  ``name``, when the receiving group has one and the saved one not, is kept.
 * ``torch.optim.Muon``'s: no group has ``algorithm``, every group has exactly torch's keys
   (`TORCH_MUON_KEYS`, plus ``params`` and optionally ``param_names``) with an int
   ``ns_steps`` and three ``ns_coefficients``, and the per-parameter state holds only
@@ -23,7 +24,9 @@ hold a copy, refreshed after every step and by ``state_dict()``). A param group 
 replaces parameters (accelerate's FSDP2 ``prepare`` swaps new tensors into ``params``), and a
 state dict flattened per parameter (``torch.distributed.checkpoint.state_dict`` with
 ``flatten_optimizer_state_dict=True``, as torchtitan saves it) carries each group's values with
-every parameter; no per-parameter state exists before the first step.
+every parameter; no per-parameter state exists before the first step. State dicts of earlier
+versions kept them in the first parameter's state (or a top-level ``"muonclip"`` entry): they
+are read from there and never put back into the state.
 
 **The saved form** holds nothing a checkpointer cannot store (`saved_form`): torch dtypes in
 param groups (``orth_dtype``) are strings such as ``"torch.bfloat16"``, turned back into dtypes
@@ -114,13 +117,22 @@ def _dtype(text: str) -> Any:
 
 def wide_values(state_dict: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
     """The optimizer-wide values ``keys`` a muonclip state dict holds: from its first param group
-    that has them. Absent ones are left out."""
+    that has them, else (earlier versions) from the first parameter's state entry, else from a
+    top-level ``"muonclip"`` entry. Absent ones are left out."""
+    groups, state = state_dict["param_groups"], state_dict["state"]
     found: dict[str, Any] = {}
     for key in keys:
-        for g in state_dict["param_groups"]:
+        for g in groups:
             if key in g:
                 found[key] = g[key]
                 break
+    first = first_param(groups)
+    entry = state.get(first) if first is not None else None
+    older = [entry if isinstance(entry, Mapping) else {}, state_dict.get("muonclip") or {}]
+    for source in older:
+        for key in keys:
+            if key not in found and key in source:
+                found[key] = source[key]
     return {k: v.item() if isinstance(v, Tensor) else v for k, v in found.items()}
 
 
@@ -137,7 +149,7 @@ def kind(state_dict: Mapping[str, Any]) -> str:
         raise ValueError("not an optimizer state dict: expected a dict with 'state' (a dict) and 'param_groups' "
                          "(a list of dicts with 'params'), as optimizer.state_dict() returns")
     groups = state_dict["param_groups"]
-    if any("algorithm" in g for g in groups):
+    if "muonclip" in state_dict or any("algorithm" in g for g in groups):
         return "muonclip"
     if groups and all(_is_torch_muon_group(g) for g in groups) and all(
             isinstance(s, Mapping) and set(s) <= {"momentum_buffer"} for s in state_dict["state"].values()):
@@ -173,8 +185,9 @@ def prepare(state_dict: Mapping[str, Any], groups: Sequence[dict[str, Any]],
             wide_keys: Sequence[str] = WIDE_KEYS) -> dict[str, Any]:
     """The state dict to hand torch's loader: recognised (a torch.optim.Muon one converted), every
     group validated against the optimizer's ``groups``; a new dict (the one passed in, and its
-    tensors, are not modified). The optimizer-wide values ``wide_keys`` it holds (`wide_values`)
-    are put in every group; a torch.optim.Muon state dict has none."""
+    tensors, are not modified). The optimizer-wide values ``wide_keys`` it holds (`wide_values`,
+    wherever this or an earlier version kept them) are put in every group, and taken out of the
+    per-parameter state; a torch.optim.Muon state dict has none."""
     source = kind(state_dict)
     saved = [from_saved_form(g) for g in state_dict["param_groups"]]
     if len(saved) != len(groups):
@@ -202,6 +215,10 @@ def prepare(state_dict: Mapping[str, Any], groups: Sequence[dict[str, Any]],
         for key in wide_keys:
             g.pop(key, None)
         g.update(wide)
+    for entry in state.values():
+        if isinstance(entry, dict):
+            for key in wide_keys:
+                entry.pop(key, None)
     for i, (g, own) in enumerate(zip(new_groups, groups)):
         if len(g["params"]) != len(own["params"]):
             raise ValueError(f"param group {i} of the state dict has {len(g['params'])} parameters, this "
