@@ -175,19 +175,27 @@ def test_muon_default_backend_equals_the_core_and_keeps_its_buffers(keep_small):
 
 
 @pytest.mark.parametrize("workspace", ["core", "buffered"])
-def test_muon_step_is_muon_update_on_one_matrix(workspace):
-    """`Muon.step` on one weight is `muonclip.muon_update` (the functional form) bit for bit:
-    the same phases, the same kernels on the same values (one matrix: a bucket of one)."""
+@pytest.mark.parametrize("shape, matrix", [((24, 40), (24, 40)), ((3, 24, 40), (24, 40)), ((8, 3, 3, 5), (8, 45))],
+                         ids=["matrix", "experts", "conv"])
+@pytest.mark.parametrize("options", [{}, {"normuon": True, "cautious_weight_decay": True}], ids=["plain", "variants"])
+def test_muon_step_is_muon_update_on_one_weight(workspace, shape, matrix, options):
+    """`Muon.step` on one weight is `muonclip.muon_update` bit for bit: the same step body
+    (`muon_step`) on the same values, a matrix, a stack of experts and a convolution (the
+    matrix ``(out, in kh kw)``, as `Muon` sees it), with NorMuon and cautious weight decay too."""
     torch.manual_seed(0)
-    W = torch.nn.Parameter(torch.randn(24, 40))
-    W2, M = W.detach().clone(), torch.zeros(24, 40)
-    opt = muonclip.Muon([W], lr=0.02, weight_decay=0.1, momentum=0.9, workspace=workspace)
+    W = torch.nn.Parameter(torch.randn(shape))
+    W2, M = W.detach().clone(), torch.zeros(shape)
+    V2 = torch.zeros(shape[0] if len(shape) == 3 else 1, matrix[0]) if options else None
+    opt = muonclip.Muon([W], lr=0.02, weight_decay=0.1, momentum=0.9, workspace=workspace, **options)
     for _ in range(3):
-        G = torch.randn(24, 40)
+        G = torch.randn(shape)
         W.grad = G.clone()
         opt.step()
-        muonclip.muon_update(W2, G, M, lr=0.02, weight_decay=0.1, momentum=0.9, scale=0.2 * 40**0.5)
+        muonclip.muon_update(W2, G, M, lr=0.02, weight_decay=0.1, momentum=0.9, scale=0.2 * max(matrix) ** 0.5,
+                             second_moment=V2, cautious=bool(options))
         assert torch.equal(W.detach(), W2) and torch.equal(opt.state[W]["momentum_buffer"], M)
+        if options:
+            assert torch.equal(opt.state[W]["neuron_second_moment"], V2)
 
 
 def test_step_structure_is_cached_and_rebuilt_when_an_option_changes():

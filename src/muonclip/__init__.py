@@ -9,7 +9,7 @@ Every export (the algorithms and where each piece lives: docs/design.md, "Module
 * `param_groups` — routes a model's parameters to Muon or AdamW, with fused weights split into
   their maps; returns a `ParamGroups` (a list of param groups with a ``.report()``).
 * `ParamGroups` — that list.
-* `muon_update` — the Muon update of one matrix, as a function (what `Muon.step` runs, batched).
+* `muon_update` — the Muon update of one weight, as a function: the step body `Muon.step` runs, on one weight.
 * `orthogonalize` — the polar factor by Newton–Schulz (``"ns5"``), Polar Express, Gram
   Newton–Schulz or SVD.
 * `scaled_dot_product_attention` — a drop-in for ``F.scaled_dot_product_attention`` that also
