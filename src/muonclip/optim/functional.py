@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor
 
+from ..ortho import check_method
 from .buckets import Bucket, Place, Results, StepStructure, Unit, step_structure
 from .quantized import QuantLayout, dequantize, quantize_
 from .workspace import CoreWorkspace
@@ -162,6 +163,7 @@ def muon_update(
         normuon_beta2: NorMuon's EMA coefficient (default 0.95).
         cautious: cautious weight decay (default False).
     """
+    check_method(method, steps, dtype, coefficients)
     group = {"method": method, "ns_steps": steps, "orth_dtype": dtype, "eps": eps, "ns_coefficients": coefficients,
              "flatten": False, "split_sizes": None, "split_groups": 1, "transposed": False, "adjust_lr_fn": "unscaled"}
     st = step_structure([(group, param)], [param.device], CoreWorkspace())
