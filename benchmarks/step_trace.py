@@ -26,13 +26,15 @@ Two measures, each printed as a table and, with ``--json``, as one JSON object:
   The weights: 3 layers of the GPT set above, 18 matrices in one group. The figures count
   frames, not time, and are the same on every run.
 
-Usage: ``python benchmarks/step_trace.py [--workspace auto|core] [--walk] [--json]``.
+Usage: ``python benchmarks/step_trace.py [--workspace auto|core] [--walk] [--json]`` (on a tree
+from before the workspace had its name, ``--workspace`` is passed as ``backend=``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import os
 import sys
@@ -64,7 +66,8 @@ def optimizer(workspace: str = "auto", experts: bool = True) -> muonclip.Muon:
     adamw = [torch.nn.Parameter(torch.randn(D, generator=gen))]
     for p in muon + adamw:
         p.grad = torch.randn(p.shape, generator=gen)
-    return muonclip.Muon([{"params": muon}, {"params": adamw, "algorithm": "adamw"}], lr=LR, workspace=workspace)
+    key = "workspace" if "workspace" in inspect.signature(muonclip.Muon).parameters else "backend"  # its older name
+    return muonclip.Muon([{"params": muon}, {"params": adamw, "algorithm": "adamw"}], lr=LR, **{key: workspace})
 
 
 def _short(filename: str) -> str:

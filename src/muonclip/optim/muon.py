@@ -1,13 +1,14 @@
 """`Muon`: the Muon optimizer for hidden matrices, with an AdamW branch, in one object.
 
 A thin ``torch.optim.Optimizer`` shell (Keller Jordan's three layers: orthogonaliser, per-matrix
-update, thin class): it keeps the state and, each step, hands every Muon weight to the update's
-step body (`muonclip.optim.functional.muon_step`: momentum, V written into same-shape buckets,
-one orthogonalisation per bucket, the update) and the AdamW groups to `muonclip.optim.adamw`.
-What it accepts is checked by `muonclip.optim.validation`; its state dicts, and the conversions
-to and from torch.optim's, are `muonclip.optim.state_dicts`. A step over several processes is
-handed to the distribution layer (`muonclip.optim.distribution`), which runs the same phases
-with the exchanges around them; a step in one process never enters it.
+update, thin class): it keeps the state (each Muon weight's is made here: `momentum_state`,
+`second_moment_state`) and, each step, hands every Muon weight to the update's one step body
+(`muonclip.optim.functional.muon_step`: momentum, V written into same-shape buckets, one
+orthogonalisation per bucket, the update) and the AdamW groups to `muonclip.optim.adamw`. What
+it accepts is checked by `muonclip.optim.validation`; its state dicts, and the conversions to
+and from torch.optim's, are `muonclip.optim.state_dicts`. Over several processes the same body
+runs with the distribution layer's exchanges (`muonclip.optim.distribution.Exchange`); a step
+in one process never enters that layer.
 """
 
 from __future__ import annotations
