@@ -41,7 +41,7 @@ from muonclip.attention import (
     scaled_dot_product_attention,
     set_max_logit_backend,
 )
-from muonclip.attention.sdpa import gate_pays
+from muonclip.attention.record import gate_pays
 from muonclip.models import GPT, GPTConfig
 from muonclip.optim import Muon, param_groups
 

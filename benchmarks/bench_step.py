@@ -8,9 +8,9 @@ Two parameter sets (float32 weights, fixed gradients):
   1/8). torch.optim.Muon takes 2-D weights only, so it gets the 64 experts as 64 parameters
   (looped); muonclip.Muon takes the 3-D weight and orthogonalises the 64 as one batch.
 
-Contenders: ``muonclip.Muon`` with its defaults (ns5, bf16, ``backend="auto"``: the buffered
-backend on CPU), with ``backend="core"`` (the pure functions, fresh tensors every step), with
-the CPU chunking rule (``BufferedBackend(chunk="cache")``), with ``method="gram"`` (Gram
+Contenders: ``muonclip.Muon`` with its defaults (ns5, bf16, ``workspace="auto"``: the buffered
+workspace on CPU), with ``workspace="core"`` (the pure functions, fresh tensors every step), with
+the CPU chunking rule (``BufferedWorkspace(chunk="cache")``), with ``method="gram"`` (Gram
 Newton–Schulz for the rectangular matrices), with ``method="polar_express"`` (the same flops
 as ns5, a tighter band), with ``on_nonfinite="mask"`` (no host sync: the step is snapshot and
 undone on the device), torch.optim.Muon (same lr, weight decay, ns5 coefficients, 5 steps) and
@@ -42,26 +42,14 @@ from functools import partial
 
 import torch
 from bench_ortho import conditioned, matmul_floor, ortho_error, quintic_flops, torch_ns
+from step_sets import LR, WD, gpt_shapes, make_params
 from timing import machine, round_robin, setup_threads
 
 import muonclip
-from muonclip.fast import BufferedBackend
+from muonclip.fast import BufferedWorkspace
 from muonclip.ortho import orthogonalize
 
-LR, WD = 0.02, 0.1
 NS5 = (3.4445, -4.7750, 2.0315)
-
-
-def gpt_shapes(d: int = 384, layers: int = 6) -> list[tuple[int, ...]]:
-    """Hidden matrices of a GPT block stack: q, k, v, o (d x d), c_fc (4d x d), c_proj (d x 4d)."""
-    return [s for _ in range(layers) for s in [(d, d)] * 4 + [(4 * d, d), (d, 4 * d)]]
-
-
-def make_params(shapes, grads, device):
-    params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
-    for p, g in zip(params, grads):
-        p.grad = g.to(device).clone()
-    return params
 
 
 def contenders(shapes, grads, device, torch_shapes=None, torch_grads=None):
@@ -72,13 +60,13 @@ def contenders(shapes, grads, device, torch_shapes=None, torch_grads=None):
             muonclip.Muon(make_params(shapes, grads, device), lr=LR, weight_decay=WD),
             lambda V: orthogonalize(V, "ns5"),
         ),
-        'muonclip.Muon backend="core"': (
-            muonclip.Muon(make_params(shapes, grads, device), lr=LR, weight_decay=WD, backend="core"),
+        'muonclip.Muon workspace="core"': (
+            muonclip.Muon(make_params(shapes, grads, device), lr=LR, weight_decay=WD, workspace="core"),
             lambda V: orthogonalize(V, "ns5"),
         ),
-        'muonclip.Muon BufferedBackend(chunk="cache")': (
+        'muonclip.Muon BufferedWorkspace(chunk="cache")': (
             muonclip.Muon(make_params(shapes, grads, device), lr=LR, weight_decay=WD,
-                          backend=BufferedBackend(chunk="cache")),
+                          workspace=BufferedWorkspace(chunk="cache")),
             lambda V: orthogonalize(V, "ns5"),
         ),
         "muonclip.Muon method=gram": (
@@ -146,7 +134,7 @@ def ns_rate(args) -> None:
     """Newton–Schulz GFLOP/s (ns5 and gram, bf16) vs the bare matmul rate on the GPT buckets.
 
     The input is a bf16 bucket, as `muonclip.Muon` hands it over (V written in the compute
-    dtype), orthogonalised by the default CPU backend (`muonclip.fast.BufferedBackend`:
+    dtype), orthogonalised by the default CPU workspace (`muonclip.fast.BufferedWorkspace`:
     temporaries and result kept between calls, the bucket normalised in place); the time
     includes the normalisation, not a cast.
     """
@@ -157,7 +145,7 @@ def ns_rate(args) -> None:
     for E, A, B in [(4 * L, d, d), (L, 4 * d, d), (L, d, 4 * d)]:
         V = conditioned((E, A, B)).to(args.device, torch.bfloat16)
         t = round_robin(
-            {m: partial(BufferedBackend().orthogonalize, V, m, reuse_result=True) for m in ("ns5", "gram")},
+            {m: partial(BufferedWorkspace().orthogonalize, V, m, reuse_result=True) for m in ("ns5", "gram")},
             rounds=args.rounds, clock=args.clock, device=args.device,
         )
         floor = matmul_floor(E, A, B, torch.bfloat16, args.device, args.rounds, args.clock)

@@ -34,7 +34,7 @@ print('torch', torch.__version__, torch.cuda.get_device_name(0))" || exit 1
     case "$part" in
       tests) PYTHONPATH="src:tests" "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_attention_capture.py \
                tests/test_attention_gate_device.py tests/test_ortho_fast.py tests/test_triton_syrk.py \
-               tests/test_nonfinite.py tests/test_qkclip_check.py -k cuda ;;
+               tests/test_nonfinite.py tests/test_qkclip_check.py tests/test_pair_rule.py -k cuda ;;
       attention) "$PY" benchmarks/bench_gated_capture.py --device cuda --dtype bfloat16 --queue 10 &&
                  "$PY" benchmarks/bench_gated_capture.py --device cuda --dtype float32 --queue 10 --skip-train &&
                  "$PY" benchmarks/bench_attention.py --device cuda ;;

@@ -1,6 +1,8 @@
-"""Fixtures shared by the test modules of the `muonclip` command."""
+"""Fixtures shared by the test modules: the `muonclip` command's corpus, FlexAttention on the CPU."""
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 
@@ -13,3 +15,39 @@ def text(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("text") / "macbeth.txt"
     path.write_text(read_document(builtin_corpus_dir() / "tragedies" / "macbeth.md"))
     return str(path)
+
+
+@pytest.fixture
+def flex_on_cpu(monkeypatch):
+    """`flex_attention_with_max` and the ``"flex"`` backend run on the CPU through
+    FlexAttention's own dense reference implementation (its compile-debug mode), with torch's
+    CPU refusal of ``max_scores`` lifted: the wrapper's masks, causal rule, GQA, scale and
+    reduction are then the code a GPU runs; only the fused kernel is not (the CUDA test above)."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    if not all(hasattr(fa, n) for n in ("AuxRequest", "_apply_kernel_options", "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG")):
+        pytest.skip("this torch's FlexAttention has no max_scores or a different debug mode")
+    import muonclip.attention.max_logits as max_logits
+    import muonclip.attention.record as record
+
+    real = fa._apply_kernel_options
+    signature = inspect.signature(real)
+    if "return_aux" not in signature.parameters:
+        pytest.skip("this torch's FlexAttention sets its kernel options differently")
+
+    def allow_max_on_cpu(*args, **kwargs):
+        call = signature.bind(*args, **kwargs)
+        aux = call.arguments.get("return_aux")
+        call.arguments["return_aux"] = None  # what torch refuses on CPU is asked for below
+        options = real(*call.args, **call.kwargs)
+        options["OUTPUT_MAX"] = bool(aux is not None and aux.max_scores)
+        return options
+
+    monkeypatch.setattr(fa, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
+    monkeypatch.setattr(fa, "_apply_kernel_options", allow_max_on_cpu)
+    monkeypatch.setattr(max_logits, "_compiled_flex", lambda: fa.flex_attention)
+    monkeypatch.setattr(record, "flex_available", lambda query: True)
+    max_logits._causal_block_mask.cache_clear()
+    record.set_max_logit_backend("flex")
+    yield fa
+    record.set_max_logit_backend("gated")
+    max_logits._causal_block_mask.cache_clear()

@@ -17,13 +17,15 @@ from typing import Any
 
 import torch
 import transformers
-from hf_probe import assert_only_clipped_rows_changed, replay_layer_max, tau_between
+from hf_probe import assert_only_clipped_rows_changed, real_tokens, replay_layer_max, tau_between
 from transformers import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from muonclip.integrations.hf import attach, attach_report
+import muonclip
+from muonclip.integrations.hf import attach, attach_report, detach
 from muonclip.integrations.hf_attention import CHECK_ATTR
-from muonclip.qkclip import MuonClip
+from muonclip.optim.matrices import matrix_spec
+from muonclip.qkclip import MLALayout, MuonClip, Rows, StridedRows
 
 VOCAB = 128
 WIDTH = 64
@@ -209,11 +211,13 @@ def _shrink_dict(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def tiny_config(model_type: str):
-    """The family's default config, shrunk (module docstring), plus its `FAMILY_OVERRIDES`; the config
-    class is the model class's own (a multimodal family's causal LM takes its text config)."""
+def tiny_config(model_type: str, variant: dict[str, Any] | None = None):
+    """The family's default config, shrunk (module docstring), plus its `FAMILY_OVERRIDES` and
+    ``variant`` (config keywords of a variant of the family, e.g. GPTBigCode without multi-query
+    attention); the config class is the model class's own (a multimodal family's causal LM takes
+    its text config)."""
     cls = getattr(transformers, families()[model_type][0]).config_class
-    overrides = FAMILY_OVERRIDES.get(model_type, {})
+    overrides = {**FAMILY_OVERRIDES.get(model_type, {}), **(variant or {})}
     try:  # a family whose default config fails its own validation starts from the overrides
         base = cls(**overrides)
     except Exception:  # noqa: BLE001 - transformers' strict-dataclass validation raises its own types
@@ -223,13 +227,13 @@ def tiny_config(model_type: str):
     return cls(**{k: v for k, v in d.items() if v is not None})
 
 
-def build(model_type: str, seed: int = 0) -> torch.nn.Module:
-    """The family's tiny model: float32, training mode, every dropout probability 0, projection biases
-    drawn from N(0.25, 0.25^2): a zero bias would hide whether the clip scales it, and q/k biases of one
-    sign keep the max logits of a model without RoPE positive."""
+def build(model_type: str, seed: int = 0, variant: dict[str, Any] | None = None) -> torch.nn.Module:
+    """The family's tiny model (``variant``: as `tiny_config`): float32, training mode, every dropout
+    probability 0, projection biases drawn from N(0.25, 0.25^2): a zero bias would hide whether the clip
+    scales it, and q/k biases of one sign keep the max logits of a model without RoPE positive."""
     model_cls, _ = families()[model_type]
     torch.manual_seed(seed)
-    config = tiny_config(model_type)
+    config = tiny_config(model_type, variant)
     model = getattr(transformers, model_cls)(config).float()
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
@@ -269,7 +273,7 @@ REFUSAL_CAUSES = {
     "q/k clamped after the projection": r"clamps q, k and v to \[",
     "a keyword the attention function does not compute": r"passes `\w+`, which the 'muonclip' attention function "
                                                         r"does not compute",
-    "a keyword the attention function does not implement": r"passes `\w+` \(\w+\) to its attention function, a "
+    "a keyword the attention function does not implement": r"passes `\w+` \([^)]*\) to its attention function, a "
                                                           r"keyword the 'muonclip' attention function does not "
                                                           r"implement",
 }
@@ -287,10 +291,12 @@ class Verdict:
 
 
 def _batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Input ids and a left-padded attention mask (row 1: 4 pads)."""
+    """Input ids and an attention mask padded on both sides: row 0 right-padded (3 pads, whose
+    queries see the real keys before them), row 1 left-padded (4 pads)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, VOCAB, (B, T), generator=g)
     am = torch.ones(B, T, dtype=torch.long)
+    am[0, T - 3:] = 0
     am[1, :4] = 0
     return ids.masked_fill(am == 0, 0), am
 
@@ -324,26 +330,81 @@ def _supported_why(layers, model) -> str:
     return "; ".join(parts)
 
 
-def run_family(family: str) -> Verdict:
-    """Build the family tiny and decide its row (``tests/test_qkclip_families.py`` states the criteria).
+def _clip_rows(t: Any) -> tuple[torch.Tensor, list[int]] | None:
+    """``(tensor, the matrix rows the clip scales, in head order)`` of a layout weight (None: DoRA
+    magnitudes, not rows of a weight)."""
+    if isinstance(t, Rows):
+        return t.tensor, list(range(t.start, t.stop))
+    if isinstance(t, StridedRows):
+        return t.tensor, t.indices().tolist()
+    if isinstance(t, torch.Tensor):
+        return t, list(range(t.shape[0]))
+    return None
+
+
+def _routed_maps(group: dict[str, Any], p: torch.Tensor) -> set[tuple[int, ...]]:
+    """The matrices Muon sees in weight ``p`` of param group ``group``, each as the tuple of its
+    ``(out, in)`` rows (`muonclip.optim.matrices.MatrixSpec.blocks`)."""
+    spec = matrix_spec(p.shape, {"split_sizes": group.get("split_sizes"), "split_groups": group.get("split_groups", 1),
+                                 "transposed": group.get("transposed", False), "flatten": group.get("flatten", False),
+                                 "adjust_lr_fn": "match_rms_adamw", "method": "ns5", "ns_steps": None})
+    return {tuple(sorted(r for lo, hi in segs for r in range(lo, hi))) for segs in spec.blocks}
+
+
+def check_routing_agrees(family: str, model: torch.nn.Module, layers: list) -> None:
+    """Routing and the clip see the same maps: wherever the clip scales rows of a weight as a layer's
+    q or k, `muonclip.param_groups` gives Muon exactly those rows as one matrix of that weight (a
+    fused weight is split into the maps the clip scales), and with ``per_head=True`` each head's rows
+    as one matrix. (MLA's ``kv_b_proj``, whose per-head rows hold k and v, is left out.)"""
+    for per_head in (False, True):
+        routed = {id(p): g for g in muonclip.param_groups(model, per_head=per_head) for p in g["params"]}
+        for ly in layers:
+            lay = ly.layout
+            if isinstance(lay, MLALayout):
+                fields = [("q_weight", lay.n_heads, lay.qk_nope_head_dim + lay.qk_rope_head_dim)]
+            else:
+                fields = [("q_weight", lay.n_heads, lay.head_dim),
+                          ("k_weight", getattr(lay, "n_kv_heads", lay.n_heads), lay.head_dim)]
+            for field, heads, d in fields:
+                found = _clip_rows(getattr(lay, field))
+                if found is None:
+                    continue
+                t, rows = found
+                group = routed.get(id(t))
+                assert group is not None and group["algorithm"] == "muon", f"{family}: {ly.name}.{field} not on Muon"
+                maps = _routed_maps(group, t)
+                wanted = [rows[h * d:(h + 1) * d] for h in range(heads)] if per_head else [rows]
+                for w in wanted:
+                    assert tuple(sorted(w)) in maps, (
+                        f"{family}: {ly.name}.{field} (per_head={per_head}): the clip scales rows {w[:4]}... "
+                        f"({len(w)} rows), which are not one matrix of param_groups' split "
+                        f"{ {k: group.get(k) for k in ('split_sizes', 'split_groups', 'transposed')} }")
+
+
+def run_family(family: str, variant: dict[str, Any] | None = None) -> Verdict:
+    """Build the family tiny (``variant``: as `tiny_config`) and decide its row
+    (``tests/test_qkclip_families.py`` states the criteria).
 
     Raises:
         AssertionError: the family is neither supported (every criterion) nor refused with a
-            cause of `REFUSAL_CAUSES` before any step.
+            cause of `REFUSAL_CAUSES` before any step, or routing splits a weight the clip scales
+            into other maps than the clip's (`check_routing_agrees`).
     """
     try:
-        model = build(family)
+        model = build(family, variant=variant)
     except Exception as e:  # noqa: BLE001 - any failure to build is recorded with its message
         return Verdict(family, "not built", f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
     if family in FAMILY_SETUP:
         FAMILY_SETUP[family](model)
     ref = copy.deepcopy(model)
     impl = model.config._attn_implementation
+    impls = [(m, m.config._attn_implementation) for m in model.modules() if isinstance(m, transformers.PreTrainedModel)]
     try:
         layers = attach(model)
     except ValueError as e:
         assert model.config._attn_implementation == impl, f"{family}: refused but switched"
         return _refused(family, e, "when attaching")
+    check_routing_agrees(family, model, layers)
     ids, am = _batch()
     real = am.bool()
     try:
@@ -378,12 +439,16 @@ def run_family(family: str) -> Verdict:
     hook = module.register_forward_pre_hook(save, with_kwargs=True)
     _logits(model, ids, am)[real].float().square().mean().backward()  # recorders without a threshold: exact
     hook.remove()
-    before = torch.stack([replay_layer_max(model, module, a, kw) for a, kw in saved]).amax(0)
-    tau = tau_between(before)
-    opt = MuonClip(model, lr=0.0, weight_decay=0.0, tau=tau, layers=layers, on_ineffective_clip="raise")
-    w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt.step()
-    after = torch.stack([replay_layer_max(model, module, a, kw) for a, kw in saved]).amax(0)
+    real_tokens(am)  # the probe leaves padding queries out by the batch's own mask
+    try:
+        before = torch.stack([replay_layer_max(model, module, a, kw) for a, kw in saved]).amax(0)
+        tau = tau_between(before)
+        opt = MuonClip(model, lr=0.0, weight_decay=0.0, tau=tau, layers=layers, on_ineffective_clip="raise")
+        w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        after = torch.stack([replay_layer_max(model, module, a, kw) for a, kw in saved]).amax(0)
+    finally:
+        real_tokens(None)
     clipped = before > tau
     torch.testing.assert_close(opt.last_max_logits[first.name].cpu(), before, rtol=1e-5, atol=1e-5,
                                msg=lambda m: f"{family}: recorded max logits: {m}")
@@ -392,4 +457,7 @@ def run_family(family: str) -> Verdict:
                                msg=lambda m: f"{family}: layer 0 not clipped to tau: {m}")
     assert 0 < int(clipped.sum()) < clipped.numel()
     assert_only_clipped_rows_changed(model, [first], {first.name: clipped}, w0)
+    detach(model)  # every (sub-)model back to its own implementation, nothing of ours left
+    assert [m.config._attn_implementation for m, _ in impls] == [i for _, i in impls], f"{family}: detach"
+    assert not any(hasattr(m, CHECK_ATTR) or m._forward_pre_hooks for m in model.modules()), f"{family}: detach"
     return Verdict(family, "supported", _supported_why(layers, model))

@@ -3,10 +3,13 @@
 The probe is a test-only attention function registered with transformers: it captures the query
 (after RoPE), key, mask and scale that the model hands to its attention function, computes
 ``scaling * q.k`` explicitly in float64, masked, per head, and then runs transformers' own SDPA
-attention, so the model computes exactly what it computes with ``"sdpa"``.
+attention, so the model computes exactly what it computes with ``"sdpa"``. Padding queries are
+left out by the batch's own 2-D attention mask (`real_tokens`), never by the library's rule.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from transformers import AttentionInterface
@@ -17,10 +20,18 @@ from muonclip.qkclip.layouts import GQALayout, MLALayout, Rows, StridedRows
 
 CAPTURE = "muonclip_test_capture"
 _captured: dict[int, torch.Tensor] = {}
+_real: list[torch.Tensor | None] = [None]
 
 
-def explicit_max(query, key, mask, scaling, causal=True):
-    """Per-head max of scaling * q.k over allowed pairs; q (B, nh, Tq, D), k (B, nkv, Tk, D)."""
+def real_tokens(mask_2d: torch.Tensor | None) -> None:
+    """The batch's 2-D attention mask (nonzero: a real token), or None: the probe's next runs leave
+    out every query whose token it marks as padding (its self-attention calls over ``B x T`` tokens)."""
+    _real[0] = None if mask_2d is None else mask_2d.bool()
+
+
+def explicit_max(query, key, mask, scaling, causal=True, real=None):
+    """Per-head max of scaling * q.k over allowed pairs of real queries ((B, Tq) bool, None: all);
+    q (B, nh, Tq, D), k (B, nkv, Tk, D)."""
     nh, nkv = query.shape[1], key.shape[1]
     k = key.repeat_interleave(nh // nkv, dim=1)
     s = scaling * (query.double() @ k.double().transpose(-1, -2))  # (B, nh, Tq, Tk)
@@ -30,6 +41,8 @@ def explicit_max(query, key, mask, scaling, causal=True):
         allowed = allowed.tril() if causal and tq > 1 else allowed
     else:  # a boolean mask, or an additive one (its finite values are a bias, not part of q.k)
         allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
+    if real is not None:
+        allowed = allowed & real[:, None, :, None]
     return s.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3)).float()
 
 
@@ -38,11 +51,21 @@ def capture_forward(module, query, key, value, attention_mask, scaling=None, **k
         scaling = query.shape[-1] ** -0.5
     causal = kwargs.get("is_causal")
     causal = causal if causal is not None else getattr(module, "is_causal", True)
-    m = explicit_max(query, key, attention_mask, scaling, causal)
+    tokens, (b, tq, tk) = _real[0], (query.shape[0], query.shape[2], key.shape[2])
+    real = tokens[:, tk - tq:] if tokens is not None and tokens.shape == (b, tk) and tq <= tk else None
+    m = explicit_max(query, key, attention_mask, scaling, causal, real)
     for slot in (module.layer_idx, id(module)):
         prev = _captured.get(slot)
         _captured[slot] = m if prev is None else torch.maximum(prev, m)
-    kwargs.pop("s_aux", None)  # transformers' SDPA function takes no sinks (only layer 0's q.k is measured)
+    if kwargs.get("s_aux") is not None:  # sinks: the module's own eager attention (SDPA's function takes none)
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        if attention_mask is None:
+            attention_mask = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril(tk - tq)[None, None]
+        if attention_mask.dtype == torch.bool:
+            attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~attention_mask, torch.finfo(query.dtype).min)
+        kwargs.pop("is_causal", None)
+        return eager(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 

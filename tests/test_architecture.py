@@ -1,25 +1,31 @@
-"""The layout of the package: what may import what, and where the core's update is.
+"""The layout of the package: what may import what, where the core's update is, and where family knowledge is.
 
 Every import in ``src/muonclip`` (module level or inside a function, absolute or relative) is
 read with ``ast`` (`import_graph`). The subpackages come from the file system, and each must
 have its floor in `FLOORS`: a new one fails here until it is placed. A test fails on an import
 from a floor to a higher one, on a cycle between subpackages, and on modules that import each
 other when they load. Then, the core's extension point: one process never enters the
-distributed layer, and a step that needs it without it is an error.
+distributed layer, and a step that needs it without it is an error. Last, what the core knows
+of model families comes from the family table alone (`muonclip.integrations.families`): the
+core imports no framework and names none of the table's classes and attributes.
 """
 
 from __future__ import annotations
+
+import ast
+import dataclasses
 
 import pytest
 import torch
 from import_graph import SRC, components, cycles, imports, module_graph, subpackage, subpackage_graph, subpackages
 
 import muonclip
+import muonclip.integrations.families as family_table
 from muonclip.optim import distribution
 
 GROUND, CORE, LAYER, APP = 0, 1, 2, 3
 FLOORS = {
-    "common": GROUND,  # DTensor geometry, Triton availability: imports nothing of muonclip
+    "common": GROUND,  # DTensor geometry, Triton availability, the family registry: imports nothing of muonclip
     "ortho": CORE,
     "optim": CORE,
     "fast": LAYER,
@@ -115,3 +121,119 @@ def test_a_step_that_needs_the_distributed_layer_without_it_is_an_error(monkeypa
     with pytest.raises(RuntimeError, match="import muonclip.distributed"):
         _step(process_group=object())
     assert distribution.engine_for([torch.zeros(2, 2)], None) is None  # nothing needed, nothing asked
+
+
+# ------------------------------------------------------------------------------------------------
+# family knowledge: in the table, never in the core
+# ------------------------------------------------------------------------------------------------
+
+CORE = ("common", "ortho", "optim", "attention", "qkclip")
+"""The subpackages that state no model family: they read the registered family table."""
+
+FRAMEWORKS = ("transformers", "peft", "torchtitan")
+
+LABELS = frozenset({"experts", "gate", "router", "query", "key", "value"})
+"""Table names that are also plain words of the core's own vocabulary (report labels: "router",
+"experts"; a fused MLP's maps "gate"/"up"; torch's SDPA argument names "query"/"key"/"value"):
+allowed as such, never as an attribute the core reads."""
+
+
+def table_names(obj: object) -> set[str]:
+    """Every class and attribute name ``obj`` (the family table, or any of its records) holds;
+    map labels (``order``) and adapter roles are muonclip's own words, not names."""
+    if isinstance(obj, str):
+        return {obj}
+    if isinstance(obj, dict):
+        return set().union(set(), *(table_names(k) | table_names(v) for k, v in obj.items()))
+    if isinstance(obj, (tuple, list)):
+        return set().union(set(), *map(table_names, obj))
+    if dataclasses.is_dataclass(obj):
+        out: set[str] = set()
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if f.name == "roles":
+                value = tuple(part for part, _ in value)
+            if f.name != "order":
+                out |= table_names(value)
+        return out
+    return set()
+
+
+def _own_names(trees: list[ast.Module]) -> set[str]:
+    """Names the core defines itself (functions, classes, arguments, fields, attributes it sets): an
+    attribute of that name may be the core's own (a layout's ``head_dim``)."""
+    out: set[str] = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.add(node.name)
+            elif isinstance(node, ast.arg):
+                out.add(node.arg)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                out.add(node.target.id)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                out.update(t.attr for t in targets if isinstance(t, ast.Attribute))
+    return out
+
+
+def family_knowledge(tree: ast.Module, names: set[str], own: set[str]) -> list[str]:
+    """Where ``tree`` imports a framework or names one of ``names``: an attribute it reads (``m.c_attn``,
+    ``getattr(m, "c_attn")``) unless the core defines that name itself, or a string of its code
+    (docstrings and pieces of f-strings aside; `LABELS` only as attribute names)."""
+    skip: set[int] = set()
+    reads: set[int] = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list):  # docstrings, and the docstrings of attributes
+            skip.update(id(st.value) for st in body if isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))
+        if isinstance(node, ast.JoinedStr):
+            skip.update(id(v) for v in node.values)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) > 1 and \
+                node.func.id in ("getattr", "hasattr", "setattr", "delattr"):
+            reads.add(id(node.args[1]))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            found += [f"line {node.lineno}: imports {m}" for m in modules if m.split(".")[0] in FRAMEWORKS]
+        elif isinstance(node, ast.Attribute) and node.attr in names and node.attr not in own:
+            found.append(f"line {node.lineno}: reads .{node.attr}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
+            if node.value in names and (id(node) in reads or node.value not in LABELS):
+                found.append(f"line {node.lineno}: names {node.value!r}")
+    return found
+
+
+def test_the_core_imports_no_framework_and_names_nothing_of_the_family_table():
+    """Every class and attribute name of the family table (transformers', peft's, torch's fused
+    projections, head counts, q/k norms, adapter names) is stated there only: the core reads it
+    through the registry (`muonclip.common.families`, `muonclip.common.family_readers`)."""
+    names = set().union(*(table_names(getattr(family_table, n)) for n in family_table.__all__))
+    assert {"GPT2Attention", "Conv1D", "lora_A", "base_layer", "c_attn", "Qwen3Attention", "mp_num"} <= names
+    files = sorted(p for d in CORE for p in (SRC / d).rglob("*.py"))
+    trees = {p: ast.parse(p.read_text(encoding="utf-8")) for p in files}
+    own = _own_names(list(trees.values()))
+    found = {str(p.relative_to(SRC)): f for p, tree in trees.items() if (f := family_knowledge(tree, names, own))}
+    assert not found, found
+
+
+def test_the_family_check_sees_each_way_of_naming_a_family():
+    """Control: an import, an attribute read, a getattr, a class name compared, a label read as an
+    attribute are found; docstrings, f-string pieces, labels and the core's own names are not."""
+    source = (
+        '"""Mentions GPT2Attention and Conv1D in prose."""\n'
+        "import transformers\n"
+        "from peft.tuners import lora\n"
+        "def f(m, head_dim):\n"
+        "    w = m.c_attn.weight\n"
+        "    g = getattr(m, 'router', None)\n"
+        "    if type(m).__name__ == 'Conv1D': pass\n"
+        "    p = getattr(m, f'{head_dim}_bias')\n"
+        "    reason = 'router'\n"
+        "    return m.head_dim\n"
+    )
+    found = family_knowledge(ast.parse(source), {"GPT2Attention", "Conv1D", "c_attn", "router", "_bias", "head_dim"},
+                             {"head_dim"})
+    assert found == ["line 2: imports transformers", "line 3: imports peft.tuners", "line 5: reads .c_attn",
+                     "line 6: names 'router'", "line 7: names 'Conv1D'"], found

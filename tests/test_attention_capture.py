@@ -3,7 +3,6 @@ training calls only (grad enabled, ``training=True``)."""
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import pytest
@@ -254,42 +253,6 @@ def test_flex_backend_max_equals_explicit_on_cuda(case, dtype):
     torch.testing.assert_close(out.float(), want.float(), rtol=tol, atol=tol)
 
 
-@pytest.fixture
-def flex_on_cpu(monkeypatch):
-    """`flex_attention_with_max` and the ``"flex"`` backend run on the CPU through
-    FlexAttention's own dense reference implementation (its compile-debug mode), with torch's
-    CPU refusal of ``max_scores`` lifted: the wrapper's masks, causal rule, GQA, scale and
-    reduction are then the code a GPU runs; only the fused kernel is not (the CUDA test above)."""
-    fa = pytest.importorskip("torch.nn.attention.flex_attention")
-    if not all(hasattr(fa, n) for n in ("AuxRequest", "_apply_kernel_options", "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG")):
-        pytest.skip("this torch's FlexAttention has no max_scores or a different debug mode")
-    import muonclip.attention.max_logits as max_logits
-    import muonclip.attention.sdpa as sdpa
-
-    real = fa._apply_kernel_options
-    signature = inspect.signature(real)
-    if "return_aux" not in signature.parameters:
-        pytest.skip("this torch's FlexAttention sets its kernel options differently")
-
-    def allow_max_on_cpu(*args, **kwargs):
-        call = signature.bind(*args, **kwargs)
-        aux = call.arguments.get("return_aux")
-        call.arguments["return_aux"] = None  # what torch refuses on CPU is asked for below
-        options = real(*call.args, **call.kwargs)
-        options["OUTPUT_MAX"] = bool(aux is not None and aux.max_scores)
-        return options
-
-    monkeypatch.setattr(fa, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
-    monkeypatch.setattr(fa, "_apply_kernel_options", allow_max_on_cpu)
-    monkeypatch.setattr(max_logits, "_compiled_flex", lambda: fa.flex_attention)
-    monkeypatch.setattr(sdpa, "flex_available", lambda query: True)
-    max_logits._causal_block_mask.cache_clear()
-    set_max_logit_backend("flex")
-    yield
-    set_max_logit_backend("gated")
-    max_logits._causal_block_mask.cache_clear()
-
-
 @pytest.mark.parametrize("case", ["none", "causal", "gqa", "padding", "causal_padding", "wide_causal", "scale",
                                   "empty_row"])
 def test_flex_backend_wrapper_on_cpu(flex_on_cpu, case):
@@ -330,10 +293,10 @@ def test_flex_backend_wrapper_on_cpu(flex_on_cpu, case):
 def test_flex_backend_keeps_chunked_for_additive_masks_and_dropout(flex_on_cpu, monkeypatch):
     """An additive float mask (its bias would enter FlexAttention's max) and dropout keep the
     chunked max even with the flex backend on."""
-    import muonclip.attention.sdpa as sdpa
+    import muonclip.attention.record as record
 
     calls = []
-    monkeypatch.setattr(sdpa, "flex_attention_with_max", lambda *a, **kw: calls.append(1))
+    monkeypatch.setattr(record, "flex_attention_with_max", lambda *a, **kw: calls.append(1))
     q, k, v = qkv()
     rec = MaxLogitRecorder(4)
     bias = torch.zeros(7, 7).masked_fill(~causal(7, 7), -math.inf)
@@ -346,17 +309,17 @@ def test_flex_backend_keeps_chunked_for_additive_masks_and_dropout(flex_on_cpu, 
 def test_flex_backend_follows_the_recording_rule(flex_on_cpu, monkeypatch):
     """With the flex backend on, a call that is not a training forward (no_grad) feeds no recorder
     and runs plain SDPA; inside a `MaxLogitMonitor` it computes the flex max for the monitor only."""
-    import muonclip.attention.sdpa as sdpa
+    import muonclip.attention.record as record
     from muonclip.attention import MaxLogitMonitor
 
     calls = []
-    real = sdpa.flex_attention_with_max
+    real = record.flex_attention_with_max
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(sdpa, "flex_attention_with_max", counted)
+    monkeypatch.setattr(record, "flex_attention_with_max", counted)
     q, k, v = qkv(seed=3)
     rec = MaxLogitRecorder(4)
     with torch.no_grad():

@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 
 import muonclip.attention.lse as lse_mod
-import muonclip.attention.sdpa as sdpa_mod
+import muonclip.attention.record as record_mod
 from muonclip import MuonClip, scaled_dot_product_attention
 from muonclip.attention import (
+    AttentionCall,
     MaxLogitMonitor,
     MaxLogitRecorder,
     chunked_max_logits,
@@ -133,8 +134,7 @@ def test_output_and_gradients_are_sdpas_bit_for_bit(name):
     output and gradients are equal bit for bit."""
     q, k, v, kw = _case(name)
     q = _straddle(q, k, kw)
-    assert sdpa_with_lse(q, k, v, kw.get("attn_mask"), 0.0, kw.get("is_causal", False), kw.get("scale"),
-                         kw.get("enable_gqa", False)) is not None, "the gated path should run here"
+    assert sdpa_with_lse(AttentionCall(q, k, v, **kw)) is not None, "the gated path should run here"
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     rec = MaxLogitRecorder(q.shape[1], threshold=TAU)
@@ -169,8 +169,8 @@ def test_bound_is_an_upper_bound_and_within_log_n_plus_bias():
     q, k, v, kw = _case("negative_bias", slope=1.5)
     q = q * 4
     mask, tk = kw["attn_mask"], k.shape[2]
-    out, lse = sdpa_with_lse(q, k, v, mask)
-    bound = lse_bound(q, k, lse, mask)
+    out, lse = sdpa_with_lse(AttentionCall(q, k, v, mask))
+    bound = lse_bound(AttentionCall(q, k, v, mask), lse)
     exact = chunked_max_logits(q, k, mask)
     c = float(mask[mask > -math.inf].min())
     assert bool((bound >= exact).all())
@@ -183,8 +183,8 @@ def test_gate_flags_nan_heads_for_the_exact_path():
     """A NaN in a head's scores makes its LSE NaN: the head takes the exact path (NaN, never clipped)."""
     q, k, v, kw = _case("plain")
     q[0, 2, 3, 0] = math.nan
-    out, lse = sdpa_with_lse(q, k, v)
-    values, is_bound = gated_max_logits(q, k, lse, TAU)
+    out, lse = sdpa_with_lse(AttentionCall(q, k, v))
+    values, is_bound = gated_max_logits(AttentionCall(q, k, v), lse, TAU)
     assert not bool(is_bound[2]) and math.isnan(float(values[2]))
 
 
@@ -197,7 +197,7 @@ def test_fallback_when_the_kernel_with_the_lse_is_absent(monkeypatch):
         assert lse_mod.cpu_lse_op() is None
         q, k, v, kw = _case("causal")
         q = _straddle(q, k, kw)
-        assert sdpa_with_lse(q, k, v, is_causal=True) is None
+        assert sdpa_with_lse(AttentionCall(q, k, v, is_causal=True)) is None
         rec = MaxLogitRecorder(q.shape[1], threshold=TAU)
         out = scaled_dot_product_attention(q, k, v, **kw, recorder=rec)
     finally:
@@ -262,7 +262,7 @@ def test_calls_that_the_kernel_cannot_run_stay_exact():
     finally:
         set_max_logit_backend("gated")
     assert not rec.bounded.any() and torch.equal(rec.value, ref)
-    assert sdpa_mod.call_threshold([MaxLogitRecorder(2, threshold=5.0), MaxLogitRecorder(2, threshold=3.0)]) == 3.0
+    assert record_mod.call_threshold([MaxLogitRecorder(2, threshold=5.0), MaxLogitRecorder(2, threshold=3.0)]) == 3.0
 
 
 def test_recorder_threshold_and_bounds():

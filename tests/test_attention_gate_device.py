@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from test_attention_gate import CASES, TARGETS, TAU, _case, _straddle
 
-import muonclip.attention.sdpa as sdpa_mod
+import muonclip.attention.record as record_mod
 from muonclip import scaled_dot_product_attention
-from muonclip.attention import MaxLogitRecorder, chunked_max_logits, gated_max_logits, sdpa_with_lse
+from muonclip.attention import AttentionCall, MaxLogitRecorder, chunked_max_logits, gated_max_logits, sdpa_with_lse
 from muonclip.attention import triton_max_logits as triton_max
 from muonclip.attention.gate import exact_max_logits
 from muonclip.qkclip import compute_gamma
@@ -111,13 +111,12 @@ def test_fused_gate_decides_like_the_exact_path(device, name):
     q, k, v, kw = _case(name)
     q = _straddle(q, k, kw)
     if device == "cpu":  # interpreter: the CPU kernel's LSE, the Triton kernel's exact max
-        out, lse = sdpa_with_lse(q, k, v, kw.get("attn_mask"), 0.0, kw.get("is_causal", False), kw.get("scale"),
-                                 kw.get("enable_gqa", False))
+        out, lse = sdpa_with_lse(AttentionCall(q, k, v, **kw))
     else:
         q, k, v, kw = _moved((q, k, v, kw), device)
         lse = _reference_lse(q, k, kw)
-    values, is_bound = gated_max_logits(q, k, lse, TAU, *_args(kw))
-    exact = exact_max_logits(q, k, *_args(kw))
+    values, is_bound = gated_max_logits(AttentionCall(q, k, v, **kw), lse, TAU)
+    exact = exact_max_logits(AttentionCall(q, k, v, **kw))
     assert torch.equal(exact, triton_max.triton_max_logits(q, k, *_args(kw)))  # the kernel is the exact path
     assert torch.equal(values > TAU, exact > TAU)
     torch.testing.assert_close(compute_gamma(values, TAU), compute_gamma(exact, TAU), rtol=0, atol=0)
@@ -165,7 +164,7 @@ def test_cuda_output_and_gradients_are_sdpas_bit_for_bit(monkeypatch, name, dtyp
     and so does the drop-in."""
     q, k, v, kw = _moved(_case(name), "cuda", dtype)
     q = _straddle(q.float(), k.float(), kw).to(dtype)
-    monkeypatch.setattr(sdpa_mod, "GPU_GATE_MIN_WORK", {})  # gate these small calls too
+    monkeypatch.setattr(record_mod, "GPU_GATE_MIN_WORK", {})  # gate these small calls too
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     rec = MaxLogitRecorder(q.shape[1], threshold=TAU)
@@ -188,7 +187,7 @@ def test_cuda_output_and_gradients_are_sdpas_bit_for_bit(monkeypatch, name, dtyp
         grad = torch.where(defined, grad, 0)
         for a, b in zip(torch.autograd.grad(out, leaves, grad), torch.autograd.grad(ref, ref_leaves, grad)):
             torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
-    exact = exact_max_logits(q, k, *_args(kw))
+    exact = exact_max_logits(AttentionCall(q, k, v, **kw))
     assert torch.equal(rec.value > TAU, exact > TAU)
     torch.testing.assert_close(compute_gamma(rec.value, TAU), compute_gamma(exact, TAU), rtol=0, atol=0)
     assert bool((rec.value[rec.bounded] <= TAU).all())
@@ -208,16 +207,16 @@ def test_cuda_lse_is_each_kernels_and_bounds_large_logits(dtype):
     for backend in BACKENDS[1:]:
         with _backend_ctx(backend):
             try:
-                res = sdpa_with_lse(q, k, v, None, 0.0, True, None, False)
+                res = sdpa_with_lse(AttentionCall(q, k, v, is_causal=True))
             except RuntimeError:
                 continue
         if res is None:
             continue
         _, lse = res
         torch.testing.assert_close(lse, _reference_lse(q, k, {"is_causal": True}), rtol=1e-5, atol=1e-4)
-        exact = exact_max_logits(q, k, is_causal=True)
+        exact = exact_max_logits(AttentionCall(q, k, v, is_causal=True))
         assert bool((exact > 100).any())
-        assert bool((lse_bound(q, k, lse) >= exact).all())
+        assert bool((lse_bound(AttentionCall(q, k, v, is_causal=True), lse) >= exact).all())
 
 
 @needs_cuda
@@ -226,7 +225,7 @@ def test_cuda_gated_call_never_syncs(monkeypatch):
     synchronisation: torch's sync debug mode would raise."""
     q, k, v, kw = _moved(_case("causal"), "cuda", torch.bfloat16)
     q = _straddle(q.float(), k.float(), kw).to(torch.bfloat16).requires_grad_()
-    monkeypatch.setattr(sdpa_mod, "GPU_GATE_MIN_WORK", {})
+    monkeypatch.setattr(record_mod, "GPU_GATE_MIN_WORK", {})
     rec = MaxLogitRecorder(q.shape[1], threshold=TAU)
     scaled_dot_product_attention(q, k, v, **kw, recorder=rec)  # first call: kernels compiled, ops looked up
     rec.reset()
@@ -245,13 +244,13 @@ def test_gpu_gate_threshold_rule(monkeypatch):
     too small for the gate to pay takes the one-kernel exact path (same decisions either way), and
     never where the Triton kernel cannot run (meta tensors stand in for a GPU's)."""
     q, k = torch.empty(1, 1, 8, 8), torch.empty(1, 1, 8, 8)
-    assert sdpa_mod.gate_pays(q, k)
+    assert record_mod.gate_pays(q, k)
     meta = dict(device="meta")
     huge = torch.empty(64, 64, 4096, 128, **meta)
-    assert not sdpa_mod.gate_pays(huge, huge)  # no Triton kernel for it: no gate
+    assert not record_mod.gate_pays(huge, huge)  # no Triton kernel for it: no gate
     monkeypatch.setattr(triton_max, "usable", lambda *a, **kw: True)
     small = torch.empty(16, 4, 128, 32, dtype=torch.bfloat16, **meta)
     big = torch.empty(8, 16, 2048, 128, dtype=torch.bfloat16, **meta)
-    assert not sdpa_mod.gate_pays(small, small) and sdpa_mod.gate_pays(big, big)
+    assert not record_mod.gate_pays(small, small) and record_mod.gate_pays(big, big)
     f32 = torch.empty(2, 8, 2048, 64, **meta)
-    assert sdpa_mod.gate_pays(f32, f32) and not sdpa_mod.gate_pays(f32.bfloat16(), f32.bfloat16())
+    assert record_mod.gate_pays(f32, f32) and not record_mod.gate_pays(f32.bfloat16(), f32.bfloat16())

@@ -473,3 +473,33 @@ def test_a_damaged_metrics_line_on_resume_names_the_file(tmp_path, capsys, text)
     jsonl.write_text("\n".join([lines[0], "garbage", *lines[1:]]) + "\n")
     _bad(capsys, ["train", "--quiet", "--out", str(out), "--resume", "--steps", "5"],
          f"{jsonl}, line 2, is not a metrics row")
+
+
+def test_settings_no_step_can_run_with_exit_2_before_anything_is_written(tmp_path, capsys, text):
+    """Learning rates whose step coefficients overflow float32, and whole numbers past 2**62: on the old
+    code --set lr_muonclip=1e39 (or 1e308, lr_adamw=1e39) passed, wrote config.json and the metrics, then
+    died in the first step with a traceback, leaving a folder both --resume and a new run refused; and
+    --set block_size=100000000000000000000000 was an OverflowError traceback."""
+    out = tmp_path / "out"
+    base = ["train", *TINY, "--data", text, "--out", str(out)]
+    _bad(capsys, [*base, "--set", "lr_muonclip=1e39"], "lr_muonclip: lr=1e+39 is too large: the step multiplies it "
+         "by its largest update scale (2.263), which gives 2.263e+39, beyond the largest value of the parameters' "
+         "dtype (3.403e+38); use lr <= 1.504e+38")
+    _bad(capsys, [*base, "--set", "lr_muonclip=1e308"], "lr_muonclip: lr=1e+308 is too large")
+    _bad(capsys, [*base, "--set", "lr_adamw=1e39"], "lr_adamw: lr=1e+39 is too large: the step multiplies it by "
+         "1 / (1 - beta1), AdamW's first bias correction (10)")
+    _bad(capsys, [*base, "--optimizer", "muon", "--lr", "1e39"], "lr_muon: lr=1e+39 is too large")
+    _bad(capsys, [*base, "--set", "stability_lr=1e39"], "stability_lr: lr=1e+39 is too large")
+    _bad(capsys, [*base, "--set", "lr_adamw_budgets=0.01,1e39"], "lr_adamw_budgets: lr=1e+39 is too large")
+    _bad(capsys, [*base, "--set", "weight_decay=1e300"], "the step multiplies it by weight_decay (1e+300)")
+    _bad(capsys, [*base, "--set", "aux_loss_weight=1e39"], "aux_loss_weight must be at most 3.403e+38")
+    for field in ("block_size", "n_expert", "steps", "eval_batches"):
+        _bad(capsys, [*base, "--set", f"{field}={10**23}"], f"{field} must be at most 4611686018427387904 (2**62), "
+             f"got {10**23}")
+    _bad(capsys, ["compare", *TINY, "--data", text, "--out", str(out), "--set", "lr_muon=1e39"],
+         "lr_muon: lr=1e+39 is too large")
+    assert not out.exists()
+    # just below the limit the step runs (no overflow in it); the weights it makes are not finite, which the run's
+    # own guard reports (exit 3), and the folder restarts with a sane rate
+    _bad(capsys, [*base, "--steps", "1", "--set", "lr_muonclip=1.5e38"], "non-finite validation loss", code=3)
+    assert main(["train", "--quiet", "--out", str(out), "--resume", "--set", "lr_muonclip=0.02"]) == 0

@@ -210,10 +210,12 @@ def test_each_rank_takes_its_block_of_the_global_batch():
 
 
 def test_interrupted_sharded_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    """Exact: the checkpoint that is kept holds copies of the tensors' bytes."""
+    """Exact: the checkpoint that is kept holds copies of the tensors' bytes. The next writer (another
+    token, the killed one's recorded in the lock) removes the torn temporary folder."""
     import muonclip.distributed.checkpoint as dcp_ckpt
     from muonclip.app.checkpoints import RunIdentity, save_checkpoint, verify
     from muonclip.app.config import make_config
+    from muonclip.app.runfolder import RunLock, new_token
 
     cfg = make_config("tiny", {"threads": 1})
     model = build_model(cfg)
@@ -221,7 +223,9 @@ def test_interrupted_sharded_save_keeps_the_previous_checkpoint(tmp_path, monkey
     model(torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8)))[1].backward()
     opt.step()
     meta = {"optimizer": "muon", "config": cfg.to_dict(), "run": RunIdentity("r", "d").to_dict(), "extra": {}}
-    first = save_checkpoint(tmp_path, model, opt, sharded=True, step=1, meta=meta, previous=None)
+    lock, killed = RunLock(tmp_path), new_token()
+    lock.stamp(killed)
+    first = save_checkpoint(tmp_path, model, opt, sharded=True, step=1, meta=meta, previous=None, token=killed)
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     real = dcp_ckpt.save
 
@@ -235,12 +239,14 @@ def test_interrupted_sharded_save_keeps_the_previous_checkpoint(tmp_path, monkey
             p.add_(1.0)
     monkeypatch.setattr(dcp_ckpt, "save", torn)
     with pytest.raises(KeyboardInterrupt):
-        save_checkpoint(tmp_path, model, opt, sharded=True, step=2, meta=meta, previous=first)
+        save_checkpoint(tmp_path, model, opt, sharded=True, step=2, meta=meta, previous=first, token=killed)
     assert read_checkpoint(tmp_path).step == 1
     verify(read_checkpoint(tmp_path))
     state, _, _ = final_state(tmp_path)
     assert max_diff(state, saved) == 0.0
     monkeypatch.undo()
-    save_checkpoint(tmp_path, model, opt, sharded=True, step=3, meta=meta, previous=first)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-step3.dcp", "checkpoint.json"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(f".muonclip-tmp-{killed}")]
+    lock.stamp(next_writer := new_token())
+    save_checkpoint(tmp_path, model, opt, sharded=True, step=3, meta=meta, previous=first, token=next_writer)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "checkpoint-step3.dcp", "checkpoint.json"]
     assert read_checkpoint(tmp_path).step == 3

@@ -48,6 +48,11 @@ model(x, x)[1].backward()
 opt.step()
 assert not torch.equal(model.blocks[0].attn.q_proj.weight, before)
 assert sum(int(v.sum()) for v in opt.last_clipped.values()) > 0
+# the family table serves a plain torch model: per-head splits of the reference GPT, torch's fused in_proj
+groups = muonclip.param_groups(model, per_head=True)
+assert next(g for g in groups if "blocks.0.attn.k_proj.weight" in g["param_names"])["split_sizes"] == [8, 8]
+mha = torch.nn.MultiheadAttention(16, 4)
+assert muonclip.param_groups(mha)[0]["split_sizes"] == [16, 16, 16]
 import muonclip.app.main  # the command's own module imports none of its dependencies either
 loaded = sorted(m for m, mod in sys.modules.items() if m.split(".")[0] in BLOCKED and mod is not None)
 print("loaded:", loaded)
@@ -64,9 +69,10 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_core_works_without_any_optional_dependency():
-    """`import muonclip`, `Muon`, `MuonClip` (a real step with a clip) and the reference GPT with every
-    optional dependency blocked; none of them is imported."""
-    proc = _run(CORE, ",".join(OPTIONAL))
+    """`import muonclip`, `Muon`, `MuonClip` (a real step with a clip), the reference GPT and
+    `param_groups`' splits from the family table with every optional dependency (and peft) blocked;
+    none of them is imported."""
+    proc = _run(CORE, ",".join((*OPTIONAL, "peft")))
     assert proc.returncode == 0, proc.stderr
     assert "loaded: []" in proc.stdout
 

@@ -4,7 +4,8 @@
 GPT-NeoX's interleaved ``query_key_value``, transformers' stacked experts) into its maps, sizes
 from the config, so the model takes the steps of its twin that stores the maps as separate
 ``nn.Linear`` layers (`toy_models.unfuse`), to float32 round-off with float32
-orthogonalisation. Per-head blocks are checked against a per-head loop and the exact polar
+orthogonalisation; GPTBigCode's and CodeGen's fused q/k/v take one exact blockwise step per map,
+the maps read off each model's forward. Per-head blocks are checked against a per-head loop and the exact polar
 factor. Tiny transformers models are built from configs (nothing downloaded).
 """
 
@@ -18,8 +19,8 @@ from torch import nn
 from toy_models import unfuse
 
 import muonclip
-from muonclip.optim.backend import CoreBackend
-from muonclip.optim.fused import matrix_layouts
+from muonclip.optim.fused import weight_splits
+from muonclip.optim.workspace import CoreWorkspace
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -52,6 +53,15 @@ CONFIGS = {
                                                  head_dim=8, num_local_experts=3, num_experts_per_tok=2),
     "llama": lambda: transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                               num_attention_heads=4, num_key_value_heads=2),
+    "bigcode_mqa": lambda: transformers.GPTBigCodeConfig(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=16,
+                                                         multi_query=True, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                         attn_pdrop=0.0),
+    "bigcode_mha": lambda: transformers.GPTBigCodeConfig(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=16,
+                                                         multi_query=False, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                         attn_pdrop=0.0),
+    # 8 heads of 4 rows over CodeGen's 4 partitions: 2 heads per partition
+    "codegen": lambda: transformers.CodeGenConfig(vocab_size=64, n_embd=32, n_layer=1, n_head=8, rotary_dim=4,
+                                                  n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
 }
 
 
@@ -129,6 +139,11 @@ EXPECTED = {  # param -> (reason, group options that must be set)
         "model.layers.0.mlp.router.weight": ("router", {}),
     },
     "llama": {"model.layers.0.self_attn.q_proj.weight": ("hidden matrix", {})},
+    "bigcode_mqa": {"transformer.h.0.attn.c_attn.weight": ("fused qkv", {"split_sizes": [32, 8, 8]})},
+    "bigcode_mha": {"transformer.h.0.attn.c_attn.weight": ("fused qkv", {"split_sizes": [8, 8, 8],
+                                                                          "split_groups": 4})},
+    "codegen": {"transformer.h.0.attn.qkv_proj.weight": ("fused qkv", {"split_sizes": [8, 8, 8],
+                                                                        "split_groups": 4})},
 }
 
 
@@ -218,6 +233,51 @@ def test_fused_3d_transposed_interleaved_experts_step_as_separate_gate_and_up():
     torch.testing.assert_close(fused.detach()[..., 1::2], up.detach(), atol=TOL, rtol=0)
 
 
+BLOCKWISE = {  # model, its fused q/k/v weight, and the maps of its rows as the model's own forward splits them
+    # GPTBigCodeAttention, multi_query: c_attn(x).split((embed_dim, kv_dim, kv_dim))
+    "bigcode_mqa": ("transformer.h.0.attn.c_attn.weight", lambda rows: torch.arange(rows).split((32, 8, 8))),
+    # GPTBigCodeAttention, multi-head: c_attn(x).view(..., n_heads, 3 * head_dim).split(3 * [head_dim])
+    "bigcode_mha": ("transformer.h.0.attn.c_attn.weight",
+                    lambda rows: torch.arange(rows).view(4, 3 * 8).split(8, dim=1)),
+    # CodeGenAttention: qkv_proj(x).view(..., mp_num, 3 * local_dim); query, value, key = .split(local_dim)
+    "codegen": ("transformer.h.0.attn.qkv_proj.weight", lambda rows: torch.arange(rows).view(4, 3 * 8).split(8, dim=1)),
+}
+
+
+@pytest.mark.parametrize("kind", list(BLOCKWISE))
+def test_fused_attention_step_is_blockwise_orthogonalisation(kind):
+    """GPTBigCode (multi-query and multi-head) and CodeGen: one Muon step (no momentum, no weight
+    decay, exact polar factor in float64) moves each of q, k and v, the rows the model's forward
+    takes for it, by the polar factor of its own gradient rows times the update scale of its own
+    shape, to 1e-6; orthogonalising the fused weight whole (`split_fused=False`) misses by far
+    more."""
+    name, maps_of = BLOCKWISE[kind]
+    model = tiny(kind)
+    groups = muonclip.param_groups(model)
+    assert route(groups, name).reason == "fused qkv"
+    w = dict(model.named_parameters())[name]
+    before = w.detach().double()
+    x = batch(0)
+    model(input_ids=x, labels=x).loss.backward()
+    grad = w.grad.detach().double()
+    muonclip.Muon(groups, lr=0.1, weight_decay=0.0, momentum=0.0, nesterov=False, method="svd",
+                  orth_dtype=torch.float64).step()
+    maps = [m.reshape(-1) for m in maps_of(w.shape[0])]
+    assert sorted(torch.cat(maps).tolist()) == list(range(w.shape[0]))
+    cols = w.shape[1]
+
+    def polar(g):
+        u, _, vh = torch.linalg.svd(g, full_matrices=False)
+        return u @ vh
+
+    expected = before.clone()
+    for rows in maps:
+        expected[rows] -= 0.1 * 0.2 * max(len(rows), cols) ** 0.5 * polar(grad[rows])
+    torch.testing.assert_close(w.detach().double(), expected, atol=1e-6, rtol=0)
+    whole = before - 0.1 * 0.2 * max(w.shape) ** 0.5 * polar(grad)
+    assert (whole - expected).abs().max() > 1e-3
+
+
 # ------------------------------------------------------------------------------------------------
 # per-head orthogonalisation
 # ------------------------------------------------------------------------------------------------
@@ -271,12 +331,12 @@ def test_per_head_blocks_are_batched_in_one_call():
     model = tiny("llama")
     calls = []
 
-    class Spy(CoreBackend):
+    class Spy(CoreWorkspace):
         def orthogonalize(self, V, *a, **k):
             calls.append(tuple(V.shape))
             return super().orthogonalize(V, *a, **k)
 
-    train(model, muonclip.param_groups(model, per_head=True), steps=1, backend=Spy())
+    train(model, muonclip.param_groups(model, per_head=True), steps=1, workspace=Spy())
     assert [c for c in calls if c[1:] == (8, 32)] == [(8, 8, 32)]
 
 
@@ -331,6 +391,45 @@ def test_a_fused_weight_of_unknown_layout_is_reported_not_guessed():
     assert route(groups, name).reason == "fused? layout unknown" and "split_sizes" not in group_of(groups, name)
 
 
+class PackedAttention(nn.Module):
+    """A user's attention packing q, k and v per key/value group (2 query heads of 4 rows per key head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n_q, self.n_kv, self.head_dim = 4, 2, 4
+        self.packed = nn.Linear(16, 2 * (2 + 1 + 1) * 4)
+
+
+def test_a_registered_family_is_split_as_its_table_states(monkeypatch):
+    """The registry is the extension point: a table naming a class, its fused child and where its head
+    counts are (merged after the registered ones) makes `param_groups` split it into q, k and v per
+    key/value group; unregistered, the same module is reported, not guessed."""
+    from muonclip.common import families, family_readers
+
+    net = nn.ModuleDict({"attn": PackedAttention()})
+    name = "attn.packed.weight"
+    assert "split_sizes" not in group_of(muonclip.param_groups(net), name)  # "packed" is no fused name: plain
+    monkeypatch.setattr(families, "TABLES", list(families.TABLES))
+    table = families.FamilyTable(
+        heads=families.HeadSources(heads=families.Read(("n_q",)), kv_heads=families.Read(("n_kv",))),
+        fused_qkv=(families.FusedQKV(("PackedAttention",), "packed", per_kv_head=True),),
+    )
+    families.register_families(table)
+    families.register_families(table)  # again: a no-op
+    assert families.TABLES.count(table) == 1
+    rows = family_readers.fused_qkv(net["attn"], None)
+    assert (rows.groups, rows.sizes, rows.rows("k")) == (2, (8, 4, 4), (8, 4, 16, 2))
+    groups = muonclip.param_groups(net)
+    assert route(groups, name).reason == "fused qkv"
+    assert {k: group_of(groups, name)[k] for k in ("split_sizes", "split_groups")} == {"split_sizes": [8, 4, 4],
+                                                                                       "split_groups": 2}
+    assert group_of(muonclip.param_groups(net, per_head=True), name)["split_sizes"] == [4] * 8
+    with pytest.raises(TypeError, match="FamilyTable"):
+        families.register_families({"fused_qkv": ()})
+    with pytest.raises(ValueError, match="q in it or from query="):
+        families.FusedQKV(("X",), "kv", order=("k", "v"))
+
+
 def test_opt_out_and_explicit_split_keep_what_was_asked():
     model = tiny("phi3")
     name = "model.layers.0.self_attn.qkv_proj.weight"
@@ -357,7 +456,12 @@ def test_split_groups_bad_input_is_a_clear_error():
 
 
 def test_layouts_of_torch_multihead_attention():
+    """Heads from the module itself, never from the config of a model holding it (a vision tower's
+    ``nn.MultiheadAttention`` inside a model whose text config has 2 key/value heads)."""
     mha = nn.MultiheadAttention(16, 4)
-    found = matrix_layouts(mha)[id(mha.in_proj_weight)]
+    found = weight_splits(mha)[id(mha.in_proj_weight)]
     assert found.split_sizes == (16, 16, 16)
-    assert matrix_layouts(mha, per_head=True)[id(mha.in_proj_weight)].split_sizes == (4,) * 12
+    assert weight_splits(mha, per_head=True)[id(mha.in_proj_weight)].split_sizes == (4,) * 12
+    holder = nn.ModuleDict({"pool": mha})
+    holder.config = transformers.LlamaConfig(num_attention_heads=8, num_key_value_heads=2, hidden_size=64)
+    assert weight_splits(holder)[id(mha.in_proj_weight)].split_sizes == (16, 16, 16)

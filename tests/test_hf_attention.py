@@ -5,6 +5,7 @@ packed sequences. Tiny models built from configs (never downloaded)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import (  # noqa: E402
     DataCollatorWithFlattening,
+    Gemma2Config,
+    Gemma2ForCausalLM,
     GptOssConfig,
     GptOssForCausalLM,
     LlamaConfig,
@@ -193,12 +196,12 @@ def test_forward_check_runs_once_on_the_first_training_forward():
 def test_forward_check_stops_an_attention_that_drops_the_sinks(monkeypatch, small):
     """The bug the check exists for: an attention function that ignores `s_aux` changes the model; the
     first training forward says so, naming the layer. Also on a subsample of a large call's rows."""
-    sdpa = hf_attention.scaled_dot_product_attention
+    record_attend = hf_attention.record_attend
 
-    def drop_sinks(*args, sinks=None, **kwargs):
-        return sdpa(*args, **kwargs)
+    def drop_sinks(call, *args, **kwargs):
+        return record_attend(dataclasses.replace(call, sinks=None), *args, **kwargs)
 
-    monkeypatch.setattr(hf_attention, "scaled_dot_product_attention", drop_sinks)
+    monkeypatch.setattr(hf_attention, "record_attend", drop_sinks)
     if small:
         monkeypatch.setattr(hf_check, "CHECK_SCORES", 4 * 3 * 10)  # one batch row, three query rows
     model = gpt_oss()
@@ -238,6 +241,92 @@ def test_detach_removes_checks_and_hooks():
     detach(model, "eager")
     assert not any(hasattr(m, CHECK_ATTR) for m in model.modules())
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def gemma2(softcap: float | None = None):
+    torch.manual_seed(0)
+    return Gemma2ForCausalLM(Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                          attn_logit_softcapping=softcap, pad_token_id=0))
+
+
+@pytest.mark.parametrize("build", ["llama", "gemma2", "gpt_oss", "mistral"])
+def test_detach_restores_the_implementation_the_model_had(build):
+    """Every family of the table that supports one implementation only (Gemma 2, GPT-OSS: eager) or
+    was loaded with another than SDPA goes back to it; the model computes what it did before."""
+    model = {"llama": llama, "gemma2": gemma2, "gpt_oss": gpt_oss,
+             "mistral": lambda: _tiny("mistral")}[build]()
+    if build == "mistral":
+        model.set_attn_implementation("eager")
+    before = model.config._attn_implementation
+    ref = copy.deepcopy(model).eval()
+    MuonClip(model, lr=0.0, tau=100.0)
+    ids, am = batch()
+    model(ids, attention_mask=am).logits.sum().backward()
+    detach(model)
+    assert model.config._attn_implementation == before
+    assert not any(hasattr(m, a) for m in model.modules() for a in (CHECK_ATTR, "muonclip_recorder"))
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(ids, attention_mask=am).logits, ref(ids, attention_mask=am).logits)
+
+
+def test_detach_to_an_implementation_the_model_refuses_leaves_it_attached():
+    """Gemma 2 has no SDPA path: asking for it raises, and the model stays attached as it was (switched,
+    recorders, checks and hook in place), still recording."""
+    model = gemma2()
+    layers = attach(model)
+    with pytest.raises(ValueError, match=r"detach: Gemma2ForCausalLM cannot be switched to "
+                                         r"attn_implementation='sdpa' .*it is left attached\. Call detach\(model\) "
+                                         r"without attn_implementation"):
+        detach(model, "sdpa")
+    assert model.config._attn_implementation == "muonclip"
+    assert all(model.get_submodule(ly.name).muonclip_recorder is ly.recorder for ly in layers)
+    model(*batch()[:1])
+    assert all(ly.recorder.value is not None for ly in layers)
+    detach(model)
+    assert model.config._attn_implementation == "eager"
+
+
+def test_soft_capping_is_refused_by_muonclip_itself_and_the_model_left_as_it_was():
+    """Gemma 2 with attn_logit_softcapping: `MuonClip(model)` refuses, naming the layer and the keyword,
+    before anything is switched or attached; eval and generation then run as before."""
+    model = gemma2(softcap=50.0)
+    ref = copy.deepcopy(model).eval()
+    with pytest.raises(ValueError, match=r"attention layer 'model\.layers\.0\.self_attn' \(Gemma2Attention\) passes "
+                                         r"`softcap`, which the 'muonclip' attention function does not compute: logit "
+                                         r"soft-capping"):
+        MuonClip(model, tau=10.0)
+    assert model.config._attn_implementation == "eager"
+    assert not any(hasattr(m, a) for m in model.modules() for a in (CHECK_ATTR, "muonclip_recorder"))
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    ids = batch()[0][:1]
+    gen = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.eval().generate(ids, **gen), ref.generate(ids, **gen))
+
+
+def test_a_keyword_visible_in_the_source_is_refused_when_attaching():
+    """A class passing a keyword the function does not implement, or an OFF_ONLY one from a module
+    attribute that is on, is refused by attach; off (None), it is accepted."""
+    from muonclip.integrations.hf_attention import check_module_keywords
+
+    class Passes(torch.nn.Module):
+        def forward(self, q, k, v, attention_interface):
+            return attention_interface(self, q, k, v, None, bias_table=self.table)
+
+    class Caps(torch.nn.Module):
+        def __init__(self, cap):
+            super().__init__()
+            self.attn_logit_softcapping = cap
+
+        def forward(self, q, k, v, attention_interface):
+            return attention_interface(self, q, k, v, None, softcap=self.attn_logit_softcapping, dropout=0.0)
+
+    with pytest.raises(ValueError, match=r"passes `bias_table` \(self\.table\) to its attention function, a keyword"):
+        check_module_keywords(Passes(), "layer")
+    with pytest.raises(ValueError, match=r"'layer' \(Caps\) passes `softcap`"):
+        check_module_keywords(Caps(30.0), "layer")
+    check_module_keywords(Caps(None), "layer")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,10 +1,11 @@
 """A transformers model with MuonClip attached compiles as cleanly as without it, and decides the same.
 
 ``torch._dynamo.explain`` counts the graph breaks of a training forward of a tiny Llama and a tiny
-GPT-OSS (sinks) with the model's own attention and with the "muonclip" one (after the one-time
-forward check, which runs outside the graph on the first training forward); then two MuonClip
-steps of a model compiled with ``backend="aot_eager"`` take the same clip decisions and reach the
-same weights as the same steps run eagerly.
+GPT-OSS (sinks) with the model's own attention and with the "muonclip" one: none, the first
+training forward included, where the one-time forward check runs inside the graph as one opaque op
+(and still catches an attention that drops the sinks); then two MuonClip steps of a model compiled
+with ``backend="aot_eager"`` take the same clip decisions and reach the same weights as the same
+steps run eagerly.
 """
 
 from __future__ import annotations
@@ -57,13 +58,43 @@ def _breaks(model, ids, am) -> int:
 
 
 @pytest.mark.parametrize("build", [llama, gpt_oss])
-def test_no_more_graph_breaks_than_the_models_own_attention(build):
+def test_no_graph_break_from_the_first_training_forward_on(build):
+    """With MuonClip attached, the first training forward (where the one-time check runs, inside the
+    graph) and a right-padded batch (its queries' padding read off the mask) break no more than the
+    model's own attention: never. The check ran and passed."""
+    from muonclip.integrations.hf_attention import CHECK_ATTR
+
     ids, am = batch()
     own = build()
     ours = copy.deepcopy(own)
-    MuonClip(ours, tau=3.0)
-    ours(ids, attention_mask=am, use_cache=False)  # the one-time forward check, eagerly
-    assert _breaks(ours, ids, am) <= _breaks(own, ids, am)
+    opt = MuonClip(ours, tau=3.0)
+    assert _breaks(ours, ids, am.flip(-1)) == 0 == _breaks(own, ids, am.flip(-1))
+    checks = [getattr(ours.get_submodule(ly.name), CHECK_ATTR) for ly in opt.layers]
+    assert all(not c.pending and c.max_error <= c.tolerance for c in checks)
+    assert all(ly.recorder.value is not None for ly in opt.layers)
+    torch._dynamo.reset()
+
+
+def test_the_check_inside_a_compiled_forward_still_stops_a_wrong_attention(monkeypatch):
+    import dataclasses
+
+    import muonclip.integrations.hf_attention as hf_attention
+    from muonclip.integrations.hf import AttentionMismatchError
+
+    record_attend = hf_attention.record_attend
+    monkeypatch.setattr(hf_attention, "record_attend",
+                        lambda call, *a, **kw: record_attend(dataclasses.replace(call, sinks=None), *a, **kw))
+    model = gpt_oss()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_(0.0, 2.0)
+    MuonClip(model, tau=3.0)
+    ids, am = batch()
+    torch._dynamo.reset()
+    with pytest.raises(AttentionMismatchError, match=r"'model\.layers\.0\.self_attn' \(GptOssAttention\): the "
+                                                     r"'muonclip' attention function's output differs"):
+        torch.compile(model, backend="eager")(ids, attention_mask=am, use_cache=False)
     torch._dynamo.reset()
 
 

@@ -313,3 +313,51 @@ def test_a_step_that_fits_only_without_the_cgroup_is_refused(tmp_path, monkeypat
                "--out", str(out)])
     assert rc == 2 and "but this machine has 2.2 GiB available" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(("preset", "sets"), [
+    ("tiny", []), ("default", []), ("k2-mini", []), ("tiny", ["n_kv_head=1"]), ("tiny", ["qk_norm=true"]),
+    ("k2-mini", ["n_shared_expert=0"]), ("k2-mini", ["expert_hidden=0", "n_expert_active=3"]),
+    ("tiny", ["attention=mla", "n_head=4"]), ("tiny", ["n_layer=3", "n_embd=48", "n_head=3"]),
+])
+def test_parameters_are_counted_from_the_config_exactly(preset, sets):
+    """The estimate's parameter shapes, counted by arithmetic, are the model's own: every name and
+    shape of its named_parameters (on the meta device), and which of them muonclip.param_groups
+    gives to Muon; the largest dimension of those is what the learning-rate check scales by."""
+    from muonclip.optim import param_groups
+
+    cfg = make_config(preset, sets=sets)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    ours = {f"blocks.{i}.{n}": (s, h) for i in range(cfg.n_layer) for n, s, h in memory.block_parameters(cfg)}
+    ours.update({n: (s, h) for n, s, h in memory.outer_parameters(cfg)})
+    assert {n: s for n, (s, _) in ours.items()} == {n: tuple(p.shape) for n, p in model.named_parameters()}
+    hidden = {n for g in param_groups(model) if g["algorithm"] == "muon" for n in g["param_names"]}
+    assert {n for n, (_, h) in ours.items() if h} == hidden
+    assert memory.hidden_extent(cfg) == max(max(p.shape[-2:]) for n, p in model.named_parameters() if n in hidden)
+
+
+@pytest.mark.parametrize("readable", [True, False])
+@pytest.mark.parametrize(("sets", "lower"), [
+    (["n_layer=1000000000000"], "Lower n_layer (now 1000000000000; "),  # old code: the model was built, without end
+    (["n_embd=4000000000", "n_head=2"], "Lower n_embd (now 4000000000; "),
+    (["block_size=1000000000000000"], "Lower batch_size (now 16) or block_size (now 1000000000000000; "),
+    (["n_expert=1000000000000", "n_expert_active=1"], "n_expert (now 1000000000000; "),
+])
+def test_absurd_sizes_exit_2_at_once_without_building_a_model(tmp_path, capsys, monkeypatch, sets, lower, readable):
+    """Sizes no machine runs: exit 2 from the arithmetic estimate before any model is built and before
+    anything is written, with or without a readable memory limit (where none can be read, the bound is
+    1 PiB)."""
+    from muonclip.models import gpt
+
+    monkeypatch.setattr(gpt.GPT, "__init__", lambda *a, **k: pytest.fail("a model was built"))
+    monkeypatch.setattr(memory, "available_memory",
+                        (lambda device, ranks_here=1: 16 * 2**30) if readable else (lambda device, ranks_here=1: None))
+    out = tmp_path / "out"
+    sets = [x for s in sets for x in ("--set", s)]
+    assert main(["train", *sets, "--steps", "2", "--quiet", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "muonclip: error: one training step needs about" in err and lower in err, err
+    if not readable:
+        assert "no machine (the memory available here cannot be read, and no machine has 1 PiB)" in err, err
+    assert not out.exists()

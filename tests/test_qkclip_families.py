@@ -6,15 +6,24 @@ heads, experts, vocabulary, per-layer patterns). One row per family (``hf_famili
 which is one of:
 
 * **supported**: `attach` accepts it; the forward with MuonClip attached equals the model's own
-  (its default implementation, eager or SDPA) in eval and in train mode, with a left-padded
-  attention mask, and every layer that ran passed its one-time forward check; then, with layer
-  0's heads spread apart, ``MuonClip(lr=0, weight_decay=0)`` records exactly the max logits an
-  independent probe measures (``hf_probe``: ``scale * q.k`` in float64 on the layer's own
-  inputs), and after one step each of layer 0's heads above tau lands on tau, the others keep
-  their max, and every other weight element (other heads, V, other layers) is bit-identical;
+  (its default implementation, eager or SDPA) in eval and in train mode, with one row
+  right-padded and one left-padded, and every layer that ran passed its one-time forward check;
+  then, with layer 0's heads spread apart, ``MuonClip(lr=0, weight_decay=0)`` records exactly the
+  max logits an independent probe measures (``hf_probe``: ``scale * q.k`` in float64 on the
+  layer's own inputs, padding queries left out by the batch's own 2-D mask), after one step each
+  of layer 0's heads above tau lands on tau, the others keep their max, and every other weight
+  element (other heads, V, other layers) is bit-identical; `detach` then gives every (sub-)model
+  the implementation it had;
 * **refused** before any step, by `attach` or by the first forward, with a ValueError whose
   message names one of the causes of ``hf_families.REFUSAL_CAUSES``;
 * **not built**: the family's config cannot be built small (the reason is recorded).
+
+Every row that attaches also checks that routing and the clip see the same maps
+(``hf_families.check_routing_agrees``): wherever the clip scales rows of a weight as q or k,
+`muonclip.param_groups` makes exactly those rows one matrix (and, with ``per_head=True``, each
+head's rows), both being derived from the family table (`muonclip.integrations.families`).
+`VARIANTS` adds rows for configurations of a family that its default config does not build
+(GPTBigCode without multi-query attention).
 
 A family that is neither supported nor refused fails here, and so does one that cannot be built
 small unless the recorded table ``tests/hf_family_table.json`` (written by
@@ -73,6 +82,19 @@ def test_family_row(family):
     assert (row.verdict, row.why) == (recorded["verdict"], recorded["why"]), (
         f"{family}: recorded {recorded['verdict']} ({recorded['why']}), now {row.verdict} ({row.why}): "
         f"{row.detail}")
+
+
+VARIANTS = {"gpt_bigcode, multi-head": ("gpt_bigcode", {"multi_query": False})}
+"""Configurations of a family beyond its default one: name -> (family, config keywords)."""
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_family_variant_row(name):
+    """GPTBigCode's multi-head ``c_attn`` interleaves q, k and v per head (its multi-query one
+    stacks them): supported by the same criteria as a family row, routing split included."""
+    family, variant = VARIANTS[name]
+    row = run_family(family, variant)
+    assert row.verdict == "supported", (name, row)
 
 
 def test_gpt_neox_strided_rows_are_the_q_and_k_its_forward_uses():

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from muonclip.qkclip.qknorm import KNOWN_QK_NORM_CLASSES, check_no_qk_norm, find_qk_norms
+from muonclip.integrations.families import QK_NORM_CLASSES
+from muonclip.qkclip.qknorm import check_no_qk_norm, find_qk_norms
 
 
 class Scale(nn.Module):
@@ -78,7 +79,7 @@ def test_stated_inputs_of_the_scaled_projections_are_allowed():
 
 
 def test_known_classes_are_refused_without_a_norm_module():
-    assert {"Qwen3Attention", "Olmo2Attention", "Gemma3Attention"} <= KNOWN_QK_NORM_CLASSES
+    assert {"Qwen3Attention", "Olmo2Attention", "Gemma3Attention"} <= set(QK_NORM_CLASSES)
     cls = type("Qwen3Attention", (Block,), {})
     block = cls()
     assert find_qk_norms(block) == []

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -16,7 +17,17 @@ import torch
 from muonclip.app.checkpoints import load_file, read_checkpoint
 from muonclip.app.main import main
 from muonclip.app.metrics import JSONL, MetricsError, MetricsWriter, read_rows
-from muonclip.app.runfolder import OutputError, RunLock, check_new_run_folder, inspect_folder
+from muonclip.app.runfolder import (
+    OutputError,
+    RunLock,
+    check_new_run_folder,
+    inspect_folder,
+    new_token,
+    read_lock_token,
+    recorded_tokens,
+    remove_leftovers,
+    temporary_name,
+)
 
 TINY = ["--preset", "tiny", "--quiet", "--threads", "1"]
 
@@ -69,15 +80,26 @@ def test_train_refuses_a_folder_that_is_not_one_of_its_runs(tmp_path, capsys, te
 
 
 def test_a_run_whose_checkpoint_is_missing_is_never_restarted_over(tmp_path, capsys, text, run4):
-    """On the old code the next plain run into such a folder replaced its 4 logged rows."""
+    """A pointer naming a checkpoint that is gone, or no pointer in a run whose metrics go past its first
+    checkpoint (so it had one): refused for a resume and for a new run, nothing modified. On the old code
+    the next plain run into such a folder replaced its logged rows."""
     run = copy_of(run4, tmp_path)
-    (run / "checkpoint.json").unlink()
     (run / "checkpoint-step4.pt").unlink()
     before = snapshot(run)
-    bad(capsys, ["train", *TINY, "--data", text, "--steps", "2", "--out", str(run)],
-        "holds a run whose checkpoint (checkpoint.json) is missing")
-    bad(capsys, ["train", "--quiet", "--out", str(run), "--resume"], "holds a run whose checkpoint")
-    assert snapshot(run) == before and len(read_rows(run)) == 4
+    bad(capsys, ["train", "--quiet", "--out", str(run), "--resume"],
+        f"checkpoint file {run / 'checkpoint-step4.pt'} cannot be read (No such file or directory)")
+    bad(capsys, ["train", *TINY, "--data", text, "--steps", "2", "--out", str(run)], "already holds a run")
+    assert snapshot(run) == before
+    lost = tmp_path / "lost"
+    assert main(["train", *TINY, "--data", text, "--steps", "4", "--set", "checkpoint_every=2", "--out", str(lost)]) == 0
+    (lost / "checkpoint.json").unlink()
+    (lost / "checkpoint-step4.pt").unlink()
+    before = snapshot(lost)
+    bad(capsys, ["train", "--quiet", "--out", str(lost), "--resume"], "holds a run whose checkpoint (checkpoint.json) "
+        "is missing: its metrics go to step 4, past its first checkpoint (step 2); it cannot be continued")
+    bad(capsys, ["train", *TINY, "--data", text, "--steps", "2", "--out", str(lost)],
+        "holds a run without a checkpoint (checkpoint.json), and a new run will not overwrite it")
+    assert snapshot(lost) == before and len(read_rows(lost)) == 4
 
 
 KILL_IN_REWRITE = """
@@ -108,7 +130,7 @@ def test_a_kill_inside_the_metrics_rewrite_leaves_the_whole_old_history(tmp_path
     proc = subprocess.run([sys.executable, "-c", KILL_IN_REWRITE, str(run), "2000", "500"], capture_output=True)
     assert proc.returncode == -9, proc.stderr.decode()
     assert (run / JSONL).read_bytes() == before
-    assert [p.name for p in run.iterdir() if p.name.startswith(".metrics.jsonl.tmp-")]
+    assert [p.name for p in run.iterdir() if p.name.startswith(".metrics.jsonl.muonclip-tmp-")]
     assert [r["step"] for r in read_rows(run)] == list(range(1, 3001))
     MetricsWriter(run, 2, keep_until=2000).close()
     assert [r["step"] for r in read_rows(run)] == list(range(1, 2001))
@@ -125,12 +147,15 @@ def test_torn_last_line_is_skipped_and_a_bad_line_names_the_file(tmp_path):
 
 
 def test_a_resume_after_a_kill_removes_what_the_kill_left(tmp_path, capsys, run4):
+    """Temporaries named with the token of a writer that .lock records (the killed one), and checkpoints
+    no pointer names: removed by the next writer."""
     run = copy_of(run4, tmp_path)
-    (run / ".checkpoint-step6.pt.tmp-12345").write_bytes(b"half")
-    (run / ".checkpoint-step6.dcp.tmp").mkdir()
-    (run / ".checkpoint-step6.dcp.tmp" / "__0_0.distcp").write_bytes(b"half")
+    token = read_lock_token(run)
+    (run / f".checkpoint-step6.pt.muonclip-tmp-{token}").write_bytes(b"half")
+    (run / f".checkpoint-step6.dcp.muonclip-tmp-{token}").mkdir()
+    (run / f".checkpoint-step6.dcp.muonclip-tmp-{token}" / "__0_0.distcp").write_bytes(b"half")
     shutil.copy(run / "checkpoint-step4.pt", run / "checkpoint-step5.pt")  # renamed, pointer not yet written
-    (run / ".metrics.jsonl.tmp-999").write_text("{")
+    (run / f".metrics.jsonl.muonclip-tmp-{token}").write_text("{")
     assert inspect_folder(run).kind == "run"
     assert main(["train", "--quiet", "--out", str(run), "--resume", "--steps", "5"]) == 0
     assert sorted(p.name for p in run.iterdir()) == [".lock", "checkpoint-step5.pt", "checkpoint.json",
@@ -212,9 +237,9 @@ def test_resume_overrides_are_applied_to_the_optimizer_and_recorded(tmp_path, te
     assert all(r["clipped_heads"] == 0 for r in rows[:4]) and all(r["clipped_heads"] > 0 for r in rows[4:])
     assert all(r["clipped_heads"] == 0 for r in read_rows(plain))
     saved = load_file(read_checkpoint(changed).path)["optim"]
-    assert saved["state"][0]["tau"] == 0.05  # optimizer-wide values: in the first parameter's state
+    assert all(g["tau"] == 0.05 for g in saved["param_groups"])  # optimizer-wide values: in every param group
     muon_groups = [g for g in saved["param_groups"] if g["algorithm"] == "muon"]
-    assert muon_groups and all(g["weight_decay"] == 0.9 and g["orth_dtype"] == torch.float32 for g in muon_groups)
+    assert muon_groups and all(g["weight_decay"] == 0.9 and g["orth_dtype"] == "torch.float32" for g in muon_groups)
     a = load_file(read_checkpoint(plain).path)["model"]
     b = load_file(read_checkpoint(changed).path)["model"]
     assert any(not torch.equal(a[k], b[k]) for k in a)
@@ -249,3 +274,209 @@ def test_resume_refuses_other_training_text(tmp_path, capsys, text, run4):
         "the training text differs from the one")
     bad(capsys, ["train", "--quiet", "--out", str(copy_of(run4, tmp_path, "r4")), "--resume", "--data", str(own)],
         "--resume cannot change data")
+
+
+# ------------------------------------------------------------------------------------------------
+# no link followed out of the folder, nothing but plain files read
+
+
+def tree(folder):
+    """Every entry under folder, links as ("link", target) without following them, files by bytes."""
+    out = {}
+    for root, dirs, files in os.walk(folder):
+        for name in (*dirs, *files):
+            p = os.path.join(root, name)
+            rel = os.path.relpath(p, folder)
+            if os.path.islink(p):
+                out[rel] = ("link", os.readlink(p))
+            elif os.path.isfile(p):
+                out[rel] = open(p, "rb").read()
+            elif not os.path.isdir(p):
+                out[rel] = "special"
+    return out
+
+
+@pytest.mark.parametrize("name", [".lock", "config.json", "metrics.jsonl", "metrics.csv", "checkpoint.json",
+                                  "checkpoint-step4.pt"])
+def test_no_link_is_followed_out_of_a_run_folder(tmp_path, capsys, run4, name):
+    """Each of the run's files replaced by a link to a copy outside the folder: exit 2 naming it, the
+    outside file and the folder untouched. On the old code ``.lock -> ~/notes.txt`` with --resume exited 0
+    with notes.txt overwritten by "pid host token"."""
+    run = copy_of(run4, tmp_path)
+    outside = tmp_path / f"outside-{name}"
+    shutil.copy(run / name, outside)
+    (run / name).unlink()
+    os.symlink(outside, run / name)
+    before, kept = tree(run), outside.read_bytes()
+    for argv in (["train", "--quiet", "--out", str(run), "--resume", "--steps", "5"],
+                 ["train", *TINY, "--steps", "2", "--out", str(run)]):
+        bad(capsys, argv, f"{name} is a symbolic link; a run folder holds plain files and folders only")
+    assert tree(run) == before and outside.read_bytes() == kept
+
+
+def test_a_lock_linking_to_a_missing_path_creates_nothing(tmp_path, capsys, run4):
+    """On the old code the lock created the link's target (exit 0)."""
+    run = copy_of(run4, tmp_path)
+    (run / ".lock").unlink()
+    os.symlink(tmp_path / "created", run / ".lock")
+    bad(capsys, ["train", "--quiet", "--out", str(run), "--resume"], ".lock is a symbolic link")
+    with pytest.raises(OutputError, match=r"\.lock is a symbolic link"):
+        RunLock(run)
+    assert not (tmp_path / "created").exists()
+
+
+@pytest.fixture
+def alarm():
+    """A hang (a read from a FIFO or /dev/zero) becomes a failure after 60 s instead of a stuck suite."""
+    def ring(signum, frame):
+        raise TimeoutError("hung")
+
+    old = signal.signal(signal.SIGALRM, ring)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("special", ["/dev/zero link", "fifo", "fifo config.json", "fifo .lock", "socket"])
+def test_special_files_are_refused_before_anything_is_read(tmp_path, capsys, run4, alarm, special):
+    """On the old code a checkpoint replaced by a link to /dev/zero, or by a FIFO, hung --resume (hashed
+    forever, or blocked on open)."""
+    run = copy_of(run4, tmp_path)
+    name = special.split()[-1] if special.startswith("fifo ") else "checkpoint-step4.pt"
+    (run / name).unlink()
+    if special == "/dev/zero link":
+        os.symlink("/dev/zero", run / name)
+        what = "is a symbolic link"
+    elif special == "socket":
+        import socket
+
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(run / name))
+        what = "is a socket"
+    else:
+        os.mkfifo(run / name)
+        what = "is a FIFO (named pipe)"
+    before = tree(run)
+    bad(capsys, ["train", "--quiet", "--out", str(run), "--resume", "--steps", "5"], f"{name} {what}")
+    assert tree(run) == before
+
+
+def test_a_link_inside_the_run_folders_own_folders_is_refused(tmp_path, capsys, run4):
+    """Inside a sharded checkpoint's folder or the run's TensorBoard folder: named by its path."""
+    run = copy_of(run4, tmp_path)
+    (run / "tb").mkdir()
+    os.symlink("/etc/hostname", run / "tb" / "events.out.tfevents.1.host.1.0")
+    config = json.loads((run / "config.json").read_text())
+    config["run"]["tensorboard"] = ["tb"]
+    (run / "config.json").write_text(json.dumps(config))
+    bad(capsys, ["train", "--quiet", "--out", str(run), "--resume"],
+        "tb/events.out.tfevents.1.host.1.0 is a symbolic link")
+    (run / "tb" / "events.out.tfevents.1.host.1.0").unlink()
+    (run / "tb" / "inner").mkdir()
+    os.mkfifo(run / "tb" / "inner" / "pipe")
+    bad(capsys, ["train", "--quiet", "--out", str(run), "--resume"], "tb/inner/pipe is a FIFO")
+
+
+# ------------------------------------------------------------------------------------------------
+# only what muonclip wrote is deleted
+
+
+def test_a_users_temporary_looking_files_are_never_deleted(tmp_path, capsys, text, run4):
+    """On the old code: --out holding only .notes.tmp-2024 counted as empty and the file was removed (exit
+    0); a user's folder .checkpoint-step5.dcp.tmp/ in a run was removed with everything in it. Now both make
+    the folder foreign; so does a temporary in muonclip's own pattern whose token no writer of the folder
+    recorded."""
+    t = tmp_path / "t"
+    t.mkdir()
+    (t / ".notes.tmp-2024").write_text("mine")
+    bad(capsys, ["train", *TINY, "--data", text, "--steps", "2", "--out", str(t)],
+        "holds files that are not a muonclip run's ('.notes.tmp-2024')")
+    assert snapshot(t) == {".notes.tmp-2024": b"mine"}
+    run = copy_of(run4, tmp_path)
+    (run / ".checkpoint-step5.dcp.tmp").mkdir()
+    (run / ".checkpoint-step5.dcp.tmp" / "mine.txt").write_text("mine")
+    bad(capsys, ["train", "--quiet", "--out", str(run), "--resume", "--steps", "5"],
+        "holds files that are not a muonclip run's ('.checkpoint-step5.dcp.tmp')")
+    assert (run / ".checkpoint-step5.dcp.tmp" / "mine.txt").read_text() == "mine"
+    shutil.rmtree(run / ".checkpoint-step5.dcp.tmp")
+    stranger = f".config.json.muonclip-tmp-{'0' * 32}"
+    (run / stranger).write_text("mine")
+    bad(capsys, ["train", "--quiet", "--out", str(run), "--resume", "--steps", "5"], f"('{stranger}')")
+    assert (run / stranger).read_text() == "mine"
+    assert remove_leftovers(run, keep="checkpoint-step4.pt") == [] and (run / stranger).exists()
+
+
+def test_the_lock_records_the_writers_whose_temporaries_are_the_runs(tmp_path):
+    """Each writer's token joins the record (the last 16 are kept); read_lock_token is the latest."""
+    lock = RunLock(tmp_path)
+    tokens = [new_token() for _ in range(20)]
+    for t in tokens:
+        lock.stamp(t)
+    lock.release()
+    assert recorded_tokens(tmp_path) == set(tokens[-16:]) and read_lock_token(tmp_path) == tokens[-1]
+    (tmp_path / temporary_name("config.json", tokens[-1])).write_text("{")
+    (tmp_path / temporary_name("config.json", tokens[0])).write_text("{")
+    assert inspect_folder(tmp_path).foreign == (temporary_name("config.json", tokens[0]),)
+
+
+# ------------------------------------------------------------------------------------------------
+# a run that never checkpointed restarts from its start
+
+
+def test_a_run_that_never_checkpointed_restarts_from_its_start_with_its_own_config(tmp_path, capsys, run4):
+    """A run killed before its first checkpoint (config.json and 4 logged steps, a leftover checkpoint
+    no pointer names, a temporary): on the old code both --resume and a new run were refused, the folder
+    unusable. Now --resume says so on screen and runs the run again from step 0 with its own config and
+    identity: the same run, bit for bit (the run is deterministic), metrics started again."""
+    run = copy_of(run4, tmp_path)
+    (run / "checkpoint.json").unlink()
+    (run / f".checkpoint-step4.pt.muonclip-tmp-{read_lock_token(run)}").write_bytes(b"half")
+    before_config = json.loads((run / "config.json").read_text())
+    assert main(["train", "--quiet", "--out", str(run), "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert f"--out {run} holds no checkpoint: the run stopped before its first one" in err
+    assert "restarting it from step 0 with its own config (config.json)" in err
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "checkpoint-step4.pt", "checkpoint.json", "config.json",
+                                                     "metrics.csv", "metrics.jsonl"]
+    a, b = load_file(read_checkpoint(run).path), load_file(read_checkpoint(run4).path)
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in b["model"])
+    assert [r["loss"] for r in read_rows(run)] == [r["loss"] for r in read_rows(run4)]
+    assert json.loads((run / "config.json").read_text())["run"] == before_config["run"]
+
+
+def test_a_run_that_died_in_its_first_step_restarts_with_a_changed_rate(tmp_path, capsys, text):
+    """A non-finite loss at step 1 (exit 3, no checkpoint): --resume with a lower rate restarts it, the
+    change recorded at step 0; a fixed field still cannot change."""
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--data", text, "--steps", "3", "--optimizer", "muon", "--set", "lr_muon=1e30",
+                 "--set", "lr_adamw=1e30", "--out", str(run)]) == 3
+    bad(capsys, ["train", "--quiet", "--out", str(run), "--resume", "--set", "n_layer=3"],
+        "--resume cannot change n_layer")
+    assert main(["train", "--quiet", "--out", str(run), "--resume", "--set", "lr_muon=0.02",
+                 "--set", "lr_adamw=0.006"]) == 0
+    history = json.loads((run / "config.json").read_text())["run"]["history"]
+    assert history == [{"step": 0, "changed": {"lr_adamw": [1e30, 0.006], "lr_muon": [1e30, 0.02]}}]
+    assert [r["step"] for r in read_rows(run)] == [1, 2, 3]
+
+
+# ------------------------------------------------------------------------------------------------
+# a TensorBoard folder the run wrote is the run's
+
+
+@pytest.mark.parametrize("inside", ["tb", "."])
+def test_a_tensorboard_folder_inside_the_run_is_its_own(tmp_path, capsys, text, inside):
+    """train --out r --tensorboard r/tb (or r itself): on the old code every later --resume was refused
+    ("holds files that are not a muonclip run's ('tb')"). Now config.json records it and a resume, with or
+    without --tensorboard, continues; another folder put there is still foreign."""
+    pytest.importorskip("tensorboard")
+    run = tmp_path / "run"
+    tb = run / inside
+    assert main(["train", *TINY, "--data", text, "--steps", "2", "--out", str(run), "--tensorboard", str(tb)]) == 0
+    assert json.loads((run / "config.json").read_text())["run"]["tensorboard"] == [inside]
+    assert main(["train", "--quiet", "--out", str(run), "--resume", "--steps", "3"]) == 0
+    assert main(["train", "--quiet", "--out", str(run), "--resume", "--steps", "4", "--tensorboard", str(tb)]) == 0
+    assert [r["step"] for r in read_rows(run)] == [1, 2, 3, 4]
+    (run / "other").mkdir()
+    bad(capsys, ["train", "--quiet", "--out", str(run), "--resume", "--steps", "5"],
+        "holds files that are not a muonclip run's ('other')")

@@ -20,11 +20,20 @@ after them; only then is the previous checkpoint removed. A kill at any moment l
 previous pointer and its checkpoint intact (and leftovers that the next start removes). A
 failed write (a full disk) raises `OutputError` saying that the previous checkpoint is kept.
 
-**Reading** (`read_checkpoint`, `verify`, `load_checkpoint`): the pointer is validated, every
-file of the manifest is hashed and compared (a flipped byte, a truncated or missing file is
-refused with `CheckpointError` naming the file, before anything is loaded or written), and
+**Reading** (`read_checkpoint`, `verify`, `load_file`, `check_contents`, `load_checkpoint`): the
+pointer is validated field by field (`read_checkpoint`: every field's type and range, the
+config as `muonclip.app.config.RunConfig.validate` checks a config, the run's identity, the
+manifest), every file of the manifest is hashed and compared (a flipped byte, a truncated or
+missing file is refused naming the file), a checkpoint file's contents are checked against the
+pointer (`check_contents`: the step, every model tensor's name, shape, dtype and finite values,
+the optimizer state's structure, the RNG states, which torch must accept) and the optimizer's
+own state by the optimizer (`muonclip.Muon.load_state_dict`; torch.optim.AdamW's moments and
+steps here, `check_optimizer_state`), all before anything is loaded into the model or the
+optimizer: a `CheckpointError` names the file and the field, and the folder is not modified.
+Every file is opened without following a link (`muonclip.app.runfolder.open_file`), and
 nothing read executes code (``weights_only=True``; DCP through
-`muonclip.distributed.checkpoint`'s restricted readers).
+`muonclip.distributed.checkpoint`'s restricted readers). ``config.json`` is read the same
+way (`read_run_config`).
 
 **Trust model.** The manifest catches accidental corruption (a bad disk, a torn copy, a
 truncated transfer), not tampering: whoever can write the folder can rewrite the manifest too.
@@ -36,9 +45,9 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
+import math
 import os
-import shutil
+import re
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -51,8 +60,24 @@ from torch import nn
 from ..distributed import checkpoint as dcp_checkpoint
 from ..distributed.checkpoint import CheckpointError, model_shapes
 from ..distributed.context import SINGLE, GroupContext
+from ..optim import Muon
+from ..optim.state_validation import check_adamw_entry
+from .config import INT_LIMIT, OPTIMIZERS, RunConfig
 from .launch import agree, barrier
-from .runfolder import POINTER, OutputError, file_digest, remove_leftovers, write_atomically, write_json
+from .runfolder import (
+    CHECKPOINT_NAME,
+    CONFIG,
+    POINTER,
+    OutputError,
+    file_digest,
+    open_file,
+    read_config,
+    read_json,
+    remove_leftovers,
+    temporary_name,
+    write_atomically,
+    write_json,
+)
 
 FORMAT = "muonclip-checkpoint"
 VERSION = 2
@@ -69,24 +94,52 @@ class RunIdentity:
             carries another one).
         data_sha256: SHA-256 of the run's training and validation bytes (`corpus_digest`).
         history: the changes made on resume, in order: ``{"step": s, "changed": {field: [old, new]}}``.
+        tensorboard: the entries of the run folder its TensorBoard logging wrote (a folder's
+            name, or ``"."`` for event files in the run folder itself), which a resume keeps
+            as the run's own (`muonclip.app.runfolder.inspect_folder`).
     """
 
     id: str
     data_sha256: str
     history: list[dict[str, Any]] = field(default_factory=list)
+    tensorboard: list[str] = field(default_factory=list)
 
     @classmethod
     def new(cls, data_sha256: str) -> RunIdentity:
         return cls(uuid.uuid4().hex, data_sha256)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "data_sha256": self.data_sha256, "history": list(self.history)}
+        out = {"id": self.id, "data_sha256": self.data_sha256, "history": list(self.history)}
+        return {**out, "tensorboard": list(self.tensorboard)} if self.tensorboard else out
 
     @classmethod
     def from_dict(cls, d: Any) -> RunIdentity:
-        if not isinstance(d, dict) or not isinstance(d.get("id"), str) or not isinstance(d.get("data_sha256"), str):
-            raise ValueError(f"not a run identity: {d!r:.200}")
-        return cls(d["id"], d["data_sha256"], list(d.get("history") or []))
+        """The identity of ``d`` (`to_dict`'s form).
+
+        Raises:
+            ValueError: a field is missing or malformed, naming it (``run.<field>``).
+        """
+        if not isinstance(d, dict):
+            raise ValueError(f"run must be a JSON object (the run's identity), got {d!r:.100}")
+        for key in ("id", "data_sha256"):
+            if not isinstance(d.get(key), str) or not d[key]:
+                raise ValueError(f"run.{key} must be a non-empty string, got {d.get(key)!r:.100}")
+        history = d.get("history", [])
+        if not isinstance(history, list):
+            raise ValueError(f"run.history must be a list of the resumes' changes, got {history!r:.100}")
+        for i, h in enumerate(history):
+            step = h.get("step") if isinstance(h, dict) else None
+            changed = h.get("changed") if isinstance(h, dict) else None
+            if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= INT_LIMIT \
+                    or not isinstance(changed, dict) \
+                    or not all(isinstance(v, list) and len(v) == 2 for v in changed.values()):
+                raise ValueError(f"run.history[{i}] must be {{\"step\": a whole number >= 0, \"changed\": "
+                                 f"{{field: [old, new]}}}}, got {h!r:.100}")
+        tensorboard = d.get("tensorboard", [])
+        if not isinstance(tensorboard, list) or not all(
+                isinstance(e, str) and (e == "." or (e and e != ".." and "/" not in e)) for e in tensorboard):
+            raise ValueError(f"run.tensorboard must be a list of entries of the run folder, got {tensorboard!r:.100}")
+        return cls(d["id"], d["data_sha256"], list(history), list(tensorboard))
 
 
 def corpus_digest(train: torch.Tensor, val: torch.Tensor) -> str:
@@ -121,7 +174,7 @@ def rng_to_json(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def rng_from_json(data: dict[str, Any]) -> dict[str, Any]:
-    """The inverse of `rng_to_json`.
+    """The inverse of `rng_to_json`, checked (`check_rng`).
 
     Raises:
         CheckpointError: not such a dict.
@@ -131,9 +184,32 @@ def rng_from_json(data: dict[str, Any]) -> dict[str, Any]:
 
     try:
         cuda = data.get("cuda")
-        return {"torch": dec(data["torch"]), "cuda": None if cuda is None else [dec(s) for s in cuda]}
-    except (KeyError, TypeError, ValueError) as e:
+        state = {"torch": dec(data["torch"]), "cuda": None if cuda is None else [dec(s) for s in cuda]}
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"the checkpoint's RNG states are unreadable ({type(e).__name__}: {e})") from None
+    check_rng(state, "the checkpoint's RNG states")
+    return state
+
+
+def check_rng(state: Any, where: str) -> None:
+    """Raise `CheckpointError` unless ``state`` is what `rng_state` returns and torch accepts it:
+    ``{"torch": the CPU generator's uint8 state, "cuda": None or a list of uint8 states}`` (the
+    CPU state is tried on the generator, which is then put back as it was)."""
+    if not isinstance(state, dict) or not isinstance(state.get("torch"), torch.Tensor):
+        raise CheckpointError(f"{where}: rng must be {{'torch': a uint8 tensor, 'cuda': ...}}, got {state!r:.100}")
+    cuda = state.get("cuda")
+    if cuda is not None and not isinstance(cuda, (list, tuple)):
+        raise CheckpointError(f"{where}: rng.cuda must be None or a list of CUDA generator states, got {cuda!r:.100}")
+    for name, t in [("rng.torch", state["torch"]), *((f"rng.cuda[{i}]", t) for i, t in enumerate(cuda or []))]:
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.ndim != 1:
+            raise CheckpointError(f"{where}: {name} must be a 1-D uint8 tensor (a generator's state), got {t!r:.100}")
+    own = torch.get_rng_state()
+    try:
+        torch.set_rng_state(state["torch"])
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{where}: rng.torch is not a state of torch's CPU generator ({e})") from None
+    finally:
+        torch.set_rng_state(own)
 
 
 @dataclass
@@ -169,38 +245,127 @@ class Checkpoint:
         return self.folder / self.name
 
 
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _whole(value: Any, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= INT_LIMIT
+
+
 def read_checkpoint(folder: str | Path) -> Checkpoint:
-    """Read and validate ``folder/checkpoint.json``.
+    """Read and validate ``folder/checkpoint.json``, every field (module docstring, "Reading").
 
     Raises:
-        CheckpointError: it is absent, unreadable, of another format or version, or incomplete.
+        CheckpointError: it is absent, unreadable, of another format or version, or a field is
+            missing or malformed: the message names the file and the field.
+        OutputError: it is a link or a special file.
     """
     folder = Path(folder)
     path = folder / POINTER
-    if not path.is_file():
-        raise CheckpointError(f"no checkpoint in {folder} ({POINTER} not found)")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = read_json(folder, POINTER)
+    except FileNotFoundError:
+        raise CheckpointError(f"no checkpoint in {folder} ({POINTER} not found)") from None
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path} is corrupt or unreadable ({type(e).__name__}: {e})") from None
+
+    def bad(name: str, what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: {name} {what}; the checkpoint was not loaded (the run folder is damaged)")
+
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a muonclip checkpoint pointer")
+        got = data.get("format") if isinstance(data, dict) else data
+        raise CheckpointError(f"{path} is not a muonclip checkpoint pointer (format {got!r:.100}, expected "
+                              f"{FORMAT!r})")
     if data.get("version") != VERSION:
-        raise CheckpointError(f"{path} has checkpoint version {data.get('version')!r}, this muonclip reads {VERSION}")
+        raise CheckpointError(f"{path} has checkpoint version {data.get('version')!r:.100}, this muonclip reads "
+                              f"{VERSION}")
     missing = [k for k in _POINTER_KEYS if k not in data]
     if missing:
         raise CheckpointError(f"{path} lacks {missing}; it is incomplete")
-    name, files = data["path"], data["files"]
-    if data["kind"] not in ("file", "sharded") or not isinstance(name, str) or Path(name).name != name \
-            or not isinstance(files, dict) or not files or not all(_inside(f, name) for f in files):
-        raise CheckpointError(f"{path} is malformed (kind {data['kind']!r}, path {name!r})")
+    kind, name, step = data["kind"], data["path"], data["step"]
+    if kind not in ("file", "sharded"):
+        raise bad("kind", f"must be 'file' or 'sharded', got {kind!r:.100}")
+    suffix = ".pt" if kind == "file" else ".dcp"
+    if not isinstance(name, str) or not CHECKPOINT_NAME.fullmatch(name) or not name.endswith(suffix):
+        raise bad("path", f"must name a checkpoint-step<N>{suffix} of this folder, got {name!r:.100}")
+    if not _whole(step):
+        raise bad("step", f"must be a whole number >= 0, got {step!r:.100}")
+    if data["optimizer"] not in OPTIMIZERS:
+        raise bad("optimizer", f"must be one of {list(OPTIMIZERS)}, got {data['optimizer']!r:.100}")
+    try:
+        RunConfig.from_dict(data["config"]).validate()
+    except (TypeError, ValueError) as e:
+        raise bad("config", f"is not a valid config ({e})") from None
     try:
         run = RunIdentity.from_dict(data["run"])
-        step = int(data["step"])
+    except ValueError as e:
+        raise bad("run", f"is malformed ({e})") from None
+    extra = data["extra"]
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, dict):
+        raise bad("extra", f"must be a JSON object, got {extra!r:.100}")
+    for key, allow_none in (("elapsed", False), ("last_val_loss", True)):
+        v = extra.get(key)
+        if key in extra and not (v is None and allow_none) and not (
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                and (key != "elapsed" or v >= 0)):
+            raise bad(f"extra.{key}", f"must be a finite number{' or null' if allow_none else ' >= 0'}, got "
+                                      f"{v!r:.100}")
+    shapes = data["shapes"]
+    if not isinstance(shapes, dict) or not shapes or not all(
+            isinstance(k, str) and isinstance(v, list) and all(_whole(n) for n in v) for k, v in shapes.items()):
+        raise bad("shapes", f"must map every model tensor's name to its shape (a list of sizes), got {shapes!r:.100}")
+    files = data["files"]
+    if not isinstance(files, dict) or not files:
+        raise bad("files", f"must be the manifest of the checkpoint's files, got {files!r:.100}")
+    for rel, entry in files.items():
+        if not _inside(rel, name) or (kind == "file" and rel != name):
+            raise bad("files", f"lists {rel!r:.100}, which is not a file of the checkpoint {name}")
+        if not isinstance(entry, dict) or not _whole(entry.get("bytes")) or not isinstance(entry.get("sha256"), str) \
+                or not _SHA256.fullmatch(entry["sha256"]):
+            raise bad(f"files[{rel!r}]", f"must be {{\"bytes\": its size, \"sha256\": 64 hex digits}}, got "
+                                         f"{entry!r:.100}")
+    if "world_size" in data and not _whole(data["world_size"], 1):
+        raise bad("world_size", f"must be a whole number >= 1, got {data['world_size']!r:.100}")
+    if "mode" in data and not isinstance(data["mode"], str):
+        raise bad("mode", f"must be a string, got {data['mode']!r:.100}")
+    return Checkpoint(folder, kind, name, step, data["optimizer"], dict(data["config"]), run, dict(extra),
+                      {k: list(v) for k, v in shapes.items()}, dict(files))
+
+
+@dataclass
+class RunRecord:
+    """A run folder's ``config.json`` (`read_run_config`): the optimizer, the config, the run's
+    identity, and the dict as read."""
+
+    optimizer: str
+    config: RunConfig
+    run: RunIdentity
+    data: dict[str, Any]
+
+
+def read_run_config(folder: str | Path) -> RunRecord | None:
+    """Read and validate ``folder/config.json`` (None when it is absent): its ``optimizer``, every
+    config field (`muonclip.app.config.RunConfig.validate`) and its ``run``.
+
+    Raises:
+        OutputError: it is not a run's config, or a field is malformed: the message names the
+            file and the field; or it is a link or a special file.
+    """
+    data = read_config(folder)
+    if data is None:
+        return None
+    path = Path(folder) / CONFIG
+    if data.get("optimizer") not in OPTIMIZERS:
+        raise OutputError(f"{path}: optimizer must be one of {list(OPTIMIZERS)}, got {data.get('optimizer')!r:.100}; "
+                          "the run folder is damaged")
+    try:
+        run = RunIdentity.from_dict(data.get("run"))
+        cfg = RunConfig.from_dict({k: v for k, v in data.items() if k not in ("optimizer", "run")}).validate()
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{path} is malformed ({e})") from None
-    return Checkpoint(folder, data["kind"], name, step, str(data["optimizer"]), dict(data["config"]), run,
-                      dict(data["extra"] or {}), dict(data["shapes"]), dict(files))
+        raise OutputError(f"{path}: {e}; the run folder is damaged") from None
+    return RunRecord(data["optimizer"], cfg, run, data)
 
 
 def _inside(rel: Any, name: str) -> bool:
@@ -212,15 +377,17 @@ def _inside(rel: Any, name: str) -> bool:
 
 
 def verify(ckpt: Checkpoint) -> None:
-    """Hash every file of ``ckpt``'s manifest and compare size and SHA-256.
+    """Hash every file of ``ckpt``'s manifest and compare size and SHA-256 (each opened by
+    `muonclip.app.runfolder.open_file`: no link followed, nothing but regular files read).
 
     Raises:
         CheckpointError: a file is missing, of another size (truncated) or content, naming it.
+        OutputError: a file or the checkpoint's folder is a link or a special file.
     """
     for rel, want in sorted(ckpt.files.items()):
         path = ckpt.folder / rel
         try:
-            got = file_digest(path)
+            got = file_digest(ckpt.folder, rel)
         except OSError as e:
             raise CheckpointError(f"checkpoint file {path} cannot be read ({e.strerror or e}); the checkpoint is "
                                   "incomplete and was not loaded") from None
@@ -238,11 +405,12 @@ def verify(ckpt: Checkpoint) -> None:
                                   f"({', '.join(extra[:5])}); it was not loaded")
 
 
-def save_file(path: str | Path, payload: dict[str, Any]) -> Path:
+def save_file(path: str | Path, payload: dict[str, Any], token: str | None = None) -> Path:
     """Write ``payload`` (``step``, ``model``, ``optim``, ``rng``) atomically to ``path`` as one
-    ``torch.save`` dict (format and version are added)."""
+    ``torch.save`` dict (format and version are added; ``token``: the writer's,
+    `muonclip.app.runfolder.write_atomically`)."""
     data = {"format": FILE_FORMAT, "version": VERSION, **payload}
-    return write_atomically(path, lambda f: torch.save(data, f))
+    return write_atomically(path, lambda f: torch.save(data, f), token=token)
 
 
 def load_file(path: str | Path) -> dict[str, Any]:
@@ -251,22 +419,85 @@ def load_file(path: str | Path) -> dict[str, Any]:
     Raises:
         CheckpointError: the file is missing, unreadable/corrupt, of another format or version,
             or incomplete.
+        OutputError: it is a link or a special file.
     """
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"no checkpoint at {path}")
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        fd = open_file(path.parent, path.name)
+    except FileNotFoundError:
+        raise CheckpointError(f"no checkpoint at {path}") from None
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path} cannot be read ({e.strerror or e})") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            data = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many kinds for a torn or foreign file
         raise CheckpointError(f"checkpoint {path} is corrupt or unreadable ({type(e).__name__}: {e})") from None
     if not isinstance(data, dict) or data.get("format") != FILE_FORMAT:
-        raise CheckpointError(f"{path} is not a muonclip checkpoint")
+        got = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise CheckpointError(f"{path} is not a muonclip checkpoint (format {got!r:.100}, expected {FILE_FORMAT!r})")
     if data.get("version") != VERSION:
-        raise CheckpointError(f"{path} has checkpoint version {data.get('version')}, this muonclip reads {VERSION}")
+        raise CheckpointError(f"{path} has checkpoint version {data.get('version')!r:.100}, this muonclip reads "
+                              f"{VERSION}")
     missing = [k for k in ("step", "model", "optim", "rng") if k not in data]
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks {missing}; it is incomplete")
     return data
+
+
+def check_contents(data: dict[str, Any], ckpt: Checkpoint) -> None:
+    """Raise `CheckpointError` naming the file and the field unless the checkpoint file's dict
+    ``data`` (`load_file`) fits its pointer ``ckpt``: its step, its model state (every tensor of
+    ``ckpt.shapes``, nothing else, each of that shape, floating-point and finite), its optimizer
+    state's structure (``state``: a dict of dicts; ``param_groups``: a list of dicts with
+    ``params``, each parameter once) and its RNG states (`check_rng`). The optimizer checks its
+    own state's values when it loads it (`load_checkpoint`)."""
+    where = str(ckpt.path)
+    if data["step"] != ckpt.step or not _whole(data["step"]):
+        raise CheckpointError(f"{where}: step is {data['step']!r:.100}, its pointer ({POINTER}) says {ckpt.step}")
+    model = data["model"]
+    if not isinstance(model, dict):
+        raise CheckpointError(f"{where}: model must be the model's state dict, got {type(model).__name__}")
+    extra, lacking = sorted(set(model) - set(ckpt.shapes), key=str), sorted(set(ckpt.shapes) - set(model))
+    if extra or lacking:
+        raise CheckpointError(f"{where}: model holds other tensors than its pointer lists (unexpected "
+                              f"{[str(k) for k in extra[:5]]}, missing {lacking[:5]})")
+    for k, t in model.items():
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise CheckpointError(f"{where}: model[{k!r}] must be a floating-point tensor, got {t!r:.100}")
+        if list(t.shape) != list(ckpt.shapes[k]):
+            raise CheckpointError(f"{where}: model[{k!r}] has shape {list(t.shape)}, its pointer says "
+                                  f"{ckpt.shapes[k]}")
+        if t.numel() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{where}: model[{k!r}] holds NaN or inf")
+    optim = data["optim"]
+    groups = optim.get("param_groups") if isinstance(optim, dict) else None
+    state = optim.get("state") if isinstance(optim, dict) else None
+    if not isinstance(groups, list) or not isinstance(state, dict) or not all(
+            isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+        raise CheckpointError(f"{where}: optim must be an optimizer state dict ({{'state': {{...}}, 'param_groups': "
+                              "[{'params': [...], ...}]}})")
+    ids = [pid for g in groups for pid in g["params"]]
+    if len(set(map(repr, ids))) != len(ids) or not all(isinstance(v, dict) for v in state.values()):
+        raise CheckpointError(f"{where}: optim lists a parameter twice, or holds a state that is not a dict")
+    check_rng(data["rng"], where)
+
+
+def check_optimizer_state(state_dict: dict[str, Any], optimizer: torch.optim.Optimizer, where: str) -> None:
+    """For a torch optimizer (``torch.optim.AdamW``, whose ``load_state_dict`` checks little): raise
+    `CheckpointError` unless ``state_dict`` has its groups and parameters, in order, and every state
+    entry is an AdamW state of its parameter (`muonclip.optim.state_validation.check_adamw_entry`).
+    `muonclip.Muon` checks its own (`muonclip.Muon.load_state_dict`)."""
+    saved, own = state_dict["param_groups"], optimizer.param_groups
+    if len(saved) != len(own) or any(len(s["params"]) != len(o["params"]) for s, o in zip(saved, own)):
+        raise CheckpointError(f"{where}: optim has {[len(g['params']) for g in saved]} parameters per group, this "
+                              f"optimizer {[len(g['params']) for g in own]}")
+    for gi, (s, o) in enumerate(zip(saved, own)):
+        for i, (pid, p) in enumerate(zip(s["params"], o["params"])):
+            try:
+                check_adamw_entry(state_dict["state"].get(pid, {}), p, f"optim: parameter {i} of param group {gi}: ")
+            except ValueError as e:
+                raise CheckpointError(f"{where}: {e}") from None
 
 
 def _free_name(folder: Path, step: int, suffix: str, avoid: str | None) -> str:
@@ -288,7 +519,7 @@ def _write_failed(folder: Path, step: int, previous: Checkpoint | None, e: BaseE
 
 def save_checkpoint(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                     ctx: GroupContext = SINGLE, *, sharded: bool, step: int, meta: dict[str, Any],
-                    previous: Checkpoint | None) -> Checkpoint:
+                    previous: Checkpoint | None, token: str | None = None) -> Checkpoint:
     """Write the checkpoint of ``step`` into the run folder ``folder`` and make it the current one
     (module docstring, "Writing"). ``sharded``: every rank calls this and a DCP folder is written;
     else one process writes one file.
@@ -302,6 +533,8 @@ def save_checkpoint(folder: str | Path, model: nn.Module, optimizer: torch.optim
         meta: the pointer's ``optimizer``, ``config``, ``run``, ``extra`` (and anything else kept,
             e.g. ``mode``).
         previous: the current checkpoint (removed once the new one is in place), or None.
+        token: the writer's token (`muonclip.app.runfolder.new_token`, recorded in the folder's
+            lock; the same on every rank), named in the temporaries (default None: a fresh one).
 
     Raises:
         OutputError: the checkpoint could not be written (e.g. a full disk); ``previous`` stays
@@ -309,6 +542,7 @@ def save_checkpoint(folder: str | Path, model: nn.Module, optimizer: torch.optim
     """
     folder = Path(folder)
     main = ctx.rank == 0
+    token = token or uuid.uuid4().hex
     avoid = previous.name if previous else None
     rng = rng_state()
     error: BaseException | None = None
@@ -317,9 +551,7 @@ def save_checkpoint(folder: str | Path, model: nn.Module, optimizer: torch.optim
         folder.mkdir(parents=True, exist_ok=True)
     if sharded:
         name = _free_name(folder, step, ".dcp", avoid)
-        tmp = folder / f".{name}.tmp"
-        if main:
-            shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
+        tmp = folder / temporary_name(name, token)  # never there yet: the token is this writer's
         barrier(ctx)
         try:
             dcp_checkpoint.save(tmp, model, optimizer, extra={"rng": rng_to_json(rng), "step": step})
@@ -329,15 +561,16 @@ def save_checkpoint(folder: str | Path, model: nn.Module, optimizer: torch.optim
         if main:
             try:
                 os.replace(tmp, folder / name)
-                files = {f"{name}/{p.name}": file_digest(p) for p in sorted((folder / name).iterdir())}
+                files = {f"{name}/{p.name}": file_digest(folder, f"{name}/{p.name}")
+                         for p in sorted((folder / name).iterdir())}
             except OSError as e:
                 error = e
     else:
         name = _free_name(folder, step, ".pt", avoid)
         try:
             save_file(folder / name, {"step": step, "model": model.state_dict(), "optim": optimizer.state_dict(),
-                                      "rng": rng})
-            files = {name: file_digest(folder / name)}
+                                      "rng": rng}, token=token)
+            files = {name: file_digest(folder, name)}
         except (OSError, RuntimeError) as e:  # RuntimeError: torch.save's zip writer on a full disk
             error = e
     ckpt = Checkpoint(folder, "sharded" if sharded else "file", name, step, meta["optimizer"], meta["config"],
@@ -346,7 +579,7 @@ def save_checkpoint(folder: str | Path, model: nn.Module, optimizer: torch.optim
         body = {"format": FORMAT, "version": VERSION, "kind": ckpt.kind, "path": name, "step": step,
                 "world_size": ctx.world_size, **meta, "shapes": ckpt.shapes, "files": files}
         try:
-            write_json(folder / POINTER, body)
+            write_json(folder / POINTER, body, token=token)
         except OSError as e:
             error = e
         else:
@@ -375,8 +608,10 @@ def load_checkpoint(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.O
             raise CheckpointError(f"{ckpt.path} holds step {extra['step']}, its pointer says {ckpt.step}")
         return rng_from_json(extra["rng"])
     data = file_data if file_data is not None else load_file(ckpt.path)
-    if data["step"] != ckpt.step:
-        raise CheckpointError(f"{ckpt.path} holds step {data['step']}, its pointer says {ckpt.step}")
+    if file_data is None:
+        check_contents(data, ckpt)
+    if not isinstance(optimizer, Muon):  # torch.optim.AdamW: its loader checks little (shapes are global)
+        check_optimizer_state(data["optim"], optimizer, str(ckpt.path))
     try:
         if build is not None:
             load_full_into_sharded(model, optimizer, data, build)
@@ -429,7 +664,8 @@ def differences(a: dict[str, Any], b: dict[str, Any], fields: Sequence[str]) -> 
 
 
 __all__ = [
-    "FILE_FORMAT", "FORMAT", "VERSION", "Checkpoint", "CheckpointError", "RunIdentity", "check_shapes",
-    "corpus_digest", "differences", "load_checkpoint", "load_file", "load_full_into_sharded", "read_checkpoint",
-    "rng_from_json", "rng_state", "rng_to_json", "save_checkpoint", "save_file", "set_rng_state", "verify",
+    "FILE_FORMAT", "FORMAT", "VERSION", "Checkpoint", "CheckpointError", "RunIdentity", "RunRecord", "check_contents",
+    "check_optimizer_state", "check_rng", "check_shapes", "corpus_digest", "differences", "load_checkpoint",
+    "load_file", "load_full_into_sharded", "read_checkpoint", "read_run_config", "rng_from_json", "rng_state",
+    "rng_to_json", "save_checkpoint", "save_file", "set_rng_state", "verify",
 ]

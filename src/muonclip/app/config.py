@@ -52,6 +52,15 @@ tunes its own at each size)."""
 ATTENTIONS = ("mha", "mla")
 ORTH_DTYPES = ("bfloat16", "float32")
 SEED_LIMIT = 2**62  # seeds are 0 <= seed < SEED_LIMIT: torch.manual_seed takes 64-bit values, compare adds offsets
+INT_LIMIT = 2**62
+"""The largest value of any whole-number setting (steps, sizes, counts): step counters and tensor
+sizes are 64-bit. Sizes are bounded far below this by the memory estimate
+(`muonclip.app.memory.check_memory`)."""
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest float32: the weights' dtype, so every coefficient a step computes from a setting
+(a learning rate times its update scale, weight decay or AdamW's bias correction) must fit it."""
+ADAMW_BETA1 = 0.9
+"""AdamW's beta1 in every run (torch.optim.AdamW and Muon's AdamW branch, betas (0.9, 0.95))."""
 
 
 def _model(default: Any, *, shape: bool = True) -> Any:
@@ -203,8 +212,11 @@ class RunConfig:
         return float(getattr(self, f"lr_{optimizer}"))
 
     def validate(self) -> RunConfig:
-        """Raise ValueError naming the field and the fix if any value is out of range (nan and
-        +-inf are out of every range); return self."""
+        """Raise ValueError naming the field and the fix if any value is not of its field's type
+        (`check_types`) or is out of range (nan and +-inf are out of every range; whole numbers
+        above `INT_LIMIT`; a learning rate whose step coefficients overflow float32,
+        `check_rates`); return self."""
+        self.check_types()
         positive = ("block_size", "n_layer", "n_head", "n_embd", "batch_size", "steps", "eval_every",
                     "eval_batches", "checkpoint_every")
         for name in positive:
@@ -263,18 +275,89 @@ class RunConfig:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.n_kv_head is not None and (self.n_kv_head < 1 or self.n_head % self.n_kv_head):
             raise ValueError(f"n_kv_head ({self.n_kv_head}) must divide n_head ({self.n_head})")
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, int) and not isinstance(v, bool) and abs(v) > INT_LIMIT:
+                raise ValueError(f"{f.name} must be at most {INT_LIMIT} (2**62), got {v}")
+        if self.aux_loss_weight > FLOAT32_MAX:
+            raise ValueError(f"aux_loss_weight must be at most {FLOAT32_MAX:.4g} (it scales a float32 loss), got "
+                             f"{self.aux_loss_weight!r}")
+        self.check_rates()
         return self
+
+    def check_types(self) -> None:
+        """Raise ValueError naming the first field whose value is not of its type (the field's
+        annotation: an int is a whole number and not a bool; a float may be given as an int; a
+        str, a bool, None where optional, a tuple of the item type). A config read from a file
+        (`from_dict`) can hold anything."""
+        hints = get_type_hints(RunConfig)
+        for f in dataclasses.fields(self):
+            v, hint = getattr(self, f.name), hints[f.name]
+            if get_origin(hint) is tuple:
+                item = get_args(hint)[0]
+                if not isinstance(v, (tuple, list)) or not all(_of_type(x, item) for x in v):
+                    raise ValueError(f"{f.name} must be a list of {_TYPE_NAMES[item]}s, got {v!r:.200}")
+                continue
+            args = [a for a in get_args(hint) if a is not type(None)] or [hint]
+            optional = type(None) in get_args(hint)
+            if not ((optional and v is None) or _of_type(v, args[0])):
+                expected = _TYPE_NAMES[args[0]] + (" or none" if optional else "")
+                raise ValueError(f"{f.name} must be {expected}, got {v!r:.200}")
+
+    def check_rates(self) -> None:
+        """Raise ValueError naming the first learning rate (``lr_<optimizer>``, ``stability_lr``,
+        ``lr_adamw_budgets``) for which a step's coefficients overflow float32: Muon's ``lr *
+        0.2 sqrt(max(A, B))`` for the largest hidden matrix (A x B, counted from the config:
+        `muonclip.app.memory.hidden_extent`) and ``lr * weight_decay``; AdamW's ``lr / (1 -
+        beta1)`` (its first step's bias correction) and ``lr * weight_decay`` — the check that
+        ``muonclip.Muon`` makes of its own groups (`muonclip.optim.validation.check_step_scalars`)."""
+        from ..optim.validation import StepLimits, check_step_scalars
+        from .memory import hidden_extent
+
+        limits = StepLimits(0.2 * math.sqrt(hidden_extent(self)), FLOAT32_MAX, FLOAT32_MAX)
+        muon = [(f"lr_{o}", getattr(self, f"lr_{o}")) for o in OPTIMIZERS if o != "adamw"]
+        adamw = [("lr_adamw", self.lr_adamw)] + [("lr_adamw_budgets", v) for v in self.lr_adamw_budgets]
+        for algorithm, rates in (("muon", [*muon, ("stability_lr", self.stability_lr)]), ("adamw", adamw)):
+            for name, lr in rates:
+                group = {"algorithm": algorithm, "lr": lr, "weight_decay": self.weight_decay,
+                         "betas": (ADAMW_BETA1, 0.95), "adamw_eps": 1e-8}
+                try:
+                    check_step_scalars(group, limits)
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e} (float32, the weights' dtype)") from None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunConfig:
+        """The config of a dict of its fields (as `to_dict` gives, JSON lists for tuples); fields
+        absent take their defaults. Not validated (call `validate`).
+
+        Raises:
+            ValueError: ``d`` is not a dict, or holds a name that is not a field.
+        """
+        if not isinstance(d, dict):
+            raise ValueError(f"a config is a JSON object of its fields, got {d!r:.100}")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - names
         if unknown:
             raise ValueError(f"unknown config fields {sorted(unknown)}")
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})  # JSON lists: tuples
+
+
+_TYPE_NAMES = {int: "a whole number", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _of_type(value: Any, kind: type) -> bool:
+    """``value`` is a ``kind`` (int: not a bool; float: an int or a float, not a bool)."""
+    if kind is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if kind is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, kind)
 
 
 MODEL_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RunConfig) if "model" in f.metadata)
@@ -414,7 +497,8 @@ def apply_overrides(cfg: RunConfig, overrides: dict[str, Any] | None = None,
 
 
 __all__ = [
-    "ATTENTIONS", "MODEL_FIELDS", "MUON_VARIANTS", "OPTIMIZERS", "ORTH_DTYPES", "PRESETS", "SEED_LIMIT",
+    "ADAMW_BETA1", "ATTENTIONS", "FLOAT32_MAX", "INT_LIMIT", "MODEL_FIELDS", "MUON_VARIANTS", "OPTIMIZERS",
+    "ORTH_DTYPES", "PRESETS", "SEED_LIMIT",
     "SHAPE_FIELDS", "STABILITY_SEGMENTS", "TUNED_PRESETS", "RunConfig",
     "apply_overrides", "check_optimizer", "make_config", "model_config", "parse_value",
 ]

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..distributed.checkpoint import CheckpointError
-from .checkpoints import read_checkpoint
+from .checkpoints import read_checkpoint, read_run_config
 from .config import OPTIMIZERS, PRESETS, RunConfig, apply_overrides, make_config
 from .data import DataError
 from .launch import (
@@ -40,6 +40,7 @@ from .launch import (
     mode,
     session,
 )
+from .resume import check_restart
 from .runfolder import OutputError, check_run_folder
 from .train import Interrupted, NonFiniteLossError
 
@@ -145,13 +146,18 @@ def _run_train(args: argparse.Namespace) -> int:
             raise OutputError("--resume needs --out, the folder of the run to continue")
         if args.preset is not None:
             raise ValueError("--preset cannot be used with --resume: the run's config comes from its checkpoint")
-        check_run_folder(Path(args.out))
-        found = read_checkpoint(Path(args.out))
-        optimizer = args.optimizer or found.optimizer
-        try:
-            base = RunConfig.from_dict(found.config)
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"{found.path} holds an unreadable config ({e})") from None
+        state = check_run_folder(Path(args.out))
+        record = read_run_config(Path(args.out))  # every file checked before anything is read for training
+        if state.has_checkpoint:
+            found = read_checkpoint(Path(args.out))
+            optimizer = args.optimizer or found.optimizer
+            try:
+                base = RunConfig.from_dict(found.config)
+            except (TypeError, ValueError) as e:
+                raise CheckpointError(f"{found.path} holds an unreadable config ({e})") from None
+        else:  # a run that stopped before its first checkpoint restarts with its own config
+            check_restart(Path(args.out), record.config)
+            optimizer, base = args.optimizer or record.optimizer, record.config
         over = _overrides(args)
         if args.lr is not None:
             over[f"lr_{optimizer}"] = args.lr

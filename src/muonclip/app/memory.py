@@ -1,7 +1,10 @@
 """Will one training step of a run fit in memory? An estimate of its peak, checked before any work.
 
 `step_memory` estimates the peak memory of one ``muonclip train`` step of the reference GPT
-from the config alone (the model is built on the ``meta`` device: nothing is allocated):
+from the config alone, by arithmetic: the parameters' shapes are counted from the config
+(`block_parameters`, `outer_parameters`; ``tests/test_memory.py`` checks them against the
+model's own), never by building a model, so that any size, however absurd (``n_layer`` =
+1e23), is estimated at once and refused:
 
 * parameters (float32) and their gradients; the optimizer state (AdamW's two moments; Muon's
   momentum on the hidden matrices, AdamW's moments on the rest, and four Newton–Schulz
@@ -49,12 +52,14 @@ memory-efficient attention does not materialise MLA's scores, so there it is an 
 `check_memory` compares the estimate with the memory available (`available_memory`; CPU: the
 smallest of ``MemAvailable`` and what every level of this process's own memory cgroups still
 allows, v1 or v2, nested (`cgroup_limits`), shared by the ranks of the machine; CUDA: the
-device's free memory) and raises a ValueError (the CLI exits with 2, before anything is
-written) naming the setting to lower and the largest value of it that fits.
+device's free memory; where none can be read, `MEMORY_CEILING`, more than any machine has) and
+raises a ValueError (the CLI exits with 2, before anything is written) naming the setting to
+lower and the largest value of it that fits.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -70,6 +75,9 @@ FLOAT = 4  # bytes of a float32
 CORPUS_FACTOR = 3  # peak and kept RSS of the corpus per byte of its files (2.4-2.5 measured, many documents)
 DOCUMENT_FACTOR = 8  # per byte of the largest file (4.9 measured for ASCII text, 8.0 with 4-byte characters)
 SAFETY_MARGIN = 0.3  # added share of the counted tensors (all but the fixed overhead): see the module docstring
+MEMORY_CEILING = 2**50
+"""Bytes no single process has (1 PiB): the bound of a step's estimate where the memory available
+cannot be read."""
 
 
 @dataclass(frozen=True)
@@ -97,21 +105,63 @@ def corpus_memory(total_bytes: int, largest_bytes: int) -> int:
     return CORPUS_FACTOR * total_bytes + DOCUMENT_FACTOR * largest_bytes
 
 
-def _parameter_counts(cfg: RunConfig) -> tuple[int, int, int]:
-    """(all parameters, those of Muon's hidden matrices, the largest hidden matrix), counted on
-    a model built on the meta device."""
-    from ..optim import param_groups
-    from .model import build_model
+Shapes = list[tuple[str, tuple[int, ...], bool]]
+"""``(name, shape, hidden)`` of parameters: ``hidden`` when `muonclip.param_groups` gives it to Muon."""
 
-    state = torch.random.get_rng_state()  # build_model seeds the global generator
-    try:
-        with torch.device("meta"):
-            model = build_model(cfg)
-    finally:
-        torch.random.set_rng_state(state)
-    total = sum(p.numel() for p in model.parameters())  # tied weights once
-    hidden = [p.numel() for g in param_groups(model) if g["algorithm"] == "muon" for p in g["params"]]
-    return total, sum(hidden), max(hidden, default=0)
+
+def block_parameters(cfg: RunConfig) -> Shapes:
+    """The parameters of one transformer block of the reference GPT of ``cfg`` (names relative to
+    ``blocks.<i>.``), counted from the config (no bias: the run's GPT has none): the two norms,
+    the attention (MHA/GQA with its optional q/k norms, or MLA with its latent's norm) and the
+    dense MLP or the mixture of experts (router, the experts' 3-D stacks, the shared expert)."""
+    g = model_config(cfg)
+    C, H = g.n_embd, g.n_head
+    out: Shapes = [("ln_1.weight", (C,), False), ("ln_2.weight", (C,), False)]
+    if g.attention == "mha":
+        hd = C // H
+        out += [("attn.q_proj.weight", (H * hd, C), True), ("attn.k_proj.weight", (g.n_kv_head * hd, C), True),
+                ("attn.v_proj.weight", (g.n_kv_head * hd, C), True), ("attn.o_proj.weight", (C, H * hd), True)]
+        if g.qk_norm:
+            out += [("attn.q_norm.weight", (hd,), False), ("attn.k_norm.weight", (hd,), False)]
+    else:
+        nope, rope, v, rank = g.qk_nope_head_dim, g.qk_rope_head_dim, g.v_head_dim, g.kv_lora_rank
+        out += [("attn.q_proj.weight", (H * (nope + rope), C), True),  # a run's MLA has no query LoRA
+                ("attn.kv_a_proj_with_mqa.weight", (rank + rope, C), True), ("attn.kv_a_norm.weight", (rank,), False),
+                ("attn.kv_b_proj.weight", (H * (nope + v), rank), True), ("attn.o_proj.weight", (C, H * v), True)]
+    if g.n_expert:
+        E, eh = g.n_expert, g.expert_hidden
+        out += [("mlp.router.weight", (E, C), True), ("mlp.experts.w_fc", (E, eh, C), True),
+                ("mlp.experts.w_proj", (E, C, eh), True)]
+        if g.n_shared_expert:
+            sh = eh * g.n_shared_expert
+            out += [("mlp.shared_expert.c_fc.weight", (sh, C), True),
+                    ("mlp.shared_expert.c_proj.weight", (C, sh), True)]
+    else:
+        out += [("mlp.c_fc.weight", (4 * C, C), True), ("mlp.c_proj.weight", (C, 4 * C), True)]
+    return out
+
+
+def outer_parameters(cfg: RunConfig) -> Shapes:
+    """The reference GPT's parameters outside its blocks: the token embedding (its LM head is the
+    same tensor) and the final norm."""
+    return [("wte.weight", (256, cfg.n_embd), False), ("ln_f.weight", (cfg.n_embd,), False)]
+
+
+def hidden_extent(cfg: RunConfig) -> int:
+    """The largest dimension of a matrix Muon updates in the reference GPT of ``cfg`` (a 3-D stack
+    is a batch of its last two dimensions): what its largest update scale,
+    ``0.2 sqrt(max(A, B))``, depends on."""
+    return max((max(shape[-2:]) for _, shape, hidden in block_parameters(cfg) if hidden), default=1)
+
+
+def _parameter_counts(cfg: RunConfig) -> tuple[int, int, int]:
+    """(all parameters, those of Muon's hidden matrices, the largest hidden matrix), counted from
+    the config (`block_parameters` times ``n_layer``, plus `outer_parameters`)."""
+    block = [(math.prod(shape), hidden) for _, shape, hidden in block_parameters(cfg)]
+    outer = sum(math.prod(shape) for _, shape, _ in outer_parameters(cfg))
+    hidden = [n for n, h in block if h]
+    total = cfg.n_layer * sum(n for n, _ in block) + outer
+    return total, cfg.n_layer * sum(hidden), max(hidden, default=0)
 
 
 def activation_widths(cfg: RunConfig) -> tuple[list[int], int]:
@@ -169,9 +219,9 @@ def step_memory(cfg: RunConfig, optimizer: str, *, world_size: int = 1, fsdp: bo
     C, V = cfg.n_embd, 256
     # every layer's, the final norm's, the logits' (with log-softmax and both gradients), one
     # layer's gradients in flight during the backward pass, the int64 inputs and targets
-    widths = per_layer * cfg.n_layer + [C] * 2 + [V] * 4 + [4 * C] * 2 + [4]
-    activations = sum(FLOAT * tokens * w for w in widths)
-    slack = sum((ALLOCATOR_FACTOR - 1) * FLOAT * tokens * w for w in widths if FLOAT * tokens * w < MMAP_BYTES)
+    widths = [(w, cfg.n_layer) for w in per_layer] + [(C, 2), (V, 4), (4 * C, 2), (4, 1)]  # (floats, how many)
+    activations = sum(FLOAT * tokens * w * n for w, n in widths)
+    slack = sum((ALLOCATOR_FACTOR - 1) * FLOAT * tokens * w * n for w, n in widths if FLOAT * tokens * w < MMAP_BYTES)
     scores = FLOAT * (cfg.n_layer + 2) * sequences * scores_per_sequence  # a softmax a layer, two gradients
     parts = StepMemory(parameters=int(FLOAT * copies), activations=activations, attention_scores=scores,
                        overhead=int(slack) + LIBRARY_BYTES, corpus=corpus_memory(*corpus))
@@ -263,21 +313,28 @@ def available_memory(device: torch.device, ranks_here: int = 1, root: str | Path
 
 
 def _gib(n: float) -> str:
+    if n >= 2**50:
+        return f"{n / 2**50:.3g} PiB"
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def _largest_fitting(cfg: RunConfig, optimizer: str, name: str, available: int, world_size: int,
                      fsdp: bool, corpus: tuple[int, int]) -> int | None:
     """The largest value below the current one of setting ``name`` whose step fits, or None
-    (``n_embd`` in multiples of ``2 n_head``: whole heads of even width, as RoPE needs)."""
+    (``n_embd`` in multiples of ``2 n_head``: whole heads of even width, as RoPE needs; ``n_expert``
+    at least ``n_expert_active``). A binary search of the arithmetic estimate: about 62 steps at most."""
     unit = 2 * cfg.n_head if name == "n_embd" else 1
-    lo, hi = 0, getattr(cfg, name) // unit  # in units: lo fits (0: nothing yet), hi does not
+    floor = cfg.n_expert_active if name == "n_expert" else 1
+    lo, hi = floor - 1, getattr(cfg, name) // unit  # in units: lo fits (floor - 1: nothing yet), hi does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        need = step_memory(replace(cfg, **{name: mid * unit}), optimizer, world_size=world_size, fsdp=fsdp,
-                           corpus=corpus).total
+        try:
+            need = step_memory(replace(cfg, **{name: mid * unit}), optimizer, world_size=world_size, fsdp=fsdp,
+                               corpus=corpus).total
+        except ValueError:  # not a model (e.g. n_embd no longer a multiple of the heads)
+            need = available + 1
         lo, hi = (mid, hi) if need <= available else (lo, mid)
-    return lo * unit or None
+    return lo * unit if lo >= floor else None
 
 
 def check_memory(cfg: RunConfig, optimizer: str, device: torch.device, *, world_size: int = 1,
@@ -288,7 +345,9 @@ def check_memory(cfg: RunConfig, optimizer: str, device: torch.device, *, world_
 
     The setting named is the one that dominates the estimate: ``block_size`` when the attention
     scores do (they grow with its square), ``batch_size`` when the activations do, ``n_embd``
-    when the parameters and optimizer state do, each with the largest value that would fit.
+    when the parameters and optimizer state do, each with the largest value that would fit;
+    where lowering neither of those would make it fit, the sizes that would (``n_layer``,
+    ``n_embd``, ``batch_size``, ``block_size``, ``n_expert``).
     ``ranks_here`` processes share the machine's memory; ``sharing`` names them in the message
     (default "ranks"; `muonclip compare` runs several runs at a time). ``corpus``: the sizes of
     the corpus's files and of the largest one, read into this process's memory (`step_memory`;
@@ -298,28 +357,36 @@ def check_memory(cfg: RunConfig, optimizer: str, device: torch.device, *, world_
         corpus = (0, 0)
     need = step_memory(cfg, optimizer, world_size=world_size, fsdp=fsdp, corpus=corpus)
     available = available_memory(device, ranks_here)
-    if available is None or need.total <= available:
+    unknown = available is None
+    if unknown:
+        available = MEMORY_CEILING
+    if need.total <= available:
         return need
     parts = {"attention_scores": need.attention_scores, "activations": need.activations,
              "parameters": need.parameters}
     order = {"attention_scores": ("block_size", "batch_size"), "activations": ("batch_size", "block_size"),
              "parameters": ("n_embd", "n_layer")}[max(parts, key=parts.__getitem__)]
-    hints = []
-    for name in order:
-        fits = _largest_fitting(cfg, optimizer, name, available, world_size, fsdp, corpus)
-        hints.append(f"{name} (now {getattr(cfg, name)}" + (f"; {fits} would fit)" if fits else ")"))
+    fits = {name: _largest_fitting(cfg, optimizer, name, available, world_size, fsdp, corpus) for name in order}
+    if not any(fits.values()):  # lowering neither helps: the setting out of all proportion is another
+        others = [n for n in ("n_layer", "n_embd", "batch_size", "block_size", *(("n_expert",) if cfg.n_expert else ()))
+                  if n not in order]
+        found = {n: _largest_fitting(cfg, optimizer, n, available, world_size, fsdp, corpus) for n in others}
+        if any(found.values()):
+            fits = {n: v for n, v in found.items() if v}
+    hints = [f"{name} (now {getattr(cfg, name)}" + (f"; {v} would fit)" if v else ")") for name, v in fits.items()]
     where = "the GPU" if device.type == "cuda" else "this machine" + (f"'s share for each of {ranks_here} {sharing}"
                                                                      if ranks_here > 1 else "")
+    if unknown:
+        where = "no machine (the memory available here cannot be read, and no machine"
     named = {f"activations of {cfg.batch_size // max(1, world_size)} x {cfg.block_size} tokens": need.activations,
              "attention scores": need.attention_scores, "parameters and optimizer state": need.parameters,
              "allocator and libraries": need.overhead, "the corpus": need.corpus, "safety margin": need.margin}
     detail = ", ".join(f"{label} {_gib(n)}" for label, n in named.items() if n)
-    raise ValueError(
-        f"one training step needs about {_gib(need.total)} ({detail}), but {where} has {_gib(available)} "
-        f"available. Lower {' or '.join(hints)}"
-    )
+    has = f"has {_gib(available)})" if unknown else f"has {_gib(available)} available"
+    raise ValueError(f"one training step needs about {_gib(need.total)} ({detail}), but {where} {has}. "
+                     f"Lower {' or '.join(hints)}")
 
 
-__all__ = ["ALLOCATOR_FACTOR", "CORPUS_FACTOR", "DOCUMENT_FACTOR", "LIBRARY_BYTES", "MMAP_BYTES", "SAFETY_MARGIN",
-           "StepMemory", "activation_widths", "available_memory", "cgroup_limits", "check_memory", "corpus_memory",
-           "step_memory"]
+__all__ = ["ALLOCATOR_FACTOR", "CORPUS_FACTOR", "DOCUMENT_FACTOR", "LIBRARY_BYTES", "MEMORY_CEILING", "MMAP_BYTES",
+           "SAFETY_MARGIN", "Shapes", "StepMemory", "activation_widths", "available_memory", "block_parameters",
+           "cgroup_limits", "check_memory", "corpus_memory", "hidden_extent", "outer_parameters", "step_memory"]

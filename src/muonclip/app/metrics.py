@@ -20,7 +20,9 @@ the files again describe one clean run: both files are rewritten to a temporary 
 (`muonclip.app.runfolder.write_atomically`), so a kill at any moment of the rewrite leaves the
 old history or the new one, never a part. A last line without its newline is a row whose write
 a kill cut short (always after the checkpoint's step, so nothing to keep): reading skips it. Any
-other line that is not a JSON row is an error naming the file and the line.
+other line that is not a JSON row is an error naming the file and the line. Both files are
+opened without following a link and only when they are regular files
+(`muonclip.app.runfolder.open_file`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .runfolder import METRICS, write_atomically
+from .runfolder import METRICS, open_file, read_bytes, write_atomically
 
 JSONL, CSV = METRICS
 
@@ -63,11 +65,14 @@ def read_rows(run_dir: str | Path) -> list[dict[str, Any]]:
 
     Raises:
         MetricsError: another line is not a JSON object with an integer ``step``.
+        muonclip.app.runfolder.OutputError: the file is a link or not a regular file.
     """
     path = Path(run_dir) / JSONL
-    if not path.is_file():
+    try:
+        data = read_bytes(run_dir, JSONL)
+    except FileNotFoundError:
         return []
-    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+    lines = data.decode("utf-8", errors="replace").split("\n")
     lines.pop()  # "" when the file ends with a newline, else an unfinished row
     rows = []
     for i, line in enumerate(lines, start=1):
@@ -92,20 +97,24 @@ class MetricsWriter:
         keep_until: None for a fresh run (files are started empty); on resume, the step of the
             checkpoint: rows with a larger step are dropped (both files rewritten atomically,
             module docstring) and writing continues after them.
+        token: the writer's token, named in the rewrite's temporaries
+            (`muonclip.app.runfolder.write_atomically`; default None: a fresh one).
 
     Raises:
         MetricsError: on resume, ``metrics.jsonl`` holds a line that is not a row.
     """
 
-    def __init__(self, run_dir: str | Path, n_layer: int, keep_until: int | None = None) -> None:
+    def __init__(self, run_dir: str | Path, n_layer: int, keep_until: int | None = None,
+                 token: str | None = None) -> None:
         self.dir = Path(run_dir)
         self.columns = csv_columns(n_layer)
         rows = [r for r in read_rows(self.dir) if r["step"] <= keep_until] if keep_until is not None else []
         # the CSV first: a kill between the two renames leaves the old history in metrics.jsonl
-        write_atomically(self.dir / CSV, lambda f: f.write(self._csv_text(rows)), text=True)
-        write_atomically(self.dir / JSONL, lambda f: f.writelines(self._line(r) for r in rows), text=True)
-        self._jsonl = open(self.dir / JSONL, "a", encoding="utf-8")
-        self._csv_file = open(self.dir / CSV, "a", encoding="utf-8", newline="")
+        write_atomically(self.dir / CSV, lambda f: f.write(self._csv_text(rows)), text=True, token=token)
+        write_atomically(self.dir / JSONL, lambda f: f.writelines(self._line(r) for r in rows), text=True, token=token)
+        append = os.O_WRONLY | os.O_APPEND
+        self._jsonl = os.fdopen(open_file(self.dir, JSONL, append), "a", encoding="utf-8")
+        self._csv_file = os.fdopen(open_file(self.dir, CSV, append), "a", encoding="utf-8", newline="")
         self._csv = csv.DictWriter(self._csv_file, fieldnames=self.columns, extrasaction="ignore")
 
     @staticmethod

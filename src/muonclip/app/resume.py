@@ -23,15 +23,26 @@ loaded, so it never describes a run that did not happen.
 
 A checkpoint that is not this folder's run (copied in from another run) is refused with what
 differs (`check_same_run`): the run id, the optimizer, the fixed fields.
+
+**A run that never checkpointed** (killed, pre-empted or stopped by a bad step before its first
+checkpoint: ``config.json`` and perhaps some metrics, no ``checkpoint.json``) restarts from step 0
+on ``--resume``, with its own config (``config.json``, under the same rules: fixed fields stay,
+the others may change) and its own identity; nothing of it was saved, so nothing is kept: its
+metrics start again. A run whose metrics go past its first checkpoint's step did checkpoint:
+its checkpoint is missing, and it stays refused (`check_restart`). So is a folder whose
+``checkpoint.json`` names a checkpoint that is gone (`muonclip.app.checkpoints.verify`).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from .config import SHAPE_FIELDS, RunConfig
+from .metrics import read_rows
+from .runfolder import POINTER, OutputError
 
 FIXED_FIELDS: tuple[str, ...] = (*SHAPE_FIELDS, "seed", "data", "val_fraction", "batch_size")
 """Config fields a resume may not change."""
@@ -91,6 +102,25 @@ def check_same_run(config_json: dict[str, Any] | None, saved_optimizer: str, sav
                          "in its own folder")
 
 
+def first_checkpoint(cfg: RunConfig) -> int:
+    """The step of a run's first checkpoint: ``checkpoint_every``, or the last step if sooner."""
+    return min(cfg.checkpoint_every, cfg.steps)
+
+
+def check_restart(run_dir: str | Path, cfg: RunConfig) -> int:
+    """Raise `muonclip.app.runfolder.OutputError` unless the run of ``run_dir`` (no
+    ``checkpoint.json``; ``cfg``: its ``config.json``'s config) never reached its first checkpoint:
+    its metrics (``metrics.jsonl``, which is on disk before every checkpoint is written) hold no
+    step past `first_checkpoint`. Returns how many steps it logged (its restart drops them)."""
+    steps = [r["step"] for r in read_rows(run_dir)]
+    first = first_checkpoint(cfg)
+    if any(s > first for s in steps):
+        raise OutputError(f"--out {run_dir} holds a run whose checkpoint ({POINTER}) is missing: its metrics go to "
+                          f"step {max(steps)}, past its first checkpoint (step {first}); it cannot be continued: "
+                          "start a new run in another --out")
+    return len(steps)
+
+
 def group_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """Every param group's hyperparameters (everything but ``params``), as built from the config."""
     return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
@@ -109,5 +139,5 @@ def apply_hyperparameters(optimizer: torch.optim.Optimizer, built: list[dict[str
         optimizer.tau = cfg.tau
 
 
-__all__ = ["FIXED_FIELDS", "apply_hyperparameters", "changes", "check_changes", "check_same_run",
-           "group_hyperparameters", "why_fixed"]
+__all__ = ["FIXED_FIELDS", "apply_hyperparameters", "changes", "check_changes", "check_restart", "check_same_run",
+           "first_checkpoint", "group_hyperparameters", "why_fixed"]

@@ -1,4 +1,4 @@
-"""What a `muonclip train` run folder holds, who may write it, and how its files are written.
+"""What a `muonclip train` run folder holds, who may write it, and how its files are read and written.
 
 A run folder (``--out``) holds one run and nothing else::
 
@@ -7,7 +7,10 @@ A run folder (``--out``) holds one run and nothing else::
     checkpoint.json              the current checkpoint: what it is, and a SHA-256 manifest of its files
     checkpoint-step<N>.pt        that checkpoint, one file (one process) ...
     checkpoint-step<N>.dcp/      ... or a torch.distributed.checkpoint folder (several ranks)
-    .lock                        held by the process writing the run (`RunLock`)
+    .lock                        held by the process writing the run (`RunLock`), and the record of its writers
+    <tensorboard folder>         the run's TensorBoard event files, when ``--tensorboard`` is inside ``--out``
+                                 (named in ``config.json``; its event files directly in the folder for
+                                 ``--tensorboard`` = ``--out``)
 
 (`muonclip.app.checkpoints` writes and reads the checkpoint.) Rules:
 
@@ -15,26 +18,42 @@ A run folder (``--out``) holds one run and nothing else::
   or anything else; `muonclip train` starts a new run only in an absent or empty folder and
   resumes only a run folder whose entries all have the names above, so nothing a user wrote is
   ever overwritten (``--out /`` included). A folder whose run lost its checkpoint is refused,
-  never restarted over.
+  never restarted over (a run that stopped before its first checkpoint restarts from its
+  start: `muonclip.app.resume`).
+* **No link is followed, nothing but files is read.** A run folder holds files and folders
+  only: `inspect_folder` refuses a symbolic link or a special file (a FIFO, a device, a
+  socket) anywhere in it, naming it (the CLI exits with 2), and every file of the folder is
+  opened by `open_file`, without following a link at any step of its path (``O_NOFOLLOW``
+  through the folder's own descriptors) and refused unless it is a regular file, before a byte
+  is read; so neither a read nor a write ever leaves the folder, and nothing hangs on a FIFO or
+  ``/dev/zero``. (``--out`` itself may be a link: it is the user's own path.)
 * **One writer.** `RunLock` holds an exclusive ``flock`` on ``.lock`` for the run's life; the
   operating system releases it when the process ends, however it ends. A second writer gets a
   clear error. (``flock`` works on local file systems and, on Linux, on NFS v4; on a file system
   without locks the lock is not enforced.)
-* **Never half-written.** Every file is written to a temporary ``.<name>.tmp-<pid>`` beside it,
-  flushed to disk and renamed onto its name (`write_atomically`), so a kill at any moment
-  leaves the old file or the new one. Temporaries and checkpoints that a kill left behind
-  are removed by the next writer (`remove_leftovers`), under the lock.
+* **Never half-written.** Every file is written to a temporary ``.<name>.muonclip-tmp-<token>``
+  beside it (created exclusively: never an existing file or link), flushed to disk and renamed
+  onto its name (`write_atomically`), so a kill at any moment leaves the old file or the new one.
+* **Only what muonclip wrote is deleted.** ``<token>`` is the writer's random 128-bit token
+  (`new_token`), which `RunLock.stamp` records in ``.lock``; a temporary counts as the run's
+  (`is_own_entry`) only when its token is recorded there, so a user's ``.notes.tmp-2024`` or
+  ``.checkpoint-step5.dcp.tmp/`` makes the folder foreign instead of being removed. The next
+  writer removes, under the lock, the recorded temporaries and the checkpoints that a kill left
+  behind (`remove_leftovers`), and nothing else.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
+import stat
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,12 +64,27 @@ POINTER = "checkpoint.json"
 LOCK = ".lock"
 METRICS = ("metrics.jsonl", "metrics.csv")
 CHECKPOINT_NAME = re.compile(r"checkpoint-step\d+(-\d+)?\.(pt|dcp)")
-TEMPORARY_NAME = re.compile(r"\..+\.tmp-\d+|\.checkpoint-step\d+(-\d+)?\.dcp\.tmp")
+TEMPORARY_NAME = re.compile(r"\.(?P<name>.+)\.muonclip-tmp-(?P<token>[0-9a-f]{32})")
+TENSORBOARD_EVENTS = re.compile(r"events\.out\.tfevents\..+")
+JSON_LIMIT = 64 * 2**20
+"""The largest ``config.json`` or ``checkpoint.json`` read (a run's are a few KiB to a few MiB)."""
+LOCK_RECORD = 16
+"""Tokens of earlier writers kept in ``.lock`` (each writer removes what the ones before it left)."""
 
 
 class OutputError(RuntimeError):
     """The output folder cannot be used (unwritable, in use, or holding something else than a run
     that may be continued); the message says why and what to do."""
+
+
+def new_token() -> str:
+    """A writer's token: 32 random hex digits (uuid4), in its temporaries' names and in ``.lock``."""
+    return uuid.uuid4().hex
+
+
+def temporary_name(name: str, token: str) -> str:
+    """The temporary of ``name`` written by the writer of ``token`` (`TEMPORARY_NAME`)."""
+    return f".{name}.muonclip-tmp-{token}"
 
 
 def fsync_dir(folder: Path) -> None:
@@ -63,20 +97,101 @@ def fsync_dir(folder: Path) -> None:
             os.close(fd)
 
 
-def write_atomically(path: str | Path, write: Callable[[IO[Any]], object], text: bool = False) -> Path:
-    """``write(f)`` into ``.<name>.tmp-<pid>`` beside ``path``, fsync, then ``os.replace`` onto ``path``.
+def _kind(mode: int) -> str:
+    return {stat.S_IFLNK: "a symbolic link", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device",
+            stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a folder"}.get(
+        stat.S_IFMT(mode), "not a regular file")
 
-    On any failure (Ctrl-C, a full disk) the temporary file is removed and ``path`` is untouched.
+
+def _not_plain(folder: Path, rel: str, what: str) -> OutputError:
+    return OutputError(f"--out {folder}: {rel} is {what}; a run folder holds plain files and folders only, and "
+                       "muonclip neither follows a link out of it nor reads anything else (remove it, or choose "
+                       "another --out)")
+
+
+def open_file(folder: str | Path, rel: str, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
+    """Open ``folder/rel`` (``rel``: a path inside the folder, ``/``-separated) and return its
+    descriptor, following no symbolic link on the way (each folder of ``rel`` and the file itself
+    are opened with ``O_NOFOLLOW``, relative to the one before) and refusing anything but a
+    regular file (checked on the open descriptor, opened non-blocking so a FIFO cannot hang).
+
+    Raises:
+        OutputError: a component of ``rel`` is a link, or the file is not a regular file.
+        OSError: anything else (absent, permissions, ...).
+    """
+    folder = Path(folder)
+    parts = rel.split("/")
+    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # --out itself: the user's path
+    try:
+        for i, part in enumerate(parts[:-1]):
+            try:
+                nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise _not_plain(folder, "/".join(parts[: i + 1]), _kind(os.lstat(part, dir_fd=dfd).st_mode)) \
+                        from None
+                raise
+            os.close(dfd)
+            dfd = nfd
+        try:
+            fd = os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=dfd)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise _not_plain(folder, rel, "a symbolic link") from None
+            if e.errno == errno.ENXIO:  # a FIFO opened for writing without a reader, a socket
+                raise _not_plain(folder, rel, _kind(os.lstat(parts[-1], dir_fd=dfd).st_mode)) from None
+            raise
+    finally:
+        os.close(dfd)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise _not_plain(folder, rel, _kind(st.st_mode))
+    os.set_blocking(fd, True)
+    return fd
+
+
+def read_bytes(folder: str | Path, rel: str, limit: int | None = None) -> bytes:
+    """The bytes of ``folder/rel``, opened by `open_file`; ``limit``: refuse a larger file
+    (`OutputError`) before reading it."""
+    fd = open_file(folder, rel)
+    with os.fdopen(fd, "rb") as f:
+        if limit is not None and os.fstat(fd).st_size > limit:
+            raise OutputError(f"--out {folder}: {rel} holds {os.fstat(fd).st_size} bytes, more than a run's {rel} "
+                              f"can ({limit}); the run folder is damaged")
+        return f.read()
+
+
+def read_json(folder: str | Path, rel: str) -> Any:
+    """``folder/rel`` parsed as JSON (`read_bytes`, at most `JSON_LIMIT` bytes).
+
+    Raises:
+        OutputError: a link, a special file, a file too large.
+        OSError, ValueError: unreadable, not UTF-8 JSON.
+    """
+    return json.loads(read_bytes(folder, rel, JSON_LIMIT).decode("utf-8"))
+
+
+def write_atomically(path: str | Path, write: Callable[[IO[Any]], object], text: bool = False,
+                     token: str | None = None) -> Path:
+    """``write(f)`` into ``.<name>.muonclip-tmp-<token>`` beside ``path``, fsync, then ``os.replace``
+    onto ``path`` (which replaces a link there, never writes through it).
+
+    The temporary is created exclusively (``O_EXCL``, no link followed). On any failure (Ctrl-C,
+    a full disk) it is removed and ``path`` is untouched; a kill leaves it, for the next writer to
+    remove when ``token`` is recorded in the folder's lock (`remove_leftovers`).
 
     Args:
         path: the file to (re)place.
         write: called once with the open temporary file.
         text: open it in text mode, UTF-8 (default False: binary).
+        token: the writer's token (default None: a fresh one, which no lock records).
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(temporary_name(path.name, token or new_token()))
     try:
-        with open(tmp, "w" if text else "wb", **({"encoding": "utf-8"} if text else {})) as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "w" if text else "wb", **({"encoding": "utf-8"} if text else {})) as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -88,26 +203,50 @@ def write_atomically(path: str | Path, write: Callable[[IO[Any]], object], text:
     return path
 
 
-def write_json(path: str | Path, obj: Any) -> Path:
+def write_json(path: str | Path, obj: Any, token: str | None = None) -> Path:
     """`write_atomically` of ``obj`` as indented JSON (no NaN or infinity: they are not JSON)."""
-    return write_atomically(path, lambda f: json.dump(obj, f, indent=1, allow_nan=False), text=True)
+    return write_atomically(path, lambda f: json.dump(obj, f, indent=1, allow_nan=False), text=True, token=token)
 
 
-def file_digest(path: str | Path) -> dict[str, Any]:
-    """``{"bytes": size, "sha256": hex digest}`` of the file at ``path`` (read in 1 MiB blocks)."""
+def file_digest(folder: str | Path, rel: str) -> dict[str, Any]:
+    """``{"bytes": size, "sha256": hex digest}`` of ``folder/rel`` (opened by `open_file`, read in
+    1 MiB blocks)."""
     h = hashlib.sha256()
     size = 0
-    with open(path, "rb") as f:
+    with os.fdopen(open_file(folder, rel), "rb") as f:
         while block := f.read(1 << 20):
             h.update(block)
             size += len(block)
     return {"bytes": size, "sha256": h.hexdigest()}
 
 
-def is_own_entry(name: str) -> bool:
-    """True for the names a run folder may hold (module docstring), temporaries included."""
-    return (name in (CONFIG, POINTER, LOCK, *METRICS) or CHECKPOINT_NAME.fullmatch(name) is not None
-            or TEMPORARY_NAME.fullmatch(name) is not None)
+def recorded_tokens(folder: str | Path) -> set[str]:
+    """The writer tokens ``folder/.lock`` records (`RunLock.stamp`): whose temporaries are the
+    run's. Empty without a lock file.
+
+    Raises:
+        OutputError: ``.lock`` is a link or a special file.
+    """
+    try:
+        text = read_bytes(folder, LOCK, 1 << 16).decode("utf-8", "replace")
+    except FileNotFoundError:
+        return set()
+    except OSError:
+        return set()
+    return set(re.findall(r"\b[0-9a-f]{32}\b", text))
+
+
+def is_own_entry(name: str, tokens: Iterable[str] = (), tensorboard: Iterable[str] = ()) -> bool:
+    """True for the names a run folder may hold (module docstring): its files, checkpoints,
+    temporaries whose token is among ``tokens`` (`recorded_tokens`), and the TensorBoard entries
+    ``tensorboard`` names (``"."``: event files in the folder itself)."""
+    if name in (CONFIG, POINTER, LOCK, *METRICS) or CHECKPOINT_NAME.fullmatch(name):
+        return True
+    tb = set(tensorboard)
+    if name in tb or ("." in tb and TENSORBOARD_EVENTS.fullmatch(name)):
+        return True
+    m = TEMPORARY_NAME.fullmatch(name)
+    return m is not None and m["token"] in set(tokens)
 
 
 @dataclass(frozen=True)
@@ -116,23 +255,31 @@ class FolderState:
 
     Attributes:
         kind: ``"absent"``, ``"empty"`` (nothing, or only what a run leaves before its first
-            write: the lock and temporaries), ``"run"`` (a run folder: its config or its
+            write: the lock and its temporaries), ``"run"`` (a run folder: its config or its
             checkpoint, and nothing that is not ours) or ``"foreign"`` (anything else).
         foreign: entries that are not a run folder's (for ``"foreign"``).
         has_checkpoint: the folder holds ``checkpoint.json``.
+        has_config: the folder holds ``config.json``.
     """
 
     kind: str
     foreign: tuple[str, ...] = ()
     has_checkpoint: bool = False
+    has_config: bool = False
 
 
 def inspect_folder(folder: str | Path, allowed: Iterable[str] = ()) -> FolderState:
-    """Sort ``folder`` (`FolderState`); ``allowed`` names more entries that may be in it (e.g. a
-    TensorBoard folder the run writes into it).
+    """Sort ``folder`` (`FolderState`); ``allowed`` names TensorBoard entries the run writes into
+    it (`is_own_entry`), besides those its ``config.json`` records.
+
+    Entries that are not a run folder's make it foreign whatever they are; the run folder's own
+    entries (and everything inside its own folders) must be plain: files where files belong,
+    folders where folders do.
 
     Raises:
-        OutputError: ``folder`` (or a parent) is a file, or it cannot be listed.
+        OutputError: ``folder`` (or a parent) is a file, or it cannot be listed; one of its own
+            entries is a symbolic link, a special file, or a folder where a file belongs (or
+            the reverse), naming it.
     """
     folder = Path(folder)
     probe = folder
@@ -143,27 +290,67 @@ def inspect_folder(folder: str | Path, allowed: Iterable[str] = ()) -> FolderSta
     if not folder.exists():
         return FolderState("absent")
     try:
-        names = sorted(os.listdir(folder))
+        with os.scandir(folder) as it:
+            entries = {e.name: e for e in it}
     except OSError as e:
         raise OutputError(f"--out {folder}: cannot list it ({e.strerror or e}); choose another --out") from None
-    allowed = set(allowed)
-    foreign = tuple(n for n in names if n not in allowed and not (is_own_entry(n) and (n != CONFIG or _is_run_config(
-        folder / n))))
+    names = sorted(entries)
+    tokens = recorded_tokens(folder) if LOCK in entries else set()
+    own_config = CONFIG in entries and _is_run_config(folder)
+    tensorboard = {*allowed, *(_recorded_tensorboard(folder) if own_config else ())}
+    foreign = tuple(n for n in names if not is_own_entry(n, tokens, tensorboard) or (n == CONFIG and not own_config))
     if foreign:
         return FolderState("foreign", foreign)
+    for name in names:
+        _check_plain(folder, name, entries[name], tensorboard)
     if CONFIG in names or POINTER in names or any(CHECKPOINT_NAME.fullmatch(n) for n in names) \
             or any(n in METRICS for n in names):
-        return FolderState("run", has_checkpoint=POINTER in names)
+        return FolderState("run", has_checkpoint=POINTER in names, has_config=CONFIG in names)
     return FolderState("empty")
 
 
-def _is_run_config(path: Path) -> bool:
-    """True when ``path`` is a run's ``config.json``: a JSON object naming an optimizer."""
+def _check_plain(folder: Path, name: str, entry: os.DirEntry, tensorboard: set[str]) -> None:
+    """Raise `OutputError` unless the run folder's own ``entry`` is what its name says: a folder
+    (a sharded checkpoint, its temporary, a TensorBoard folder) holding only plain files and
+    folders, or a regular file."""
+    mode = entry.stat(follow_symlinks=False).st_mode
+    temporary = TEMPORARY_NAME.fullmatch(name)
+    is_dir = name in tensorboard or (temporary["name"] if temporary else name).endswith(".dcp")
+    if stat.S_ISLNK(mode) or not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+        raise _not_plain(folder, name, _kind(mode))
+    if is_dir != stat.S_ISDIR(mode):
+        raise _not_plain(folder, name, "a file, where a folder belongs" if is_dir else "a folder, where a file belongs")
+    if is_dir:
+        for root, dirs, files in os.walk(folder / name, followlinks=False):
+            for sub in (*dirs, *files):
+                m = os.lstat(os.path.join(root, sub)).st_mode
+                if not (stat.S_ISDIR(m) or stat.S_ISREG(m)):
+                    raise _not_plain(folder, os.path.relpath(os.path.join(root, sub), folder), _kind(m))
+
+
+def _is_run_config(folder: Path) -> bool:
+    """True when ``folder/config.json`` is a run's: a JSON object naming an optimizer.
+
+    Raises:
+        OutputError: it is a link or a special file.
+    """
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = read_json(folder, CONFIG)
+    except (OSError, ValueError):  # OutputError (a link, a FIFO) is not an OSError: it goes up
         return False
     return isinstance(data, dict) and "optimizer" in data
+
+
+def _recorded_tensorboard(folder: Path) -> list[str]:
+    """The TensorBoard entries ``folder/config.json`` records (``run.tensorboard``), if well formed."""
+    try:
+        run = read_json(folder, CONFIG).get("run")
+    except (OSError, ValueError, AttributeError):
+        return []
+    entries = run.get("tensorboard") if isinstance(run, dict) else None
+    if not isinstance(entries, list):
+        return []
+    return [e for e in entries if isinstance(e, str) and (e == "." or (Path(e).name == e and e not in ("", "..")))]
 
 
 def check_new_run_folder(folder: str | Path, allowed: Iterable[str] = ()) -> FolderState:
@@ -173,8 +360,9 @@ def check_new_run_folder(folder: str | Path, allowed: Iterable[str] = ()) -> Fol
     if state.kind == "run":
         if state.has_checkpoint:
             raise OutputError(f"--out {folder} already holds a run; continue it with --resume or choose another --out")
-        raise OutputError(f"--out {folder} holds a run whose checkpoint ({POINTER}) is missing; it cannot be "
-                          "continued, and a new run will not overwrite it: choose another --out")
+        raise OutputError(f"--out {folder} holds a run without a checkpoint ({POINTER}), and a new run will not "
+                          "overwrite it: continue it with --resume (a run that stopped before its first checkpoint "
+                          "restarts from its start), or choose another --out")
     if state.kind == "foreign":
         raise OutputError(_foreign(folder, state.foreign))
     check_writable(folder)
@@ -183,16 +371,18 @@ def check_new_run_folder(folder: str | Path, allowed: Iterable[str] = ()) -> Fol
 
 def check_run_folder(folder: str | Path, allowed: Iterable[str] = ()) -> FolderState:
     """Raise `OutputError` unless ``folder`` holds a run that may be continued: a run folder (and
-    nothing else) with its checkpoint, writable."""
+    nothing else), writable, with its checkpoint or, for a run that stopped before its first one,
+    its ``config.json`` (whether such a run may restart is `muonclip.app.resume.check_restart`'s
+    to say)."""
     folder = Path(folder)
     state = inspect_folder(folder, allowed)
     if state.kind in ("absent", "empty"):
         raise OutputError(f"--out {folder} holds no run to continue (no {POINTER}); start one without --resume")
     if state.kind == "foreign":
         raise OutputError(_foreign(folder, state.foreign))
-    if not state.has_checkpoint:
-        raise OutputError(f"--out {folder} holds a run whose checkpoint ({POINTER}) is missing; it cannot be "
-                          "continued: start a new run in another --out")
+    if not state.has_checkpoint and not state.has_config:
+        raise OutputError(f"--out {folder} holds a run whose checkpoint ({POINTER}) and config ({CONFIG}) are "
+                          "missing; it cannot be continued: start a new run in another --out")
     check_writable(folder)
     return state
 
@@ -229,15 +419,16 @@ class RunLock:
         folder: the run folder (created with its parents if absent).
 
     Raises:
-        OutputError: another process holds the lock (a run is writing there), or the folder
-            cannot be created.
+        OutputError: another process holds the lock (a run is writing there), ``.lock`` is a
+            link or not a regular file, or the folder cannot be created.
     """
 
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
+        self.token = ""
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_file(self.folder, LOCK, os.O_RDWR | os.O_CREAT)
         except OSError as e:
             raise OutputError(f"--out {self.folder}: cannot create it ({e.strerror or e}); choose another --out") \
                 from None
@@ -252,11 +443,17 @@ class RunLock:
         self.fd: int | None = fd
 
     def stamp(self, token: str = "") -> None:
-        """Write this process's id and host (and ``token``) into the lock file, for a second writer's
-        message and for the other ranks' shared-folder check."""
+        """Write this process's id and host and ``token`` (`new_token`) into the lock file, for a
+        second writer's message and for the other ranks' shared-folder check, and add ``token`` to
+        the record of the folder's writers (the last `LOCK_RECORD`), whose temporaries are the run's."""
         if self.fd is None:
             return
-        text = f"{os.getpid()} {os.uname().nodename} {token}\n".encode()
+        self.token = token
+        text = os.pread(self.fd, 1 << 16, 0).decode("utf-8", "replace")
+        line = next((x for x in text.splitlines() if x.startswith("writers ")), text)  # oldest first
+        earlier = re.findall(r"\b[0-9a-f]{32}\b", line)
+        record = [t for t in dict.fromkeys(earlier) if t != token][-(LOCK_RECORD - 1):]
+        text = f"{os.getpid()} {os.uname().nodename} {token}\nwriters {' '.join([*record, token])}\n".encode()
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, text, 0)
         os.fsync(self.fd)
@@ -269,21 +466,24 @@ class RunLock:
 
 
 def read_lock_token(folder: str | Path) -> str:
-    """The token `RunLock.stamp` wrote into ``folder/.lock`` ("" when none can be read)."""
+    """The token `RunLock.stamp` wrote into ``folder/.lock`` last ("" when none can be read)."""
     try:
-        parts = (Path(folder) / LOCK).read_text(encoding="utf-8").split()
-    except OSError:
+        parts = read_bytes(folder, LOCK, 1 << 16).decode("utf-8", "replace").split()
+    except (OSError, OutputError):
         return ""
     return parts[2] if len(parts) >= 3 else ""
 
 
 def remove_leftovers(folder: str | Path, keep: str | None) -> list[str]:
-    """Remove what a killed writer left in ``folder``: temporaries and any checkpoint file or folder
-    other than ``keep`` (the one ``checkpoint.json`` names). Call under the lock. Returns the names."""
+    """Remove what a killed writer left in ``folder``: temporaries whose token ``.lock`` records
+    (`recorded_tokens`) and any checkpoint file or folder other than ``keep`` (the one
+    ``checkpoint.json`` names); nothing else. Call under the lock. Returns the names."""
     folder = Path(folder)
+    tokens = recorded_tokens(folder)
     removed = []
     for p in sorted(folder.iterdir()):
-        if TEMPORARY_NAME.fullmatch(p.name) or (CHECKPOINT_NAME.fullmatch(p.name) and p.name != keep):
+        temporary = TEMPORARY_NAME.fullmatch(p.name)
+        if (temporary and temporary["token"] in tokens) or (CHECKPOINT_NAME.fullmatch(p.name) and p.name != keep):
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p, ignore_errors=True)
             else:
@@ -293,32 +493,36 @@ def remove_leftovers(folder: str | Path, keep: str | None) -> list[str]:
 
 
 def read_config(folder: str | Path) -> dict[str, Any] | None:
-    """The dict of ``folder/config.json``, or None when it is absent.
+    """The dict of ``folder/config.json`` (read by `read_json`: no link followed), or None when it
+    is absent. Its fields are checked by `muonclip.app.checkpoints.read_run_config`.
 
     Raises:
-        OutputError: it is not a JSON object.
+        OutputError: it is not a JSON object, or not a plain file.
     """
-    path = Path(folder) / CONFIG
-    if not path.exists():
-        return None
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = read_json(folder, CONFIG)
+    except FileNotFoundError:
+        return None
     except (OSError, ValueError) as e:
-        raise OutputError(f"{path} cannot be read ({type(e).__name__}: {e}); the run folder is damaged") from None
+        raise OutputError(f"{Path(folder) / CONFIG} cannot be read ({type(e).__name__}: {e}); the run folder is "
+                          "damaged") from None
     if not isinstance(data, dict):
-        raise OutputError(f"{path} is not a run's config (a JSON object); the run folder is damaged")
+        raise OutputError(f"{Path(folder) / CONFIG} is not a run's config (a JSON object); the run folder is damaged")
     return data
 
 
-def write_config(folder: str | Path, optimizer: str, config: dict[str, Any], run: dict[str, Any]) -> Path:
+def write_config(folder: str | Path, optimizer: str, config: dict[str, Any], run: dict[str, Any],
+                 token: str | None = None) -> Path:
     """Write ``folder/config.json`` atomically: ``{"optimizer": ..., <config fields>, "run": run}``
-    (``run``: the run's identity and history, `muonclip.app.checkpoints.RunIdentity`)."""
-    return write_json(Path(folder) / CONFIG, {"optimizer": optimizer, **config, "run": run})
+    (``run``: the run's identity and history, `muonclip.app.checkpoints.RunIdentity`; ``token``:
+    the writer's, `write_atomically`)."""
+    return write_json(Path(folder) / CONFIG, {"optimizer": optimizer, **config, "run": run}, token=token)
 
 
 __all__ = [
-    "CHECKPOINT_NAME", "CONFIG", "LOCK", "METRICS", "POINTER", "TEMPORARY_NAME", "FolderState", "OutputError",
-    "RunLock", "check_new_run_folder", "check_run_folder", "check_writable", "file_digest", "fsync_dir",
-    "inspect_folder", "is_own_entry", "read_config", "read_lock_token", "remove_leftovers", "write_atomically",
-    "write_config", "write_json",
+    "CHECKPOINT_NAME", "CONFIG", "JSON_LIMIT", "LOCK", "LOCK_RECORD", "METRICS", "POINTER", "TEMPORARY_NAME",
+    "TENSORBOARD_EVENTS", "FolderState", "OutputError", "RunLock", "check_new_run_folder", "check_run_folder",
+    "check_writable", "file_digest", "fsync_dir", "inspect_folder", "is_own_entry", "new_token", "open_file",
+    "read_bytes", "read_config", "read_json", "read_lock_token", "recorded_tokens", "remove_leftovers",
+    "temporary_name", "write_atomically", "write_config", "write_json",
 ]

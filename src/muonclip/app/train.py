@@ -14,11 +14,14 @@ A run lives in one folder (``run_dir``; its layout, who may write it and how: se
 1. `check_inputs`: the config, the threads, the ranks' agreement, the batch split, the memory
    estimate, the corpus — every input, before anything is written.
 2. `open_run_folder`: a new run only in an absent or empty folder, a resume only of a run
-   folder with its checkpoint; the folder's lock (`muonclip.app.runfolder.RunLock`); on resume
-   the checkpoint verified against its manifest and the resume's changes checked
-   (`muonclip.app.resume`).
+   folder with its checkpoint (or, for a run that stopped before its first checkpoint, a
+   restart from step 0 with its own config, said on screen); the folder's lock
+   (`muonclip.app.runfolder.RunLock`); on resume the checkpoint verified against its manifest,
+   the checkpoint file's contents checked against its pointer, and the resume's changes
+   checked (`muonclip.app.resume`).
 3. `build_state`: the model and the optimizer, wrapped for the launch, the checkpoint loaded
-   and the config's hyperparameters applied.
+   and the config's hyperparameters applied. Only then is the lock stamped with this writer's
+   token, so a resume refused at any of these stages leaves the folder as it was.
 4. the steps (`train_step`), their records (`Records`: metrics, TensorBoard, progress bar) and
    the checkpoints.
 
@@ -58,7 +61,6 @@ import signal
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,11 +76,13 @@ from ..optim import NonFiniteGradError
 from .checkpoints import (
     Checkpoint,
     RunIdentity,
+    check_contents,
     check_shapes,
     corpus_digest,
     load_checkpoint,
     load_file,
     read_checkpoint,
+    read_run_config,
     save_checkpoint,
     set_rng_state,
     verify,
@@ -105,13 +109,20 @@ from .memory import check_memory
 from .metrics import MetricsWriter
 from .model import build_model, build_optimizer, hidden_matrices
 from .probes import ExpertRMS, MLAClipAudit
-from .resume import apply_hyperparameters, changes, check_changes, check_same_run, group_hyperparameters
+from .resume import (
+    apply_hyperparameters,
+    changes,
+    check_changes,
+    check_restart,
+    check_same_run,
+    group_hyperparameters,
+)
 from .runfolder import (
     OutputError,
     RunLock,
     check_new_run_folder,
     check_run_folder,
-    read_config,
+    new_token,
     read_lock_token,
     remove_leftovers,
     write_config,
@@ -340,32 +351,39 @@ def check_inputs(cfg: RunConfig, optimizer: str, run_dir: Path, place: Place, *,
 @dataclass
 class Opened:
     """A run folder ready to write (`open_run_folder`): its lock (rank 0), the checkpoint to
-    resume from (None for a new run), the run's identity with this start's history, and what
-    this resume changed."""
+    resume from (None for a new run or a restart), the run's identity with this start's
+    history, what this resume changed, the checkpoint file's contents (already read and
+    checked, for a file checkpoint), whether this is the restart of a run that never
+    checkpointed, and this writer's token (set by `_stamp`, once the state is built)."""
 
     lock: RunLock | None
     found: Checkpoint | None
     identity: RunIdentity
     changed: dict[str, list[Any]] = field(default_factory=dict)
+    data: dict[str, Any] | None = None
+    restart: bool = False
+    token: str = ""
 
 
 def _inside(run_dir: Path, other: str | Path | None) -> list[str]:
-    """The first entry of ``other``'s path inside ``run_dir`` (a TensorBoard folder put there), or []."""
+    """The entry of ``run_dir`` that ``other`` (a TensorBoard folder) is or lies in: the first
+    component of its path inside ``run_dir``, ``"."`` for ``run_dir`` itself, or [] (elsewhere)."""
     if other is None:
         return []
     try:
         rel = Path(os.path.abspath(other)).relative_to(os.path.abspath(run_dir))
     except ValueError:
         return []
-    return [rel.parts[0]] if rel.parts else []
+    return [rel.parts[0]] if rel.parts else ["."]
 
 
 def open_run_folder(run_dir: Path, cfg: RunConfig, optimizer: str, place: Place, *, resume: bool,
                     data_sha256: str, tensorboard: str | Path | None = None) -> Opened:
     """Stage 2 of `train_run`: check the folder (`muonclip.app.runfolder`), take its lock (rank 0),
-    and on resume read and verify the checkpoint and check what the resume changes
-    (`muonclip.app.resume`). Nothing in the folder is modified here, the lock file aside; every
-    rank agrees on the outcome, and the ranks check that they share the folder.
+    and on resume read and verify the checkpoint, check its file's contents and what the resume
+    changes (`muonclip.app.resume`), or, for a run without a checkpoint, that it may restart. Nothing
+    in the folder is modified here (the lock file is created if absent); every rank agrees on the
+    outcome. A TensorBoard folder inside ``run_dir`` is recorded in the run's identity.
 
     Raises:
         OutputError, CheckpointError, ValueError: on every rank.
@@ -385,50 +403,74 @@ def open_run_folder(run_dir: Path, cfg: RunConfig, optimizer: str, place: Place,
                 lock.release()
                 lock = None
     agree(error, ctx)
-    found, identity, changed = None, RunIdentity.new(data_sha256), {}
+    opened = Opened(lock, None, RunIdentity.new(data_sha256))
     if resume:
         try:
-            found, identity, changed = _check_resume(run_dir, cfg, optimizer, data_sha256)
+            opened = _check_resume(run_dir, cfg, optimizer, data_sha256, lock)
         except (CheckpointError, OutputError, ValueError) as e:
             error = e
         if error is not None and lock is not None:
             lock.release()
         agree(error, ctx)
-    _check_shared_folder(run_dir, lock, ctx)
-    return Opened(lock, found, identity, changed)
+    opened.identity.tensorboard = sorted({*opened.identity.tensorboard, *allowed})
+    return opened
 
 
-def _check_resume(run_dir: Path, cfg: RunConfig, optimizer: str,
-                  data_sha256: str) -> tuple[Checkpoint, RunIdentity, dict[str, list[Any]]]:
-    """Read and verify the checkpoint of ``run_dir`` and check that this resume may continue it."""
+def _check_resume(run_dir: Path, cfg: RunConfig, optimizer: str, data_sha256: str,
+                  lock: RunLock | None) -> Opened:
+    """Read and verify the checkpoint of ``run_dir`` (and its file's contents) and check that this
+    resume may continue it; without a checkpoint, that the run may restart (`check_restart`)."""
+    record = read_run_config(run_dir)
+    if not (run_dir / "checkpoint.json").exists() and record is not None:
+        where = str(run_dir / "config.json")
+        check_restart(run_dir, record.config)
+        changed = changes(record.config.to_dict(), cfg)
+        check_changes(changed, record.optimizer, optimizer, where)
+        _check_text(record.run.data_sha256, data_sha256, where)
+        history = [*record.run.history, *([{"step": 0, "changed": changed}] if changed else [])]
+        identity = RunIdentity(record.run.id, record.run.data_sha256, history, record.run.tensorboard)
+        return Opened(lock, None, identity, changed, restart=True)
     found = read_checkpoint(run_dir)
     verify(found)
     where = str(found.folder / "checkpoint.json")
-    check_same_run(read_config(run_dir), found.optimizer, found.config, found.run.id, where)
+    check_same_run(record.data if record else None, found.optimizer, found.config, found.run.id, where)
     changed = changes(found.config, cfg)
     check_changes(changed, found.optimizer, optimizer, where)
-    if found.run.data_sha256 != data_sha256:
-        raise ValueError(f"the training text differs from the one {where} was trained on (its SHA-256 is "
-                         f"{found.run.data_sha256[:12]}..., this --data gives {data_sha256[:12]}...); a resume "
-                         "needs the same text: restore it, or start a new run in another --out")
+    _check_text(found.run.data_sha256, data_sha256, where)
     if found.step > cfg.steps:
         raise ValueError(f"the checkpoint is at step {found.step}, past steps={cfg.steps}; raise --steps")
-    history = [h for h in found.run.history if h.get("step", 0) < found.step]
+    data = None
+    if found.kind == "file":  # every rank reads it: checked here, loaded in build_state
+        data = load_file(found.path)
+        check_contents(data, found)
+    history = [h for h in found.run.history if h["step"] < found.step]
     if changed:
         history.append({"step": found.step, "changed": changed})
-    return found, RunIdentity(found.run.id, found.run.data_sha256, history), changed
+    own = record.run.tensorboard if record else []
+    identity = RunIdentity(found.run.id, found.run.data_sha256, history, sorted({*found.run.tensorboard, *own}))
+    return Opened(lock, found, identity, changed, data)
 
 
-def _check_shared_folder(run_dir: Path, lock: RunLock | None, ctx: GroupContext) -> None:
+def _check_text(saved: str, data_sha256: str, where: str) -> None:
+    if saved != data_sha256:
+        raise ValueError(f"the training text differs from the one {where} was trained on (its SHA-256 is "
+                         f"{saved[:12]}..., this --data gives {data_sha256[:12]}...); a resume needs the same text: "
+                         "restore it, or start a new run in another --out")
+
+
+def _stamp(run_dir: Path, opened: Opened, ctx: GroupContext) -> None:
     """Rank 0 writes its process id, host and a fresh token into the lock file (for a second
-    writer's message); under torchrun every other rank must read the token there (else the
-    ranks do not share the run folder, e.g. no shared file system)."""
-    token = uuid.uuid4().hex if lock is not None else ""
+    writer's message, and as the record of the temporaries this writer names with it); every
+    rank keeps the token in ``opened.token``. Under torchrun every other rank must read the
+    token there (else the ranks do not share the run folder, e.g. no shared file system)."""
+    lock = opened.lock
+    token = new_token() if lock is not None else ""
     if lock is not None:
         lock.stamp(token)
     if ctx.world_size == 1:
+        opened.token = token
         return
-    token = all_gather_text(token, ctx)[0]
+    token = opened.token = all_gather_text(token, ctx)[0]
     barrier(ctx)
     error = None
     if ctx.rank != 0 and read_lock_token(run_dir) != token:
@@ -455,22 +497,28 @@ class State:
     start: int
 
 
-def build_state(cfg: RunConfig, optimizer: str, place: Place, found: Checkpoint | None) -> State:
+def build_state(cfg: RunConfig, optimizer: str, place: Place, found: Checkpoint | None,
+                data: dict[str, Any] | None = None) -> State:
     """Stage 3 of `train_run`: the model, wrapped for the launch (`muonclip.app.launch.wrap_model`),
     its optimizer, and on resume the checkpoint loaded into both, the config's hyperparameters
     set again over the loaded ones (`muonclip.app.resume.apply_hyperparameters`) and the RNG
     states restored.
 
+    ``data``: the file checkpoint's contents when already read and checked
+    (`muonclip.app.checkpoints.check_contents`; default None: read and checked here).
+
     Raises:
         CheckpointError: the checkpoint does not fit the model (on every rank).
     """
     model = build_model(cfg)
-    data, error = None, None
+    error = None
     try:
         if found is not None:
             check_shapes(found, model)
             if found.kind == "file":
-                data = load_file(found.path)
+                if data is None:
+                    data = load_file(found.path)
+                    check_contents(data, found)
                 model.load_state_dict(data["model"])  # before wrapping: DDP/FSDP2 take the loaded weights
     except CheckpointError as e:
         error = e
@@ -518,14 +566,15 @@ class Records:
             if tensorboard is not None:
                 from ..integrations.tensorboard import TensorBoardWriter
 
-                try:
-                    self.tb = TensorBoardWriter(tensorboard, purge_step=start + 1 if resume else None)
+                try:  # a restart drops what the run logged before, as its metrics
+                    self.tb = TensorBoardWriter(tensorboard, purge_step=start + 1 if resume or opened.restart else None)
                 except ImportError as e:
                     raise ValueError(f"--tensorboard: {e}") from None
             try:
                 remove_leftovers(run_dir, keep=opened.found.name if opened.found else None)
-                write_config(run_dir, optimizer, cfg.to_dict(), opened.identity.to_dict())
-                self.writer = MetricsWriter(run_dir, cfg.n_layer, keep_until=start if resume else None)
+                write_config(run_dir, optimizer, cfg.to_dict(), opened.identity.to_dict(), token=opened.token)
+                self.writer = MetricsWriter(run_dir, cfg.n_layer, keep_until=start if resume else None,
+                                            token=opened.token)
             except OSError as e:
                 raise OutputError(f"--out {run_dir}: cannot write {e.filename or 'a file'} ({e.strerror or e}); "
                                   "free space or choose another --out") from None
@@ -668,6 +717,9 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // place.ctx.world_size))
     opened = open_run_folder(run_dir, cfg, optimizer, place, resume=resume, data_sha256=digest,
                              tensorboard=tensorboard)
+    if opened.restart and place.main:
+        print(f"muonclip: --out {run_dir} holds no checkpoint: the run stopped before its first one, so nothing "
+              "of it was saved; restarting it from step 0 with its own config (config.json)", file=sys.stderr)
     try:
         return _train(cfg, optimizer, run_dir, place, opened, corpus, progress=progress, label=label,
                       tensorboard=tensorboard)
@@ -679,7 +731,9 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
 def _train(cfg: RunConfig, optimizer: str, run_dir: Path, place: Place, opened: Opened, corpus: Corpus, *,
            progress: bool, label: str | None, tensorboard: str | Path | None) -> RunResult:
     """Stages 3 and 4 of `train_run`, under the folder's lock."""
-    state = build_state(cfg, optimizer, place, opened.found)
+    state = build_state(cfg, optimizer, place, opened.found, opened.data)
+    opened.data = None  # loaded: not kept for the run's length
+    _stamp(run_dir, opened, place.ctx)
     found = opened.found
     extra: dict[str, Any] = {"elapsed": 0.0, "last_val_loss": None, **(found.extra if found else {})}
     val = [(rank_rows(x, place.ctx, place.dev, place.tp), rank_rows(y, place.ctx, place.dev, place.tp)) for x, y in
@@ -696,7 +750,7 @@ def _train(cfg: RunConfig, optimizer: str, run_dir: Path, place: Place, opened: 
         meta = {"optimizer": optimizer, "config": cfg.to_dict(), "run": opened.identity.to_dict(),
                 "extra": dict(extra), "mode": mode(place.ctx, place.fsdp, place.tp)}
         return save_checkpoint(run_dir, state.model, state.opt, place.ctx, sharded=place.active, step=step,
-                               meta=meta, previous=last)
+                               meta=meta, previous=last, token=opened.token)
 
     flag, old_handler = _install_sigint()
     old_term = _install_sigterm(flag) if place.active else None

@@ -7,10 +7,11 @@ and so into the next QK-Clip, if and only if the call belongs to a *training for
     and autograd is recording                   (torch.is_grad_enabled(): not under
                                                  torch.no_grad() or torch.inference_mode())
 
-`is_training_forward` states it, and `muonclip.scaled_dot_product_attention` is where every
-path applies it: the reference GPT, the Hugging Face ``"muonclip"`` attention function, the
-FlexAttention backend and any model calling the drop-in, which is told the module's mode by
-its ``training`` argument (``training=self.training``, as for ``F.dropout``). Hence:
+`is_training_forward` states it, and the one recording path (`muonclip.attention.record.attend`)
+is where every entry point applies it: the drop-in `muonclip.scaled_dot_product_attention` (the
+reference GPT, any model calling it), the Hugging Face ``"muonclip"`` attention function, the
+torchtitan recorders; each is told the module's mode by its ``training`` argument
+(``training=self.training``, as for ``F.dropout``). Hence:
 
 * Evaluation (``model.eval()`` and ``no_grad``: the Hugging Face ``Trainer.evaluate`` /
   ``predict``, Lightning's validation, ``muonclip train``'s validation), generation

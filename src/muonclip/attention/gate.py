@@ -3,16 +3,19 @@ r"""The LSE gate: per-head max logits that are exact wherever QK-Clip could act,
 **The bound.** For query row \(i\) of head \(h\), with scores \(s_{ij} = \text{scale}\, q_i \cdot
 k_j\) and additive mask entries \(b_{ij}\) over the keys \(j\) the row may see, the kernel's
 natural-log LSE satisfies \(\text{lse}_i \ge s_{ij} + b_{ij}\) for every such \(j\). With
-\(c = \min(0, \min_{ij} b_{ij})\) over the allowed entries (0 for a boolean mask, a causal
-rule or no mask), \(s_{ij} \le \text{lse}_i - c\), so the head's max logit satisfies
+\(c = \min(0, \min_{ij} b_{ij})\) over the allowed entries (those above ``MASKED_AT``, the pair
+rule of `muonclip.attention.pairs`; 0 for a boolean mask, a causal rule or no mask),
+\(s_{ij} \le \text{lse}_i - c\) for every pair the clip sees, so the head's max logit satisfies
 
 \[
 M_h \le B_h = \max_i \text{lse}_i - c, \qquad B_h \le M_h + \log n - c
 \]
 
 (\(n\) the most keys a row sees). A positive bias can only raise the LSE (the bound stays
-valid); a negative one is paid for by \(c\). Rows with no allowed key carry no score and may
-hold any value in the LSE (the CPU kernel writes 0): they only loosen the bound.
+valid); a negative one is paid for by \(c\). The max over \(i\) runs over the rows of real
+queries only (`seen_rows`: a padding query's row may hold any LSE and carries no pair of the
+max). Rows with no allowed key carry no score and may hold any value in the LSE (the CPU kernel
+writes 0): they only loosen the bound.
 
 **Rounding.** The kernel's scores and the exact path's (`chunked_max_logits`) are two float
 computations of the same dot products in different orders. Each differs from the true
@@ -62,7 +65,9 @@ import torch
 from torch import Tensor
 
 from . import triton_max_logits as triton_max
-from .max_logits import allowed_pairs, check_shapes, chunked_max_logits
+from .call import AttentionCall
+from .max_logits import chunked_max_logits
+from .pairs import allowed_pairs
 
 
 def _roundoff(dtype: torch.dtype) -> float:
@@ -76,7 +81,8 @@ def _max_abs(x: Tensor) -> Tensor:
 
 
 def bias_floor(attn_mask: Tensor | None) -> Tensor | float:
-    """``c = min(0, min over allowed entries of an additive mask)``; 0 for no mask or a bool mask."""
+    """``c = min(0, min over allowed entries of an additive mask)`` (entries above ``MASKED_AT``:
+    `muonclip.attention.pairs`); 0 for no mask or a bool mask."""
     if attn_mask is None or attn_mask.dtype == torch.bool:
         return 0.0
     allowed = allowed_pairs(attn_mask)
@@ -91,32 +97,37 @@ def margins(head_dim: int, dtype: torch.dtype, scale: float,
     return (2 * head_dim + 8) * head_dim * _roundoff(dtype) * abs(scale), 4 * torch.finfo(lse_dtype).eps
 
 
+def seen_rows(call: AttentionCall, lse: Tensor) -> Tensor:
+    """The LSE ``(B, Hq, Tq)`` with the rows of queries the clip does not see (padding,
+    ``call.real_queries`` False) at ``-inf``: they carry no pair of the max, so they must not
+    loosen its bound."""
+    if call.real_queries is None:
+        return lse
+    return lse.masked_fill(~call.real_queries.to(torch.bool)[:, None, :], -math.inf)
+
+
 @torch.no_grad()
-def lse_bound(query: Tensor, key: Tensor, lse: Tensor, attn_mask: Tensor | None = None,
-              scale: float | None = None, enable_gqa: bool = False) -> Tensor:
+def lse_bound(call: AttentionCall, lse: Tensor) -> Tensor:
     """Per query head, ``B_h + eps_h`` (module docstring): an upper bound of the head's max
-    logit as `chunked_max_logits` computes it.
+    logit as `chunked_max_logits` computes it over the pairs the clip sees.
 
     Args:
-        query: ``(B, Hq, Tq, D)``.
-        key: ``(B, Hkv, Tk, D)``.
-        lse: ``(B, Hq, Tq)`` natural-log LSE of the scaled, masked scores (`sdpa_with_lse`).
-        attn_mask: the call's mask (default None), as for SDPA.
-        scale: softmax scale (default None: ``1 / sqrt(D)``).
-        enable_gqa: query head h uses key head ``h // (Hq // Hkv)`` (default False).
+        call: the attention call (`AttentionCall`).
+        lse: ``(B, Hq, Tq)`` natural-log LSE of the call's scaled, masked scores (`sdpa_with_lse`).
 
     Returns:
         ``(Hq,)`` float32; NaN or ``+inf`` where no bound could be made.
     """
-    hq, hkv = check_shapes(query, key, enable_gqa)
+    query, key = call.query, call.key
+    hq, hkv = call.heads()
     D = query.shape[-1]
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    scale = call.softmax_scale
     if lse.numel() == 0:
         return torch.full((hq,), -math.inf, device=query.device)
     # (B, Hq, Tq) -> (B * Tq, Hq) rows: the CPU kernel stores the LSE as (B, Tq, Hq), where this is a view;
     # an amax over dims (0, 2) of that layout runs a far slower reduction
-    row_max = lse.detach().movedim(1, -1).reshape(-1, hq).amax(dim=0)
-    bound = row_max.to(torch.float32) - bias_floor(attn_mask)
+    row_max = seen_rows(call, lse.detach()).movedim(1, -1).reshape(-1, hq).amax(dim=0)
+    bound = row_max.to(torch.float32) - bias_floor(call.attn_mask)
     # |q_i||k_j| <= D max|q| max|k|: one cheap pass over q and k instead of their row norms
     dot, own = margins(D, query.dtype, scale, lse.dtype)
     return bound + dot * _max_abs(query) * _max_abs(key) + own * (bound.abs() + 1)
@@ -131,20 +142,12 @@ def _head_slice(attn_mask: Tensor | None, idx: Tensor) -> Tensor | None:
 
 
 @torch.no_grad()
-def gated_max_logits(
-    query: Tensor,
-    key: Tensor,
-    lse: Tensor,
-    threshold: float,
-    attn_mask: Tensor | None = None,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> tuple[Tensor, Tensor]:
+def gated_max_logits(call: AttentionCall, lse: Tensor, threshold: float) -> tuple[Tensor, Tensor]:
     """Per-head max logits, exact for every head that could exceed ``threshold`` (module docstring).
 
     Args:
-        query, key, attn_mask, is_causal, scale, enable_gqa: the attention call's, as for SDPA.
+        call: the attention call (`AttentionCall`): the pairs the clip sees are its
+            `AttentionCall.clip_pairs`.
         lse: ``(B, Hq, Tq)`` the kernel's LSE for this call (`sdpa_with_lse`).
         threshold: the clip's tau (> 0).
 
@@ -153,47 +156,42 @@ def gated_max_logits(
         `chunked_max_logits` gives it) where ``is_bound`` is False, else an upper bound of it
         that is ``<= threshold``.
     """
-    hq, hkv = check_shapes(query, key, enable_gqa)
+    query, key, scale, enable_gqa = call.query, call.key, call.scale, call.enable_gqa
+    hq, hkv = call.heads()
+    mask, is_causal = call.clip_pairs()
     if triton_max.usable(query, key, scale):  # GPU: the gate runs inside the kernel, per block of rows
-        dot, own = margins(query.shape[-1], query.dtype, 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale,
-                           lse.dtype)
+        dot, own = margins(query.shape[-1], query.dtype, call.softmax_scale, lse.dtype)
         return triton_max.triton_gated_max_logits(
-            query, key, lse, threshold, attn_mask, is_causal, scale, enable_gqa,
-            bias_floor=bias_floor(attn_mask), dot_margin=dot, lse_margin=own,
+            query, key, seen_rows(call, lse.detach()), threshold, mask, is_causal, scale, enable_gqa,
+            bias_floor=bias_floor(call.attn_mask), dot_margin=dot, lse_margin=own,
         )
-    bound = lse_bound(query, key, lse, attn_mask, scale, enable_gqa)
+    bound = lse_bound(call, lse)
     is_bound = bound <= threshold  # False for NaN: such a head takes the exact path
     if query.device.type != "cpu":  # no way to skip heads without a host read: every head exact
-        return exact_max_logits(query, key, attn_mask, is_causal, scale, enable_gqa), torch.zeros_like(is_bound)
+        return exact_max_logits(call), torch.zeros_like(is_bound)
     flagged = (~is_bound).nonzero().flatten()  # CPU: no device sync
     n = flagged.numel()
     if n == 0:
         return bound, is_bound
     if n == hq:  # every head: the exact max of the whole call
-        return chunked_max_logits(query, key, attn_mask, is_causal, scale, enable_gqa), is_bound
+        return chunked_max_logits(query, key, mask, is_causal, scale, enable_gqa), is_bound
     kv_heads = flagged // (hq // hkv)
     exact = chunked_max_logits(
-        query.index_select(1, flagged), key.index_select(1, kv_heads), _head_slice(attn_mask, flagged),
-        is_causal, scale,
+        query.index_select(1, flagged), key.index_select(1, kv_heads), _head_slice(mask, flagged), is_causal, scale,
     )
     return bound.index_put((flagged,), exact), is_bound
 
 
 @torch.no_grad()
-def exact_max_logits(
-    query: Tensor,
-    key: Tensor,
-    attn_mask: Tensor | None = None,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Tensor:
-    """Every head's exact max logit (``(Hq,)`` float32, arguments as `chunked_max_logits`), on the
-    fastest path the call can take: `muonclip.attention.triton_max_logits` where it runs (a CUDA
-    GPU with Triton), `chunked_max_logits` elsewhere."""
-    if triton_max.usable(query, key, scale):
-        return triton_max.triton_max_logits(query, key, attn_mask, is_causal, scale, enable_gqa)
-    return chunked_max_logits(query, key, attn_mask, is_causal, scale, enable_gqa)
+def exact_max_logits(call: AttentionCall) -> Tensor:
+    """Every head's exact max logit over the pairs the clip sees (``(Hq,)`` float32, as
+    `chunked_max_logits`), on the fastest path the call can take:
+    `muonclip.attention.triton_max_logits` where it runs (a CUDA GPU with Triton),
+    `chunked_max_logits` elsewhere."""
+    mask, is_causal = call.clip_pairs()
+    if triton_max.usable(call.query, call.key, call.scale):
+        return triton_max.triton_max_logits(call.query, call.key, mask, is_causal, call.scale, call.enable_gqa)
+    return chunked_max_logits(call.query, call.key, mask, is_causal, call.scale, call.enable_gqa)
 
 
-__all__ = ["bias_floor", "exact_max_logits", "gated_max_logits", "lse_bound", "margins"]
+__all__ = ["bias_floor", "exact_max_logits", "gated_max_logits", "lse_bound", "margins", "seen_rows"]

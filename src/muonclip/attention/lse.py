@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .call import AttentionCall
+
 # the ints torch._fused_sdp_choice returns (torch.nn.attention.SDPBackend)
 _FLASH, _EFFICIENT, _CUDNN = 1, 2, 3
 # per op: (name, its arguments in order, the keyword-only ones, the least number of returns)
@@ -97,12 +99,11 @@ def cuda_lse_op(backend: int) -> Any | None:
     return op
 
 
-def sdpa_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> int:
+def sdpa_choice(call: AttentionCall) -> int:
     """The backend SDPA's dispatcher picks for this call (-1 where it cannot be asked)."""
     try:
-        choice = torch._fused_sdp_choice(
-            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
-        )
+        choice = torch._fused_sdp_choice(call.query, call.key, call.value, call.attn_mask, call.dropout_p,
+                                         call.is_causal, scale=call.scale, enable_gqa=call.enable_gqa)
     except (TypeError, RuntimeError):  # an older signature, or inputs the dispatcher refuses
         return -1
     return int(choice)
@@ -125,44 +126,36 @@ def _aligned_bias(bias: Tensor, query: Tensor, key: Tensor) -> Tensor:
     return bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
 
 
-def _cuda_sdpa_with_lse(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    if dropout_p != 0.0:
+def _cuda_sdpa_with_lse(call: AttentionCall) -> tuple[Tensor, Tensor] | None:
+    if call.dropout_p != 0.0:
         return None
-    choice = sdpa_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    choice = sdpa_choice(call)
     op = cuda_lse_op(choice)
     if op is None:
         return None
+    query, key, value, scale, is_causal = call.query, call.key, call.value, call.scale, call.is_causal
     B, H, Tq, _ = query.shape
-    bias = additive_mask(attn_mask, query.dtype)
+    bias = additive_mask(call.attn_mask, query.dtype)
     if choice == _CUDNN:
-        res = op(query, key, value, bias, True, dropout_p, is_causal, False, scale=scale)
+        res = op(query, key, value, bias, True, 0.0, is_causal, False, scale=scale)
         return res[0], res[1].reshape(B, H, Tq)
     if choice == _EFFICIENT:
         bias = None if bias is None else _aligned_bias(bias, query, key)
-        res = op(query, key, value, bias, True, dropout_p, is_causal, scale=scale)
+        res = op(query, key, value, bias, True, 0.0, is_causal, scale=scale)
         return res[0], res[1][..., :Tq]
     # flash: no mask (the dispatcher never picks it with one); head dims padded to multiples of 8
-    d, dv = query.shape[-1], value.shape[-1]
+    dv = value.shape[-1]
     q, k, v = (F.pad(t, (0, -t.shape[-1] % 8)) if t.shape[-1] % 8 else t for t in (query, key, value))
-    res = op(q, k, v, dropout_p, is_causal, False, scale=1.0 / math.sqrt(d) if scale is None else scale)
+    res = op(q, k, v, 0.0, is_causal, False, scale=call.softmax_scale)
     out = res[0][..., :dv] if dv % 8 else res[0]
     return out, res[1]
 
 
-def sdpa_with_lse(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> tuple[Tensor, Tensor] | None:
+def sdpa_with_lse(call: AttentionCall) -> tuple[Tensor, Tensor] | None:
     """``F.scaled_dot_product_attention``'s output and the kernel's LSE, or None where unavailable.
 
-    Args: as ``F.scaled_dot_product_attention`` (``query (B, Hq, Tq, D)``, ``key (B, Hkv, Tk, D)``,
-    ``value (B, Hkv, Tk, Dv)``; all defaults as there).
+    Args:
+        call: the attention call (`AttentionCall`; its ``sinks`` and token masks are not read).
 
     Returns:
         ``(output (B, Hq, Tq, Dv), lse (B, Hq, Tq))``: the output is SDPA's (same kernel, same
@@ -172,14 +165,16 @@ def sdpa_with_lse(
         kernels; the gate only ever loses tightness or sends the head to the exact path for
         it). None when the call cannot run on that kernel (see the module docstring).
     """
+    query = call.query
     if query.ndim != 4:
         return None
     if query.device.type == "cuda":
-        return _cuda_sdpa_with_lse(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        return _cuda_sdpa_with_lse(call)
     op = cpu_lse_op() if query.device.type == "cpu" else None
-    if op is None or sdpa_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) != _FLASH:
+    if op is None or sdpa_choice(call) != _FLASH:
         return None
-    out, lse = op(query, key, value, dropout_p, is_causal, attn_mask=additive_mask(attn_mask, query.dtype), scale=scale)
+    out, lse = op(query, call.key, call.value, call.dropout_p, call.is_causal,
+                  attn_mask=additive_mask(call.attn_mask, query.dtype), scale=call.scale)
     return out, lse
 
 

@@ -5,12 +5,13 @@ For query head h the max logit of one call is::
     S_h = max over batch b, query i, key j with (i, j) allowed of  scale * q[b, h, i] . k[b, g(h), j]
 
 signed (not absolute), where ``g(h) = h // (Hq // Hkv)`` is the key head of query head h
-(``enable_gqa``, as ``repeat_interleave``), and "allowed" means: ``j <= i`` when ``is_causal``
-(torch's top-left causal mask), ``attn_mask[b, h, i, j]`` is True for a boolean mask, and
-``attn_mask[b, h, i, j] > finfo.min`` for an additive float mask (``-inf`` and the
-``finfo(dtype).min`` that Hugging Face uses both mean "masked"). The finite values of an
-additive mask are a bias, not part of ``q.k``: QK-Clip cannot scale them, so they are not
-included in the max. Fully masked rows contribute ``-inf``.
+(``enable_gqa``, as ``repeat_interleave``), and "allowed" is the pair rule of
+`muonclip.attention.pairs`: ``j <= i`` when ``is_causal`` (torch's top-left causal mask),
+``attn_mask[b, h, i, j]`` True for a boolean mask, above ``MASKED_AT`` (-1e4) for an additive
+float mask (``-inf``, ``-1e9`` and every ``finfo(dtype).min`` mask; a finite value above it is
+a bias, which is not part of ``q.k``: QK-Clip cannot scale it, so it is not included in the
+max). Padding queries and keys come to these functions already folded into a boolean mask
+(`muonclip.attention.call.AttentionCall.clip_pairs`). Fully masked rows contribute ``-inf``.
 
 Two ways to get it:
 
@@ -34,29 +35,10 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
+from .call import check_shapes
+from .pairs import allowed_pairs
+
 DEFAULT_CHUNK_ELEMENTS = 1 << 20  # 1M float32 scores (4 MiB) per chunk: stays in cache
-
-
-def check_shapes(query: Tensor, key: Tensor, enable_gqa: bool) -> tuple[int, int]:
-    """Validate ``query (B, Hq, Tq, D)`` / ``key (B, Hkv, Tk, D)``; return ``(Hq, Hkv)``."""
-    if query.ndim != 4 or key.ndim != 4:
-        raise ValueError(
-            f"recording max logits needs 4-D query (B, Hq, Tq, D) and key (B, Hkv, Tk, D), got "
-            f"{tuple(query.shape)} and {tuple(key.shape)}"
-        )
-    hq, hkv = query.shape[1], key.shape[1]
-    if hq != hkv and not (enable_gqa and hq % hkv == 0):
-        raise ValueError(
-            f"query has {hq} heads and key {hkv}; pass enable_gqa=True with Hq a multiple of Hkv for GQA/MQA"
-        )
-    return hq, hkv
-
-
-def allowed_pairs(mask: Tensor) -> Tensor:
-    """Boolean "pair allowed" of an SDPA mask: the mask itself if bool, else ``mask > finfo.min``."""
-    if mask.dtype == torch.bool:
-        return mask
-    return mask > torch.finfo(mask.dtype).min
 
 
 def _scores(qc: Tensor, kT: Tensor) -> Tensor:
@@ -195,7 +177,8 @@ def flex_attention_with_max(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """FlexAttention output ``(B, Hq, Tq, Dv)`` and per-head max logit ``(Hq,)`` in one kernel (CUDA).
+    """FlexAttention output ``(B, Hq, Tq, Dv)`` and each query row's max logit ``(B, Hq, Tq)``
+    (float32, detached) in one kernel (CUDA).
 
     Only ``attn_mask=None`` or a boolean mask (an additive float mask's bias would enter
     FlexAttention's ``max_scores``, so the caller uses `chunked_max_logits` for those), no
@@ -225,14 +208,11 @@ def flex_attention_with_max(
         query, key, value, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
         return_aux=AuxRequest(max_scores=True),
     )
-    per_head = aux.max_scores.detach().float().amax(dim=(0, 2))  # (B, Hq, Tq) -> (Hq,)
-    return out, per_head
+    return out, aux.max_scores.detach().float()
 
 
 __all__ = [
     "DEFAULT_CHUNK_ELEMENTS",
-    "allowed_pairs",
-    "check_shapes",
     "chunked_max_logits",
     "flex_attention_with_max",
     "flex_available",

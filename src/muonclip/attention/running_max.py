@@ -4,8 +4,9 @@ QK-Clip (docs/design.md, "QK-Clip") needs, per attention head h, ``S_h = scale *
 every token pair the mask lets through, over the whole step: every micro-batch of gradient
 accumulation (and, in `MuonClip.step`, every data-parallel rank). On a training forward
 (training mode and grad enabled; `muonclip.attention.forward_rule`) the attention call
-(`muonclip.scaled_dot_product_attention`) computes the maximum of one call and hands it to
-the layer's recorder; the recorder keeps the running max until the clip consumes it
+(`muonclip.attention.record.attend`, which every entry point takes) computes the maximum of one
+call over the pairs the clip sees (`muonclip.attention.pairs`) and hands it to the layer's
+recorder; the recorder keeps the running max until the clip consumes it
 (`reset`). Evaluation and generation never reach it (`MaxLogitMonitor` reads those).
 
 **The threshold.** A recorder told the clip's threshold (``threshold = tau``; `MuonClip` sets

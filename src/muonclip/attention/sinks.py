@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .call import AttentionCall
 from .lse import additive_mask, cpu_lse_op, schema_matches, sdpa_choice
 
 _FLASH = 1
@@ -87,27 +88,26 @@ class _SinkFlashCPU(torch.autograd.Function):
         return dq, dk, dv, d_sinks, None, None, None
 
 
-def _fused_lse_path(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, dropout_p: float,
-                    is_causal: bool, scale: float | None, enable_gqa: bool) -> bool:
+def _fused_lse_path(call: AttentionCall) -> bool:
     """Whether this call can take the kernel's-LSE path (module docstring)."""
     return (
-        query.device.type == "cpu"
+        call.query.device.type == "cpu"
         and not torch.compiler.is_compiling()  # private ops and their schemas: kept out of compiled graphs
-        and query.ndim == 4
-        and dropout_p == 0.0
-        and not (attn_mask is not None and attn_mask.requires_grad)
+        and call.query.ndim == 4
+        and call.dropout_p == 0.0
+        and not (call.attn_mask is not None and call.attn_mask.requires_grad)
         and cpu_lse_op() is not None
         and cpu_lse_backward_op() is not None
-        and sdpa_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) == _FLASH
+        and sdpa_choice(call) == _FLASH
     )
 
 
-def _with_sink_key(query: Tensor, key: Tensor, value: Tensor, sinks: Tensor, attn_mask: Tensor | None,
-                   is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _with_sink_key(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(q', k', v', mask')`` of the one-more-key form (module docstring)."""
+    query, key, value, attn_mask, scale = call.query, call.key, call.value, call.attn_mask, call.softmax_scale
     B, hq, tq, _ = query.shape
     hkv, tk = key.shape[1], key.shape[2]
-    col = (sinks.to(query.dtype) / scale).view(1, hq, 1, 1).expand(B, hq, tq, 1)
+    col = (call.sinks.to(query.dtype) / scale).view(1, hq, 1, 1).expand(B, hq, tq, 1)
     q2 = torch.cat([query, col], dim=-1)
     sink_key = torch.zeros(B, hkv, 1, key.shape[-1] + 1, dtype=key.dtype, device=key.device)
     sink_key[..., -1] = 1.0
@@ -115,8 +115,8 @@ def _with_sink_key(query: Tensor, key: Tensor, value: Tensor, sinks: Tensor, att
     v2 = F.pad(value, (0, 0, 0, 1))  # the sink's value: zeros
     if attn_mask is None:
         allowed = torch.ones(tq, tk, dtype=torch.bool, device=query.device)
-        mask = allowed.tril() if is_causal else allowed
-    elif is_causal:  # SDPA applies both: write the causal rule into the mask
+        mask = allowed.tril() if call.is_causal else allowed
+    elif call.is_causal:  # SDPA applies both: write the causal rule into the mask
         tri = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril()
         mask = attn_mask & tri if attn_mask.dtype == torch.bool else attn_mask.masked_fill(~tri, -math.inf)
     else:
@@ -125,6 +125,21 @@ def _with_sink_key(query: Tensor, key: Tensor, value: Tensor, sinks: Tensor, att
     extra = torch.ones if mask.dtype == torch.bool else torch.zeros
     mask2 = torch.cat([mask, extra(*mask.shape[:-1], 1, dtype=mask.dtype, device=mask.device)], dim=-1)
     return q2, k2, v2, mask2
+
+
+def attention_with_sinks(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+    """`sink_attention` of an `AttentionCall` (its ``sinks`` must be set): ``(output, lse or None)``."""
+    sinks, query = call.sinks, call.query
+    if sinks is None or sinks.shape != (query.shape[1],):
+        raise ValueError(f"sinks must hold one logit per query head, shape ({query.shape[1]},), "
+                         f"got {None if sinks is None else tuple(sinks.shape)}")
+    if _fused_lse_path(call):
+        bias = additive_mask(call.attn_mask, query.dtype)
+        return _SinkFlashCPU.apply(query, call.key, call.value, sinks, bias, call.is_causal, call.scale)
+    q2, k2, v2, mask2 = _with_sink_key(call)
+    out = F.scaled_dot_product_attention(q2, k2, v2, attn_mask=mask2, dropout_p=call.dropout_p,
+                                         scale=call.softmax_scale, enable_gqa=call.enable_gqa)
+    return out, None
 
 
 def sink_attention(
@@ -157,17 +172,8 @@ def sink_attention(
         transformers' eager sink attention; ``lse`` is the kernel's ``(B, Hq, Tq)`` float32
         log-sum-exp of the q·k scores (without the sink) where the fused CPU path ran, else None.
     """
-    if sinks.shape != (query.shape[1],):
-        raise ValueError(f"sinks must hold one logit per query head, shape ({query.shape[1]},), "
-                         f"got {tuple(sinks.shape)}")
-    if _fused_lse_path(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-        bias = additive_mask(attn_mask, query.dtype)
-        return _SinkFlashCPU.apply(query, key, value, sinks, bias, is_causal, scale)
-    s = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    q2, k2, v2, mask2 = _with_sink_key(query, key, value, sinks, attn_mask, is_causal, s)
-    out = F.scaled_dot_product_attention(q2, k2, v2, attn_mask=mask2, dropout_p=dropout_p, scale=s,
-                                         enable_gqa=enable_gqa)
-    return out, None
+    return attention_with_sinks(AttentionCall(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                              sinks=sinks))
 
 
-__all__ = ["cpu_lse_backward_op", "sink_attention"]
+__all__ = ["attention_with_sinks", "cpu_lse_backward_op", "sink_attention"]

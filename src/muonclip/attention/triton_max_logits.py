@@ -25,7 +25,7 @@ launch plus two reductions, asynchronous on CUDA.
 What it takes: 4-D ``query (B, Hq, Tq, D)``, ``key (B, Hkv, Tk, D)`` (GQA: query head h reads
 key head ``h // (Hq // Hkv)``), bfloat16, float16 or float32, any strides, ``D <= 256``; an
 ``attn_mask`` broadcastable to ``(B, Hq, Tq, Tk)`` (boolean: True attends; additive: allowed
-where ``> finfo.min``, the bias itself not included, as in `muonclip.attention.max_logits`);
+where above ``MASKED_AT``, the bias itself not included: the rule of `muonclip.attention.pairs`);
 torch's top-left causal rule. `usable` says whether a call qualifies; the caller falls back to
 `chunked_max_logits` otherwise (float64, CPU without the interpreter, no Triton, ``D > 256``).
 
@@ -45,7 +45,8 @@ import torch
 from torch import Tensor
 
 from ..common.triton_support import interpreting, triton_available
-from .max_logits import check_shapes
+from .call import check_shapes
+from .pairs import MASKED_AT
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -141,7 +142,7 @@ def _kernel(interpret: bool) -> tuple[Any, Any]:  # triton JITFunctions (or Inte
             if MASK == 1:  # boolean (as uint8): nonzero attends
                 mv = tl.load(m_base + rm[:, None] * s_mq + rn[None, :] * s_mk, mask=ok, other=0)
                 ok = ok & (mv != 0)
-            if MASK == 2:  # additive: allowed where above finfo.min
+            if MASK == 2:  # additive: allowed where above MASKED_AT (muonclip.attention.pairs)
                 mv = tl.load(m_base + rm[:, None] * s_mq + rn[None, :] * s_mk, mask=ok, other=0.0)
                 ok = ok & (mv.to(tl.float32) > mask_min)
             tile_nan = tl.where(ok & (s != s), 1, tile_nan)
@@ -164,15 +165,15 @@ def _kernel(interpret: bool) -> tuple[Any, Any]:  # triton JITFunctions (or Inte
 
 
 def _mask_view(attn_mask: Tensor, shape: tuple[int, int, int, int]) -> tuple[Tensor, int, float]:
-    """``(mask expanded to shape (a view), kind, finfo.min)``: kind 1 for boolean (viewed as
-    uint8), 2 for additive."""
+    """``(mask expanded to shape (a view), kind, threshold)``: kind 1 for boolean (viewed as
+    uint8), 2 for additive (allowed above the threshold, `MASKED_AT`)."""
     try:
         m = attn_mask.expand(shape)
     except RuntimeError:
         raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {shape}") from None
     if m.dtype == torch.bool:
         return m.view(torch.uint8), 1, 0.0
-    return m, 2, float(torch.finfo(m.dtype).min)
+    return m, 2, MASKED_AT
 
 
 def _launch(query, key, attn_mask, is_causal, scale, enable_gqa, gate):

@@ -235,17 +235,20 @@ def mesh_grid(mesh: Any) -> tuple[tuple[int, ...], dict[int, tuple[int, ...]]]:
     return tuple(grid.shape), coords
 
 
-def replicas(t: Tensor) -> int:
-    """How many ranks of the default process group hold each element of this rank's piece of ``t``.
+def replicas(t: Tensor, world: int | None = None) -> int:
+    """How many ranks of a process group hold each element of this rank's piece of ``t``.
 
-    A plain tensor: every rank (the world size; 1 without ``torch.distributed``). A DTensor: the
-    product of its mesh's sizes along the dimensions it is replicated over, times the number of
-    copies of its mesh the world holds (a DTensor on a submesh is the same tensor on every copy,
-    `mesh_grid`). So a sum over all ranks of ``x / replicas(t)``, ``x`` a per-element figure of
-    each rank's piece, counts every element of ``t`` once: MLA's rotary down-projection, which
-    tensor parallelism leaves whole on each TP rank, counts once, not ``tp`` times.
+    ``world`` is the group's size (default None: the default process group's; 1 without
+    ``torch.distributed``). A plain tensor: every rank of the group. A DTensor: the product of
+    its mesh's sizes along the dimensions it is replicated over, times the number of copies of
+    its mesh the group holds (a DTensor on a submesh is the same tensor on every copy,
+    `mesh_grid`). So a sum over the group's ranks of ``x / replicas(t)``, ``x`` a per-element
+    figure of each rank's piece, counts every element of ``t`` once: MLA's rotary
+    down-projection, which tensor parallelism leaves whole on each TP rank, counts once, not
+    ``tp`` times.
     """
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world is None:
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if not is_dtensor(t):
         return world
     mesh = t.device_mesh

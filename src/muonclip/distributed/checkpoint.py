@@ -226,12 +226,13 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         CheckpointError: the directory cannot be read or does not fit (the message names it).
     """
     path = Path(path)
-    read_metadata(path)  # a clear error before DCP's collectives and its fallbacks
+    metadata = read_metadata(path)  # a clear error before DCP's collectives and its fallbacks
     model = unwrap(model)
     try:
         with warnings.catch_warnings():  # an optimizer without state gets it from a zero-lr step, no forward before
             warnings.filterwarnings("ignore", message="MuonClip.step: no attention max logit")
             msd, osd = get_state_dict(model, optimizer)
+        _place_wide_values(osd, optimizer, metadata)
         state = {"model": msd, "optim": osd, "muonclip": {k: 0 for k in COUNTERS if hasattr(optimizer, k)},
                  "extra": ""}
         with warnings.catch_warnings():  # DCP warns that it loads "in a single process": intended there
@@ -248,6 +249,24 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         if hasattr(optimizer, k):
             setattr(optimizer, k, int(v))
     return extra
+
+
+def _place_wide_values(osd: dict[str, Any], optimizer: torch.optim.Optimizer, metadata: Metadata) -> None:
+    """Ask DCP for the optimizer-wide values (Muon's counters, MuonClip's ``tau``) where the
+    checkpoint holds them: in every param group (this version), or in the first parameter's state
+    (earlier versions, `muonclip.optim.state_dicts`), so that both load."""
+    wide = getattr(optimizer, "_wide_state", None)
+    if not callable(wide):
+        return
+    keys, saved = tuple(wide()), metadata.state_dict_metadata
+    for i, group in enumerate(osd.get("param_groups", [])):
+        for key in keys:
+            if f"optim.param_groups.{i}.{key}" not in saved:
+                group.pop(key, None)
+    for fqn, entry in osd.get("state", {}).items():
+        for key in keys:
+            if f"optim.state.{fqn}.{key}" in saved:
+                entry[key] = 0
 
 
 def model_shapes(model: nn.Module) -> dict[str, list[int]]:

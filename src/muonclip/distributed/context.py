@@ -106,6 +106,29 @@ class GroupContext:
 SINGLE = GroupContext(None, 0, 1)
 
 
+def collective_group(params: Sequence[Tensor], process_group: Any = None) -> Any:
+    """The process group every collective of an optimizer over ``params`` uses (its step, the
+    QK-Clip's max-logit reduction, the logging callbacks' reductions); None: no collective.
+
+    The rule of `resolve_group`, without its checks: ``"local"`` is None; a ``ProcessGroup`` is
+    itself; None (automatic) is the group spanning the DTensor parameters' device mesh, else the
+    default group when ``torch.distributed`` is initialised with more than one rank. A group of
+    one rank is None.
+    """
+    if process_group == LOCAL:
+        return None
+    group = process_group
+    if group is None:
+        mesh = next((root_mesh(p.device_mesh) for p in params if is_dtensor(p)), None)
+        if mesh is not None:
+            group = mesh_group(mesh) if mesh.size() > 1 else None
+        elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            group = dist.group.WORLD
+    if group is None or dist.get_world_size(group) == 1:
+        return None
+    return group
+
+
 def resolve_group(params: Sequence[Tensor], name_of: Callable[[int], str], process_group: Any = None) -> GroupContext:
     """Find the group the Muon parameters ``params`` live on; validate their layouts.
 
@@ -185,4 +208,4 @@ def _check_local_shape(p: Tensor, name: str) -> None:
         )
 
 
-__all__ = ["GroupContext", "SINGLE", "locals_and_group", "mesh_group", "resolve_group"]
+__all__ = ["GroupContext", "SINGLE", "collective_group", "locals_and_group", "mesh_group", "resolve_group"]

@@ -14,7 +14,10 @@ share — finding the `muonclip.Muon` under a framework's optimizer wrapper, the
 the per-step metrics — are in `muonclip.integrations.stats`.
 
 Importing this package registers `hf_layers` with `muonclip.qkclip.discovery`, so that
-`muonclip.MuonClip` finds a transformers model's attention layers (``import muonclip`` does).
+`muonclip.MuonClip` finds a transformers model's attention layers, and the family table
+(`muonclip.integrations.families`: every model family's fused projections, head counts, q/k
+norms and adapter names) with `muonclip.common.families`, which `muonclip.param_groups` and
+the clip read (``import muonclip`` does both).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from torch import nn
 
 from ..qkclip.discovery import register_discoverer
 from ..qkclip.layouts import AttentionLayer
+from . import families as _families  # noqa: F401  (registers the family table)
 from .stats import StepMetrics, UpdateRMS, step_metrics, unwrap_optimizer
 
 _LAZY = {

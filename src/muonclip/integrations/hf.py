@@ -31,18 +31,42 @@ Everything muonclip does with transformers lives in the ``hf*`` modules of this 
    mask) with transformers, and gives each layer a `ForwardCheck`: on the layer's first training
    forward the model's previous attention runs on the same inputs and the outputs must agree
    (`muonclip.integrations.hf_check`; ``verify_attention=False`` turns it off).
-3. **Switches the model** to it (``model.set_attn_implementation("muonclip")``), and makes a
-   packed batch (``DataCollatorWithFlattening``: no attention mask, ``position_ids`` restarting
-   per document) attend within its documents: a forward pre-hook asks transformers for the
-   document mask by passing ``use_cache=False`` (transformers builds it from ``position_ids``
-   only without a cache), and refuses a packed batch given with a cache of its own.
+3. **Switches the model** to it (``model.set_attn_implementation("muonclip")``), remembering
+   the implementation every (sub-)model had, which `detach` restores. A forward pre-hook on the
+   model (`_batch_pre_hook`) makes a packed batch (``DataCollatorWithFlattening``: no attention
+   mask, ``position_ids`` restarting per document) attend within its documents, by asking
+   transformers for the document mask with ``use_cache=False`` (transformers builds it from
+   ``position_ids`` only without a cache; a packed batch given with a cache of its own is
+   refused), and hands such a batch's real tokens (`real_tokens`) down to the attention
+   function, so that padding never feeds the clip (the pair rule of `muonclip.attention.pairs`).
 
-Refused, before any step, with the cause named: a model whose attention does not go through
-transformers' attention interface (``_supports_attention_backend`` false: its attention code
-would never reach the function), a model with no softmax attention, an attention layer that
-normalises q/k after its projections (`muonclip.qkclip.qknorm`) or whose projections have no
-known layout, and at the first forward a keyword the function does not implement
-(`muonclip.integrations.hf_attention.check_keywords`).
+**Which tokens are padding.** With a 2-D ``attention_mask`` (0 = padding, on either side), the
+mask transformers builds from it: it hides every padding key, and every other rule it writes lets
+a token see itself, so a query is padding exactly when its own key is masked
+(`muonclip.integrations.hf_attention.real_queries`; every family, with or without the forward
+pre-hook). In padding-free packing, where the batch has no mask (TRL's
+``DataCollatorForLanguageModeling(padding_free=True, pad_to_multiple_of=...)``: each trailing pad
+gets position id 0, so transformers' document mask makes it a one-token document that sees
+itself), a token is padding when it is the pad token (``config.pad_token_id``, which TRL's
+``SFTTrainer`` sets to its collator's) *and* a one-token document of its own (its position id
+restarts, and so does the next one's): exactly the trailing pads that collator appends
+(`real_tokens`, handed down by the forward pre-hook). Not the labels: TRL sets ``-100`` on the
+first token of every document and on prompts, which are real tokens. Not the pad id alone:
+tokenizers that pad with ``eos`` or ``bos`` use it inside documents. A one-token document made of
+the pad token alone is taken for padding (it carries no pair but itself). The keyword reaches the
+attention function only where the family's layers pass the model's keywords on (as they must for
+flash-attention's packed batches): StableLM and Nemotron at transformers 5.24 do not, so their
+padding-free pads are still recorded.
+
+Refused before any step, with the cause named, by ``attach`` (so by ``MuonClip(model)``), and
+before the model is switched: a model whose attention does not go through transformers'
+attention interface (``_supports_attention_backend`` false: its attention code would never
+reach the function), a model with no softmax attention, an attention layer that normalises q/k
+after its projections (`muonclip.qkclip.qknorm`) or whose projections have no known layout, a
+keyword its class passes to the function that the function does not implement, and a feature it
+does not compute that the module's configuration switches on (logit soft-capping; a sparse key
+selection: `muonclip.integrations.hf_attention.check_module_keywords`). A keyword only the
+forward reveals is refused there (`muonclip.integrations.hf_attention.check_keywords`).
 
 **Tensor parallelism.** A model loaded with transformers' own TP plan
 (``from_pretrained(path, distributed_config=DistributedConfig(tp_plan="auto"))`` under
@@ -72,6 +96,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 try:
@@ -83,7 +108,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from ..attention.running_max import MaxLogitRecorder
 from ..common.dtensor import is_dtensor
-from ..qkclip.layouts import AttentionLayer, MLALayout
+from ..qkclip.layouts import AttentionLayer, Layout, MLALayout
 from ..qkclip.tensor_parallel import record_local_heads
 from .hf_attention import (
     ATTN_IMPLEMENTATION,
@@ -92,16 +117,23 @@ from .hf_attention import (
     LAYER_ATTR,
     OFF_ONLY,
     RECORDER_ATTR,
+    TEXT_ATTR,
+    TOKENS_KWARG,
+    check_module_keywords,
     muonclip_attention_forward,
     register,
 )
 from .hf_callback import MuonClipTrainerCallback
 from .hf_check import AttentionMismatchError, ForwardCheck
-from .hf_layouts import Layout, attention_modules, layout_of, mixers_without_attention
+from .hf_layouts import attention_modules, layout_of, mixers_without_attention
 from .hf_trainer import TrainerArgumentsWarning, trainer_optimizer
 
 PACKING_HOOK_ATTR = "muonclip_packing_hook"
-"""Attribute of a switched ``PreTrainedModel`` holding its packed-batch forward pre-hook."""
+"""Attribute of a switched ``PreTrainedModel`` holding its forward pre-hook (`_batch_pre_hook`)."""
+
+PREVIOUS_ATTR = "muonclip_previous_attn_implementation"
+"""Attribute of every ``PreTrainedModel`` `attach` switched: the attention implementation it had
+before (``"sdpa"``, ``"eager"``, ...), which `detach` restores."""
 
 logger = logging.getLogger("muonclip")
 
@@ -210,47 +242,108 @@ def _packed(position_ids: Tensor) -> bool:
     return position_ids.ndim >= 1 and position_ids.shape[-1] > 1 and bool((position_ids.diff(dim=-1) != 1).any())
 
 
-def _packing_pre_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
-    """Forward pre-hook of a switched model: a packed batch without an attention mask attends per document.
+def real_tokens(input_ids: Tensor | None, position_ids: Tensor | None, pad_token_id: int | None) -> Tensor | None:
+    """``(B, T)`` bool, the real tokens of a padding-free packed batch (no attention mask), False
+    for its padding (module docstring, "Which tokens are padding"); None when nothing says.
 
-    transformers builds the document mask from ``position_ids`` only when no attention mask and no
-    cache are given; in training mode ``use_cache`` defaults to the config's (usually True), which
-    skips it and lets documents attend to each other. So for a packed batch this asks for
-    ``use_cache=False``; a packed batch given with a cache of its own is refused.
+    Args:
+        input_ids: ``(B, T)`` token ids.
+        position_ids: ``(B, T)`` positions, restarting per document.
+        pad_token_id: the pad token id (None: padding cannot be told apart).
+
+    A token is padding when it is ``pad_token_id`` and a one-token document: its position
+    restarts (differs from the previous one's plus 1, as transformers finds packed documents)
+    and so does the next token's (or the row ends there).
+    """
+    if not isinstance(input_ids, Tensor) or not isinstance(position_ids, Tensor) or pad_token_id is None:
+        return None
+    if input_ids.ndim != 2 or position_ids.shape != input_ids.shape:
+        return None
+    starts = position_ids.diff(dim=-1, prepend=position_ids[:, :1] - 1) != 1
+    alone = starts & torch.cat([starts[:, 1:], torch.ones_like(starts[:, :1])], dim=-1)
+    return ~(alone & (input_ids == pad_token_id))
+
+
+def _pad_token_id(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    pad = getattr(text, "pad_token_id", None)
+    return pad if isinstance(pad, int) else None
+
+
+def _batch_pre_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+    """Forward pre-hook of a switched model: what the attention function needs to know of the batch.
+
+    * A packed batch without an attention mask attends per document: transformers builds the
+      document mask from ``position_ids`` only when no attention mask and no cache are given; in
+      training mode ``use_cache`` defaults to the config's (usually True), which skips it and lets
+      documents attend to each other. So for a packed batch this asks for ``use_cache=False``; a
+      packed batch given with a cache of its own is refused.
+    * Such a batch's real tokens (`real_tokens`: its padding has no mask to say so) are passed
+      down as the keyword `muonclip.integrations.hf_attention.TOKENS_KWARG` (transformers hands
+      a model's keyword arguments to its attention function), so padding queries never feed the
+      clip. A batch with a 2-D mask needs nothing: the call's mask says which queries are padding.
     """
     signature = inspect.signature(module.forward)
     try:
         bound = signature.bind_partial(*args, **kwargs).arguments
     except TypeError:
         return None
+    var_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
     for p in signature.parameters.values():  # keywords the signature collects in **kwargs
         if p.kind is inspect.Parameter.VAR_KEYWORD:
             bound = {**bound, **bound.pop(p.name, {})}
     position_ids = bound.get("position_ids")
-    if not isinstance(position_ids, Tensor) or bound.get("attention_mask") is not None or not _packed(position_ids):
-        return None
-    if bound.get("past_key_values") is not None or bound.get("cache") is not None:
+    packed = isinstance(position_ids, Tensor) and bound.get("attention_mask") is None and _packed(position_ids)
+    if packed and (bound.get("past_key_values") is not None or bound.get("cache") is not None):
         raise ValueError(
             f"{type(module).__name__}: a packed batch (position_ids restart inside a row) given with a cache: "
             "transformers builds no document mask then, so documents would attend to each other. Pass the packed "
             "batch without past_key_values, or pad it and pass an attention_mask."
         )
-    if "use_cache" not in signature.parameters and not any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()
-    ):
+    if not packed or ("use_cache" not in signature.parameters and not var_keyword):
         return None
     kwargs = dict(kwargs)
     kwargs["use_cache"] = False
+    tokens = real_tokens(bound.get("input_ids"), position_ids, _pad_token_id(module)) if var_keyword else None
+    if tokens is not None:
+        kwargs[TOKENS_KWARG] = tokens
     return args, kwargs
 
 
 def _switch(model: nn.Module) -> None:
     """Switch every outermost PreTrainedModel inside ``model`` to ``"muonclip"`` (it switches its
-    sub-models) and give it the packed-batch pre-hook (`_packing_pre_hook`)."""
+    sub-models), after remembering every (sub-)model's implementation (`PREVIOUS_ATTR`), and give
+    it the forward pre-hook (`_batch_pre_hook`)."""
+    for m in model.modules():
+        if isinstance(m, PreTrainedModel) and not hasattr(m, PREVIOUS_ATTR):
+            setattr(m, PREVIOUS_ATTR, m.config._attn_implementation)
     for m in _outermost_pretrained(model):
         m.set_attn_implementation(ATTN_IMPLEMENTATION)
         if getattr(m, PACKING_HOOK_ATTR, None) is None:
-            setattr(m, PACKING_HOOK_ATTR, m.register_forward_pre_hook(_packing_pre_hook, with_kwargs=True))
+            setattr(m, PACKING_HOOK_ATTR, m.register_forward_pre_hook(_batch_pre_hook, with_kwargs=True))
+
+
+_CROSS = ("cross", "encoder_attn", "encdec")
+"""Name parts of cross-attention modules (Bart's ``encoder_attn``, Bert's ``crossattention``,
+Mllama's ``MllamaTextCrossAttention``, T5's ``EncDecAttention``): their queries and keys are two
+sequences."""
+
+
+def _text_layer(model: nn.Module, name: str, module: nn.Module) -> bool:
+    """Whether an attention module is a self-attention over the model's tokens: not a
+    cross-attention (`_CROSS`, or ``is_cross_attention``), and its config is the text config of
+    the outermost model containing it (the model's own config for a text-only model)."""
+    labels = (name.rsplit(".", 1)[-1].lower(), type(module).__name__.lower())
+    if getattr(module, "is_cross_attention", False) or any(c in lab for c in _CROSS for lab in labels):
+        return False
+    own = getattr(module, "config", None)
+    for m in _outermost_pretrained(model):
+        if any(sub is module for sub in m.modules()):
+            config = m.config
+            text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+            return own is None or own is text or own is config or (text is config and own == config)
+    return False
 
 
 def attach(model: nn.Module, *, gqa_policy: str = "per_head", verify_attention: bool = True) -> list[AttentionLayer]:
@@ -284,7 +377,10 @@ def attach(model: nn.Module, *, gqa_policy: str = "per_head", verify_attention: 
             projections we know; a weight that does not fit the module's head counts; a model
             whose attention implementation cannot be switched; a tensor-parallel q weight split
             inside a head, or a tensor-parallel fused q projection; with ``verify_attention``, an
-            attention module whose modeling file has no eager attention to check against.
+            attention module whose modeling file has no eager attention to check against; a
+            keyword or a configured feature the ``"muonclip"`` function does not compute
+            (`muonclip.integrations.hf_attention.check_module_keywords`: logit soft-capping,
+            a sparse key selection, ...). Every refusal comes before the model is switched.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"attach expects a torch.nn.Module (a transformers model), got {type(model).__name__}")
@@ -296,6 +392,7 @@ def attach(model: nn.Module, *, gqa_policy: str = "per_head", verify_attention: 
     for name, module in found:
         config = getattr(module, "config", None) or getattr(model, "config", None)
         layout = layout_of(name, module, config, gqa_policy)
+        check_module_keywords(module, name)
         recorder = getattr(module, RECORDER_ATTR, None)
         if not isinstance(recorder, MaxLogitRecorder) or recorder.n_heads != layout.n_heads:
             recorder = MaxLogitRecorder(layout.n_heads)
@@ -313,6 +410,7 @@ def attach(model: nn.Module, *, gqa_policy: str = "per_head", verify_attention: 
         if implementation == ATTN_IMPLEMENTATION:  # attached before: check against what it had then
             implementation = getattr(previous, "implementation", None)
         setattr(module, LAYER_ATTR, name)
+        setattr(module, TEXT_ATTR, _text_layer(model, name, module))
         checks.append(ForwardCheck(module, implementation) if verify_attention else None)
     for (_, module), layer, check in zip(found, layers, checks):
         setattr(module, RECORDER_ATTR, layer.recorder)  # plain attributes: not submodules, not in state_dict
@@ -333,25 +431,55 @@ def attach(model: nn.Module, *, gqa_policy: str = "per_head", verify_attention: 
     return layers
 
 
-def detach(model: nn.Module, attn_implementation: str = "sdpa") -> None:
-    """Undo `attach`: remove the recorders, checks and hooks, and switch the model back (default ``"sdpa"``)."""
+def detach(model: nn.Module, attn_implementation: str | None = None) -> None:
+    """Undo `attach`: switch the model back, then remove the recorders, checks and hooks.
+
+    Args:
+        model: a model `attach` (or ``MuonClip(model)``) attached.
+        attn_implementation: the implementation to switch to (default None: the one every
+            (sub-)model had before attaching, e.g. ``"eager"`` for Gemma 2 or GPT-OSS, ``"sdpa"``
+            for Llama).
+
+    Raises:
+        ValueError: the model cannot be switched to ``attn_implementation`` (transformers'
+            message, and what to pass); the model is then left attached as it was, never half
+            detached.
+    """
+    switched = [m for m in model.modules()
+                if isinstance(m, PreTrainedModel) and m.config._attn_implementation == ATTN_IMPLEMENTATION]
+    targets = {id(m): attn_implementation or getattr(m, PREVIOUS_ATTR, None) or "sdpa" for m in switched}
+    try:
+        for m in switched:  # parents first: a parent switches its sub-models, which then get their own
+            if m.config._attn_implementation != targets[id(m)]:
+                m.set_attn_implementation(targets[id(m)])
+    except (ValueError, ImportError) as e:
+        for m in switched:
+            m.set_attn_implementation(ATTN_IMPLEMENTATION)
+        raise ValueError(
+            f"detach: {type(model).__name__} cannot be switched to attn_implementation="
+            f"{attn_implementation or targets[id(switched[0])]!r} ({e}); it is left attached. Call "
+            "detach(model) without attn_implementation to restore the implementation it had before attaching."
+        ) from e
     for module in model.modules():
         check = getattr(module, CHECK_ATTR, None)
         if check is not None:
             check.close()
-        for attr in (RECORDER_ATTR, CHECK_ATTR, LAYER_ATTR):
+        for attr in (RECORDER_ATTR, CHECK_ATTR, LAYER_ATTR, TEXT_ATTR):
             if hasattr(module, attr):
                 delattr(module, attr)
-    for m in _outermost_pretrained(model):
+    for m in model.modules():
+        if not isinstance(m, PreTrainedModel):
+            continue
         hook = getattr(m, PACKING_HOOK_ATTR, None)
         if hook is not None:
             hook.remove()
             delattr(m, PACKING_HOOK_ATTR)
-        m.set_attn_implementation(attn_implementation)
+        if hasattr(m, PREVIOUS_ATTR):
+            delattr(m, PREVIOUS_ATTR)
 
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "KEYWORDS", "OFF_ONLY", "RECORDER_ATTR", "AttachReport", "AttentionMismatchError",
     "ForwardCheck", "MuonClipTrainerCallback", "TrainerArgumentsWarning", "attach", "attach_report", "detach",
-    "muonclip_attention_forward", "register", "trainer_optimizer",
+    "muonclip_attention_forward", "real_tokens", "register", "trainer_optimizer",
 ]

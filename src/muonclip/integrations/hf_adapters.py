@@ -27,17 +27,18 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from ..qkclip.layouts import Magnitudes
+from .families import ADAPTER_BASE, ADAPTER_COPIES, DORA_MAGNITUDE, LORA_A
 
 
 def is_modules_to_save(module: nn.Module) -> bool:
     """Whether ``module`` is peft's ``ModulesToSaveWrapper`` (a trainable copy of a module, by structure)."""
-    return isinstance(getattr(module, "modules_to_save", None), nn.ModuleDict) and hasattr(module, "original_module")
+    return isinstance(getattr(module, ADAPTER_COPIES, None), nn.ModuleDict) and hasattr(module, "original_module")
 
 
 def is_lora_layer(module: nn.Module) -> bool:
     """Whether ``module`` is a peft LoRA/DoRA layer (a ``base_layer`` with ``lora_A`` / ``lora_B`` adapters)."""
-    return isinstance(getattr(module, "base_layer", None), nn.Module) and isinstance(
-        getattr(module, "lora_A", None), nn.ModuleDict
+    return isinstance(getattr(module, ADAPTER_BASE, None), nn.Module) and isinstance(
+        getattr(module, LORA_A, None), nn.ModuleDict
     )
 
 
@@ -60,7 +61,7 @@ def unwrap(module: nn.Module, layer: str, attr: str) -> nn.Module:
         return module
     if getattr(module, "disable_adapters", False):
         return module.original_module
-    return module.modules_to_save[_active(module, layer, attr)]
+    return getattr(module, ADAPTER_COPIES)[_active(module, layer, attr)]
 
 
 def projection_rows(module: nn.Module, layer: str, attr: str) -> tuple[Tensor | Magnitudes, Tensor | None]:
@@ -76,7 +77,7 @@ def projection_rows(module: nn.Module, layer: str, attr: str) -> tuple[Tensor | 
     module = unwrap(module, layer, attr)
     if not is_lora_layer(module):
         return module.weight, getattr(module, "bias", None)
-    base = module.base_layer
+    base = getattr(module, ADAPTER_BASE)
     dora = getattr(module, "use_dora", {}) or {}
     if any(dora.values()):
         adapter = _active(module, layer, attr)
@@ -86,7 +87,7 @@ def projection_rows(module: nn.Module, layer: str, attr: str) -> tuple[Tensor | 
                 "active, so its magnitude vector does not scale the projection's output and QK-Clip has no exact "
                 "row scale. Unmerge / enable it (or merge_and_unload() and train the merged weights in full)."
             )
-        return Magnitudes(module.lora_magnitude_vector[adapter].weight), getattr(base, "bias", None)
+        return Magnitudes(getattr(module, DORA_MAGNITUDE)[adapter].weight), getattr(base, "bias", None)
     return base.weight, getattr(base, "bias", None)
 
 

@@ -38,15 +38,18 @@ model is switched to it (it does not dispatch through transformers' ``AttentionI
 that path) raises too: its max logits would never be recorded. Each check runs once; `pending`
 is then False and the hook is removed. The cost is one reference attention call per layer, once, on at most
 `CHECK_SCORES` scores (``benchmarks/bench_hf_overhead.py`` measures it). Under ``torch.compile``
-the check runs outside the graph (``torch.compiler.disable``): a compiled *first* training forward
-breaks its graph once per layer for it, later forwards never (run one training step before
-compiling to keep even those out). Turning it off is an explicit choice: ``attach(model, verify_attention=False)``, then
-``MuonClip(model, layers=that)``.
+the check is one opaque custom op in the graph (`forward_check`): the compiled first training
+forward hands it the call's tensors and plain keywords, it compares when the graph runs and
+raises from there, and no forward breaks its graph; the forward after the check recompiles once
+without it. Turning it off is an explicit choice: ``attach(model, verify_attention=False)``,
+then ``MuonClip(model, layers=that)``.
 """
 
 from __future__ import annotations
 
+import ast
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -55,7 +58,8 @@ from torch import Tensor, nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..attention.forward_rule import is_training_forward
-from .hf_attention import ATTN_IMPLEMENTATION, attend, layer_name
+from ..attention.pairs import allowed_pairs
+from .hf_attention import ATTN_IMPLEMENTATION, TOKENS_KWARG, attend, layer_name
 
 CHECK_SCORES = 1 << 22
 """Largest score matrix (batch rows x heads x query rows x keys) the check computes per layer."""
@@ -103,7 +107,7 @@ def _allowed(mask: Tensor | None, is_causal: bool, nb: int, tq: int, tk: int, de
     if mask is None:
         allowed = torch.ones(tq, tk, dtype=torch.bool, device=device)
         return (allowed.tril() if is_causal else allowed).expand(nb, 1, tq, tk)
-    m = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
+    m = allowed_pairs(mask)
     m = m.reshape((1,) * (4 - m.ndim) + tuple(m.shape))
     return (m[:nb] if m.shape[0] > 1 else m).expand(nb, m.shape[1], tq, tk)
 
@@ -129,19 +133,24 @@ class ForwardCheck:
         self.pending = True
         self.max_error: float | None = None
         self.tolerance: float | None = None
+        self._module = module
         self._hook = module.register_forward_hook(self._after_forward)
+        _CHECKS[id(self)] = self
 
     def close(self) -> None:
-        """Stop checking (the check ran, or the module is detached)."""
+        """Stop checking (the check ran, or the module is detached). Inside ``torch.compile`` the
+        hook is left in place (a no-op from now on) and removed by the next eager forward."""
         self.pending = False
-        if self._hook is not None:
+        if not torch.compiler.is_compiling() and self._hook is not None:
             self._hook.remove()
             self._hook = None
 
-    @torch.compiler.disable
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self.pending:
+            self.close()
+            return
         switched = getattr(getattr(module, "config", None), "_attn_implementation", ATTN_IMPLEMENTATION)
-        if self.pending and is_training_forward(module.training) and switched == ATTN_IMPLEMENTATION:
+        if is_training_forward(module.training) and switched == ATTN_IMPLEMENTATION:
             raise AttentionMismatchError(
                 f"attention layer '{layer_name(module)}' ({type(module).__name__}) ran a training forward without "
                 f"calling the '{ATTN_IMPLEMENTATION}' attention function (it does not dispatch through transformers' "
@@ -149,17 +158,24 @@ class ForwardCheck:
                 "run. Leave this layer out: MuonClip(model, layers=[...])."
             )
 
-    @torch.compiler.disable
     def run(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
             dropout: float, scaling: float | None, is_causal: bool | None, kwargs: dict[str, Any],
-            out: Tensor) -> None:
+            out: Tensor) -> Tensor:
         """Compare ``out`` (the ``"muonclip"`` output ``(B, Tq, H, Dv)``) with the reference on a training
-        forward (module docstring); a no-op on any other forward. Raises `AttentionMismatchError`."""
+        forward (module docstring); a no-op on any other forward. Returns ``out`` (inside
+        ``torch.compile``: its copy, through the check's custom op). Raises `AttentionMismatchError`."""
         if not (self.pending and is_training_forward(module.training)):
-            return
+            return out
         self.close()
+        if torch.compiler.is_compiling():  # the comparison runs when the graph runs, as one opaque op
+            plain = repr(tuple((k_, v_) for k_, v_ in kwargs.items()
+                               if isinstance(v_, (bool, int, float, str, type(None)))))
+            return torch.ops.muonclip.forward_check(
+                out, query, key, value, attention_mask, kwargs.get("s_aux"), id(self), float(dropout), scaling,
+                is_causal, plain)
         with torch.no_grad():
             self._compare(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs, out)
+        return out
 
     def _compare(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                  dropout: float, scaling: float | None, is_causal: bool | None, kwargs: dict[str, Any],
@@ -188,7 +204,7 @@ class ForwardCheck:
             ours_mask = allowed
             ref_mask = allowed if self.reference == "sdpa" else torch.zeros(
                 allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
-        ref_kwargs = {k_: v_ for k_, v_ in kwargs.items() if k_ != "is_causal"}
+        ref_kwargs = {k_: v_ for k_, v_ in kwargs.items() if k_ not in ("is_causal", TOKENS_KWARG)}
         ref = self._fn(module, q, k, v, ref_mask, dropout=0.0, scaling=scaling, **ref_kwargs)[0]  # (nb, tq', H, Dv)
         if dtype == query.dtype and dropout == 0.0 and rows is None:
             ours = out[:nb]
@@ -215,4 +231,40 @@ class ForwardCheck:
             )
 
 
-__all__ = ["CHECK_SCORES", "AttentionMismatchError", "ForwardCheck", "reference_function"]
+_CHECKS: weakref.WeakValueDictionary[int, ForwardCheck] = weakref.WeakValueDictionary()
+"""Every live `ForwardCheck` by id: how `forward_check` finds its check when a compiled graph runs."""
+
+
+@torch.library.custom_op("muonclip::forward_check", mutates_args=())
+def forward_check(out: Tensor, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                  sinks: Tensor | None, check: int, dropout: float, scaling: float | None, is_causal: bool | None,
+                  keywords: str) -> Tensor:
+    """The one-time check inside a compiled graph: an opaque op (no graph break) that runs
+    `ForwardCheck` number ``check``'s comparison eagerly when the graph runs, on the call's tensors
+    and its keywords (``s_aux`` as ``sinks``; the others that are plain values as ``keywords``, the
+    ``repr`` of their ``(name, value)`` pairs), and returns a copy of ``out`` (so that the graph
+    keeps the op; its gradient passes through unchanged). Raises `AttentionMismatchError`."""
+    found = _CHECKS.get(check)
+    if found is not None:
+        kwargs = dict(ast.literal_eval(keywords))
+        if sinks is not None:
+            kwargs["s_aux"] = sinks
+        with torch.no_grad():
+            found._compare(found._module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs, out)
+    return out.clone()
+
+
+@forward_check.register_fake
+def _(out: Tensor, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, sinks: Tensor | None,
+      check: int, dropout: float, scaling: float | None, is_causal: bool | None, keywords: str) -> Tensor:
+    return torch.empty_like(out)
+
+
+def _forward_check_backward(ctx: Any, grad: Tensor) -> tuple:
+    return (grad,) + (None,) * 10
+
+
+forward_check.register_autograd(_forward_check_backward)
+
+
+__all__ = ["CHECK_SCORES", "AttentionMismatchError", "ForwardCheck", "forward_check", "reference_function"]

@@ -8,38 +8,38 @@ convolutions) compute no softmax over q·k, so there is no max logit to clip: `m
 lists them (modules with a ``layer_idx`` and no softmax attention in or above them), and
 `muonclip.integrations.hf.attach` skips and reports them.
 
-**Head counts, per module.** Query heads, key heads and head size come from the module itself
-(``num_heads``, ``num_key_value_heads``, ``num_key_value_groups``, ``head_dim``), the config only
-where the module holds none: layers of one model may differ (MiMo-V2-Flash's sliding-window
-layers have twice the key heads of its full-attention layers).
+**Layouts** (`layout_of`), from the family table (`muonclip.integrations.families`, read through
+`muonclip.common.families`), checked against the weights by `muonclip.qkclip.AttentionLayer.check`.
+Head counts come from the module, the config only where the module holds none
+(`muonclip.common.family_readers.heads_of`):
 
-**Layouts** (`layout_of`), checked against the weights by `muonclip.qkclip.AttentionLayer.check`:
-
-* Llama / Mistral / Qwen2 style (``q_proj``, ``k_proj``): `MHALayout` when key heads = query
-  heads, else `GQALayout` (exact per-head policy by default); q/k biases are part of the layout.
-* BERT style (``query``, ``key``) and CTRL (``Wq``, ``Wk``): the same, under those names
-  (`PROJECTION_PAIRS`).
-* Fused projections, for the classes whose row order is known (a fused projection of any other
-  class is refused: its order is not stated): Phi-3 style ``qkv_proj`` (rows ``[q | k | v]``,
-  `FUSED_QKV_CLASSES`) and GPT-2's ``c_attn`` (a ``Conv1D`` stored ``(in, out)``; a
-  cross-attention layer's queries come from ``q_attn`` and its ``c_attn`` holds ``[k | v]``;
-  `C_ATTN_CLASSES`) as `Rows` ranges of one weight; GPT-NeoX / Pythia's ``query_key_value``
-  (q, k and v interleaved per head) and CodeGen's ``qkv_proj`` (``[q v k]`` per model-parallel
-  partition) as `StridedRows`.
+* Separate projections (Llama / Mistral / Qwen2 style ``q_proj``, ``k_proj``; BERT style
+  ``query``, ``key``; CTRL's ``Wq``, ``Wk``): `MHALayout` when key heads = query heads, else
+  `GQALayout` (exact per-head policy by default); q/k biases are part of the layout.
+* Fused projections, for the classes whose row order the table states (a fused projection of
+  any other class is refused: its order is not stated): the rows of q and k as the table's
+  `muonclip.common.family_readers.QKVRows` gives them — the same rows `muonclip.param_groups` splits
+  into the q and k maps — as `Rows` ranges of one weight (Phi-3's ``qkv_proj``, GPT-2's
+  ``Conv1D`` ``c_attn`` stored ``(in, out)``, GPTBigCode's multi-query ``c_attn``; a
+  cross-attention layer's queries from ``q_attn``) or `StridedRows` (q, k and v interleaved per
+  head: GPT-NeoX's ``query_key_value``, GPTBigCode's multi-head ``c_attn``; per partition:
+  CodeGen's ``qkv_proj``). Rows that do not fit the weight are refused.
 * peft adapters (`muonclip.integrations.hf_adapters`): a DoRA projection's rows are its
   magnitude vector, a ``modules_to_save`` projection's its trainable copy, a plain LoRA
   projection's its frozen base weight (which MuonClip refuses to write, saying why).
-* A projection clamped after the fact (DBRX's ``clip_qkv``): ValueError — a rescaled row is
-  clamped again.
-* DeepSeek-V3 MLA (``kv_b_proj``): `MLALayout` on ``q_b_proj`` (or ``q_proj`` without a query
-  LoRA) and ``kv_b_proj``; the shared rotary key and V are never touched.
+* A projection clamped after the fact (the table's `muonclip.integrations.families.CLAMPS`:
+  DBRX's ``clip_qkv``): ValueError — a rescaled row is clamped again.
+* Multi-head latent attention (DeepSeek-V3's ``kv_b_proj``): `MLALayout` on ``q_b_proj`` (or
+  ``q_proj`` without a query LoRA) and ``kv_b_proj``; the shared rotary key and V are never
+  touched.
 * A normalisation of q/k after the projection (QK-norm of Qwen3, Gemma 3, OLMo 2; Llama 4's L2
   ``qk_norm``; Phi's ``qk_layernorm``; ...): ValueError naming it — scaling W_q/W_k does not
-  change normalised q/k (`muonclip.qkclip.qknorm`). Norms stated to sit elsewhere are allowed:
-  MLA's ``q_a_layernorm`` / ``kv_a_layernorm`` feed the scaled projections, the norms of
-  `OUTPUT_NORMS` act on the attention's output (DiffLlama's ``groupnorm``, BitNet's
-  ``attn_sub_norm``), and the modules of `SELECTION_CHILDREN` only pick keys (the indexer of
-  DeepSeek sparse attention).
+  change normalised q/k (`muonclip.qkclip.qknorm`). Norms the table states to sit elsewhere are
+  allowed: the latent norms of multi-head latent attention feed the scaled projections, the norms
+  of `muonclip.integrations.families.OUTPUT_NORMS` act on the attention's output (DiffLlama's
+  ``groupnorm``, BitNet's ``attn_sub_norm``), and the modules of
+  `muonclip.integrations.families.SELECTION_CHILDREN` only pick keys (the indexer of DeepSeek
+  sparse attention).
 """
 
 from __future__ import annotations
@@ -50,39 +50,20 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ..qkclip.layouts import GQALayout, MHALayout, MLALayout, Rows, StridedRows
+from ..common.families import families
+from ..common.family_readers import (
+    QKVRows,
+    fused_qkv,
+    heads_of,
+    latent_attention,
+    query_heads,
+    separate_projections,
+    stored_transposed,
+)
+from ..qkclip.layouts import GQALayout, Layout, MHALayout, MLALayout, Rows, StridedRows
 from ..qkclip.qknorm import check_no_qk_norm
+from .families import CLAMPS, OUTPUT_NORMS, SELECTION_CHILDREN
 from .hf_adapters import projection_rows, unwrap
-
-Layout = MHALayout | GQALayout | MLALayout
-
-PROJECTION_PAIRS = (("q_proj", "k_proj"), ("query", "key"), ("Wq", "Wk"))
-"""Names of separate query / key projections (Llama style, BERT style, CTRL)."""
-
-PER_HEAD_QKV_CLASSES = ("GPTNeoXAttention",)
-"""Attention classes whose ``query_key_value`` holds ``[q k v]`` per head, heads one after another."""
-
-FUSED_QKV_CLASSES = ("Phi3Attention", "Phi4MultimodalAttention", "PhimoeAttention")
-"""Attention classes whose ``qkv_proj`` holds the rows ``[q | k | v]``."""
-
-C_ATTN_CLASSES = ("GPT2Attention", "GPTBigCodeAttention")
-"""Attention classes whose ``c_attn`` holds ``[q | k | v]`` (``[k | v]`` for cross-attention, queries in ``q_attn``)."""
-
-PARTITIONED_QKV_CLASSES = {"CodeGenAttention": "mp_num"}
-"""Attention classes whose ``qkv_proj`` holds ``[q v k]`` per model-parallel partition (the attribute
-holding the number of partitions): CodeGen's ``[p0: q v k | p1: q v k | ...]``, heads in partition order."""
-
-OUTPUT_NORMS: dict[str, tuple[str, ...]] = {
-    "DiffLlamaAttention": ("groupnorm",),
-    "BitNetAttention": ("attn_sub_norm",),
-}
-"""Attention class -> children that normalise the attention's *output* (after the softmax and V),
-hence cannot undo a rescaling of W_q/W_k (each one's family is a supported row of the family table,
-``tests/test_qkclip_families.py``: its clip is exact)."""
-
-SELECTION_CHILDREN = ("indexer",)
-"""Children that pick which keys a query sees (DeepSeek sparse attention's indexer) from their own
-projections and norms: they never rescale the q and k of the logits."""
 
 
 @cache
@@ -144,19 +125,19 @@ def _linear(module: nn.Module, attr: str, name: str) -> nn.Module:
     return lin
 
 
-def heads_of(module: nn.Module, config: Any) -> tuple[int, int, int]:
-    """``(query heads, key heads, head dim)`` of an attention module: from the module, else its config."""
-    n_heads = getattr(module, "num_heads", None) or getattr(module, "num_attention_heads", None) \
-        or config.num_attention_heads
-    n_heads = int(n_heads)
-    n_kv = getattr(module, "num_key_value_heads", None)
-    if n_kv is None and getattr(module, "num_key_value_groups", None):
-        n_kv = n_heads // int(module.num_key_value_groups)
-    if n_kv is None:
-        n_kv = getattr(config, "num_key_value_heads", None) or n_heads
-    head_dim = getattr(module, "head_dim", None) or getattr(module, "head_size", None) \
-        or getattr(config, "head_dim", None)
-    return n_heads, int(n_kv), int(head_dim or config.hidden_size // n_heads)
+def _heads(name: str, module: nn.Module, config: Any) -> tuple[int, int, int]:
+    """``(query heads, key heads, head dim)`` of attention module ``name``
+    (`muonclip.common.family_readers.heads_of`)."""
+    heads = heads_of(module, config)
+    if heads is None:
+        spec = families().heads
+        raise ValueError(
+            f"attention layer '{name}' ({type(module).__name__}): its head counts are not stated (module attributes "
+            f"{spec.heads.module + spec.head_dim.module}, config keys {spec.heads.config + spec.head_dim.config}), so "
+            "no head layout muonclip knows applies. State the layout yourself: "
+            "MuonClip(model, layers=[AttentionLayer(name, GQALayout(...), recorder)])"
+        )
+    return heads.n_heads, heads.n_kv_heads, heads.head_dim
 
 
 def _make_layout(q_w, k_w, q_b, k_b, n_heads: int, n_kv: int, head_dim: int, gqa_policy: str) -> MHALayout | GQALayout:
@@ -177,111 +158,96 @@ def _no_layout(name: str, module: nn.Module) -> ValueError:
 
 
 def _mla_layout(name: str, module: nn.Module, config: Any) -> MLALayout:
-    n_heads = int(getattr(module, "num_heads", None) or config.num_attention_heads)
-    q_name = next((a for a in ("q_b_proj", "q_proj") if getattr(module, a, None) is not None), None)
+    latent = latent_attention(module)
+    children = dict(module.named_children())
+    q_name = next((a for a in latent.q_up if a in children), None)
+    found = [query_heads(module, config)] + [r.read(module, config) for r in (latent.nope, latent.rope, latent.v)]
     if q_name is None:  # the queries come from a projection of another layout (e.g. fused with a gate)
         raise _no_layout(name, module)
+    if None in found:
+        raise ValueError(
+            f"attention layer '{name}' ({type(module).__name__}): its latent attention's head counts or sizes are not "
+            f"stated (query heads, {latent.nope}, {latent.rope}, {latent.v}), so no head layout muonclip knows "
+            "applies. State the layout yourself: MuonClip(model, layers=[AttentionLayer(name, MLALayout(...), "
+            "recorder)])"
+        )
+    n_heads, nope, rope, v = (f[0] for f in found)
     q_w, q_b = projection_rows(_linear(module, q_name, name), name, q_name)
-    kv_w, kv_b = projection_rows(_linear(module, "kv_b_proj", name), name, "kv_b_proj")
-    return MLALayout(
-        q_weight=q_w,
-        n_heads=n_heads,
-        qk_nope_head_dim=int(module.qk_nope_head_dim),
-        qk_rope_head_dim=int(module.qk_rope_head_dim),
-        kv_b_weight=kv_w,
-        v_head_dim=int(module.v_head_dim),
-        q_bias=q_b,
-        kv_b_bias=kv_b,
-    )
+    kv_w, kv_b = projection_rows(_linear(module, latent.kv_up, name), name, latent.kv_up)
+    return MLALayout(q_weight=q_w, n_heads=n_heads, qk_nope_head_dim=nope, qk_rope_head_dim=rope, kv_b_weight=kv_w,
+                     v_head_dim=v, q_bias=q_b, kv_b_bias=kv_b)
 
 
-def _rows(t: Tensor | None, start: int, stop: int, transposed: bool = False) -> Rows | None:
-    return None if t is None else Rows(t, start, stop, transposed=transposed and t.ndim == 2)
+def _fused_layout(name: str, module: nn.Module, rows: QKVRows, gqa_policy: str) -> MHALayout | GQALayout:
+    """A fused projection's rows of q and k, as `rows` states them (`muonclip.param_groups` splits
+    the weight into the same maps)."""
+    attr = rows.fused.attr
+    f = _linear(module, attr, name)
+    transposed = stored_transposed(f)
+    problem = rows.error(f.weight.shape[1] if transposed else f.weight.shape[0])
+    if problem is not None:
+        raise ValueError(
+            f"attention layer '{name}' ({type(module).__name__}): its fused projection '{attr}' "
+            f"{problem}, so no head layout muonclip knows applies. State it yourself: "
+            "MuonClip(model, layers=[AttentionLayer(name, GQALayout(Rows(...), Rows(...), ...), recorder)]) with "
+            "muonclip.qkclip.Rows / StridedRows"
+        )
+    n_heads, n_kv, d = rows.heads.n_heads, rows.heads.n_kv_heads, rows.heads.head_dim
 
+    def part(which: str) -> tuple[Rows | StridedRows, Rows | StridedRows | None]:
+        if which in rows.fused.order:
+            lin, t, (start, block, stride, count) = f, transposed, rows.rows(which)
+        else:  # a cross-attention's queries, from their own projection
+            lin = _linear(module, rows.fused.query, name)
+            t, (start, block, stride, count) = stored_transposed(lin), (0, n_heads * d, n_heads * d, 1)
 
-def _fused_layout(name: str, module: nn.Module, config: Any, gqa_policy: str) -> MHALayout | GQALayout:
-    """Phi-3 ``qkv_proj`` (rows ``[q | k | v]``) or GPT-2 ``c_attn`` (Conv1D, columns ``[q | k | v]``)."""
-    n_heads, n_kv, head_dim = heads_of(module, config)
-    nq, nk = n_heads * head_dim, n_kv * head_dim
-    if getattr(module, "qkv_proj", None) is not None:
-        f = _linear(module, "qkv_proj", name)
-        q_w, q_b = _rows(f.weight, 0, nq), _rows(f.bias, 0, nq)
-        k_w, k_b = _rows(f.weight, nq, nq + nk), _rows(f.bias, nq, nq + nk)
-    else:
-        f = _linear(module, "c_attn", name)
-        transposed = type(f).__name__ == "Conv1D"  # GPT-2's Conv1D stores (in, out); a Linear (out, in)
-        if getattr(module, "is_cross_attention", False):  # queries from q_attn, c_attn = [k | v]
-            q = _linear(module, "q_attn", name)
-            q_w, q_b = _rows(q.weight, 0, nq, transposed), _rows(q.bias, 0, nq)
-            k_w, k_b = _rows(f.weight, 0, nk, transposed), _rows(f.bias, 0, nk)
-        else:
-            q_w, q_b = _rows(f.weight, 0, nq, transposed), _rows(f.bias, 0, nq)
-            k_w, k_b = _rows(f.weight, nq, nq + nk, transposed), _rows(f.bias, nq, nq + nk)
-    return _make_layout(q_w, k_w, q_b, k_b, n_heads, n_kv, head_dim, gqa_policy)
+        def of(x: Tensor | None, tr: bool) -> Rows | StridedRows | None:
+            if x is None:
+                return None
+            if count == 1:
+                return Rows(x, start, start + block, transposed=tr)
+            return StridedRows(x, start, block, stride, count, transposed=tr)
 
+        return of(lin.weight, t), of(lin.bias, False)
 
-def _partitioned_qkv_layout(name: str, module: nn.Module, config: Any, parts_attr: str) -> MHALayout:
-    """CodeGen ``qkv_proj``: per partition p of ``local = n_heads * d / parts`` rows, ``[q v k]``."""
-    f = _linear(module, "qkv_proj", name)
-    n_heads, _, d = heads_of(module, config)
-    parts = int(getattr(module, parts_attr))
-    local = n_heads * d // parts
-
-    def blocks(t: Tensor | None, start: int) -> StridedRows | None:
-        return None if t is None else StridedRows(t, start, local, 3 * local, parts)
-
-    return MHALayout(blocks(f.weight, 0), blocks(f.weight, 2 * local), n_heads, d, q_bias=blocks(f.bias, 0),
-                     k_bias=blocks(f.bias, 2 * local))
-
-
-def _per_head_qkv_layout(name: str, module: nn.Module, config: Any) -> MHALayout:
-    """GPT-NeoX ``query_key_value``: rows ``[h*3d, h*3d+d)`` are head h's q, the next ``d`` its k."""
-    f = _linear(module, "query_key_value", name)
-    n_heads, _, d = heads_of(module, config)
-
-    def blocks(t: Tensor | None, start: int) -> StridedRows | None:
-        return None if t is None else StridedRows(t, start, d, 3 * d, n_heads)
-
-    return MHALayout(blocks(f.weight, 0), blocks(f.weight, d), n_heads, d, q_bias=blocks(f.bias, 0),
-                     k_bias=blocks(f.bias, d))
+    (q_w, q_b), (k_w, k_b) = part("q"), part("k")
+    return _make_layout(q_w, k_w, q_b, k_b, n_heads, n_kv, d, gqa_policy)
 
 
 def layout_of(name: str, module: nn.Module, config: Any, gqa_policy: str = "per_head") -> Layout:
     """The head layout of attention module ``name`` (module docstring).
 
     Raises:
-        ValueError: a q/k normalisation after the projections (naming it), or no projections
-            whose layout is known (naming the module's children).
+        ValueError: a q/k normalisation after the projections (naming it), a clamp of q/k, or no
+            projections whose layout is known (naming the module's children).
     """
     children = dict(module.named_children())
-    mla = "kv_b_proj" in children
-    harmless = [children[a] for a in ("q_a_layernorm", "kv_a_layernorm") if mla and a in children]
-    harmless += [children[a] for a in OUTPUT_NORMS.get(type(module).__name__, ()) if a in children]
+    latent = latent_attention(module)
+    cls = type(module).__name__
+    harmless = [children[a] for a in latent.input_norms if a in children] if latent is not None else []
+    harmless += [children[a] for a in OUTPUT_NORMS.get(cls, ()) if a in children]
     harmless += [m for a in SELECTION_CHILDREN if a in children for m in children[a].modules()]
     check_no_qk_norm(name, module, harmless)
-    cls = type(module).__name__
-    clamp = getattr(module, "clip_qkv", None)
-    if clamp is not None:
-        raise ValueError(
-            f"attention layer '{name}' ({cls}) clamps q, k and v to [-{clamp}, {clamp}] after the projection "
-            "(clip_qkv): a rescaled row is clamped again, so QK-Clip's factor would not reach the logits exactly. "
-            "Train it with plain muonclip.Muon, or use a config without clip_qkv."
-        )
-    if mla:
+    for attr in CLAMPS:
+        clamp = getattr(module, attr, None)
+        if clamp is not None:
+            raise ValueError(
+                f"attention layer '{name}' ({cls}) clamps q, k and v to [-{clamp}, {clamp}] after the projection "
+                f"({attr}): a rescaled row is clamped again, so QK-Clip's factor would not reach the logits exactly. "
+                f"Train it with plain muonclip.Muon, or use a config without {attr}."
+            )
+    if latent is not None:
         return _mla_layout(name, module, config)
-    if cls in PER_HEAD_QKV_CLASSES and "query_key_value" in children:
-        return _per_head_qkv_layout(name, module, config)
-    if cls in PARTITIONED_QKV_CLASSES and "qkv_proj" in children:
-        return _partitioned_qkv_layout(name, module, config, PARTITIONED_QKV_CLASSES[cls])
-    for q_name, k_name in PROJECTION_PAIRS:
-        if q_name in children and k_name in children:
-            q_w, q_b = projection_rows(_linear(module, q_name, name), name, q_name)
-            k_w, k_b = projection_rows(_linear(module, k_name, name), name, k_name)
-            n_heads, n_kv, head_dim = heads_of(module, config)
-            return _make_layout(q_w, k_w, q_b, k_b, n_heads, n_kv, head_dim, gqa_policy)
-    if (cls in FUSED_QKV_CLASSES and "qkv_proj" in children) or (cls in C_ATTN_CLASSES and "c_attn" in children):
-        return _fused_layout(name, module, config, gqa_policy)
-    fused = [a for a in ("qkv_proj", "c_attn", "Wqkv", "query_key_value", "qkv") if a in children]
+    rows = fused_qkv(module, config)
+    if rows is not None:
+        return _fused_layout(name, module, rows, gqa_policy)
+    names = separate_projections(module)
+    if names is not None:
+        q_w, q_b = projection_rows(_linear(module, names.q, name), name, names.q)
+        k_w, k_b = projection_rows(_linear(module, names.k, name), name, names.k)
+        n_heads, n_kv, head_dim = _heads(name, module, config)
+        return _make_layout(q_w, k_w, q_b, k_b, n_heads, n_kv, head_dim, gqa_policy)
+    fused = [a for a in families().fused_names if a in children]
     if fused:
         raise ValueError(
             f"attention layer '{name}' ({cls}) has a fused projection '{fused[0]}' whose row order (which rows are "
@@ -292,8 +258,4 @@ def layout_of(name: str, module: nn.Module, config: Any, gqa_policy: str = "per_
     raise _no_layout(name, module)
 
 
-__all__ = [
-    "C_ATTN_CLASSES", "FUSED_QKV_CLASSES", "OUTPUT_NORMS", "PARTITIONED_QKV_CLASSES", "PER_HEAD_QKV_CLASSES",
-    "PROJECTION_PAIRS", "SELECTION_CHILDREN", "Layout", "attention_modules", "dispatches_attention", "heads_of",
-    "layout_of", "mixers_without_attention",
-]
+__all__ = ["attention_modules", "dispatches_attention", "layout_of", "mixers_without_attention"]

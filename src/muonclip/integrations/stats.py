@@ -24,7 +24,10 @@ Per optimizer step (keys with the default prefix ``"muonclip/"``):
   it is measured after the Muon update and before QK-Clip rescales any head (the clip is not
   an update of the optimizer; its effect is ``clipped_heads``). Computing it keeps one copy of
   the hidden matrices during the step (``update_rms=False`` to skip it). Parameters whose
-  group has ``lr == 0`` are left out.
+  group has ``lr == 0`` are left out. With parameters sharded over several ranks (FSDP2,
+  tensor parallel) each rank measures its piece and the callbacks sum the pieces over the
+  optimizer's process group (`muonclip.distributed.context.collective_group`: every rank logs
+  the figure of the whole model; ``process_group="local"``: each rank its own).
 
 Steps that Muon skipped (``on_nonfinite="skip"``) report nothing.
 """
@@ -36,25 +39,58 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ..common.dtensor import local, replicas
+from ..distributed.context import collective_group
 from ..optim import Muon
 
 
 def unwrap_optimizer(optimizer: Any) -> Muon | None:
-    """The `muonclip.Muon` inside a framework's optimizer wrapper, or None.
+    """The `muonclip.Muon` / `muonclip.MuonClip` inside a framework's optimizer wrapper, or None.
 
-    Follows ``.optimizer`` links (accelerate's ``AcceleratedOptimizer`` in the HF Trainer,
-    Lightning's ``LightningOptimizer``) a few levels deep.
+    Follows the wrapped-optimizer links (``.optimizer``; Lightning's ``._optimizer``) a few
+    levels deep: accelerate's ``AcceleratedOptimizer`` (what ``Accelerator.prepare`` returns,
+    also inside the HF Trainer), Lightning's ``LightningOptimizer`` (``self.optimizers()``; a
+    class made to pass ``isinstance`` checks, whose own attributes are not the optimizer's), and
+    the optimizer itself. Use it for what a wrapper does not pass on, e.g.
+    ``unwrap_optimizer(opt).clip_stats()`` or ``.tau`` after ``accelerator.prepare``.
     """
     for _ in range(8):
-        if isinstance(optimizer, Muon):
-            return optimizer
-        optimizer = getattr(optimizer, "optimizer", None)
-        if optimizer is None:
-            return None
+        inner = optimizer.__dict__.get("_optimizer") if hasattr(optimizer, "__dict__") else None
+        if inner is None and not isinstance(optimizer, Muon):
+            inner = getattr(optimizer, "optimizer", None)
+        if inner is None or inner is optimizer:
+            return optimizer if isinstance(optimizer, Muon) else None
+        optimizer = inner
     return None
+
+
+def optimizer_group(optimizer: torch.optim.Optimizer) -> Any:
+    """The process group an optimizer's figures are reduced over; None: no reduction.
+
+    A `muonclip.Muon`: its own group (`muonclip.distributed.context.collective_group` of its
+    parameters and ``process_group``). Another optimizer: the group of its DTensor parameters'
+    mesh, else the default group when ``torch.distributed`` runs more than one rank.
+    """
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return collective_group(params, optimizer.process_group if isinstance(optimizer, Muon) else None)
+
+
+def group_sum(group: Any) -> Callable[[list[float]], list[float]] | None:
+    """A ``reduce`` for `UpdateRMS.after`: sums the numbers over ``group`` (one float64
+    all-reduce, on the GPU for an NCCL group); None when ``group`` is None (nothing to sum)."""
+    if group is None:
+        return None
+
+    def reduce(values: list[float]) -> list[float]:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t, group=group)
+        return t.tolist()
+
+    return reduce
 
 
 class UpdateRMS:
@@ -65,10 +101,11 @@ class UpdateRMS:
     the clip; `after` (or `discard`) restores it. Each parameter's ``lr`` and ``weight_decay``
     are read from its param group at `before`. Sharded parameters (DTensors: FSDP2, tensor
     parallel, HSDP) are measured on this rank's piece; `after` takes a ``reduce`` that sums over
-    all ranks of the default process group. Each element's square and count are weighted by
-    1 / the number of ranks holding it (`muonclip.common.dtensor.replicas`: 1 for a shard,
-    the tensor-parallel size for a weight that tensor parallelism leaves whole, the world size
-    for a plain replicated tensor), so that sum counts every element of every matrix once.
+    the ranks of the optimizer's process group (`group`; `group_sum` makes it). Each element's
+    square and count are weighted by 1 / the number of ranks of that group holding it
+    (`muonclip.common.dtensor.replicas`: 1 for a shard, the tensor-parallel size for a weight
+    that tensor parallelism leaves whole, the group's size for a plain replicated tensor), so
+    that sum counts every element of every matrix once.
 
     Args:
         optimizer: the optimizer that takes the step: a `muonclip.Muon` (or `MuonClip`), or any
@@ -76,6 +113,10 @@ class UpdateRMS:
             decoupled weight decay has the same form, so the figure compares across optimizers).
         params: the parameters to measure (default None: every parameter of the Muon's
             ``algorithm="muon"`` groups); each must be in one of the optimizer's groups.
+
+    Attributes:
+        group: the optimizer's process group at the last `before` (`optimizer_group`; None:
+            one process, or ``process_group="local"``).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[Tensor] | None = None) -> None:
@@ -95,6 +136,7 @@ class UpdateRMS:
         self._measured: tuple[float, int] | None = None
         self._patched = False
         self._own_clip: Any = None
+        self.group: Any = None
 
     def _targets(self) -> list[tuple[Tensor, float, float]]:
         """(parameter, lr, weight_decay) of every parameter to measure."""
@@ -113,6 +155,7 @@ class UpdateRMS:
         after the backward pass, just before ``optimizer.step()``."""
         self._restore()
         self._before, self._measured = [], None
+        self.group = optimizer_group(self.optimizer)
         for p, lr, wd in self._targets():
             if lr != 0.0 and p.grad is not None:
                 self._before.append((p, local(p.detach()).clone(), lr, wd))
@@ -130,11 +173,13 @@ class UpdateRMS:
     @torch.no_grad()
     def _measure(self) -> tuple[float, float]:
         """(sum of U^2, element count) over this rank's piece of the copied parameters, each
-        element weighted by 1 / the number of ranks holding it (`muonclip.common.dtensor.replicas`)."""
+        element weighted by 1 / the number of ranks of `group` holding it
+        (`muonclip.common.dtensor.replicas`)."""
         sums, count = [], 0.0
+        world = dist.get_world_size(self.group) if self.group is not None else 1
         for p, w0, lr, wd in self._before:
             u = (w0.mul(1.0 - lr * wd) - local(p.detach())).double() / lr  # same rounding as p.mul_(1 - lr*wd)
-            copies = replicas(p)
+            copies = replicas(p, world)
             sums.append(u.pow(2).sum().div(copies).to(sums[0].device if sums else u.device))
             count += u.numel() / copies
         return (float(torch.stack(sums).sum()) if sums else 0.0), count  # one host read for all parameters
@@ -143,9 +188,9 @@ class UpdateRMS:
         """RMS of the update since `before` (None if nothing was measured); forgets the copies.
 
         Args:
-            reduce: sums ``[sum of squares, count]`` over all ranks of the default process
-                group when parameters are sharded (default None: this process's figures).
-                Called on every rank whenever `before` was, so a collective inside it is safe.
+            reduce: sums ``[sum of squares, count]`` over the ranks of `group`
+                (``group_sum(rms.group)``; default None: this process's figures). Called on
+                every rank whenever `before` was, so a collective inside it is safe.
         """
         self._restore()
         sq, n = self._measured if self._measured is not None else self._measure()
@@ -184,7 +229,7 @@ def step_metrics(
     clip_stats = getattr(optimizer, "clip_stats", None)
     if callable(clip_stats):
         for k, v in clip_stats().items():
-            if per_layer or "/" not in k:
+            if (per_layer or "/" not in k) and not math.isnan(v):  # NaN: nothing recorded, nothing to log
                 out[prefix + k] = float(v)
     if update_rms is not None:
         out[prefix + "update_rms"] = float(update_rms)
@@ -248,7 +293,7 @@ class StepMetrics:
             if self._rms is not None:
                 self._rms.discard()
             return None
-        rms = self._rms.after() if self._rms is not None else None
+        rms = self._rms.after(reduce=group_sum(self._rms.group)) if self._rms is not None else None
         self.last = step_metrics(opt, rms, per_layer=self.per_layer, prefix=self.prefix)
         m = self.last.get(self.prefix + "max_logit")
         if m is not None and m > self._peak:
@@ -269,4 +314,4 @@ class StepMetrics:
         return out
 
 
-__all__ = ["StepMetrics", "UpdateRMS", "step_metrics", "unwrap_optimizer"]
+__all__ = ["StepMetrics", "UpdateRMS", "group_sum", "optimizer_group", "step_metrics", "unwrap_optimizer"]

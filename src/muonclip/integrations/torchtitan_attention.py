@@ -7,17 +7,21 @@ the model config (``inner_attention``: ``FlexAttention``, ``VarlenAttention``,
 fold the per-head max of ``scale * q.k`` over the batch, the queries and the keys the mask lets
 through into the layer's `muonclip.attention.MaxLogitRecorder` (``muonclip_recorder``, set by
 `muonclip.integrations.torchtitan_layouts.attention_layers`), on training forwards only (the
-rule of `muonclip.attention.forward_rule`):
+rule of `muonclip.attention.forward_rule`). Both describe their call as a
+`muonclip.attention.call.AttentionCall` and go through the one recording path,
+`muonclip.attention.record.attend` (torchtitan's batches are packed without padding: every
+token is real):
 
 * `RecordingSDPA` (any device; the CPU path): causal attention through
   `muonclip.scaled_dot_product_attention` (the LSE gate where the kernel returns its
   log-sum-exp). Like torchtitan's ``ScaledDotProductAttention`` it takes no block mask: it is
   causal over the whole packed sequence (documents are not separated).
 * `RecordingFlexAttention` (CUDA): torchtitan's ``FlexAttention`` with its block masks
-  (document-causal, sliding window, ...), asking FlexAttention for ``max_scores`` in the same
-  fused kernel (``AuxRequest(max_scores=True)``). torch has no FlexAttention backward on CPU and
-  refuses ``max_scores`` there, so this path is written for GPUs and is not exercised by the CPU
-  test suite.
+  (document-causal, sliding window, ...), as a `muonclip.attention.record.Kernel` whose pairs
+  only it knows: the max logit comes from FlexAttention's ``max_scores`` in the same fused kernel
+  (``AuxRequest(max_scores=True)``). torch has no FlexAttention backward on CPU and refuses
+  ``max_scores`` there; the CPU tests run this module's code through FlexAttention's dense
+  reference implementation, the fused kernel only where a GPU is present.
 
 Under tensor parallelism a rank's inner attention sees its own heads; the recorder has been
 told which (`MaxLogitRecorder.shard_heads`), so it stores them at their global positions.
@@ -32,9 +36,9 @@ import torch
 from torch import Tensor
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 
-from ..attention.forward_rule import recorders_to_feed, unseen_by_selective_checkpointing
+from ..attention.call import AttentionCall
+from ..attention.record import Kernel, attend
 from ..attention.running_max import MaxLogitRecorder
-from ..attention.sdpa import scaled_dot_product_attention
 
 
 def _local(t: Tensor) -> tuple[Tensor, Any]:
@@ -88,10 +92,9 @@ class RecordingSDPA(ScaledDotProductAttention):
         q, spec = _local(q_BLNH)
         k, _ = _local(k_BLNH)
         v, _ = _local(v_BLNH)
-        out = scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=is_causal, scale=scale,
-            enable_gqa=enable_gqa, recorder=self.muonclip_recorder, training=self.training,
-        ).transpose(1, 2)
+        call = AttentionCall(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=is_causal, scale=scale,
+                             enable_gqa=enable_gqa)
+        out = attend(call, self.muonclip_recorder, self.training).transpose(1, 2)
         if spec is not None:
             from torch.distributed.tensor import DTensor
 
@@ -99,14 +102,47 @@ class RecordingSDPA(ScaledDotProductAttention):
         return out
 
 
+class _FlexKernel(Kernel):
+    """torchtitan's compiled FlexAttention on one block mask, as a recording-path kernel: its pairs
+    are the block mask's (no dense ``attn_mask``), so its max is its own ``max_scores``; the LSE
+    is kept for ``out_transform``."""
+
+    row_max_only = True
+
+    def __init__(self, block_mask: Any, kernel_options: dict, want_lse: bool) -> None:
+        self.block_mask, self.kernel_options, self.want_lse = block_mask, kernel_options, want_lse
+        self.lse: Tensor | None = None
+
+    def _flex(self, call: AttentionCall, max_scores: bool) -> tuple[Tensor, Any]:
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        out, aux = FlexAttention.compiled_flex_attn(
+            call.query, call.key, call.value, score_mod=None, block_mask=self.block_mask, scale=call.scale,
+            enable_gqa=call.enable_gqa, return_aux=AuxRequest(lse=self.want_lse, max_scores=max_scores),
+            kernel_options=self.kernel_options,
+        )
+        self.lse = aux.lse if self.want_lse else None
+        return out, aux
+
+    def run(self, call: AttentionCall, lse: bool) -> tuple[Tensor, Tensor | None]:
+        return self._flex(call, max_scores=False)[0], None
+
+    def run_with_row_max(self, call: AttentionCall) -> tuple[Tensor, Tensor] | None:
+        if call.real_keys is not None:
+            return None
+        out, aux = self._flex(call, max_scores=True)
+        return out, _local(aux.max_scores)[0]
+
+
 class RecordingFlexAttention(FlexAttention):
     """torchtitan's ``FlexAttention`` (block masks, compiled kernel) that also records per-head max
-    logits from FlexAttention's ``max_scores`` (CUDA; not tested on CPU, see the module docstring).
+    logits from FlexAttention's ``max_scores`` (CUDA; see the module docstring).
 
-    The forward is ``FlexAttention.forward``'s with ``AuxRequest(max_scores=True)`` added on a
-    training forward: ``max_scores`` ``(B, N, L)`` holds each query row's max of the scaled score
-    over the keys its block mask allows (``-inf`` for a fully masked row); its max over the batch
-    and the rows is the head's max logit.
+    The forward is ``FlexAttention.forward``'s through the recording path: on a training forward
+    FlexAttention is asked for ``max_scores`` ``(B, N, L)``, each query row's max of the scaled
+    score over the keys its block mask allows (``-inf`` for a fully masked row); its max over the
+    batch and the rows is the head's max logit. A ``score_mod`` is refused (ValueError): it
+    changes the scores, so ``max_scores`` would not be the q·k logits QK-Clip bounds.
 
     Attributes:
         muonclip_recorder: the layer's `MaxLogitRecorder` (None: plain FlexAttention).
@@ -133,27 +169,20 @@ class RecordingFlexAttention(FlexAttention):
         out_transform: Any = None,
         **kwargs: Any,
     ) -> Tensor:
-        from torch.nn.attention.flex_attention import AuxRequest, BlockMask
+        from torch.nn.attention.flex_attention import BlockMask
 
         if not isinstance(attention_masks, BlockMask):
             raise TypeError(f"attention_masks must be a BlockMask, got {type(attention_masks).__name__}")
-        targets = recorders_to_feed(self.muonclip_recorder, self.training)
-        out_BNLH, aux = FlexAttention.compiled_flex_attn(
-            q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2), v_BLNH.transpose(1, 2),
-            score_mod=score_mod, block_mask=attention_masks, scale=scale, enable_gqa=enable_gqa,
-            return_aux=AuxRequest(lse=out_transform is not None, max_scores=bool(targets)),
-            kernel_options=self.kernel_options,
-        )
-        if targets:
-            with unseen_by_selective_checkpointing():
-                scores, _ = _local(aux.max_scores)
-                per_head = scores.detach().float().amax(dim=(0, 2))
-                for target in targets:
-                    target.update(per_head)
-        out_BLNH = out_BNLH.transpose(1, 2)
+        if score_mod is not None:
+            raise ValueError("RecordingFlexAttention takes no score_mod: it changes the scores, so FlexAttention's "
+                             "max_scores would not be the q.k logits QK-Clip bounds")
+        kernel = _FlexKernel(attention_masks, self.kernel_options, want_lse=out_transform is not None)
+        call = AttentionCall(q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2), v_BLNH.transpose(1, 2), scale=scale,
+                             enable_gqa=enable_gqa)
+        out_BLNH = attend(call, self.muonclip_recorder, self.training, kernel).transpose(1, 2)
         if out_transform is None:
             return out_BLNH
-        return out_transform(out_BLNH, aux.lse.transpose(1, 2))
+        return out_transform(out_BLNH, kernel.lse.transpose(1, 2))
 
 
 def recording_attention_config(device_type: str) -> ScaledDotProductAttention.Config | FlexAttention.Config:

@@ -19,8 +19,8 @@ checkpoint key form: ``layers.0.attention``), with its head layout:
 Each layer's recorder lives on its inner attention (``muonclip_recorder``), which must be one of
 `muonclip.integrations.torchtitan_attention`'s recording modules. Under tensor parallelism
 (torchtitan's column-parallel ``wqkv``/``wq``: ``Shard(0)`` on the ``"tp"`` mesh dimension)
-each rank computes whole heads; `tp_heads` finds which from the weight, and the recorder keeps
-them at their global positions.
+each rank computes whole heads; `muonclip.qkclip.tensor_parallel.local_heads` finds which from
+the weight's ``"tp"`` mesh dimension, and the recorder keeps them at their global positions.
 
 `muon_splits` gives `muonclip.param_groups` the ``split=`` that makes Muon see the fused
 ``wqkv`` as its q, k and v maps per key/value group (each head's rows with ``per_head``), and,
@@ -38,50 +38,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import Tensor, nn
+from torch import nn
 from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.models.common.attention import FusedQKVLinear, GQAttention, QKVLinear
 
 from ..attention.running_max import MaxLogitRecorder
-from ..common.dtensor import is_dtensor, piece_of
 from ..qkclip.layouts import AttentionLayer, GQALayout, MHALayout, MLALayout, StridedRows
+from ..qkclip.tensor_parallel import local_heads
 from .torchtitan_attention import is_recording
 
 
 def canonical_name(name: str) -> str:
     """torchtitan's checkpoint key form of a parameter or module name (wrapper segments removed)."""
     return canonical_fqn(name)
-
-
-def tp_heads(weight: Tensor, rows_per_unit: int, heads_per_unit: int) -> range | None:
-    """The query heads this rank computes when ``weight`` (a q or fused qkv projection) is column
-    parallel: None for a weight without a ``"tp"`` mesh dimension (every head computed here).
-
-    ``weight`` is split in units of ``rows_per_unit`` rows each holding ``heads_per_unit`` query
-    heads (a head: ``head_dim`` rows and 1 head; a fused ``wqkv`` key/value group:
-    ``(heads_per_kv + 2) * head_dim`` rows and ``heads_per_kv`` heads). Only the ``"tp"`` mesh
-    dimension counts: FSDP2 gathers the rest before the forward.
-
-    Raises:
-        ValueError: the tensor-parallel shard is not whole units.
-    """
-    if not is_dtensor(weight):
-        return None
-    mesh = weight.device_mesh
-    names = mesh.mesh_dim_names or ()
-    if "tp" not in names:
-        return None
-    d = names.index("tp")
-    piece = piece_of(weight.shape, (mesh.shape[d],), (mesh.get_local_rank(d),), (weight.placements[d],))
-    rows = piece[0]
-    if piece[1] != range(weight.shape[1]) or not isinstance(rows, range) or not len(rows) \
-            or rows.start % rows_per_unit or len(rows) % rows_per_unit:
-        raise ValueError(
-            f"a q projection of shape {tuple(weight.shape)} placed {weight.placements[d]} on the tensor-parallel "
-            f"dimension gives this rank rows {rows}: not whole units of {rows_per_unit} rows. Make the number of "
-            "heads (key/value groups for a fused wqkv) a multiple of the tensor-parallel degree"
-        )
-    return range(rows.start // rows_per_unit * heads_per_unit, rows.stop // rows_per_unit * heads_per_unit)
 
 
 def _recorder(inner: nn.Module, name: str, n_heads: int) -> MaxLogitRecorder:
@@ -114,10 +83,10 @@ def _gqa_layer(name: str, m: GQAttention, policy: str) -> AttentionLayer:
         q_w, k_w = StridedRows(w, 0, hpk * hd, stride, hkv), StridedRows(w, hpk * hd, hd, stride, hkv)
         q_b = None if b is None else StridedRows(b, 0, hpk * hd, stride, hkv)
         k_b = None if b is None else StridedRows(b, hpk * hd, hd, stride, hkv)
-        heads = tp_heads(w, stride, hpk)
+        heads = local_heads(w, stride, hpk, mesh_dim="tp")
     elif isinstance(qkv, QKVLinear):
         q_w, k_w, q_b, k_b = qkv.wq.weight, qkv.wk.weight, qkv.wq.bias, qkv.wk.bias
-        heads = tp_heads(q_w, hd, 1)
+        heads = local_heads(q_w, hd, mesh_dim="tp")
     else:
         raise ValueError(f"attention {name!r}: unknown q/k/v projection {type(qkv).__name__}; give MuonClip the layers")
     if hq == hkv:
@@ -125,7 +94,7 @@ def _gqa_layer(name: str, m: GQAttention, policy: str) -> AttentionLayer:
     else:
         layout = GQALayout(q_w, k_w, hq, hkv, hd, q_b, k_b, policy=policy)
     rec = _recorder(m.inner_attention, name, hq)
-    if heads is not None and heads != rec.heads:
+    if heads != rec.heads:
         rec.shard_heads(heads)
     return AttentionLayer(name, layout, rec)
 
@@ -136,8 +105,8 @@ def _mla_layer(name: str, m: nn.Module) -> AttentionLayer:
     layout = MLALayout(q.weight, m.n_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.wkv_b.weight, m.v_head_dim,
                        q.bias, m.wkv_b.bias)
     rec = _recorder(m.inner_attention, name, m.n_heads)
-    heads = tp_heads(q.weight, dq, 1)
-    if heads is not None and heads != rec.heads:
+    heads = local_heads(q.weight, dq, mesh_dim="tp")
+    if heads != rec.heads:
         rec.shard_heads(heads)
     return AttentionLayer(name, layout, rec)
 
@@ -199,4 +168,4 @@ def muon_splits(model: nn.Module, *, per_head: bool = False) -> dict[str, dict[s
     return out
 
 
-__all__ = ["attention_layers", "canonical_name", "muon_splits", "tp_heads"]
+__all__ = ["attention_layers", "canonical_name", "muon_splits"]

@@ -1,47 +1,45 @@
 """Which rows of a weight are which linear map: fused projections, heads, experts, routers.
 
-`muonclip.param_groups` calls `matrix_layouts` to learn, for each weight, how Muon should see it.
-Every layout is declared by the model — a module class whose storage is known, transformers'
-experts attributes, the head counts and sizes in its config — and checked against the
-weight's shape; nothing is guessed from a shape alone. A weight whose name says it is fused
-(``qkv_proj``, ``query_key_value``, ``gate_up_proj``, ...) but whose layout is not known here
-is reported as such and left whole (pass ``split=`` to cut it).
+`muonclip.param_groups` calls `weight_splits` to learn, for each weight, how Muon should see it.
+Every layout is declared by the model's family, as the registered family table states it
+(`muonclip.common.families`; the table itself, with every family it knows, is
+`muonclip.integrations.families`): a module class whose storage is known, declared experts,
+the head counts and sizes the module or its config holds, checked against the weight's shape;
+nothing is guessed from a shape alone. A weight whose name says it is fused (the table's
+``fused_names``: ``qkv_proj``, ``query_key_value``, ``gate_up_proj``, ...) but whose layout is
+not known is reported as such and left whole (pass ``split=`` to cut it).
 
 Fused projections, split by default (``split_fused=True``): orthogonalising a stack is not
 orthogonalising its parts (``orth([A; B]) != [orth(A); orth(B)]``, and the update scale would
 be computed from the stacked shape), so each part is its own matrix, exactly as if the model
-stored the maps as separate ``nn.Linear`` layers:
+stored the maps as separate linear layers:
 
-* ``qkv_proj`` of Phi-3 style attention (``Phi3Attention``, ``Phi4MultimodalAttention``):
-  rows ``[q | k | v]`` = ``[n_heads * d, n_kv_heads * d, n_kv_heads * d]``.
-* GPT-2's ``c_attn`` (``GPT2Attention``; a ``Conv1D`` stored ``(in, out)``): ``[q | k | v]``,
-  ``hidden_size`` each (a cross-attention layer: ``[k | v]``, queries in ``q_attn``).
-* GPT-NeoX's ``query_key_value`` (``GPTNeoXAttention``): interleaved per head,
-  ``[h0: q k v | h1: q k v | ...]``: ``split_sizes=[d, d, d], split_groups=n_heads``.
-* ``torch.nn.MultiheadAttention``'s ``in_proj_weight``: ``[q | k | v]``, ``embed_dim`` each.
-* A ``gate_up_proj`` linear layer (transformers' fused gated MLP, Phi-3, GLM, ...; every one
-  in transformers 5 splits its output with ``chunk(2)``): two halves of ``intermediate_size``.
-* Stacked experts declared by transformers' ``use_experts_implementation`` (Mixtral,
-  DeepSeek-V3, Qwen2-MoE, gpt-oss, ...): ``gate_up_proj`` ``(E, 2I, H)`` is ``[gate | up]``
-  per expert (``is_concatenated``) or rows alternating gate/up (``is_concatenated=False``:
-  ``split_sizes=[1, 1], split_groups=I``); ``is_transposed`` experts are stored
-  ``(E, in, out)`` and get ``transposed=True``. Per-expert biases ``(E, n)`` are vectors
-  (AdamW), not matrices.
+* A fused attention projection (`muonclip.common.family_readers.fused_qkv`): its q, k and v maps,
+  ``split_sizes`` the rows of each map in one group and ``split_groups`` the groups (q, k, v
+  interleaved per head or per partition), ``transposed`` for a layer stored ``(in, out)``.
+  The clip's rows of q and k (`muonclip.integrations.hf_layouts`) come from the same
+  `muonclip.common.family_readers.QKVRows`, so a map the clip scales is one matrix here.
+* A fused MLP projection (`muonclip.common.families.FusedMLP`): ``[gate | up]``.
+* Stacked experts that declare their layout (`muonclip.common.families.StackedExperts`):
+  ``gate_up`` ``(E, 2I, H)`` is ``[gate | up]`` per expert, or rows alternating gate/up
+  (``split_sizes=[1, 1], split_groups=I``); experts stored ``(E, in, out)`` get
+  ``transposed=True``. Per-expert biases ``(E, n)`` are vectors (AdamW), not matrices.
 
 Kept whole, and said so in the report:
 
-* MoE routers (``mlp.gate.weight``/``mlp.router.weight``, ``E x H``): Muon, one matrix —
-  what Moonlight (Muon for every matrix but the embedding and head), Megatron-LM (every 2-D
-  non-embedding weight) and torchtitan's Kimi K2.5/Moonlight Muon recipes do.
-* MLA (DeepSeek-V3): ``kv_a_proj_with_mqa`` ``[c_kv | shared rotary key]``, and
-  ``q_b_proj``/``kv_b_proj`` (per head ``[nope | rope]`` / ``[k_nope | v]``) are one matrix
-  each, as DeepSeek-V3, Moonlight and Kimi K2 store and train them.
+* MoE routers (`muonclip.common.families.Router`, ``E x H``): Muon, one matrix — what Moonlight
+  (Muon for every matrix but the embedding and head), Megatron-LM (every 2-D non-embedding
+  weight) and torchtitan's Kimi K2.5/Moonlight Muon recipes do.
+* Multi-head latent attention (`muonclip.common.families.LatentAttention`): the key/value
+  down-projection ``[c_kv | shared rotary key]`` and the up-projections (per head ``[nope |
+  rope]`` / ``[k_nope | v]``) are one matrix each, as DeepSeek-V3, Moonlight and Kimi K2 store
+  and train them.
 
 Per-head orthogonalisation (``per_head=True``, off by default): each attention head's rows of
-q, k and v (separate or fused projections) and of the MLA up-projections ``q_b_proj`` (or
-``q_proj``) and ``kv_b_proj`` are their own matrix, with their own update scale (Kimi K3's
-per-head Muon, GLM-5's "Muon Split"). Output projections (heads along columns) are not split.
-The algorithm page of the documentation says when it helps.
+q, k and v (separate or fused projections) and of the latent attention's up-projections are
+their own matrix, with their own update scale (Kimi K3's per-head Muon, GLM-5's "Muon Split").
+Output projections (heads along columns) are not split. The algorithm page of the
+documentation says when it helps.
 
 References:
     Megatron-LM ``megatron/core/optimizer`` (Muon splits fused QKV by default,
@@ -61,18 +59,21 @@ from typing import Any
 
 from torch import Tensor, nn
 
-FUSED_NAMES = ("qkv_proj", "qkv", "Wqkv", "wqkv", "query_key_value", "c_attn", "in_proj", "in_proj_weight",
-               "gate_up_proj", "gate_up", "w13", "kv_proj")
-"""Attribute names that say a weight stacks several maps; one whose layout is unknown is reported."""
-
-SECTIONED_QKV = ("Phi3Attention", "Phi4MultimodalAttention")
-"""Attention classes whose ``qkv_proj`` rows are ``[q | k | v]`` (read off their forward)."""
-
-ROUTER_NAMES = ("gate", "router")
+from ..common.families import LatentAttention, Read, families
+from ..common.family_readers import (
+    QKVRows,
+    child_weight,
+    fused_qkv,
+    heads_of,
+    latent_attention,
+    projection,
+    query_heads,
+    separate_projections,
+)
 
 
 @dataclass(frozen=True)
-class MatrixLayout:
+class WeightSplit:
     """How `param_groups` sees one weight, and why.
 
     Attributes:
@@ -94,7 +95,7 @@ class MatrixLayout:
     algorithm: str | None = None
 
     def options(self) -> dict[str, Any]:
-        """The param-group keys this layout sets (``split_sizes``, ``split_groups``, ``transposed``)."""
+        """The param-group keys this split sets (``split_sizes``, ``split_groups``, ``transposed``)."""
         out: dict[str, Any] = {}
         if self.split_sizes is not None:
             out["split_sizes"] = list(self.split_sizes)
@@ -105,31 +106,33 @@ class MatrixLayout:
         return out
 
 
-def matrix_layouts(model: nn.Module, *, per_head: bool = False, split_fused: bool = True) -> dict[int, MatrixLayout]:
-    """The `MatrixLayout` of every weight of ``model`` that is not a plain matrix, keyed by ``id(param)``.
+def weight_splits(model: nn.Module, *, per_head: bool = False, split_fused: bool = True) -> dict[int, WeightSplit]:
+    """The `WeightSplit` of every weight of ``model`` that is not a plain matrix, keyed by ``id(param)``.
 
     Args:
-        model: the model (any ``nn.Module``; transformers models are recognised by their module
-            classes and configs, without importing transformers).
-        per_head: one block per attention head for q/k/v and MLA up-projections (default False).
+        model: the model (any ``nn.Module``; its families are recognised by the registered family
+            table, `muonclip.common.families`, by class names and attributes: no framework is
+            imported).
+        per_head: one block per attention head for q/k/v and latent-attention up-projections
+            (default False).
         split_fused: split known fused projections into their maps (default True). False keeps
-            every fused weight whole (the layout is still reported), per-head blocks included.
+            every fused weight whole (the split is still reported), per-head blocks included.
 
     Returns:
-        ``{id(param): MatrixLayout}``; weights not in it are plain matrices (or not matrices).
+        ``{id(param): WeightSplit}``; weights not in it are plain matrices (or not matrices).
     """
     root_config = getattr(model, "config", None)
-    found: dict[int, MatrixLayout] = {}
+    found: dict[int, WeightSplit] = {}
     for module in model.modules():
         config = getattr(module, "config", None) or root_config
-        names = {c.__name__ for c in type(module).__mro__}
-        for p, layout in _module_layouts(module, names, config, per_head, split_fused):
-            found.setdefault(id(p), layout)
+        for p, split in _module_splits(module, config, per_head, split_fused):
+            found.setdefault(id(p), split)
+    fused_names = families().fused_names
     for mname, module in model.named_modules():  # fused by name, layout not known: say so
         for attr, p in _named_weights(module):
-            if attr in FUSED_NAMES and id(p) not in found and p.ndim >= 2:
+            if attr in fused_names and id(p) not in found and p.ndim >= 2:
                 where = f"{mname}.{attr}" if mname else attr
-                found[id(p)] = MatrixLayout(
+                found[id(p)] = WeightSplit(
                     "fused? layout unknown",
                     f"{type(module).__name__}.{attr} looks fused but muonclip does not know how it stacks its maps: "
                     f"one matrix (cut it with split={{'{where}*': [...]}})",
@@ -142,28 +145,19 @@ def matrix_layouts(model: nn.Module, *, per_head: bool = False, split_fused: boo
 # ------------------------------------------------------------------------------------------------
 
 
-def _module_layouts(module: nn.Module, names: set[str], config: Any, per_head: bool,
-                    split_fused: bool) -> Iterable[tuple[Tensor, MatrixLayout]]:
-    if names & set(SECTIONED_QKV):
-        yield from _sectioned_qkv(module, config, per_head, split_fused)
-    elif "GPT2Attention" in names:
-        yield from _gpt2_attention(module, config, per_head, split_fused)
-    elif "GPTNeoXAttention" in names:
-        yield from _neox_attention(module, config, per_head, split_fused)
-    elif isinstance(module, nn.MultiheadAttention):
-        yield from _torch_mha(module, per_head, split_fused)
-    elif _weight(module, "kv_b_proj") is not None:
-        yield from _mla(module, config, per_head)
-    elif per_head and _weight(module, "q_proj") is not None and _weight(module, "k_proj") is not None:
+def _module_splits(module: nn.Module, config: Any, per_head: bool,
+                    split_fused: bool) -> Iterable[tuple[Tensor, WeightSplit]]:
+    rows = fused_qkv(module, config)
+    latent = latent_attention(module)
+    if rows is not None:
+        yield from _fused_attention(module, rows, per_head, split_fused)
+    elif latent is not None:
+        yield from _mla(module, latent, config, per_head)
+    elif per_head:
         yield from _separate_qkv(module, config)
-    gate_up = _weight(module, "gate_up_proj")
-    if gate_up is not None:
-        yield from _gated_mlp(module, gate_up, config, split_fused)
-    if isinstance(getattr(module, "gate_up_proj", None), Tensor) or hasattr(module, "is_transposed"):
-        yield from _experts(module, config, split_fused)
-    experts = getattr(module, "experts", None)
-    if isinstance(experts, nn.Module):
-        yield from _router(module, experts, config)
+    yield from _gated_mlp(module, config, split_fused)
+    yield from _experts(module, config, split_fused)
+    yield from _router(module, config)
 
 
 def _sections(rows: dict[str, int]) -> str:
@@ -171,179 +165,160 @@ def _sections(rows: dict[str, int]) -> str:
 
 
 def _fused(p: Tensor, reason: str, parts: dict[str, int], why: str, split_fused: bool, *,
-           groups: int = 1, transposed: bool = False, per_head: tuple[int, ...] | None = None) -> MatrixLayout:
-    """The layout of a fused weight with ``parts`` (row counts per group, in order): split, per
+           groups: int = 1, transposed: bool = False, per_head: tuple[int, ...] | None = None) -> WeightSplit:
+    """The split of a fused weight with ``parts`` (row counts per group, in order): split, per
     head, or kept whole, after checking the parts against the weight's matrix rows."""
     rows = p.shape[-1] if transposed else p.shape[1] if p.ndim == 3 else p.shape[0]
     sizes = tuple(parts.values())
     text = f"[{_sections(parts)}] x {groups}, interleaved" if groups > 1 else _sections(parts)
     if sum(sizes) * groups != rows:
-        return MatrixLayout("fused? layout unknown", f"{rows} rows, not {text} ({why}): one matrix",
+        return WeightSplit("fused? layout unknown", f"{rows} rows, not {text} ({why}): one matrix",
                             transposed=transposed)
     text += f" ({why})"
     if not split_fused:
-        return MatrixLayout(reason, text + "; kept whole: split_fused=False", transposed=transposed)
+        return WeightSplit(reason, text + "; kept whole: split_fused=False", transposed=transposed)
     if per_head is not None:
-        return MatrixLayout("per-head", f"{len(per_head)} blocks of {per_head[0]} rows; {text}", per_head,
-                      transposed=transposed)
-    return MatrixLayout(reason, text, sizes, groups, transposed=transposed)
+        return WeightSplit("per-head", f"{len(per_head)} blocks of {per_head[0]} rows; {text}", per_head,
+                            transposed=transposed)
+    return WeightSplit(reason, text, sizes, groups, transposed=transposed)
 
 
-def _with_heads(module: nn.Module, attr: str, config: Any) -> tuple[Tensor, tuple[int, int, int]] | None:
-    """The weight of child ``attr`` and the module's (heads, key/value heads, head dim), or None."""
-    p, heads = _weight(module, attr), _heads(module, config)
-    return None if p is None or heads is None else (p, heads)
-
-
-def _sectioned_qkv(module: nn.Module, config: Any, per_head: bool, split_fused: bool) -> Iterable[tuple]:
-    if (found := _with_heads(module, "qkv_proj", config)) is None:
+def _fused_attention(module: nn.Module, rows: QKVRows, per_head: bool, split_fused: bool) -> Iterable[tuple]:
+    """A fused attention projection: its maps as `rows` states them (the clip's rows of q and k
+    come from the same `QKVRows`)."""
+    fused = rows.fused
+    found = projection(module, fused.attr)
+    if found is None:
         return
-    p, (nh, nkv, d) = found
-    yield p, _fused(p, "fused qkv", {"q": nh * d, "k": nkv * d, "v": nkv * d},
-                    f"num_attention_heads={nh}, num_key_value_heads={nkv}, head_dim={d}", split_fused,
-                    per_head=(d,) * (nh + 2 * nkv) if per_head else None)
-
-
-def _gpt2_attention(module: nn.Module, config: Any, per_head: bool, split_fused: bool) -> Iterable[tuple]:
-    if (found := _with_heads(module, "c_attn", config)) is None:
+    p, _, transposed = found
+    stored = "; stored (in, out)" if transposed else ""
+    problem = rows.error(p.shape[1] if transposed else p.shape[0])
+    if problem is not None:
+        yield p, WeightSplit("fused? layout unknown",
+                              f"{type(module).__name__}.{fused.attr} {problem}{stored}: one matrix",
+                              transposed=transposed)
         return
-    p, (nh, _, d) = found
-    transposed = _is_conv1d(module.c_attn)
-    why = f"n_head={nh}, head_dim={d}" + ("; stored (in, out)" if transposed else "")
-    if getattr(module, "is_cross_attention", False):  # c_attn = [k | v]; queries in q_attn
-        parts, n = {"k": nh * d, "v": nh * d}, 2 * nh
-        q = _weight(module, "q_attn")
-        if per_head and q is not None:
-            yield q, _fused(q, "per-head", {"q": nh * d}, why, split_fused, transposed=_is_conv1d(module.q_attn),
-                            per_head=(d,) * nh)
-    else:
-        parts, n = {"q": nh * d, "k": nh * d, "v": nh * d}, 3 * nh
-    yield p, _fused(p, "fused qkv", parts, why, split_fused, transposed=transposed,
-                    per_head=(d,) * n if per_head else None)
+    heads = rows.heads
+    why = heads.source + stored
+    blocks = rows.per_head() if per_head else None
+    yield p, _fused(p, "fused qkv", dict(zip(fused.order, rows.sizes)), why, split_fused, groups=rows.groups,
+                    transposed=transposed, per_head=blocks)
+    query = projection(module, fused.query) if fused.query is not None and per_head else None
+    if query is not None:  # a cross-attention's separate queries
+        q, _, q_transposed = query
+        yield q, _fused(q, "per-head", {"q": heads.n_heads * heads.head_dim}, why, split_fused,
+                        transposed=q_transposed, per_head=(heads.head_dim,) * heads.n_heads)
 
 
-def _neox_attention(module: nn.Module, config: Any, per_head: bool, split_fused: bool) -> Iterable[tuple]:
-    if (found := _with_heads(module, "query_key_value", config)) is None:
+def _gated_mlp(module: nn.Module, config: Any, split_fused: bool) -> Iterable[tuple]:
+    for mlp in families().fused_mlp:
+        p = child_weight(module, mlp.attr)
+        if p is None:
+            continue
+        size = mlp.size.read(module, config)
+        if size is None:
+            return  # reported by name as a fused weight of unknown layout
+        yield p, _fused(p, "fused " + "|".join(mlp.order), dict.fromkeys(mlp.order, size[0]), size[1], split_fused)
         return
-    p, (nh, _, d) = found
-    yield p, _fused(p, "fused qkv", {"q": d, "k": d, "v": d}, f"num_attention_heads={nh}, head_size={d}",
-                    split_fused, groups=nh, per_head=(d,) * (3 * nh) if per_head else None)
-
-
-def _torch_mha(module: nn.MultiheadAttention, per_head: bool, split_fused: bool) -> Iterable[tuple]:
-    p = module.in_proj_weight
-    if not isinstance(p, Tensor):  # kdim/vdim differ: separate q/k/v_proj_weight, plain matrices
-        return
-    e, nh = module.embed_dim, module.num_heads
-    yield p, _fused(p, "fused qkv", {"q": e, "k": e, "v": e}, f"nn.MultiheadAttention embed_dim={e}", split_fused,
-                    per_head=(e // nh,) * (3 * nh) if per_head else None)
-
-
-def _gated_mlp(module: nn.Module, p: Tensor, config: Any, split_fused: bool) -> Iterable[tuple]:
-    inter = _first_int(module, ("intermediate_size",), config, ("intermediate_size",))
-    if inter is None:
-        return  # reported by name as a fused weight of unknown layout
-    yield p, _fused(p, "fused gate|up", {"gate": inter, "up": inter}, f"intermediate_size={inter}", split_fused)
 
 
 def _experts(module: nn.Module, config: Any, split_fused: bool) -> Iterable[tuple]:
-    """transformers' stacked experts: layout declared by ``use_experts_implementation``."""
-    declared = all(hasattr(module, a) for a in ("is_transposed", "is_concatenated", "has_gate"))
-    if not declared:
-        return
-    transposed = bool(module.is_transposed)
-    stored = "(E, in, out)" if transposed else "(E, out, in)"
-    for attr, p in _named_weights(module):
-        if p.ndim == 2 and attr.endswith("_bias"):
-            yield p, MatrixLayout("vector", f"per-expert biases (E={p.shape[0]}) x {p.shape[1]}: vectors",
-                                  algorithm="adamw")
-        elif p.ndim != 3:
+    """Stacked experts whose module declares their layout (`muonclip.common.families.StackedExperts`)."""
+    for spec in families().experts:
+        if not all(hasattr(module, a) for a in (spec.transposed, spec.concatenated, spec.gated)):
             continue
-        elif attr == "gate_up_proj" and module.has_gate:
-            inter = _first_int(module, ("intermediate_dim", "intermediate_size", "moe_intermediate_size"), config,
-                               ("moe_intermediate_size", "intermediate_size"))
-            if inter is None:
-                yield p, MatrixLayout("fused? layout unknown",
-                                      "experts' intermediate size not found: one matrix per expert",
-                                      transposed=transposed)
+        transposed = bool(getattr(module, spec.transposed))
+        stored = "(E, in, out)" if transposed else "(E, out, in)"
+        for attr, p in _named_weights(module):
+            if p.ndim == 2 and attr.endswith(spec.bias_suffix):
+                yield p, WeightSplit("vector", f"per-expert biases (E={p.shape[0]}) x {p.shape[1]}: vectors",
+                                      algorithm="adamw")
+            elif p.ndim != 3:
                 continue
-            if module.is_concatenated:
-                why = f"E={p.shape[0]} experts, intermediate_dim={inter}, stored {stored}"
-                yield p, _fused(p, "experts, fused gate|up", {"gate": inter, "up": inter}, why, split_fused,
-                                transposed=transposed)
-            else:
-                why = f"E={p.shape[0]} experts, rows alternate gate/up (is_concatenated=False), stored {stored}"
-                yield p, _fused(p, "experts, fused gate|up", {"gate": 1, "up": 1}, why, split_fused, groups=inter,
-                                transposed=transposed)
-        elif transposed:
-            yield p, MatrixLayout("experts", f"E={p.shape[0]} matrices, stored {stored}", transposed=True)
-
-
-def _router(module: nn.Module, experts: nn.Module, config: Any) -> Iterable[tuple]:
-    n = _n_experts(experts, config)
-    for attr in ROUTER_NAMES:
-        child = getattr(module, attr, None)
-        p = getattr(child, "weight", None) if isinstance(child, nn.Module) else None
-        if isinstance(p, Tensor) and p.ndim == 2 and n is not None and p.shape[0] == n:
-            yield p, MatrixLayout(
-                "router",
-                f"E={n} x {p.shape[1]}, one matrix on Muon, as Moonlight/Kimi K2, Megatron-LM and torchtitan train "
-                f"routers (adamw=['*.{attr}.weight'] moves it)",
-            )
-
-
-def _mla(module: nn.Module, config: Any, per_head: bool) -> Iterable[tuple]:
-    nh = _n_heads(module, config)
-    nope = _first_int(module, ("qk_nope_head_dim", "nope"), config, ("qk_nope_head_dim",))
-    rope = _first_int(module, ("qk_rope_head_dim", "rope"), config, ("qk_rope_head_dim",))
-    v = _first_int(module, ("v_head_dim", "v_dim"), config, ("v_head_dim",))
-    if None in (nh, nope, rope, v):
+            elif attr == spec.gate_up and getattr(module, spec.gated):
+                size = spec.size.read(module, config)
+                if size is None:
+                    yield p, WeightSplit("fused? layout unknown",
+                                          "experts' intermediate size not found: one matrix per expert",
+                                          transposed=transposed)
+                    continue
+                inter = size[0]
+                if getattr(module, spec.concatenated):
+                    why = f"E={p.shape[0]} experts, {size[1]}, stored {stored}"
+                    yield p, _fused(p, "experts, fused gate|up", {"gate": inter, "up": inter}, why, split_fused,
+                                    transposed=transposed)
+                else:
+                    why = f"E={p.shape[0]} experts, rows alternate gate/up ({spec.concatenated}=False), stored {stored}"
+                    yield p, _fused(p, "experts, fused gate|up", {"gate": 1, "up": 1}, why, split_fused,
+                                    groups=inter, transposed=transposed)
+            elif transposed:
+                yield p, WeightSplit("experts", f"E={p.shape[0]} matrices, stored {stored}", transposed=True)
         return
-    kv_a = _weight(module, "kv_a_proj_with_mqa")
+
+
+def _router(module: nn.Module, config: Any) -> Iterable[tuple]:
+    for spec in families().routers:
+        experts = getattr(module, spec.experts, None)
+        if not isinstance(experts, nn.Module):
+            continue
+        n = _n_experts(experts, spec.count, config)
+        for attr in spec.attrs:
+            p = child_weight(module, attr)
+            if p is not None and n is not None and p.shape[0] == n:
+                yield p, WeightSplit(
+                    "router",
+                    f"E={n} x {p.shape[1]}, one matrix on Muon, as Moonlight/Kimi K2, Megatron-LM and torchtitan "
+                    f"train routers (adamw=['*.{attr}.weight'] moves it)",
+                )
+        return
+
+
+def _mla(module: nn.Module, latent: LatentAttention, config: Any, per_head: bool) -> Iterable[tuple]:
+    found = query_heads(module, config)
+    sizes = [r.read(module, config) for r in (latent.nope, latent.rope, latent.v)]
+    if found is None or None in sizes:
+        return
+    nh = found[0]
+    nope, rope, v = (s[0] for s in sizes)
+    kv_a = child_weight(module, latent.kv_down) if latent.kv_down is not None else None
     if kv_a is not None:
-        yield kv_a, MatrixLayout("MLA", f"[c_kv {kv_a.shape[0] - rope} | shared rotary key {rope}]: one matrix, as "
+        yield kv_a, WeightSplit("MLA", f"[c_kv {kv_a.shape[0] - rope} | shared rotary key {rope}]: one matrix, as "
                                   "DeepSeek-V3, Moonlight and Kimi K2 train it (split= cuts it)")
-    q = _weight(module, "q_b_proj")
-    if q is None:
-        q = _weight(module, "q_proj")
-    for p, parts in ((q, f"q_nope {nope} | q_rope {rope}"), (_weight(module, "kv_b_proj"), f"k_nope {nope} | v {v}")):
+    q = next((w for w in (child_weight(module, a) for a in latent.q_up) if w is not None), None)
+    kv = child_weight(module, latent.kv_up)
+    for p, parts in ((q, f"q_nope {nope} | q_rope {rope}"), (kv, f"k_nope {nope} | v {v}")):
         if p is None:
             continue
         d = p.shape[0] // nh
         if per_head and d * nh == p.shape[0]:
-            yield p, MatrixLayout("per-head", f"{nh} blocks of {d} rows, one per head [{parts}]", (d,) * nh)
+            yield p, WeightSplit("per-head", f"{nh} blocks of {d} rows, one per head [{parts}]", (d,) * nh)
         else:
-            yield p, MatrixLayout("MLA", f"{nh} heads x [{parts}]: one matrix, as DeepSeek-V3, Moonlight and Kimi K2 "
+            yield p, WeightSplit("MLA", f"{nh} heads x [{parts}]: one matrix, as DeepSeek-V3, Moonlight and Kimi K2 "
                                          "train it (per_head=True: one block per head)")
 
 
 def _separate_qkv(module: nn.Module, config: Any) -> Iterable[tuple]:
-    heads = _heads(module, config)
+    names = separate_projections(module)
+    if names is None or child_weight(module, names.q) is None or child_weight(module, names.k) is None:
+        return
+    heads = heads_of(module, config)
     if heads is None:
         return
-    nh, nkv, _ = heads
-    for attr, n in (("q_proj", nh), ("k_proj", nkv), ("v_proj", nkv)):
-        p = _weight(module, attr)
+    for attr, n in ((names.q, heads.n_heads), (names.k, heads.n_kv_heads), (names.v, heads.n_kv_heads)):
+        p = child_weight(module, attr)
         if p is None:
             continue
         if p.shape[0] % n:
-            yield p, MatrixLayout("hidden matrix",
+            yield p, WeightSplit("hidden matrix",
                                   f"per_head: {p.shape[0]} rows do not split into {n} heads: one matrix")
         else:
             d = p.shape[0] // n
-            yield p, MatrixLayout("per-head", f"{n} blocks of {d} rows, one per head", (d,) * n)
+            yield p, WeightSplit("per-head", f"{n} blocks of {d} rows, one per head", (d,) * n)
 
 
 # ------------------------------------------------------------------------------------------------
-# reading modules and configs
+# reading modules
 # ------------------------------------------------------------------------------------------------
-
-
-def _weight(module: nn.Module, attr: str) -> Tensor | None:
-    """The weight of child ``attr`` (a Linear/Conv1D-like layer with a 2-D weight), or None."""
-    child = getattr(module, attr, None)
-    p = getattr(child, "weight", None) if isinstance(child, nn.Module) else None
-    return p if isinstance(p, Tensor) and p.ndim == 2 else None
 
 
 def _named_weights(module: nn.Module) -> Iterable[tuple[str, Tensor]]:
@@ -357,48 +332,17 @@ def _named_weights(module: nn.Module) -> Iterable[tuple[str, Tensor]]:
             yield attr, p
 
 
-def _is_conv1d(module: nn.Module) -> bool:
-    return type(module).__name__ == "Conv1D"
-
-
-def _first_int(module: nn.Module, attrs: tuple[str, ...], config: Any, keys: tuple[str, ...]) -> int | None:
-    for a in attrs:
-        v = getattr(module, a, None)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    for k in keys:
-        v = getattr(config, k, None)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
+def _n_experts(experts: nn.Module, count: Read, config: Any) -> int | None:
+    if isinstance(experts, nn.ModuleList):
+        return len(experts)
+    found = count.read(experts, config)
+    if found is not None:
+        return found[0]
+    for spec in families().experts:
+        stack = getattr(experts, spec.gate_up, None)
+        if isinstance(stack, Tensor):
+            return stack.shape[0]
     return None
 
 
-def _n_heads(module: nn.Module, config: Any) -> int | None:
-    return _first_int(module, ("num_heads", "n_head", "num_attention_heads"), config, ("num_attention_heads",))
-
-
-def _heads(module: nn.Module, config: Any) -> tuple[int, int, int] | None:
-    """(query heads, key/value heads, head dim) from the module's attributes or its config."""
-    nh = _n_heads(module, config)
-    if nh is None:
-        return None
-    nkv = _first_int(module, ("num_key_value_heads", "n_kv_head"), config, ("num_key_value_heads",)) or nh
-    d = _first_int(module, ("head_dim", "head_size"), config, ("head_dim",))
-    if d is None:
-        hidden = getattr(config, "hidden_size", None)
-        if not isinstance(hidden, int) or hidden % nh:
-            return None
-        d = hidden // nh
-    return nh, nkv, d
-
-
-def _n_experts(experts: nn.Module, config: Any) -> int | None:
-    if isinstance(experts, nn.ModuleList):
-        return len(experts)
-    n = _first_int(experts, ("num_experts",), config, ("num_local_experts", "num_experts", "n_routed_experts"))
-    if n is None and isinstance(getattr(experts, "gate_up_proj", None), Tensor):
-        n = experts.gate_up_proj.shape[0]
-    return n
-
-
-__all__ = ["FUSED_NAMES", "SECTIONED_QKV", "MatrixLayout", "matrix_layouts"]
+__all__ = ["WeightSplit", "weight_splits"]

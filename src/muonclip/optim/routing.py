@@ -4,29 +4,33 @@ Rules (docs/design.md, "Which matrices: fused projections, heads and routers"), 
 
 1. ``adamw=`` / ``muon=`` name patterns given by the user (``fnmatch`` style).
 2. Weights of ``nn.Embedding``/``nn.EmbeddingBag`` -> AdamW ("embedding").
-3. The output head -> AdamW ("lm head"): ``model.get_output_embeddings()`` (Hugging Face), a
+3. The output head -> AdamW ("lm head"): the output layer the model states (the family table's
+   ``output_layers``: transformers' ``get_output_embeddings()``), a
    module named ``lm_head``/``head``/``output``/``unembed``/``classifier``/``score``, or a
    Linear whose out_features equals an embedding's vocabulary size. A weight tied to an
    embedding is one parameter and is routed once, as an embedding.
 4. 0-D and 1-D tensors (norm gains, biases, scalars), and the per-expert biases ``(E, n)`` of
-   transformers' stacked experts -> AdamW with weight_decay 0 ("vector").
-5. peft adapters, by structure (the attribute names of peft's LoRA layers): LoRA's ``lora_A`` /
-   ``lora_B`` matrices per ``lora=`` (default ``"muon"``: both to Muon, "LoRA A" / "LoRA B";
-   ``"muon_b"``: B to Muon, A to AdamW; ``"adamw"``: both to AdamW), ``lora_embedding_A/B``
-   -> AdamW ("LoRA embedding"), DoRA's ``lora_magnitude_vector`` -> AdamW with weight_decay 0
-   ("DoRA magnitude": a vector). A ``modules_to_save`` copy is routed like the module it copies
-   (its name read without ``modules_to_save.<adapter>``: a copied ``lm_head`` is an lm head).
+   transformers' stacked experts -> AdamW with weight_decay 0 ("vector"). A 1-D tensor that is
+   a flattened matrix (FSDP1's flat parameters, DeepSpeed ZeRO's partitions) is no vector: a
+   model holding one is refused first (`muonclip.optim.flat`).
+5. Adapters, by the names of their pieces (the family table's ``adapters``: peft's LoRA and
+   DoRA layers, `muonclip.integrations.families`): LoRA's A / B matrices per ``lora=``
+   (default ``"muon"``: both to Muon, "LoRA A" / "LoRA B"; ``"muon_b"``: B to Muon, A to AdamW;
+   ``"adamw"``: both to AdamW), LoRA embedding factors -> AdamW ("LoRA embedding"), DoRA's
+   magnitude vector -> AdamW with weight_decay 0 ("DoRA magnitude": a vector). A trainable copy
+   (peft's ``modules_to_save``) is routed like the module it copies (its name read without the
+   copy's parts: a copied ``lm_head`` is an lm head).
    Frozen parameters (``requires_grad=False``: a LoRA base, a quantized weight) are in no
    group; ``.report()`` counts them.
 6. Everything else with ndim >= 2 -> Muon: attention projections, MLP, stacked experts
    (3-D), routers; convolution weights in a group with ``flatten=True`` ("conv"); the weights
-   of transformers' ``Conv1D`` (GPT-2; a linear layer stored ``(in, out)``, recognised by its
-   class name so transformers is not imported) in a group with ``transposed=True``
-   ("conv1d (in, out)").
+   of a linear layer stored ``(in, out)`` (the family table's ``transposed``: transformers'
+   ``Conv1D``, GPT-2) in a group with ``transposed=True`` ("conv1d (in, out)").
 
-How each Muon weight is cut into matrices comes from `muonclip.optim.fused` (layouts declared by
-the model and its config, checked against the weight): known fused projections (``qkv_proj``,
-``c_attn``, ``query_key_value``, ``gate_up_proj``, transformers' stacked experts, ...) are split
+How each Muon weight is cut into matrices comes from `muonclip.optim.fused` (splits declared by
+the model's family in the registered family table, checked against the weight): known fused
+projections (GPT-2's ``c_attn``, ``qkv_proj``, ``query_key_value``, ``gate_up_proj``, stacked
+experts, ...: `muonclip.integrations.families` lists them) are split
 into their maps by default, so a fused model takes the steps of the same model stored unfused;
 ``per_head=True`` cuts q/k/v and MLA up-projections into one block per head; routers and MLA
 weights stay one matrix; per-expert biases are vectors (AdamW). An explicit ``split=`` pattern
@@ -43,7 +47,9 @@ from typing import Any
 
 from torch import nn
 
-from .fused import MatrixLayout, matrix_layouts
+from ..common.family_readers import adapter_role, copied_name, output_layer, stored_transposed
+from .flat import refuse_flat_model
+from .fused import WeightSplit, weight_splits
 
 HEAD_NAMES = ("lm_head", "head", "output", "unembed", "classifier", "score")
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -57,7 +63,7 @@ class Route:
     shape: tuple[int, ...]
     algorithm: str  # "muon" or "adamw"
     reason: str  # "hidden matrix", "conv", "conv1d (in, out)", "experts", "embedding", "lm head", "vector",
-    #              "override", or a `muonclip.optim.fused.MatrixLayout` reason ("fused qkv", "router", "per-head", ...)
+    #              "override", or a `muonclip.optim.fused.WeightSplit` reason ("fused qkv", "router", "per-head", ...)
     detail: str = ""  # how a Muon weight is cut into matrices, and from what (config sizes, split= pattern)
 
 
@@ -138,13 +144,15 @@ def param_groups(
             ``{"*.qkv.weight": [d, d, d]}``; for a ``Conv1D`` weight, rows of its ``(out, in)``
             transpose. A value may also be ``{"split_sizes": [...], "split_groups": G}`` for an
             interleaved layout (`muonclip.optim.matrices`). A match wins over the automatic
-            layouts below and keeps that weight exactly as given.
-        split_fused: split the fused projections whose layout the model declares (default
-            True; `muonclip.optim.fused`): Phi-3's ``qkv_proj`` and ``gate_up_proj``, GPT-2's
-            ``c_attn``, GPT-NeoX's interleaved ``query_key_value``, ``nn.MultiheadAttention``'s
-            ``in_proj_weight``, transformers' stacked experts' ``gate_up_proj`` (sizes from the
-            config, checked against the weight). False keeps each of them one matrix, as
-            routing did before fused layouts were known; the report still names them.
+            splits below and keeps that weight exactly as given.
+        split_fused: split the fused projections whose layout the family table states
+            (default True; `muonclip.optim.fused`, `muonclip.integrations.families`): Phi-3's
+            ``qkv_proj`` and ``gate_up_proj``, GPT-2's and GPTBigCode's ``c_attn``, GPT-NeoX's
+            interleaved ``query_key_value``, CodeGen's partitioned ``qkv_proj``,
+            ``nn.MultiheadAttention``'s ``in_proj_weight``, transformers' stacked experts'
+            ``gate_up_proj`` (sizes from the module or its config, checked against the weight),
+            into the same maps whose rows `muonclip.MuonClip` scales. False keeps each of them one
+            matrix; the report still names them.
         per_head: orthogonalise each attention head's rows of q, k and v (separate or fused)
             and of the MLA up-projections as its own matrix, with its own update scale
             (default False; Kimi K3's per-head Muon, GLM's "Muon Split"; see the algorithm
@@ -157,34 +165,38 @@ def param_groups(
             "Routing adapters", states the evidence behind the default.
 
     Returns:
-        `ParamGroups`: a list of dicts with ``params``, ``param_names`` and ``algorithm`` (and
+        `ParamGroups`: a list of dicts with ``params``, ``param_names``, ``algorithm`` and a
+        unique ``name`` (``"muon"``, ``"adamw"``, ``"adamw_no_decay"``, ...: what loggers such
+        as Lightning's LearningRateMonitor show) (and
         ``flatten``/``transposed``/``split_sizes``/``split_groups``/``lr``/``weight_decay`` where
         set), ready for ``muonclip.Muon(groups, lr=...)``; ``.report()`` prints the routing.
 
     Raises:
         ValueError: a ``muon=`` pattern names a 0-D/1-D tensor, a ``split=`` value is malformed,
             or a parameter would be routed twice or not at all.
+        FlatParameterError: (a ValueError) the model holds flattened pieces of matrices (FSDP1,
+            DeepSpeed ZeRO; `muonclip.optim.flat`), named with what to use instead.
     """
     if lora not in LORA_ROUTES:
         raise ValueError(f"lora must be one of {LORA_ROUTES}, got {lora!r}")
+    refuse_flat_model(model)  # a flattened matrix is never routed as a vector
     split = {pat: _split_options(pat, v) for pat, v in (split or {}).items()}
-    known = matrix_layouts(model, per_head=per_head, split_fused=split_fused)
+    known = weight_splits(model, per_head=per_head, split_fused=split_fused)
     owner: dict[int, nn.Module] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):
             owner.setdefault(id(p), module)
     vocab = {m.num_embeddings for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
+    last_linear = next((m for m in reversed(list(model.modules())) if isinstance(m, nn.Linear)), None)
     head_ids: set[int] = set()
-    get_out = getattr(model, "get_output_embeddings", None)
-    if callable(get_out):
-        out = get_out()
-        if isinstance(out, nn.Module):
-            head_ids |= {id(p) for p in out.parameters() if p.ndim >= 2}
+    out = output_layer(model)
+    if out is not None:
+        head_ids |= {id(p) for p in out.parameters() if p.ndim >= 2}
     # all aliases of each parameter (tied weights appear under several names)
     aliases: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), [])
-        if not any(_copy_name(name) == _copy_name(a) for a in aliases[id(p)]):
+        if not any(copied_name(name) == copied_name(a) for a in aliases[id(p)]):
             aliases[id(p)].append(name)
 
     routes: list[Route] = []
@@ -194,8 +206,8 @@ def param_groups(
         if not p.requires_grad:
             frozen += p.numel()
             continue
-        names = [_copy_name(n) for n in aliases[id(p)]]
-        adapter = _adapter_part(name)
+        names = [copied_name(n) for n in aliases[id(p)]]
+        adapter = adapter_role(name)
         module = owner.get(id(p))
         is_embedding = any(_owned_by_embedding(model, n) for n in aliases[id(p)])
         is_head = id(p) in head_ids or any(
@@ -204,10 +216,10 @@ def param_groups(
             isinstance(module, nn.Linear)
             and p is module.weight
             and module.out_features in vocab
-            and _is_last_linear(model, module)
+            and module is last_linear
         )
         extra: dict[str, Any] = {}
-        layout: MatrixLayout | None = known.get(id(p))
+        split_of: WeightSplit | None = known.get(id(p))
         detail = ""
         if _matches(name, adamw):
             algo, reason = "adamw", "override"
@@ -231,11 +243,11 @@ def param_groups(
             algo, reason = "adamw", "lm head"
         elif p.ndim < 2:
             algo, reason = "adamw", "vector"
-        elif layout is not None and layout.algorithm == "adamw":
-            algo, reason, detail = "adamw", layout.reason, layout.detail
+        elif split_of is not None and split_of.algorithm == "adamw":
+            algo, reason, detail = "adamw", split_of.reason, split_of.detail
         elif isinstance(module, _CONV):
             algo, reason = "muon", "conv"
-        elif _is_hf_conv1d(module, p):
+        elif _stored_transposed(module, p):
             algo, reason = "muon", "conv1d (in, out)"
         elif p.ndim == 3:
             algo, reason = "muon", "experts"
@@ -244,18 +256,18 @@ def param_groups(
         if algo == "muon":
             if reason == "conv" or p.ndim >= 4:
                 extra["flatten"] = True
-            if _is_hf_conv1d(module, p):
+            if _stored_transposed(module, p):
                 extra["transposed"] = True
             pat = next((pat for pat in split if fnmatch.fnmatchcase(name, pat)), None)
             if pat is not None:
                 extra.update(split[pat])
-                if layout is not None and layout.transposed:
+                if split_of is not None and split_of.transposed:
                     extra["transposed"] = True
                 groups = f" x {split[pat]['split_groups']}, interleaved" if "split_groups" in split[pat] else ""
                 detail = f"rows {split[pat]['split_sizes']}{groups}, as split={{{pat!r}: ...}} gives"
-            elif layout is not None:
-                extra.update(layout.options())
-                reason, detail = (reason if reason == "override" else layout.reason), layout.detail
+            elif split_of is not None:
+                extra.update(split_of.options())
+                reason, detail = (reason if reason == "override" else split_of.reason), split_of.detail
             if lr is not None:
                 extra["lr"] = lr
             if weight_decay is not None:
@@ -274,6 +286,7 @@ def param_groups(
         group["param_names"].append(name)
 
     groups = list(buckets.values())
+    _name_groups(groups)
     seen = [id(p) for g in groups for p in g["params"]]
     expected = {id(p) for p in model.parameters() if p.requires_grad}
     if len(seen) != len(set(seen)) or set(seen) != expected:
@@ -281,32 +294,29 @@ def param_groups(
     return ParamGroups(groups, routes, frozen)
 
 
+def _name_groups(groups: list[dict[str, Any]]) -> None:
+    """Give every group a unique ``name`` (shown by loggers, e.g. Lightning's LearningRateMonitor):
+    its algorithm, then what sets it apart: ``"muon"``, ``"muon_split"`` (fused weights cut into
+    matrices), ``"muon_conv"`` (flattened), ``"muon_transposed"`` (``Conv1D``), ``"adamw"``,
+    ``"adamw_no_decay"`` (vectors); a second group of the same name gets ``_2``, and so on."""
+    seen: dict[str, int] = {}
+    for g in groups:
+        parts = [g["algorithm"]]
+        if g.get("split_sizes") is not None:
+            parts.append("split")
+        if g.get("flatten"):
+            parts.append("conv")
+        if g.get("transposed"):
+            parts.append("transposed")
+        if g["algorithm"] == "adamw" and g.get("weight_decay") == 0.0:
+            parts.append("no_decay")
+        base = "_".join(parts)
+        seen[base] = seen.get(base, 0) + 1
+        g["name"] = base if seen[base] == 1 else f"{base}_{seen[base]}"
+
+
 LORA_ROUTES = ("muon", "muon_b", "adamw")
 """Values of `param_groups`' ``lora=``: where LoRA's A and B matrices go."""
-
-_ADAPTER_PARTS = {
-    "lora_A": "LoRA A",
-    "lora_B": "LoRA B",
-    "lora_embedding_A": "LoRA embedding",
-    "lora_embedding_B": "LoRA embedding",
-    "lora_magnitude_vector": "DoRA magnitude",
-}
-
-
-def _adapter_part(name: str) -> str | None:
-    """Which piece of a peft LoRA/DoRA layer parameter ``name`` is (by peft's attribute names), else None."""
-    return next((_ADAPTER_PARTS[part] for part in name.split(".") if part in _ADAPTER_PARTS), None)
-
-
-def _copy_name(name: str) -> str:
-    """``name`` with peft's ``modules_to_save.<adapter>`` (a trainable copy) taken out: the name of
-    the module it copies (``lm_head.modules_to_save.default.weight`` -> ``lm_head.weight``)."""
-    parts = name.split(".")
-    for i in range(len(parts) - 2):
-        if parts[i] == "modules_to_save":
-            return ".".join(parts[:i] + parts[i + 2:])
-    return name
-
 
 def _split_options(pattern: str, value: Sequence[int] | Mapping[str, Any]) -> dict[str, Any]:
     """The param-group keys of one ``split=`` value (sizes, or a dict with ``split_sizes`` and
@@ -327,15 +337,10 @@ def _split_options(pattern: str, value: Sequence[int] | Mapping[str, Any]) -> di
     return {"split_sizes": [int(s) for s in value]}
 
 
-def _is_hf_conv1d(module: nn.Module | None, p: nn.Parameter) -> bool:
-    """Is ``p`` the 2-D weight of a transformers ``Conv1D`` (a linear layer stored ``(in, out)``)?"""
-    return (
-        module is not None
-        and type(module).__name__ == "Conv1D"
-        and p is getattr(module, "weight", None)
-        and p.ndim == 2
-        and getattr(module, "nf", p.shape[1]) == p.shape[1]
-    )
+def _stored_transposed(module: nn.Module | None, p: nn.Parameter) -> bool:
+    """Is ``p`` the weight of a linear layer stored ``(in, out)``
+    (`muonclip.common.family_readers.stored_transposed`)?"""
+    return module is not None and p is getattr(module, "weight", None) and stored_transposed(module)
 
 
 def _owned_by_embedding(model: nn.Module, pname: str) -> bool:
@@ -345,11 +350,6 @@ def _owned_by_embedding(model: nn.Module, pname: str) -> bool:
     except AttributeError:
         return False
     return isinstance(module, (nn.Embedding, nn.EmbeddingBag))
-
-
-def _is_last_linear(model: nn.Module, module: nn.Module) -> bool:
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    return bool(linears) and linears[-1] is module
 
 
 __all__ = ["param_groups", "ParamGroups", "Route", "HEAD_NAMES", "LORA_ROUTES"]

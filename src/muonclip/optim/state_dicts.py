@@ -3,11 +3,9 @@
 **What `Muon.load_state_dict` takes** (`prepare`). A state dict is recognised by its param groups:
 
 * ``muonclip.Muon``'s: some group has an ``algorithm`` key, or the dict has a top-level
-  ``"muonclip"`` entry. Keys of earlier versions are translated (``update_scale``
-  "rms"/"shape"/"none" -> ``adjust_lr_fn`` "match_rms_adamw"/"original"/"unscaled", ``steps``
-  -> ``ns_steps``, an adamw group's ``eps`` -> ``adamw_eps``); a key added since
-  (`ADDED_GROUP_KEYS`) takes the value of the group it is loaded into; any other missing key
-  is an error.
+  ``"muonclip"`` entry. Every group must hold every key of
+  `muonclip.optim.validation.GROUP_KEYS` (a missing one is an error that names it); a group's
+  ``name``, when the receiving group has one and the saved one not, is kept.
 * ``torch.optim.Muon``'s: no group has ``algorithm``, every group has exactly torch's keys
   (`TORCH_MUON_KEYS`, plus ``params`` and optionally ``param_names``) with an int
   ``ns_steps`` and three ``ns_coefficients``, and the per-parameter state holds only
@@ -21,10 +19,20 @@ Every group is then validated as the constructor validates it
 (`muonclip.optim.validation.check_group`), before anything is loaded.
 
 **Optimizer-wide values** (``steps_taken``, ``steps_skipped``; `muonclip.MuonClip` adds
-``tau``) are kept in the state of the optimizer's first parameter, as torch.optim.LBFGS keeps
-its counters, so that a state dict flattened per parameter
-(``torch.distributed.checkpoint.state_dict`` with ``flatten_optimizer_state_dict=True``, as
-torchtitan saves it) carries them too.
+``tau``) are kept in every param group (the optimizer's attributes are the truth; the groups
+hold a copy, refreshed after every step and by ``state_dict()``). A param group survives what
+replaces parameters (accelerate's FSDP2 ``prepare`` swaps new tensors into ``params``), and a
+state dict flattened per parameter (``torch.distributed.checkpoint.state_dict`` with
+``flatten_optimizer_state_dict=True``, as torchtitan saves it) carries each group's values with
+every parameter; no per-parameter state exists before the first step. State dicts of earlier
+versions kept them in the first parameter's state (or a top-level ``"muonclip"`` entry): they
+are read from there and never put back into the state.
+
+**The saved form** holds nothing a checkpointer cannot store (`saved_form`): torch dtypes in
+param groups (``orth_dtype``) are strings such as ``"torch.bfloat16"``, turned back into dtypes
+on load (`from_saved_form`); everything else is a tensor, a number, a string, None or a list,
+tuple or dict of those, which ``torch.distributed.checkpoint`` (full or sharded, with or without
+``cpu_offload``), accelerate and Lightning save.
 
 **Out to torch**: `torch_state_dict` gives torch.optim.Muon's state dict of the Muon groups
 (momentum ``buf = (1 - mu) M``, concrete ``ns_steps`` and ``ns_coefficients``), or
@@ -54,12 +62,10 @@ INT8_STATE = ("momentum_int8",)
 """State kept in int8 (8-bit momentum codes; torch's loader would cast them to the parameter dtype)."""
 
 WIDE_KEYS = ("steps_taken", "steps_skipped")
-"""Optimizer-wide values kept in the first parameter's state."""
+"""`muonclip.Muon`'s optimizer-wide values, kept in every param group (`muonclip.MuonClip` adds ``tau``)."""
 
-ADDED_GROUP_KEYS = ("ns_coefficients", "adamw_eps", "split_groups", "transposed", "normuon", "normuon_beta2",
-                    "cautious_weight_decay", "momentum_8bit")
-"""Group keys a muonclip state dict may lack (added to the format later): the receiving group's
-value is used."""
+DTYPE_PREFIX = "torch."
+"""A torch dtype in the saved form: ``str(dtype)``, e.g. ``"torch.bfloat16"``."""
 
 TORCH_MUON_KEYS = frozenset({"lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
                              "adjust_lr_fn"})
@@ -72,7 +78,6 @@ TORCH_ADAMW_GROUP = {"amsgrad": False, "maximize": False, "foreach": None, "capt
                      "differentiable": False, "fused": None, "decoupled_weight_decay": True}
 """The AdamW group keys `torch_state_dict` writes besides the hyperparameters."""
 
-_OLD_SCALES = {"rms": "match_rms_adamw", "shape": "original", "none": "unscaled"}
 _TORCH_MUON_METHODS = ("ns5", "ns5_sym", "ns5_compiled")  # the quintic torch.optim.Muon runs
 
 
@@ -84,6 +89,51 @@ def state_dtype(p: Tensor) -> torch.dtype:
 def first_param(groups: Sequence[Mapping[str, Any]]) -> Any:
     """The first parameter (or saved id) of the first group that has one; None if none."""
     return next((p for g in groups for p in g["params"]), None)
+
+
+# ------------------------------------------------------------------------------------------
+# the saved form, and the optimizer-wide values
+# ------------------------------------------------------------------------------------------
+
+
+def saved_form(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with every torch dtype in its param groups written as a string
+    (``torch.bfloat16`` -> ``"torch.bfloat16"``); a new dict and new groups, the state shared."""
+    groups = [{k: str(v) if isinstance(v, torch.dtype) else v for k, v in g.items()}
+              for g in state_dict["param_groups"]]
+    return {**state_dict, "param_groups": groups}
+
+
+def from_saved_form(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A saved param group with its dtype strings (`saved_form`) back as torch dtypes; a new dict.
+    A group that holds dtypes (``torch.optim.Optimizer.state_dict``'s own form) is taken as it is."""
+    return {k: _dtype(v) if isinstance(v, str) and v.startswith(DTYPE_PREFIX) else v for k, v in group.items()}
+
+
+def _dtype(text: str) -> Any:
+    value = getattr(torch, text[len(DTYPE_PREFIX):], None)
+    return value if isinstance(value, torch.dtype) else text
+
+
+def wide_values(state_dict: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    """The optimizer-wide values ``keys`` a muonclip state dict holds: from its first param group
+    that has them, else (earlier versions) from the first parameter's state entry, else from a
+    top-level ``"muonclip"`` entry. Absent ones are left out."""
+    groups, state = state_dict["param_groups"], state_dict["state"]
+    found: dict[str, Any] = {}
+    for key in keys:
+        for g in groups:
+            if key in g:
+                found[key] = g[key]
+                break
+    first = first_param(groups)
+    entry = state.get(first) if first is not None else None
+    older = [entry if isinstance(entry, Mapping) else {}, state_dict.get("muonclip") or {}]
+    for source in older:
+        for key in keys:
+            if key not in found and key in source:
+                found[key] = source[key]
+    return {k: v.item() if isinstance(v, Tensor) else v for k, v in found.items()}
 
 
 # ------------------------------------------------------------------------------------------
@@ -102,7 +152,7 @@ def kind(state_dict: Mapping[str, Any]) -> str:
     if "muonclip" in state_dict or any("algorithm" in g for g in groups):
         return "muonclip"
     if groups and all(_is_torch_muon_group(g) for g in groups) and all(
-            set(s) <= {"momentum_buffer"} for s in state_dict["state"].values()):
+            isinstance(s, Mapping) and set(s) <= {"momentum_buffer"} for s in state_dict["state"].values()):
         return "torch.optim.Muon"
     keys = sorted({k for g in groups for k in g} - {"params", "param_names"})
     like = ""
@@ -131,12 +181,15 @@ def _is_torch_adamw_group(g: Mapping[str, Any]) -> bool:
 # ------------------------------------------------------------------------------------------
 
 
-def prepare(state_dict: Mapping[str, Any], groups: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The state dict to hand torch's loader: recognised, converted to this version's format,
-    every group validated against the optimizer's ``groups``; a new dict (the one passed in, and
-    its tensors, are not modified)."""
+def prepare(state_dict: Mapping[str, Any], groups: Sequence[dict[str, Any]],
+            wide_keys: Sequence[str] = WIDE_KEYS) -> dict[str, Any]:
+    """The state dict to hand torch's loader: recognised (a torch.optim.Muon one converted), every
+    group validated against the optimizer's ``groups``; a new dict (the one passed in, and its
+    tensors, are not modified). The optimizer-wide values ``wide_keys`` it holds (`wide_values`,
+    wherever this or an earlier version kept them) are put in every group, and taken out of the
+    per-parameter state; a torch.optim.Muon state dict has none."""
     source = kind(state_dict)
-    saved = state_dict["param_groups"]
+    saved = [from_saved_form(g) for g in state_dict["param_groups"]]
     if len(saved) != len(groups):
         hint = (" (torch's Muon + AdamW pair goes in with Muon.load_torch_state_dicts)"
                 if source == "torch.optim.Muon" else "")
@@ -155,11 +208,17 @@ def prepare(state_dict: Mapping[str, Any], groups: Sequence[dict[str, Any]]) -> 
                 if "momentum_buffer" in state.get(pid, {}):
                     state[pid]["momentum_buffer"] = _sum_momentum(state[pid]["momentum_buffer"], g["momentum"])
     else:
-        new_groups = [_upgrade_group(g, own, i) for i, (g, own) in enumerate(zip(saved, groups))]
-        wide = state_dict.get("muonclip")
-        first = first_param(new_groups)
-        if isinstance(wide, Mapping) and first is not None:  # the counters' place in earlier versions
-            state[first] = {**state.get(first, {}), **{k: v for k, v in wide.items() if k not in state.get(first, {})}}
+        new_groups = [{**g, "name": own["name"]} if "name" in own and "name" not in g else g
+                      for g, own in zip(saved, groups)]
+    wide = wide_values(state_dict, wide_keys) if source == "muonclip" else {}
+    for g in new_groups:
+        for key in wide_keys:
+            g.pop(key, None)
+        g.update(wide)
+    for entry in state.values():
+        if isinstance(entry, dict):
+            for key in wide_keys:
+                entry.pop(key, None)
     for i, (g, own) in enumerate(zip(new_groups, groups)):
         if len(g["params"]) != len(own["params"]):
             raise ValueError(f"param group {i} of the state dict has {len(g['params'])} parameters, this "
@@ -167,24 +226,6 @@ def prepare(state_dict: Mapping[str, Any], groups: Sequence[dict[str, Any]]) -> 
         check_group({**g, "params": own["params"], "param_names": own.get("param_names")},
                     f"param group {i} of the state dict: ", f"param group {i} of the state dict: ")
     return {"state": state, "param_groups": new_groups}
-
-
-def _upgrade_group(saved: Mapping[str, Any], own: Mapping[str, Any], i: int) -> dict[str, Any]:
-    """A saved muonclip group in this version's keys (see the module docstring); a new dict."""
-    group = dict(saved)
-    if "update_scale" in group:
-        old = group.pop("update_scale")
-        if old not in _OLD_SCALES:
-            raise ValueError(f"saved param group {i} has update_scale={old!r}; expected one of {sorted(_OLD_SCALES)}")
-        group["adjust_lr_fn"] = _OLD_SCALES[old]
-    if "steps" in group and "ns_steps" not in group:
-        group["ns_steps"] = group.pop("steps")
-    if "adamw_eps" not in group and group.get("algorithm", "muon") == "adamw" and "eps" in group:
-        group["adamw_eps"], group["eps"] = group["eps"], own["eps"]
-    for key in ADDED_GROUP_KEYS:
-        if key not in group:
-            group[key] = own[key]
-    return group
 
 
 def _from_torch_muon_group(g: Mapping[str, Any], own: Mapping[str, Any]) -> dict[str, Any]:
@@ -202,6 +243,8 @@ def _from_torch_muon_group(g: Mapping[str, Any], own: Mapping[str, Any]) -> dict
 
 def _sum_momentum(buf: Tensor, momentum: float) -> Tensor:
     """torch.optim.Muon's averaged momentum as our sum: ``buf / (1 - mu)`` (in float64, rounded once)."""
+    if not isinstance(buf, Tensor) or not buf.is_floating_point():
+        raise ValueError(f"torch.optim.Muon's momentum_buffer must be a floating-point tensor, got {buf!r:.100}")
     return (buf.detach().to(torch.float64) / (1.0 - float(momentum))).to(torch.promote_types(buf.dtype, torch.float32))
 
 
@@ -402,9 +445,8 @@ def from_torch(own_state_dict: Mapping[str, Any], groups: Sequence[Mapping[str, 
             step = int(entry["step"])
             steps = max(steps, step)
             state[index_of[p]] = {"step": step, "exp_avg": entry["exp_avg"], "exp_avg_sq": entry["exp_avg_sq"]}
-    first = first_param(new_groups)
-    if first is not None:
-        state.setdefault(first, {}).update(steps_taken=steps, steps_skipped=0)
+    for g in new_groups:
+        g.update(steps_taken=steps, steps_skipped=0)
     return {"state": state, "param_groups": new_groups}
 
 
@@ -426,5 +468,6 @@ def _label(groups: Sequence[Mapping[str, Any]], p: Tensor) -> str:
     return "a parameter"
 
 
-__all__ = ["ADDED_GROUP_KEYS", "FP32_STATE", "INT8_STATE", "TORCH_MUON_KEYS", "WIDE_KEYS", "first_param", "from_torch",
-           "kind", "prepare", "restore_fp32_state", "split_fp32_state", "state_dtype", "torch_state_dict"]
+__all__ = ["DTYPE_PREFIX", "FP32_STATE", "INT8_STATE", "TORCH_MUON_KEYS", "WIDE_KEYS",
+           "first_param", "from_saved_form", "from_torch", "kind", "prepare", "restore_fp32_state", "saved_form",
+           "split_fp32_state", "state_dtype", "torch_state_dict", "wide_values"]

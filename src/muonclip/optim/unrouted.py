@@ -14,6 +14,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from .flat import refuse_flat
+
 ADVICE = (
     "pass routed groups: Muon(muonclip.param_groups(model), ...) (or MuonClip(model, ...)); in the Hugging Face "
     "Trainer or TRL: optimizer_cls_and_kwargs=muonclip.integrations.hf.trainer_optimizer(Muon, lr=...), or "
@@ -34,7 +36,9 @@ def refuse_model(name: str, params: Any) -> None:
 
 def refuse_unrouted(name: str, group: dict[str, Any]) -> None:
     """`UnroutedParametersError` when ``group`` has no ``algorithm`` (a Muon group by default) and holds a 0-D/1-D
-    tensor: a plain list of parameters nobody routed. Normalises ``group["params"]`` to a list."""
+    tensor: a plain list of parameters nobody routed; `muonclip.optim.flat.FlatParameterError` for a
+    flattened piece of a matrix (FSDP1's ``FlatParameter``, a DeepSpeed ZeRO partition) in any group.
+    Normalises ``group["params"]`` to a list."""
     params = group.get("params")
     if isinstance(params, Tensor):
         params = [params]
@@ -42,9 +46,12 @@ def refuse_unrouted(name: str, group: dict[str, Any]) -> None:
         params = list(params)
     if params is not None:
         group["params"] = params
+    names = group.get("param_names") or [None] * len(params or ())
+    for p, n in zip(params or (), names):
+        if isinstance(p, Tensor):
+            refuse_flat(p, n or "")
     if "algorithm" in group or not params:
         return
-    names = group.get("param_names") or [None] * len(params)
     vector = next(((p, n) for p, n in zip(params, names) if isinstance(p, Tensor) and p.ndim < 2), None)
     if vector is not None:
         p, n = vector

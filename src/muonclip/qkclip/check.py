@@ -122,6 +122,7 @@ class ClipCheck:
         max_logits: Mapping[str, Tensor],
         clipped: Mapping[str, Tensor],
         tau: float,
+        distributed: bool | None = None,
     ) -> list[str]:
         """After a clip: check the maxima just used against the previous clip, then arm for the next.
 
@@ -132,6 +133,9 @@ class ClipCheck:
                 recorded nothing absent), as returned by `apply_qk_clip`.
             clipped: per layer name, the ``(n_heads,)`` bool mask of the heads this clip scaled.
             tau: the threshold this clip used.
+            distributed: whether the maxima were reduced over several ranks, which then must
+                report at the same step (default None: ``torch.distributed`` initialised with
+                more than one rank).
 
         Returns:
             One message per layer found ineffective since the last call (each layer once; empty
@@ -141,7 +145,8 @@ class ClipCheck:
             return []
         if self._groups is None:
             self._groups = _groups(layers, max_logits)
-        distributed = world_size() > 1
+        if distributed is None:
+            distributed = world_size() > 1
         for group in self._groups:
             _update(group, max_logits, clipped, tau)
         return [msg for group in self._groups for msg in self._poll(group, distributed)]

@@ -8,8 +8,10 @@ After the optimizer update, with ``S_h`` each head's max logit recorded since th
 
 Under data parallelism every rank recorded the max of its own micro-batches; one packed
 ``all_reduce(MAX)`` over all layers and heads (plus one "recorded" flag per layer) makes every
-rank clip with the global maxima. It runs on every rank, never under a rank condition, and is
-skipped when ``torch.distributed`` is not initialised or the world size is 1.
+rank clip with the global maxima. It runs over the optimizer's process group
+(`muonclip.distributed.context.collective_group`: ``process_group="local"`` means no
+collective, so independent models in one job each clip with their own maxima), on every rank of
+it, never under a rank condition, and is skipped for a group of one rank.
 """
 
 from __future__ import annotations
@@ -57,9 +59,10 @@ def all_reduce_max_(layers: Sequence[AttentionLayer], group: dist.ProcessGroup |
     recorded here, else 0). After the ``MAX``
     reduction a layer recorded on no rank stays unrecorded (``value = None``); one host read
     of the L flags decides that. Must be called on every rank of ``group`` (every rank holds
-    the same layers). No-op without an initialised process group or with world size 1.
+    the same layers). ``group`` None is the default group. No-op without an initialised process
+    group or for a group of one rank.
     """
-    if not layers or world_size() == 1:
+    if not layers or world_size() == 1 or dist.get_world_size(group) == 1:
         return
     device = layers[0].device
     if dist.get_backend(group) == "nccl" and device.type != "cuda":

@@ -12,7 +12,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..distributed.context import collective_group
 from ..optim import Muon, param_groups
+from ..optim.flat import refuse_flat_model
+from ..optim.validation import number
+from .binding import ParameterBinding
 from .check import ClipCheck, QKClipIneffectiveError, QKClipIneffectiveWarning
 from .clip import all_reduce_max_, apply_qk_clip
 from .discovery import discover_layers
@@ -26,7 +30,7 @@ class MuonClip(Muon):
     One step::
 
         Muon / AdamW update of every parameter             # muonclip.Muon.step
-        S = all_reduce_MAX(recorded per-head max logits)   # one packed call; only under torch.distributed
+        S = all_reduce_MAX(recorded per-head max logits)   # one packed call, over the optimizer's process group
         for each attention layer, head h with S_h > tau:
             gamma_h = tau / S_h; scale head h's q/k rows so its logits are times gamma_h
         reset the recorders
@@ -57,6 +61,22 @@ class MuonClip(Muon):
     `muonclip.attention.gate`). The clip's decisions and gammas are exactly those of the exact
     maxima. ``last_bounded`` and ``clip_stats()`` say which logged maxima are such bounds.
 
+    The maxima are reduced over the optimizer's process group
+    (`muonclip.distributed.context.collective_group`, the group its step uses): the DTensor
+    parameters' mesh, else every rank when several run, a ``ProcessGroup`` given as
+    ``process_group=``; ``process_group="local"`` issues no collective, so independent models in
+    one job each clip with their own maxima.
+
+    Wrappers may replace the parameters after the optimizer is built: accelerate's FSDP2
+    ``prepare`` (new DTensor parameters in the model and, swapped in, in the param groups),
+    ``fully_shard`` or ``load_state_dict(assign=True)`` after it (in the model only). Before every
+    step, ``state_dict`` and ``load_state_dict``, `MuonClip` takes the tensors in use
+    (`muonclip.qkclip.binding`): it trains and clips as if built after the wrapper, or says by
+    name why it cannot. A model wrapped in FSDP1 or holding DeepSpeed ZeRO's flat pieces is
+    refused (`muonclip.optim.flat`). Lightning's ``LightningOptimizer`` (``self.optimizers()``)
+    passes on every attribute (``clip_stats()``, ``tau``, ``last_max_logits``, ...); under
+    accelerate's wrapper reach them with `muonclip.integrations.unwrap_optimizer`.
+
     What the clip writes follows one rule (`muonclip.qkclip.writable`): only trainable, plain
     floating-point tensors in the optimizer's param groups. A layer whose clip would scale a
     frozen tensor (the base weight under a LoRA adapter), a quantized one (a 4-bit base) or one
@@ -83,7 +103,8 @@ class MuonClip(Muon):
             cautious_weight_decay, momentum_8bit, ...).
 
     Attributes:
-        tau: the threshold (settable; also the threshold of every layer's recorder).
+        tau: the threshold (settable; also the threshold of every layer's recorder; kept in every
+            param group, so state dicts carry it).
         layers: the attention layers.
         last_max_logits: per layer name, the ``(n_heads,)`` maxima the last clip used (layers
             with nothing recorded are absent): exact where `last_bounded` is False, else an
@@ -107,6 +128,7 @@ class MuonClip(Muon):
         if not isinstance(model, nn.Module):
             raise TypeError(_not_a_model(model))
         _check_tau(tau)
+        refuse_flat_model(model)  # FSDP1 / DeepSpeed ZeRO pieces: named, before any layout's shape check
         clip_check = ClipCheck(on_ineffective_clip)
         layers = list(discover_layers(model) if layers is None else layers)
         names = [layer.name for layer in layers]
@@ -119,9 +141,11 @@ class MuonClip(Muon):
         groups = list(param_groups(model) if groups is None else groups)
         check_clip_targets(layers, [g if isinstance(g, Mapping) else {"params": [g]} for g in groups],
                            {id(p): n for n, p in model.named_parameters()})
-        super().__init__(groups, lr=lr, **muon_kwargs)
         self.layers = layers
+        self._tau = float(tau)  # before Muon's __init__, which copies the optimizer-wide values into the groups
+        super().__init__(groups, lr=lr, **muon_kwargs)
         self.tau = float(tau)
+        self._binding = ParameterBinding(model, self.param_groups, layers)
         self.last_max_logits: dict[str, Tensor] = {}
         self.last_bounded: dict[str, Tensor] = {}
         self.last_clipped: dict[str, Tensor] = {}
@@ -130,6 +154,7 @@ class MuonClip(Muon):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Optimizer update, then QK-Clip with the maxima recorded since the last step."""
+        self._binding.follow(self.param_groups, self.state)  # a wrapper may have replaced parameters
         taken = self.steps_taken  # a skipped step does not count (a masked one does: it runs, undone on the device)
         loss = super().step(closure)
         if self.steps_taken == taken:
@@ -141,7 +166,8 @@ class MuonClip(Muon):
             self.clip()
         else:
             self.clip(masked=self.last_masked)
-        if not self.last_max_logits and any(p.grad is not None for g in self.param_groups for p in g["params"]):
+        if not self.last_max_logits and any(p.grad is not None for g in self.param_groups for p in g["params"]) \
+                and any(number(g["lr"]) != 0 for g in self.param_groups):  # lr 0 everywhere: DCP creating state
             warnings.warn(
                 "MuonClip.step: no attention max logit was recorded since the last step, so QK-Clip did nothing. "
                 "Only training forwards feed the clip: the model in training mode (model.train()) with grad enabled "
@@ -157,29 +183,39 @@ class MuonClip(Muon):
         ``masked``: 0-D bool device flag of a masked step (``on_nonfinite="mask"``; default
         None): where set, every gamma is 1, so no weight changes (no host sync).
         """
-        all_reduce_max_(self.layers)
+        self._binding.follow(self.param_groups, self.state)
+        group = collective_group([p for g in self.param_groups for p in g["params"]], self.process_group)
+        if group is not None:
+            all_reduce_max_(self.layers, group)
         self.last_bounded = {
             layer.name: layer.recorder.bounded for layer in self.layers if layer.recorder.value is not None
         }
         self.last_max_logits, self.last_clipped = apply_qk_clip(self.layers, self.tau, masked=masked)
-        reports = self._clip_check.observe(self.layers, self.last_max_logits, self.last_clipped, self.tau)
+        reports = self._clip_check.observe(self.layers, self.last_max_logits, self.last_clipped, self.tau,
+                                           distributed=group is not None)
         if reports and self._clip_check.mode == "raise":
             raise QKClipIneffectiveError("\n".join(reports))
         for msg in reports:
             warnings.warn(msg, QKClipIneffectiveWarning, stacklevel=_outside_frames())
 
     def clip_stats(self) -> dict[str, float]:
-        """Numbers for loggers about the last clip (one host sync).
+        """Numbers for loggers about the last clip (one host sync when something was recorded).
 
-        Keys: ``"max_logit"`` (max over layers and heads), ``"max_logit_is_bound"`` (1.0 when
-        that value is an LSE upper bound, not the exact max: every head was at or below tau and
-        the exact max lies within ``log(keys)`` below it; else 0.0), ``"clipped_heads"`` (how
-        many heads were scaled), ``"clipped_fraction"``, and per layer ``"max_logit/<name>"``,
-        ``"max_logit_is_bound/<name>"`` and ``"clipped_heads/<name>"``. Empty when nothing was
-        recorded.
+        Keys, always present (before the first step too): ``"max_logit"`` (max over layers and
+        heads), ``"max_logit_is_bound"`` (1.0 when that value is an LSE upper bound, not the
+        exact max: every head was at or below tau and the exact max lies within ``log(keys)``
+        below it; else 0.0), ``"clipped_heads"`` (how many heads were scaled),
+        ``"clipped_fraction"`` (of the heads of the layers that recorded), and for every layer
+        ``"max_logit/<name>"``, ``"max_logit_is_bound/<name>"`` and ``"clipped_heads/<name>"``.
+        A max logit nothing was recorded for (no clip yet, a step without training forwards, a
+        layer that did not run) is NaN, its counts 0.0.
         """
+        stats = {"max_logit": math.nan, "max_logit_is_bound": 0.0, "clipped_heads": 0.0, "clipped_fraction": 0.0}
+        for layer in self.layers:
+            stats.update({f"max_logit/{layer.name}": math.nan, f"max_logit_is_bound/{layer.name}": 0.0,
+                          f"clipped_heads/{layer.name}": 0.0})
         if not self.last_max_logits:
-            return {}
+            return stats
         names = list(self.last_max_logits)
         rows = []
         for n in names:
@@ -189,7 +225,7 @@ class MuonClip(Muon):
             rows.append(torch.stack([v.max(), exact.max(), self.last_clipped[n].sum().float()]).cpu())
         maxes, exacts, clips = torch.stack(rows).T.tolist()
         n_heads = sum(self.last_clipped[n].numel() for n in names)
-        stats = {
+        stats |= {
             "max_logit": max(maxes),
             "max_logit_is_bound": float(max(maxes) > max(exacts)),
             "clipped_heads": float(sum(clips)),
@@ -209,6 +245,10 @@ class MuonClip(Muon):
 
     @tau.setter
     def tau(self, value: float) -> None:
+        inner = self.__dict__.get("_optimizer")
+        if isinstance(inner, MuonClip) and inner is not self:  # set through Lightning's LightningOptimizer
+            inner.tau = value
+            return
         _check_tau(value)
         value = float(value)
         for layer in self.layers:  # values bounded at the old tau must stay at or below the new one
@@ -225,10 +265,20 @@ class MuonClip(Muon):
         self._tau = value
         for layer in self.layers:
             layer.recorder.threshold = value
+        self._record_wide_state()
+
+    def __getattr__(self, name: str) -> Any:
+        """An attribute this object lacks, from the optimizer it wraps: Lightning's
+        ``LightningOptimizer`` (``self.optimizers()``) is made an instance of this class without
+        its attributes, so ``clip_stats()``, ``tau``, ``last_max_logits``, ``steps_taken`` ...
+        read through it are the optimizer's own. Anything else: AttributeError."""
+        inner = self.__dict__.get("_optimizer")
+        if inner is not None and inner is not self:
+            return getattr(inner, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _wide_state(self) -> dict[str, Any]:
-        """Muon's optimizer-wide values and ``tau``: a state dict carries them in its first
-        parameter's entry."""
+        """Muon's optimizer-wide values and ``tau``: every param group carries them."""
         return {**super()._wide_state(), "tau": self.tau}
 
     def _load_wide_state(self, values: dict[str, Any]) -> None:
@@ -237,9 +287,17 @@ class MuonClip(Muon):
         if values.get("tau") is not None:
             self.tau = values["tau"]
 
+    def state_dict(self) -> dict[str, Any]:
+        """`muonclip.Muon.state_dict`, of the parameters the model holds now
+        (`muonclip.qkclip.binding`); every param group also holds ``tau``."""
+        self._binding.follow(self.param_groups, self.state)
+        return super().state_dict()
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """`muonclip.Muon.load_state_dict` (``tau`` restored when the state dict has one); the
-        runtime check starts afresh."""
+        """`muonclip.Muon.load_state_dict` into the parameters the model holds now
+        (`muonclip.qkclip.binding`; ``tau`` restored when the state dict has one); the runtime
+        check starts afresh."""
+        self._binding.follow(self.param_groups, self.state)
         super().load_state_dict(state_dict)
         self._clip_check.reset()
 

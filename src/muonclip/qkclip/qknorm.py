@@ -21,11 +21,11 @@ states that it feeds a projection the clip scales (``inputs``: DeepSeek MLA's
   (``q_norm``, ``qk_norm``, ``k_layernorm``, ``q_layer_norm``, ``norm_query``, ``q_ln``) —
   except a `torch.nn.Identity` (a disabled norm).
 
-Independently of its children, an attention class that transformers' models (5.x) build with
-an unconditional q/k normalisation (`KNOWN_QK_NORM_CLASSES`) is refused, so a release that moves
-the norm into a function call is still caught. Classes whose norm depends on the config
-(``Llama4TextAttention`` with ``use_qk_norm``, ``CohereAttention``, ``PhiAttention``,
-``StableLmAttention``, ``PersimmonAttention``, ``Glm4MoeAttention``) are decided by their modules.
+Independently of its children, an attention class that the registered family table states
+always normalises q/k (`muonclip.common.family_readers.normalises_qk`; transformers' classes are
+listed in `muonclip.integrations.families.QK_NORM_CLASSES`) is refused, so a release that moves
+the norm into a function call is still caught. Classes whose norm depends on the config are
+decided by their modules.
 
 The layer's input norm: transformers keeps it in the decoder layer (``input_layernorm``,
 ``ln_1``), outside the attention module, so it is never examined. Inside the attention module
@@ -44,18 +44,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-KNOWN_QK_NORM_CLASSES = frozenset({
-    "ChameleonAttention",
-    "Gemma3Attention",
-    "Gemma3nTextAttention",
-    "Olmo2Attention",
-    "Olmo3Attention",
-    "OlmoeAttention",
-    "Qwen3Attention",
-    "Qwen3MoeAttention",
-})
-"""transformers attention classes that always normalise q/k after the projections (the family table,
-``tests/test_qkclip_families.py``, checks every class of the installed transformers)."""
+from ..common.family_readers import normalises_qk
 
 _TORCH_NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.modules.batchnorm._NormBase)
 
@@ -99,12 +88,13 @@ def check_no_qk_norm(name: str, module: nn.Module, inputs: Iterable[nn.Module] =
     """Raise ValueError when attention layer ``name`` normalises q/k after its projections.
 
     Refused: a layer with a normalisation module found by `find_qk_norms` (``inputs`` as there),
-    or whose class is in `KNOWN_QK_NORM_CLASSES`. The message names the layer, its class and the
-    modules, says why QK-Clip cannot bound its logits and what to do instead.
+    or whose class always normalises q/k (`muonclip.common.family_readers.normalises_qk`). The message
+    names the layer, its class and the modules, says why QK-Clip cannot bound its logits and what
+    to do instead.
     """
     cls = type(module).__name__
     norms = find_qk_norms(module, inputs)
-    if not norms and cls not in KNOWN_QK_NORM_CLASSES:
+    if not norms and not normalises_qk(module):
         return
     what = ", ".join(norms) if norms else f"{cls} normalises q/k inside its forward"
     raise ValueError(
@@ -116,4 +106,4 @@ def check_no_qk_norm(name: str, module: nn.Module, inputs: Iterable[nn.Module] =
     )
 
 
-__all__ = ["KNOWN_QK_NORM_CLASSES", "check_no_qk_norm", "find_qk_norms", "is_norm_module"]
+__all__ = ["check_no_qk_norm", "find_qk_norms", "is_norm_module"]

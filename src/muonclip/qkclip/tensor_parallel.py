@@ -21,40 +21,59 @@ from ..attention.running_max import MaxLogitRecorder
 from ..common.dtensor import is_dtensor, piece_of
 
 
-def local_heads(q_weight: Tensor, rows_per_head: int) -> range:
+def local_heads(q_weight: Tensor, rows_per_unit: int, heads_per_unit: int = 1, *,
+                mesh_dim: str | None = None) -> range:
     """The query heads whose rows of ``q_weight`` this rank computes with.
 
     Args:
-        q_weight: the query projection's weight ``(n_heads * rows_per_head, in)``: a plain
-            tensor (every head), or a DTensor sharded on dim 0 over a 1-D tensor-parallel mesh
-            (call this after ``parallelize_module`` and before ``fully_shard``).
-        rows_per_head: rows of one head (``head_dim``; MLA: ``qk_nope_head_dim + qk_rope_head_dim``).
+        q_weight: the query projection's weight ``(units * rows_per_unit, in)`` (or a fused
+            projection's holding the queries): a plain tensor (every head), or a DTensor
+            sharded on dim 0 over the tensor-parallel mesh dimension.
+        rows_per_unit: rows of one unit of the weight: one head (``head_dim``; MLA:
+            ``qk_nope_head_dim + qk_rope_head_dim``), or one group of a fused projection holding
+            ``heads_per_unit`` query heads (torchtitan's ``wqkv``: a key/value group,
+            ``(heads_per_kv + 2) * head_dim`` rows).
+        heads_per_unit: query heads per unit (default 1).
+        mesh_dim: the name of the tensor-parallel dimension of the weight's mesh (torchtitan:
+            ``"tp"``; the other dimensions, FSDP2's, are gathered before the forward): a weight
+            whose mesh has no such dimension computes every head. Default None: the weight's
+            mesh must be 1-D (call this after ``parallelize_module`` and before ``fully_shard``).
 
     Raises:
-        ValueError: the weight is split inside a head, across columns, or on a mesh of more
-            than one dimension.
+        ValueError: the weight is split inside a unit, across columns, or (``mesh_dim`` None)
+            on a mesh of more than one dimension.
     """
     rows = q_weight.shape[0]
-    if rows % rows_per_head:
-        raise ValueError(f"q weight has {rows} rows, not a multiple of rows_per_head={rows_per_head}")
+    if rows % rows_per_unit:
+        raise ValueError(f"q weight has {rows} rows, not a multiple of rows_per_unit={rows_per_unit}")
+    every = range(rows // rows_per_unit * heads_per_unit)
     if not is_dtensor(q_weight):
-        return range(rows // rows_per_head)
+        return every
     mesh = q_weight.device_mesh
-    if mesh.ndim != 1:
-        raise ValueError(
-            f"local_heads needs the q weight on its 1-D tensor-parallel mesh (got a {mesh.ndim}-D mesh): call it "
-            "after parallelize_module and before fully_shard"
-        )
-    piece = piece_of(q_weight.shape, mesh.shape, mesh.get_coordinate(), q_weight.placements)
+    if mesh_dim is None:
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"local_heads needs the q weight on its 1-D tensor-parallel mesh (got a {mesh.ndim}-D mesh): call it "
+                "after parallelize_module and before fully_shard, or name the mesh's tensor-parallel dimension "
+                "(mesh_dim=)"
+            )
+        d = 0
+    else:
+        names = mesh.mesh_dim_names or ()
+        if mesh_dim not in names:
+            return every
+        d = names.index(mesh_dim)
+    piece = piece_of(q_weight.shape, (mesh.shape[d],), (mesh.get_local_rank(d),), (q_weight.placements[d],))
     r, cols = piece[0], piece[1]
-    if cols != range(q_weight.shape[1]) or not isinstance(r, range) or r.start % rows_per_head \
-            or len(r) % rows_per_head or not len(r):
+    if cols != range(q_weight.shape[1]) or not isinstance(r, range) or r.start % rows_per_unit \
+            or len(r) % rows_per_unit or not len(r):
         raise ValueError(
-            f"the q weight {tuple(q_weight.shape)} placed {q_weight.placements} gives this rank rows {r} and columns "
-            f"{cols}: not whole heads of {rows_per_head} rows. Column-parallel q/k (ColwiseParallel) with the number "
-            "of heads divisible by the tensor-parallel size splits heads whole"
+            f"the q weight {tuple(q_weight.shape)} placed {q_weight.placements[d]} on the tensor-parallel mesh gives "
+            f"this rank rows {r} and columns {cols}: not whole units of {rows_per_unit} rows ({heads_per_unit} query "
+            "head(s) each). Column-parallel projections (ColwiseParallel) split heads whole when the number of heads "
+            "(of key/value groups, for a fused projection) is a multiple of the tensor-parallel size"
         )
-    return range(r.start // rows_per_head, r.stop // rows_per_head)
+    return range(r.start // rows_per_unit * heads_per_unit, r.stop // rows_per_unit * heads_per_unit)
 
 
 def record_local_heads(recorder: MaxLogitRecorder, q_weight: Tensor, rows_per_head: int) -> range:

@@ -28,10 +28,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from torch import Tensor, nn
 
 from ..common.dtensor import is_dtensor
+from ..common.family_readers import under_adapter_base
 from .layouts import AttentionLayer
-
-ADAPTER_BASE = "base_layer"
-"""Module name under which peft keeps the frozen weight an additive adapter (LoRA, LoHa, LoKr, ...) wraps."""
 
 
 def refusal(t: Tensor, trainable: set[int]) -> str | None:
@@ -64,7 +62,7 @@ def _role(layout: object, t: Tensor) -> str:
 
 
 def _advice(name: str) -> str:
-    if ADAPTER_BASE in name.split("."):
+    if under_adapter_base(name):  # the weight an additive adapter (LoRA, LoHa, LoKr, ...) wraps
         return (
             " It is the frozen base weight W0 under an additive adapter (LoRA: W = W0 + s*B*A). Scaling row r of W "
             "by c needs c*W0[r], and B and A cannot produce it: scaling row r of B scales s*B[r]A only, and no "
@@ -108,4 +106,4 @@ def check_clip_targets(
             )
 
 
-__all__ = ["ADAPTER_BASE", "check_clip_targets", "refusal"]
+__all__ = ["check_clip_targets", "refusal"]
