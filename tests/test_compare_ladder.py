@@ -182,4 +182,4 @@ def test_a_ladder_stopped_part_way_leaves_the_rungs_it_finished_and_goes_on_from
     assert "finished: 3 of 3 rungs (1 read from this folder" in md
     assert "2 seeds (0, 1) at 16, 2 seeds (0, 1) at 24, seed 0 at 32" in md
     assert "5 points at 16, 5 points at 24, 3 points at 32" in md
-    assert "(mean ± sd; one seed: the value)" in md and "± 0.0000" not in md
+    assert "(mean ± sd; one seed: the value)" in md and "± 0.0000" not in md and "1 seeds" not in md
