@@ -116,6 +116,7 @@ def test_the_reading_judges_the_trend_by_the_seed_spread():
     assert "the per-seed ranges overlap, so no change beyond the seed spread" in ladder_reading(overlapping, 3)
     assert "Only 2 of the 3 widths finished" in ladder_reading(overlapping, 3)
     assert ratio_text(_rung(1, [None], None)["efficiency"]) == "> 3x"
+    assert ratio_text(_rung(1, [2.5, None], 2.9)["efficiency"]) == "about 2.9x on the means (> 3x for 1 of 2 seeds)"
     md = ladder_markdown(falling)
     assert "| 64 x 2 | 0.100M | 400 | 3 | 0.70M (7.0) | 0.03 | 0.04 (at an edge) |" in md
     # one seed at the largest rung: where it lies against the smallest's seeds, never a spread of its own

@@ -37,7 +37,8 @@ def ratio_text(eff: dict[str, Any]) -> str:
     if r["budget_matched"] is None:
         return f"> {r['max_budget']:g}x"
     if None in per:
-        return f"about {r['budget_matched']:.1f}x on the means (> {r['max_budget']:g}x for {per.count(None)} seeds)"
+        return (f"about {r['budget_matched']:.1f}x on the means (> {r['max_budget']:g}x for {per.count(None)} of "
+                f"{len(per)} seeds)")
     return about(r["budget_matched"], per)
 
 
