@@ -128,6 +128,15 @@ def test_the_reading_judges_the_trend_by_the_seed_spread():
            "established (one seed: the largest width's own spread is not measured)" in text
     assert "within the smallest's per-seed range, so no change beyond the seed spread" in ladder_reading(
         [_rung(100_000, [2.44, 2.57, 2.64], 2.56), _rung(400_000, [2.5], 2.5)], 2)
+    # beyond AdamW's largest budget at one seed: the margin it misses by, the bound against the smallest's seeds
+    beyond = _rung(400_000, [None], None)
+    beyond["efficiency"]["table"][2]["final_val_loss"] = [2.0003]  # AdamW 3x, 0.0003 above Muon's 2.0
+    text = ladder_reading([_rung(100_000, [2.44, 2.57, 2.64], 2.56), beyond], 2)
+    assert "0.400M parameters: > 3x" in text
+    assert "At 0.400M parameters AdamW at its largest budget, 3x, ends +0.0003 nats from Muon's 1x loss (one " \
+           "seed): the ratio is above 3x, by an amount the budgets run cannot measure; that bound is above every " \
+           "seed of the smallest width (2.4–2.6x), so the ratio does not fall across the ladder (one seed at this " \
+           "width: suggested, not established)." in text
     md = ladder_markdown(top_one)
     assert "(mean ± sd; one seed: the value)" in md and "| 1 | 2.80M (7.0) |" in md
     assert WEN_2025 == ((130e6, 1.4), (1.2e9, 1.1))

@@ -132,6 +132,7 @@ def ladder_reading(results: Sequence[dict[str, Any]], planned: int) -> str:
                      f"{span(last, f'.{d}f')} at the largest); {verdict}"
                      + (f"; least squares over the widths: {s:+.2f} per doubling of the parameters" if s is not None
                         else "") + ". Not extrapolated beyond the widths run.")
+    parts += [beyond_text(r, results[0]) for r, q in zip(results, ratios) if q and q["budget_matched"] is None]
     (p0, w0), (p1, w1) = WEN_2025
     parts.append(f"Published, against an equally tuned AdamW: {w0:.1f}x at 0.1B parameters (their smallest model "
                  f"has {p0 / 1e6:.0f}M) falling to {w1:.1f}x at {p1 / 1e9:.1f}B for the matrix-based optimizers, Muon "
@@ -140,6 +141,27 @@ def ladder_reading(results: Sequence[dict[str, Any]], planned: int) -> str:
                  f"trains at {'fewer' if tpp < 20 else 'as many or more'} tokens per parameter ({tpp:.1f}); the plot "
                  "sets both on one axis of parameters, side by side, not as one curve.")
     return " ".join(parts)
+
+
+def beyond_text(rung: dict[str, Any], smallest: dict[str, Any]) -> str:
+    """What a rung whose AdamW does not reach Muon's loss at its largest budget shows: the margin
+    by which it misses (per seed, same seed), so a lower bound met by a hair reads as one, and the
+    bound against the smallest rung's per-seed ratios."""
+    eff = rung["efficiency"]
+    top = max(eff["budgets"])
+    by = {(t["optimizer"], t["budget"]): t["final_val_loss"] for t in eff["table"]}
+    gaps = [a - m for a, m in zip(by[("adamw", top)], by[("muon", 1.0)])]
+    n = len(gaps)
+    base = [v for v in (_ratio(smallest["efficiency"]) or {}).get("budget_matched_per_seed", []) if v is not None]
+    text = (f"At {rung['params'] / 1e6:.3f}M parameters AdamW at its largest budget, {top:g}x, ends "
+            + (f"{gaps[0]:+.4f} nats from Muon's 1x loss (one seed)" if n == 1 else
+               f"{span(gaps, '+.4f')} nats from Muon's 1x loss (per seed)")
+            + f": the ratio is above {top:g}x, by an amount the budgets run cannot measure")
+    if base and rung is not smallest and top > max(base):
+        text += (f"; that bound is above every seed of the smallest width ({span(base, '.1f')}x), so the ratio does "
+                 "not fall across the ladder" + (" (one seed at this width: suggested, not established)" if n == 1
+                                                 else ""))
+    return text + "."
 
 
 def plot_ladder(results: Sequence[dict[str, Any]], out_dir: Path) -> Path:
@@ -183,4 +205,4 @@ def plot_ladder(results: Sequence[dict[str, Any]], out_dir: Path) -> Path:
     return path
 
 
-__all__ = ["WEN_2025", "ladder_markdown", "ladder_reading", "plot_ladder", "ratio_text", "slope"]
+__all__ = ["WEN_2025", "beyond_text", "ladder_markdown", "ladder_reading", "plot_ladder", "ratio_text", "slope"]
