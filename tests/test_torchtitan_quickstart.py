@@ -98,7 +98,7 @@ def _line_figures(log):
 def test_the_quick_start_log_and_tensorboard_show_the_clip(quickstart):
     _, out, log = quickstart
     start = [ln for ln in log.splitlines() if "QK-Clip tau" in ln]
-    assert start and f"MuonClip: Muon on" in start[0] and "on 6 of 6 attention layers: layers.{0..5}.attention; " \
+    assert start and "MuonClip: Muon on" in start[0] and "on 6 of 6 attention layers: layers.{0..5}.attention; " \
         "refused: none" in start[0]
     lines = _line_figures(log)
     assert sorted(lines) == [1, 2, 4]  # step 1 and every --metrics.log_freq 2

@@ -1,4 +1,4 @@
-"""The ``muonclip`` command: ``muonclip compare``, ``muonclip train`` and ``muonclip torchtitan-assets`` (also ``python -m muonclip.app``).
+"""The ``muonclip`` command: ``compare``, ``train`` and ``torchtitan-assets`` (also ``python -m muonclip.app``).
 
 Exit codes: 0 done; 2 bad input (data, config, output folder, checkpoint; also: the app's
 dependencies are not installed, `APP_DEPENDENCIES`; a checkpoint could not be written, e.g. a
@@ -144,8 +144,9 @@ def _run_torchtitan_assets(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     made = make_assets(args.dir, vocab_size=args.vocab_size, plays=args.plays)
+    took = time.perf_counter() - start
     print(f"{made.path}: tokenizer of {made.vocab_size} tokens; {made.train_documents} training passages "
-          f"({made.train_tokens:,} tokens), {made.val_documents} validation passages ({time.perf_counter() - start:.0f}s)")
+          f"({made.train_tokens:,} tokens), {made.val_documents} validation passages ({took:.0f}s)")
     default = args.dir == "torchtitan_assets"
     for name, cmd in commands(made.path, args.nproc, paths=not default).items():
         print(f"\n{name}:\n  {cmd}")

@@ -82,13 +82,14 @@ def _check_config(config: Any) -> None:
         raise ValueError(f"optimizer.name must be 'MuonClip', 'Muon' or 'AdamW', got {config.name!r}")
     if config.orth_dtype not in _DTYPES:
         raise ValueError(f"optimizer.orth_dtype must be one of {sorted(_DTYPES)}, got {config.orth_dtype!r}")
-    unused = [f for f, v in (("param_groups", config.param_groups), ("implementation", config.implementation != "fused"),
-                             ("optimizer_factory_kwargs_by_name", config.optimizer_factory_kwargs_by_name)) if v]
+    given = (("param_groups", config.param_groups), ("implementation", config.implementation != "fused"),
+             ("optimizer_factory_kwargs_by_name", config.optimizer_factory_kwargs_by_name))
+    unused = [f for f, v in given if v]
     if unused:
         raise ValueError(
-            f"MuonClipOptimizers does not use torchtitan's optimizer.{', optimizer.'.join(unused)}: muonclip.param_groups "
-            "routes every parameter (matrices to Muon, embeddings, the output head and vectors to AdamW). Set the "
-            "rates with optimizer.lr / optimizer.adamw_lr and leave those fields at their defaults"
+            f"MuonClipOptimizers does not use torchtitan's optimizer.{', optimizer.'.join(unused)}: "
+            "muonclip.param_groups routes every parameter (matrices to Muon, embeddings, the output head and vectors "
+            "to AdamW). Set the rates with optimizer.lr / optimizer.adamw_lr and leave those fields at their defaults"
         )
 
 
