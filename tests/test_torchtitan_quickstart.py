@@ -129,7 +129,7 @@ def test_the_adamw_baseline_command_builds_torchtitans_default_adamw(quickstart)
     args = args[args.index("--module"):]
     cfg = ConfigManager().parse_args(args)
     assert (cfg.optimizer.name, cfg.optimizer.lr, cfg.hf_assets_path) == ("AdamW", 8e-4, str(assets))
-    model = H.build(cfg, 1, "", parallel=False)
+    model = H.build(H.trainer_config(H.tiny_llama()), 1, "", parallel=False)  # a small model of the same kind
     opt = cfg.optimizer.build(model_parts=[model])
     [adamw] = opt.optimizers
     assert type(adamw) is torch.optim.AdamW and len(adamw.param_groups) == 1

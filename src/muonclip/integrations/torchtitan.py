@@ -9,29 +9,44 @@ name, with MuonClip as the optimizer and a recording attention::
         --module muonclip.integrations.torchtitan --config llama3_debugmodel \\
         --optimizer.name MuonClip --optimizer.lr 0.02 --optimizer.tau 100 --optimizer.per_head
 
+``--config llama3_quickstart`` (`llama3_quickstart`) is llama3's debug model sized for a few
+minutes on CPU, on the assets ``muonclip torchtitan-assets`` makes from the built-in plays.
+
 What ``--config NAME`` gives (`with_muonclip` applied to torchtitan's ``NAME()``):
 
 * ``optimizer``: a `MuonClipOptimizers.Config`, whose fields (``--optimizer.<field>``) are
-  ours: ``name`` (``MuonClip`` or ``Muon``), ``lr``, ``weight_decay``, ``adamw_lr``,
+  ours: ``name`` (``MuonClip``, ``Muon``, or ``AdamW``: the baseline, torch's AdamW with
+  torchtitan's ``default_adamw`` settings), ``lr``, ``weight_decay``, ``adamw_lr``,
   ``adamw_weight_decay``, ``momentum``, ``nesterov``, ``adjust_lr_fn``, ``method``,
-  ``orth_dtype``, ``per_head``, ``tau``, ``gqa_policy``, ``on_ineffective_clip``. The
-  inherited ``param_groups``/``implementation`` fields of torchtitan's container are not used:
-  `muonclip.param_groups` routes every parameter (embeddings, ``lm_head`` and vectors to AdamW,
-  the rest to Muon; the fused ``wqkv`` seen as its q, k, v maps: `muon_splits`).
+  ``orth_dtype``, ``per_head``, ``tau``, ``gqa_policy``, ``on_ineffective_clip``. torchtitan's
+  own ``param_groups``/``implementation``/``optimizer_factory_kwargs_by_name`` are not used
+  (`muonclip.param_groups` routes every parameter: embeddings, ``lm_head`` and vectors to
+  AdamW, the rest to Muon; the fused ``wqkv`` seen as its q, k, v maps: `muon_splits`): they
+  are hidden from the command line and refused when set.
+* ``metrics``: torchtitan's metrics processor with the clip in its logs
+  (`muonclip.integrations.torchtitan_metrics`: console, TensorBoard, W&B).
 * every attention's inner attention replaced by a recording one
-  (`muonclip.integrations.torchtitan_attention`): `RecordingFlexAttention` on CUDA,
-  `RecordingSDPA` elsewhere.
+  (`muonclip.integrations.torchtitan_attention`): `RecordingFlexAttention` on CUDA
+  (`RecordingVarlen` for torchtitan's varlen backend), `RecordingSDPA` elsewhere.
+* pipeline parallelism refused (`pipeline_refusal`) when torchtitan would pipeline the model.
 * on a machine without CUDA, the CPU/gloo set-up of `muonclip.integrations.torchtitan_cpu`.
 
-The container (`MuonClipOptimizers`) builds one `muonclip.MuonClip` (or `muonclip.Muon`) per
-model part (pipeline stage) on the parallelised model: DTensor parameters on torchtitan's
-meshes (FSDP2, tensor parallel, both: meshes unflattened from its 1-D world mesh, which Muon
-maps by rank layout), QK-Clip layers from `muonclip.integrations.torchtitan_layouts` (fused
-``wqkv`` per key/value group, MLA by K2's rule, tensor-parallel head ranges), param names in
-torchtitan's canonical checkpoint form so its flat, FQN-keyed optimizer state dict (DCP,
-resharding) keys our state like its own. torchtitan materialises optimizer state before saving
-or loading a checkpoint with a zero-gradient, zero-lr step; the container runs that step with
-MuonClip's "nothing recorded" warning silenced (it is not a training step).
+The container (`MuonClipOptimizers`) builds one `muonclip.MuonClip` (or `muonclip.Muon`) on
+the parallelised model: DTensor parameters on torchtitan's meshes (FSDP2, HSDP, tensor parallel,
+both: meshes unflattened from its 1-D world mesh, which Muon maps by rank layout), QK-Clip
+layers from `muonclip.integrations.torchtitan_layouts` (fused ``wqkv`` per key/value group, MLA
+by K2's rule, tensor-parallel head ranges), param names in torchtitan's canonical checkpoint
+form so its flat, FQN-keyed optimizer state dict (DCP, resharding) keys our state like its own.
+torchtitan materialises optimizer state before saving or loading a checkpoint with a
+zero-gradient, zero-lr step; the container runs that step with MuonClip's "nothing recorded"
+warning silenced (it is not a training step). It logs a start-up line (optimizer, rates, tau,
+the clipped and the refused attention layers: `muonclip.integrations.torchtitan_metrics.startup_line`).
+
+**Pipeline parallelism is refused.** torchtitan's pipeline gives each rank one model part (a
+stage) or several; Muon's step and QK-Clip's max-logit reduction run over every rank of the
+parameters' mesh, which then spans the stages too, whose parameters and layers differ. The
+container takes one model part, and `with_muonclip` replaces torchtitan's ``pipelining_fn``
+with a refusal that names FSDP2, HSDP and tensor parallelism instead.
 """
 
 from __future__ import annotations
@@ -94,17 +109,26 @@ def _check_config(config: Any) -> None:
 
 
 class MuonClipOptimizers(OptimizersContainer):
-    """torchtitan's optimizer container holding one `muonclip.MuonClip` (or `muonclip.Muon`) per model part.
+    """torchtitan's optimizer container holding a `muonclip.MuonClip`, a `muonclip.Muon` or the AdamW baseline.
 
     Built by torchtitan's trainer as ``config.optimizer.build(model_parts=...)`` after the model
-    is parallelised. For each model part: `muonclip.param_groups` (with `muon_splits`), its
+    is parallelised, on its one model part: `muonclip.param_groups` (with `muon_splits`), its
     ``param_names`` in torchtitan's canonical form, then ``MuonClip(part, layers=
-    attention_layers(part), groups=...)`` or ``Muon(groups)``. ``step``, ``zero_grad``, the
-    flat state dict and the LR schedulers are torchtitan's, over these optimizers.
+    attention_layers(part), groups=...)`` or ``Muon(groups)``; with ``name`` ``"AdamW"``,
+    ``torch.optim.AdamW`` on every parameter with torchtitan's ``default_adamw`` settings
+    (`ADAMW_DEFAULTS`, ``lr``, ``weight_decay``). ``step``, ``zero_grad``, the flat state dict and
+    the LR schedulers are torchtitan's, over these optimizers. The start-up line
+    (`muonclip.integrations.torchtitan_metrics.startup_line`) goes to torchtitan's log and is
+    kept in ``startup_line``.
 
     Args:
         config: a `MuonClipOptimizers.Config`.
-        model_parts: the (parallelised) model parts.
+        model_parts: the (parallelised) model, as a list of one part.
+
+    Raises:
+        ValueError: several model parts (pipeline parallelism: `pipeline_refusal`), torchtitan's
+            unused optimizer fields set, a bad ``name`` or ``orth_dtype``, or a layer QK-Clip
+            refuses (`muonclip.integrations.torchtitan_layouts.attention_layers`).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -315,4 +339,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"no torchtitan model registers a config function {name!r}")
 
 
-__all__ = ["MuonClipOptimizers", "MuonClipTrainerConfig", "QUICKSTART_ASSETS", "llama3_quickstart", "with_muonclip"]
+__all__ = ["ADAMW_DEFAULTS", "MuonClipOptimizers", "MuonClipTrainerConfig", "QUICKSTART_ASSETS", "llama3_quickstart",
+           "pipeline_refusal", "with_muonclip"]
