@@ -410,3 +410,19 @@ def test_pipeline_parallelism_and_torchtitans_unused_optimizer_fields_are_refuse
         with pytest.raises(SystemExit):
             ConfigManager().parse_args(["--module", "muonclip.integrations.torchtitan", "--config",
                                         "llama3_debugmodel", flag, "foreach"])
+
+
+def test_a_rate_carried_over_from_torchtitans_adamw_is_warned_about_and_a_chosen_one_is_not():
+    from torchtitan.config import ConfigManager
+
+    model = H.build(H.trainer_config(H.tiny_llama()), 1, "", parallel=False)
+    base = ["--module", "muonclip.integrations.torchtitan", "--config", "llama3_debugmodel"]
+    for extra, warned in (([], True), (["--optimizer.lr", "0.02"], False), (["--optimizer.name", "AdamW"], False),
+                          (["--optimizer.name", "Muon"], True)):
+        cfg = ConfigManager().parse_args(base + extra)
+        opt = cfg.optimizer.build(model_parts=[model])
+        assert (opt.rate_warning is not None) == warned, extra
+        if warned:
+            assert "optimizer.lr 0.0008 is the AdamW rate of torchtitan's config" in opt.rate_warning
+    quick = ConfigManager().parse_args(["--module", "muonclip.integrations.torchtitan", "--config", "llama3_quickstart"])
+    assert quick.optimizer.build(model_parts=[model]).rate_warning is None

@@ -77,6 +77,15 @@ ADAMW_DEFAULTS = {"betas": (0.9, 0.95), "eps": 1e-8}
 """torchtitan's ``default_adamw`` settings besides lr and weight decay (``--optimizer.name AdamW``)."""
 
 
+RATE_WARNING = (
+    "optimizer.lr {lr:g} is the AdamW rate of torchtitan's config, carried over to {name}'s Muon and AdamW groups "
+    "(with adjust_lr_fn match_rms_adamw, the Moonlight recipe). Measured on llama3's debug model, 300 steps: "
+    "RATE_NUMBERS (docs/integrations.md, torchtitan, Rates). Choose the rate with --optimizer.lr (and "
+    "--optimizer.adamw_lr for the embeddings, the output head and the vectors)"
+)
+"""Logged when the Muon rate is the one carried over from torchtitan's AdamW config (`with_muonclip`)."""
+
+
 def pipeline_refusal(what: str) -> str:
     """The message refusing pipeline parallelism (``what``: what was seen)."""
     return (f"muonclip.integrations.torchtitan does not support pipeline parallelism ({what}): Muon and QK-Clip "
@@ -139,6 +148,9 @@ class MuonClipOptimizers(OptimizersContainer):
         implementation: Annotated[str, tyro.conf.Suppress] = "fused"
         optimizer_factory_kwargs_by_name: Annotated[dict[str, dict[str, Any]], tyro.conf.Suppress] = field(
             default_factory=dict)
+        # the AdamW rate of the torchtitan config `with_muonclip` was given (None: none carried over); while
+        # ``lr`` equals it, the container logs `RATE_WARNING`
+        carried_lr: Annotated[float | None, tyro.conf.Suppress] = None
         name: Literal["MuonClip", "Muon", "AdamW"] = "MuonClip"
         """``MuonClip`` (Muon + AdamW + QK-Clip), ``Muon`` (Muon + AdamW, no clip) or ``AdamW`` (the
         baseline: torch's AdamW on every parameter with torchtitan's ``default_adamw`` settings)."""
@@ -203,6 +215,10 @@ class MuonClipOptimizers(OptimizersContainer):
         self._post_init(all_params)
         self.startup_line = startup_line(config, model_parts, self.optimizers)
         logger.info(self.startup_line)
+        self.rate_warning = None
+        if config.name != "AdamW" and config.carried_lr is not None and config.lr == config.carried_lr:
+            self.rate_warning = RATE_WARNING.format(lr=config.lr, name=config.name)
+            logger.warning(self.rate_warning)
 
     def clipping(self) -> list[MuonClip]:
         """The `muonclip.MuonClip` optimizers (one per model part; none with ``name`` Muon or AdamW)."""
@@ -243,7 +259,10 @@ def with_muonclip(config: Trainer.Config, *, device_type: str | None = None) -> 
     Returns a new config whose ``optimizer`` is a `MuonClipOptimizers.Config` (its class
     declares the field as such, so ``--optimizer.<field>`` parses our fields) with
     torchtitan's ``lr`` and ``weight_decay`` carried over when the original optimizer had
-    one param group; every ``inner_attention`` of the model config is the recording one for
+    one param group (the container logs `RATE_WARNING` while ``lr`` is that carried-over AdamW
+    rate); whose ``metrics`` is a `muonclip.integrations.torchtitan_metrics.MuonClipMetricsProcessor.Config`
+    (the clip in the run's logs); whose model's ``pipelining_fn`` refuses pipeline parallelism
+    (`pipeline_refusal`); every ``inner_attention`` of the model config is the recording one for
     ``device_type`` (default: ``"cuda"`` when available, else ``"cpu"``), and on CPU the
     set-up of `muonclip.integrations.torchtitan_cpu.cpu_config` is applied and the
     orthogonalisation runs in float32 (``--optimizer.orth_dtype`` still overrides it).
@@ -255,6 +274,7 @@ def with_muonclip(config: Trainer.Config, *, device_type: str | None = None) -> 
     if len(config.optimizer.param_groups) == 1:
         given = config.optimizer.param_groups[0].optimizer_kwargs
         opt = dataclasses.replace(opt, **{k: given[k] for k in ("lr", "weight_decay") if k in given})
+        opt.carried_lr = given.get("lr")
     config = copy.deepcopy(config)  # the given config is left as it was
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
     fields["optimizer"] = opt
@@ -339,5 +359,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"no torchtitan model registers a config function {name!r}")
 
 
-__all__ = ["ADAMW_DEFAULTS", "MuonClipOptimizers", "MuonClipTrainerConfig", "QUICKSTART_ASSETS", "llama3_quickstart",
-           "pipeline_refusal", "with_muonclip"]
+__all__ = ["ADAMW_DEFAULTS", "MuonClipOptimizers", "MuonClipTrainerConfig", "QUICKSTART_ASSETS", "RATE_WARNING",
+           "llama3_quickstart", "pipeline_refusal", "with_muonclip"]
