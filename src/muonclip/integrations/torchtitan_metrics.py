@@ -128,16 +128,24 @@ class ClipLog:
         self._first_reported: set[str] = set()
 
     def _stacked(self, opt: MuonClip) -> tuple[list[str], Tensor, Tensor, Tensor] | None:
-        """``(names, values (L, H), bounded (L, H), clipped (L, H))`` of the last clip, padded
-        (``-inf``, False) where layers have fewer heads; None when nothing was clipped or recorded."""
-        names = [layer.name for layer in opt.layers if layer.name in opt.last_max_logits]
-        if not names:
+        """``(names, values (L, H), bounded (L, H), clipped (L, H))`` of the last clip over every
+        layer of ``opt`` (a layer that recorded nothing: ``-inf``, False), padded likewise where
+        layers have fewer heads; None when no layer recorded anything."""
+        if not opt.last_max_logits:
             return None
-        v = pad_sequence([opt.last_max_logits[n].float() for n in names], batch_first=True, padding_value=-math.inf)
-        b = pad_sequence([opt.last_bounded.get(n, torch.zeros_like(opt.last_clipped[n])).to(v.device)
-                          for n in names], batch_first=True, padding_value=False)
-        c = pad_sequence([opt.last_clipped[n].to(v.device) for n in names], batch_first=True, padding_value=False)
-        return names, v, b, c
+        dev = next(iter(opt.last_max_logits.values())).device
+        names, vs, bs, cs = [], [], [], []
+        for layer in opt.layers:
+            n, h = layer.name, layer.recorder.n_heads
+            no = torch.zeros(h, dtype=torch.bool, device=dev)
+            names.append(n)
+            vs.append(opt.last_max_logits[n].float() if n in opt.last_max_logits
+                      else torch.full((h,), -math.inf, device=dev))
+            bs.append(opt.last_bounded[n].to(dev) if n in opt.last_bounded else no)
+            cs.append(opt.last_clipped[n].to(dev) if n in opt.last_clipped else no)
+        return (names, pad_sequence(vs, batch_first=True, padding_value=-math.inf),
+                pad_sequence(bs, batch_first=True, padding_value=False),
+                pad_sequence(cs, batch_first=True, padding_value=False))
 
     def observe(self, optimizers: list[MuonClip], step: int) -> None:
         """Fold the last clip of every optimizer in, as step ``step`` (once per step; repeated calls
@@ -154,7 +162,7 @@ class ClipLog:
             names, v, _, c = got
             per_layer = c.sum(dim=1)
             st = self._state.get(i)
-            if st is None or st["names"] != names:
+            if st is None:
                 dev = v.device
                 st = self._state[i] = {"names": names, "clips": torch.zeros(len(names), dtype=torch.int64, device=dev),
                                        "steps": torch.zeros((), dtype=torch.int64, device=dev),
