@@ -15,7 +15,8 @@ the rounds (the slowest rank's) of:
   for every optimizer);
 
 and the whole-step ratios Muon / AdamW, MuonClip / AdamW and MuonClip / Muon: the median of
-the per-round ratios.
+the per-round ratios. ``--clock process`` times each process's CPU time instead of the wall clock
+(steadier on a machine shared with other jobs).
 
 AdamW is torchtitan's default container (``default_adamw``); DistMuon is torchtitan's own
 (``optimizer_name="DistMuon"``), which refuses CPU processes ("DistMuon requires one CUDA device
@@ -39,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from timing import machine
+from timing import CLOCKS, machine
 
 SEQ, VOCAB, BATCH = 64, 512, 4
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all", "all_to_all_single",
@@ -94,7 +95,7 @@ def _config(args, name: str, world: int):
                 "compute_sharding_by_fqn": dict.fromkeys(fqns, owned),
                 "bucket_configs": (BucketConfig(name="all", patterns=tuple(fqns)),)}})
     else:
-        cfg.optimizer.name, cfg.optimizer.tau = name, 100.0
+        cfg.optimizer.name, cfg.optimizer.tau, cfg.optimizer.lr = name, 100.0, 0.02
     return cfg
 
 
@@ -146,22 +147,22 @@ def _batch(s: int, rank: int, world: int, device: str) -> torch.Tensor:
     return x[rank * n:(rank + 1) * n].to(device)
 
 
-def _step(model, opt, x, device, counter=None) -> tuple[float, float]:
-    """One whole step (forward, backward, optimizer step): its seconds and the optimizer step's."""
+def _step(model, opt, x, device, counter=None, tick=time.perf_counter) -> tuple[float, float]:
+    """One whole step (forward, backward, optimizer step): its seconds and the optimizer step's, by ``tick``."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     dist.barrier()
     sync()
-    t0 = time.perf_counter()
+    t0 = tick()
     out_ = model(x[:, :-1])
     loss = F.cross_entropy(out_.flatten(0, 1).float(), x[:, 1:].flatten(), reduction="sum") / (BATCH * SEQ)
     loss.backward()
     sync()
     if counter is not None:
         counter.n, counter.active = 0, True
-    t1 = time.perf_counter()
+    t1 = tick()
     opt.step()
     sync()
-    t2 = time.perf_counter()
+    t2 = tick()
     if counter is not None:
         counter.active = False
     opt.zero_grad()
@@ -199,7 +200,8 @@ def _worker(rank, world, port, args, out):
             random.Random(r).shuffle(order)  # the same order on every rank
             for name in order:
                 model, opt = runs[name]
-                step, opt_s = _step(model, opt, _batch(r, rank, world, device), args.device, counter)
+                step, opt_s = _step(model, opt, _batch(r, rank, world, device), args.device, counter,
+                                    CLOCKS[args.clock])
                 if r >= args.warmup:
                     times[name].append(step)
                     opt_times[name].append(opt_s)
@@ -227,11 +229,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per process on CPU")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per process, NCCL")
     p.add_argument("--optimizers", default="AdamW,DistMuon,Muon,MuonClip", help="comma-separated")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="wall clock, or each process's CPU time (less sensitive to other jobs on a shared machine; "
+                        "leaves out time a rank waits in a collective without spinning)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)  # as in each process, for the report's thread count
     print(f"torchtitan llama3, width {args.width}, {args.layers} layers, GQA 8/4 heads, seq {SEQ}, batch {BATCH}; "
           f"{'FSDP2 over ' if args.nproc > 1 else ''}{args.nproc} {'NCCL' if args.device == 'cuda' else 'gloo'} "
-          f"process(es); {machine()}; {datetime.date.today()}")
+          f"process(es); {machine()}; {args.clock} clock; {datetime.date.today()}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

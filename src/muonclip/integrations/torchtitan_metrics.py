@@ -26,8 +26,8 @@ every ``--metrics.log_freq`` steps) adds, from the `muonclip.MuonClip` optimizer
 
 The console gets one more line after torchtitan's, e.g.::
 
-    muonclip step: 10  max logit: 31.42 (tau 30)  clipped: 3 heads in 2 layers  since step 2: 11 head
-    clips in 4 steps, peak 33.10  first clip: layers.1.attention at step 7
+    muonclip step: 60  max logit: 36.15 (tau 30)  clipped: 3 heads in 3 layers  since step 51: 28 head
+    clips in 10 steps, peak 52.12  first clip: layers.4.attention at step 51, layers.2.attention at step 54
 
 The numbers are the same on every rank (the maxima are all-reduced before the clip); torchtitan
 writes TensorBoard and W&B from one rank (rank 0 without pipeline parallelism). The start-up
@@ -233,9 +233,8 @@ class ClipLog:
                 out[f"{PREFIX}clipped_heads/{n}"] = float(ch)
         line = f"muonclip step: {step:2}  max logit: {shown} (tau {tau:g})  clipped: {heads} heads in {layers} layers"
         if since is not None and since < step:
-            line += f"  since step {since}: {clips} head clips in {steps} steps"
-            if peak > -math.inf:
-                line += f", peak {peak:.2f}"
+            line += f"  since step {since}: " + (f"{clips} head clips in {steps} steps, peak {peak:.2f}" if clips else
+                                                  "no clip")
         if new:
             line += "  first clip: " + ", ".join(f"{n} at step {s}" for n, s in sorted(new.items(), key=lambda x: x[1]))
         return ClipReport(out, line)
