@@ -17,6 +17,10 @@ Two launches, one per mesh shape (the suite's time budget): 2 ranks (FSDP2) and 
 * DCP through torchtitan's flat optimizer state dict: resuming on 2 ranks is bit-identical to not
   stopping; the 2-rank checkpoint loaded on 4 ranks (FSDP2 x TP) continues like one process.
 
+* One process: pipeline parallelism and torchtitan's unused optimizer fields refused (the latter not on
+  the command line); a Muon rate carried over from torchtitan's AdamW config is logged with what was
+  measured, a chosen one is not.
+
 Skipped when the torchtitan extra is not installed (CI installs it).
 """
 
