@@ -129,13 +129,13 @@ def test_the_adamw_baseline_command_builds_torchtitans_default_adamw(quickstart)
     args = commands(assets)["AdamW (baseline)"].split()
     args = args[args.index("--module"):]
     cfg = ConfigManager().parse_args(args)
-    assert (cfg.optimizer.name, cfg.optimizer.lr, cfg.hf_assets_path) == ("AdamW", 8e-4, str(assets))
+    assert (cfg.optimizer.name, cfg.optimizer.lr, cfg.hf_assets_path) == ("AdamW", 3e-3, str(assets))
     model = H.build(H.trainer_config(H.tiny_llama()), 1, "", parallel=False)  # a small model of the same kind
     opt = cfg.optimizer.build(model_parts=[model])
     [adamw] = opt.optimizers
     assert type(adamw) is torch.optim.AdamW and len(adamw.param_groups) == 1
     g = adamw.param_groups[0]
-    assert (g["lr"], g["betas"], g["eps"], g["weight_decay"]) == (8e-4, (0.9, 0.95), 1e-8, 0.1)
+    assert (g["lr"], g["betas"], g["eps"], g["weight_decay"]) == (3e-3, (0.9, 0.95), 1e-8, 0.1)
     assert len(g["params"]) == len(list(model.parameters())) and opt.clipping() == []
     assert all(getattr(m, "muonclip_recorder", None) is None for m in model.modules())  # plain attention
 
