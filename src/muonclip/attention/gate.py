@@ -53,6 +53,10 @@ head's value is the max over its programs. Above tau it is the exact max (every 
 exact path. Without Triton (or for a call it does not take: float64, head dim > 256) every
 head is computed exactly and nothing is flagged.
 
+**Packed documents** (a call with ``cu_seq_lens``, a varlen kernel): the same bound over the
+whole packed row, then the exact max document by document for the heads above the threshold
+(`muonclip.attention.documents`).
+
 Cost: a max over the LSE ``(B, H, Tq)``, a min/max pass over q and over k, and a min over the finite
 entries of an additive mask; plus the exact max of the flagged heads (none, in most steps).
 """
@@ -66,6 +70,7 @@ from torch import Tensor
 
 from . import triton_max_logits as triton_max
 from .call import AttentionCall
+from .documents import document_max_logits, gated_document_max_logits
 from .max_logits import chunked_max_logits
 from .pairs import allowed_pairs
 
@@ -156,6 +161,8 @@ def gated_max_logits(call: AttentionCall, lse: Tensor, threshold: float) -> tupl
         `chunked_max_logits` gives it) where ``is_bound`` is False, else an upper bound of it
         that is ``<= threshold``.
     """
+    if call.cu_seq_lens is not None:  # packed documents: one document at a time
+        return gated_document_max_logits(call, lse, threshold)
     query, key, scale, enable_gqa = call.query, call.key, call.scale, call.enable_gqa
     hq, hkv = call.heads()
     mask, is_causal = call.clip_pairs()
@@ -187,7 +194,10 @@ def exact_max_logits(call: AttentionCall) -> Tensor:
     """Every head's exact max logit over the pairs the clip sees (``(Hq,)`` float32, as
     `chunked_max_logits`), on the fastest path the call can take:
     `muonclip.attention.triton_max_logits` where it runs (a CUDA GPU with Triton),
-    `chunked_max_logits` elsewhere."""
+    `chunked_max_logits` elsewhere; one packed document at a time for a call with documents
+    (`muonclip.attention.documents`)."""
+    if call.cu_seq_lens is not None:
+        return document_max_logits(call)
     mask, is_causal = call.clip_pairs()
     if triton_max.usable(call.query, call.key, call.scale):
         return triton_max.triton_max_logits(call.query, call.key, mask, is_causal, call.scale, call.enable_gqa)

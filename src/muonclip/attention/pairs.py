@@ -9,7 +9,10 @@ only if
    builds);
 2. query ``i`` is a real token (``real_queries``: a padding query attends to the real keys
    before it under right padding, but its logits never reach a real token's output); and
-3. key ``j`` is a real token (``real_keys``).
+3. key ``j`` is a real token (``real_keys``); and
+4. with packed documents (``cu_seq_lens``: a varlen kernel), query ``i`` and key ``j`` are in
+   the same document (a token outside every document, before the first offset or from the
+   last one on, is in none: none of its pairs counts).
 
 Where padding comes from is each entry point's business (the Hugging Face attention function:
 the 2-D attention mask, or in padding-free packing the pad token id,
@@ -47,8 +50,17 @@ def _four_d(t: Tensor) -> Tensor:
     return t.reshape((1,) * (4 - t.ndim) + tuple(t.shape)) if t.ndim < 4 else t
 
 
+def document_ids(cu_seq_lens: Tensor, n: int) -> Tensor:
+    """``(n,)`` int64: the document of each of ``n`` packed tokens under the offsets ``cu_seq_lens``
+    ``(N + 1,)``; ``-1`` for a token outside every document (no host sync)."""
+    pos = torch.arange(n, device=cu_seq_lens.device)
+    cu = cu_seq_lens.to(device=pos.device, dtype=torch.int64)
+    doc = torch.bucketize(pos, cu, right=True) - 1
+    return doc.masked_fill((doc < 0) | (doc >= cu.numel() - 1), -1)
+
+
 def clip_pairs(attn_mask: Tensor | None, is_causal: bool, tq: int, tk: int, real_queries: Tensor | None = None,
-               real_keys: Tensor | None = None) -> tuple[Tensor | None, bool]:
+               real_keys: Tensor | None = None, cu_seq_lens: Tensor | None = None) -> tuple[Tensor | None, bool]:
     """The pairs QK-Clip sees in one call, as the max-logit kernels take them: ``(mask, is_causal)``.
 
     Args:
@@ -58,15 +70,24 @@ def clip_pairs(attn_mask: Tensor | None, is_causal: bool, tq: int, tk: int, real
         tk: key length.
         real_queries: ``(B, Tq)`` bool, True for a real token (None: every query is real).
         real_keys: ``(B, Tk)`` bool (None: every key is real).
+        cu_seq_lens: ``(N + 1,)`` offsets of packed documents (None: no documents).
 
     Returns:
-        Without token masks, the call's own ``(attn_mask, is_causal)`` (a float mask is read
-        with `allowed_pairs` by every kernel: nothing is materialised). With them, a boolean
-        mask broadcastable to ``(B, H, Tq, Tk)`` (the causal rule written into it) and False.
+        Without token masks or documents, the call's own ``(attn_mask, is_causal)`` (a float
+        mask is read with `allowed_pairs` by every kernel: nothing is materialised). With them, a
+        boolean mask broadcastable to ``(B, H, Tq, Tk)`` (the causal rule written into it) and
+        False. (The max-logit paths take packed documents one at a time instead,
+        `muonclip.attention.documents`: this dense mask is the rule's definition.)
     """
-    if real_queries is None and real_keys is None:
+    if real_queries is None and real_keys is None and cu_seq_lens is None:
         return attn_mask, is_causal
-    if attn_mask is not None:
+    if cu_seq_lens is not None:
+        dq, dk = document_ids(cu_seq_lens, tq), document_ids(cu_seq_lens, tk)
+        seen = (dq[:, None] == dk[None, :]) & (dq[:, None] >= 0)
+        seen = _four_d(seen.tril() if is_causal else seen)
+        if attn_mask is not None:
+            seen = seen & _four_d(allowed_pairs(attn_mask))
+    elif attn_mask is not None:
         seen = _four_d(allowed_pairs(attn_mask))
     else:
         seen = torch.ones(tq, tk, dtype=torch.bool, device=(real_queries if real_queries is not None
@@ -79,4 +100,4 @@ def clip_pairs(attn_mask: Tensor | None, is_causal: bool, tq: int, tk: int, real
     return seen, False
 
 
-__all__ = ["MASKED_AT", "allowed_pairs", "clip_pairs"]
+__all__ = ["MASKED_AT", "allowed_pairs", "clip_pairs", "document_ids"]

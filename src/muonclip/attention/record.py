@@ -1,8 +1,8 @@
 """The recording path: every attention call that may feed QK-Clip goes through `attend`.
 
 Every entry point (the drop-in `muonclip.scaled_dot_product_attention`, and through it the
-reference GPT; the Hugging Face ``"muonclip"`` attention function; the torchtitan SDPA and
-FlexAttention recorders) describes its call as an `muonclip.attention.call.AttentionCall` and
+reference GPT; the Hugging Face ``"muonclip"`` attention function; the torchtitan SDPA,
+FlexAttention and varlen recorders) describes its call as an `muonclip.attention.call.AttentionCall` and
 its attention kernel as a `Kernel`, and calls `attend`, which
 
 1. asks the forward rule which recorders the call feeds
@@ -25,9 +25,12 @@ its attention kernel as a `Kernel`, and calls `attend`, which
 3. feeds the recorders, in `feed` and nowhere else, outside selective activation
    checkpointing's dispatch modes.
 
-A new attention kernel (a varlen kernel returning its LSE, say) joins by implementing `Kernel`:
-`Kernel.run` returns its output and, when asked, its LSE; `Kernel.run_with_row_max` its row
-maxima where it computes them in the same kernel. Nothing else changes.
+A new attention kernel joins by implementing `Kernel`: `Kernel.run` returns its output and,
+when asked, its LSE; `Kernel.run_with_row_max` its row maxima where it computes them in the same
+kernel. Nothing else changes. A varlen kernel (packed documents, torchtitan's
+``VarlenAttention``: `muonclip.integrations.torchtitan_attention.VarlenKernel`) describes its
+documents in the call (``cu_seq_lens``); the gate and the exact max then work document by
+document (`muonclip.attention.documents`).
 
 **Backends** (`set_max_logit_backend`):
 
@@ -123,6 +126,9 @@ class SDPAKernel(Kernel):
     ``"flex"`` backend on CUDA."""
 
     def run(self, call: AttentionCall, lse: bool) -> tuple[Tensor, Tensor | None]:
+        if call.cu_seq_lens is not None:
+            raise ValueError("SDPA has no packed documents: a call with cu_seq_lens needs a varlen kernel "
+                             "(muonclip.integrations.torchtitan_attention.VarlenKernel)")
         if call.sinks is not None:
             out, row_lse = attention_with_sinks(call)
             return out, row_lse if lse else None
@@ -242,10 +248,12 @@ def gate_pays(query: Tensor, key: Tensor) -> bool:
 
 def gating(call: AttentionCall) -> bool:
     """Whether this call may take the LSE gate: the ``"gated"`` (or ``"flex"``) backend, a call where
-    the gate pays (`gate_pays`), and not inside ``torch.compile``: there the gate's choice of heads
+    the gate pays (`gate_pays`; always for packed documents, whose exact max is a loop over the
+    documents), and not inside ``torch.compile``: there the gate's choice of heads
     would be a data-dependent graph break, so a compiled forward computes every head's exact max
     (the same clip decisions)."""
-    return _backend != "chunked" and not torch.compiler.is_compiling() and gate_pays(call.query, call.key)
+    return _backend != "chunked" and not torch.compiler.is_compiling() and (
+        call.cu_seq_lens is not None or gate_pays(call.query, call.key))
 
 
 def call_threshold(targets: list[MaxLogitRecorder]) -> float | None:

@@ -67,13 +67,25 @@ def _recorder(inner: nn.Module, name: str, n_heads: int) -> MaxLogitRecorder:
     return rec
 
 
+def refusal(module: nn.Module) -> str | None:
+    """Why QK-Clip cannot clip this attention module (None: it can): a q/k normalisation after the
+    projections (Qwen3's ``q_norm``/``k_norm``) makes the logits independent of the scale of W_q and W_k."""
+    if isinstance(module, GQAttention) and (module.q_norm is not None or module.k_norm is not None):
+        return ("normalises q and k after their projections (Qwen3's q_norm/k_norm): scaling W_q and W_k does not "
+                "change normalised q/k, so QK-Clip cannot bound its logits")
+    return None
+
+
+def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(canonical name, module)`` of every attention module of a torchtitan model
+    (``GQAttention``, DeepSeek-V3's MLA ``Attention``), in module order."""
+    return [(canonical_name(n), m) for n, m in model.named_modules() if isinstance(m, GQAttention) or _is_mla(m)]
+
+
 def _gqa_layer(name: str, m: GQAttention, policy: str) -> AttentionLayer:
-    if m.q_norm is not None or m.k_norm is not None:
-        raise ValueError(
-            f"attention {name!r} normalises q and k after their projections (Qwen3's q_norm/k_norm): scaling W_q "
-            "and W_k does not change normalised q/k, so QK-Clip cannot bound its logits. Train this model with "
-            "plain Muon (--optimizer.name Muon)"
-        )
+    why = refusal(m)
+    if why is not None:
+        raise ValueError(f"attention {name!r} {why}. Train this model with plain Muon (--optimizer.name Muon)")
     hq, hkv, hd = m.n_heads, m.n_kv_heads, m.head_dim
     hpk = hq // hkv
     qkv = m.qkv_linear
@@ -129,13 +141,8 @@ def attention_layers(model: nn.Module, *, gqa_policy: str = "per_head") -> list[
         ValueError: an attention with q/k normalisation (Qwen3), an inner attention that does
             not record, an unknown projection, or a tensor-parallel split inside a head.
     """
-    layers = []
-    for name, m in model.named_modules():
-        if isinstance(m, GQAttention):
-            layers.append(_gqa_layer(canonical_name(name), m, gqa_policy))
-        elif _is_mla(m):
-            layers.append(_mla_layer(canonical_name(name), m))
-    return layers
+    return [_gqa_layer(name, m, gqa_policy) if isinstance(m, GQAttention) else _mla_layer(name, m)
+            for name, m in attention_modules(model)]
 
 
 def muon_splits(model: nn.Module, *, per_head: bool = False) -> dict[str, dict[str, Any]]:
@@ -168,4 +175,4 @@ def muon_splits(model: nn.Module, *, per_head: bool = False) -> dict[str, dict[s
     return out
 
 
-__all__ = ["attention_layers", "canonical_name", "muon_splits"]
+__all__ = ["attention_layers", "attention_modules", "canonical_name", "muon_splits", "refusal"]

@@ -1,0 +1,95 @@
+"""Max logits of a call over packed documents (a varlen kernel), one document at a time.
+
+A call with ``cu_seq_lens`` (`muonclip.attention.call.AttentionCall`: one packed row of ``T``
+tokens, ``N`` documents) sees only pairs within a document (rule 4 of
+`muonclip.attention.pairs`). Its exact per-head max is the max over documents of each
+document's own max, each document being an ordinary call on its slice of q and k (the causal
+rule within it): `document_max_logits` computes it so, never the ``(T, T)`` mask of the rule's
+definition, with `muonclip.attention.max_logits.chunked_max_logits` (on a CUDA GPU with Triton,
+`muonclip.attention.triton_max_logits`) per document.
+
+`gated_document_max_logits` is the LSE gate (`muonclip.attention.gate`) on such a call: the
+bound of every head over the whole packed row (each row's LSE covers exactly the keys of its
+document, so ``max_i lse_i`` bounds the max over every document's pairs), then the exact max,
+document by document, of the heads whose bound passes the threshold only. On a GPU, choosing
+those heads reads the flags on the host: one host sync per recorded call (the per-block gate
+inside the Triton kernel, which avoids it for ordinary calls, has no document boundaries).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from . import triton_max_logits as triton_max
+from .call import AttentionCall
+from .max_logits import chunked_max_logits
+
+
+def _slice(t: Tensor | None, a: int, b: int) -> Tensor | None:
+    return None if t is None else t[:, a:b]
+
+
+@torch.no_grad()
+def document_max_logits(call: AttentionCall, heads: Tensor | None = None) -> Tensor:
+    """Exact max logit of every query head (or of ``heads``) over the pairs of the call's documents.
+
+    Args:
+        call: an `AttentionCall` with ``cu_seq_lens``.
+        heads: 1-D index tensor of query heads (default None: all ``Hq``).
+
+    Returns:
+        ``(Hq,)`` (or ``(len(heads),)``) float32; ``-inf`` for a head with no pair (no document
+        holds a token).
+    """
+    q, k = call.query, call.key
+    hq, hkv = call.heads()
+    gqa = call.enable_gqa
+    if heads is not None:
+        q, k, gqa = q.index_select(1, heads), k.index_select(1, heads // (hq // hkv)), False
+    out = torch.full((q.shape[1],), -math.inf, device=q.device)
+    for a, b in call.documents():
+        a, b = max(a, 0), min(b, q.shape[2])
+        if b <= a:
+            continue
+        qd, kd = q[:, :, a:b], k[:, :, a:b]
+        rq, rk = _slice(call.real_queries, a, b), _slice(call.real_keys, a, b)
+        if rq is None and rk is None and triton_max.usable(qd, kd, call.scale):
+            m = triton_max.triton_max_logits(qd, kd, None, call.is_causal, call.scale, gqa)
+        else:
+            sub = AttentionCall(qd, kd, kd, is_causal=call.is_causal, scale=call.scale, enable_gqa=gqa,
+                                real_queries=rq, real_keys=rk)
+            mask, causal = sub.clip_pairs()
+            m = chunked_max_logits(qd, kd, mask, causal, call.scale, gqa)
+        out = torch.maximum(out, m.to(out.device))
+    return out
+
+
+@torch.no_grad()
+def gated_document_max_logits(call: AttentionCall, lse: Tensor, threshold: float) -> tuple[Tensor, Tensor]:
+    """`muonclip.attention.gate.gated_max_logits` for a call with packed documents (module docstring).
+
+    Args:
+        call: an `AttentionCall` with ``cu_seq_lens``.
+        lse: ``(1, Hq, T)`` the kernel's natural-log LSE.
+        threshold: the clip's tau.
+
+    Returns:
+        ``(values, is_bound)``, each ``(Hq,)``: exact maxima where ``is_bound`` is False, else an
+        upper bound ``<= threshold``.
+    """
+    from .gate import lse_bound  # the gate's bound; gate.py takes documents through this module
+
+    bound = lse_bound(call, lse)
+    is_bound = bound <= threshold  # False for NaN: such a head takes the exact path
+    if call.query.device.type != "cpu" and bool(is_bound.all()):  # GPU: one host read
+        return bound, is_bound
+    flagged = (~is_bound).nonzero().flatten()
+    if flagged.numel() == 0:
+        return bound, is_bound
+    return bound.index_put((flagged,), document_max_logits(call, flagged)), is_bound
+
+
+__all__ = ["document_max_logits", "gated_document_max_logits"]
