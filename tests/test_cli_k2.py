@@ -67,3 +67,15 @@ def test_k2_mini_moves_every_expert_by_its_own_orthogonalised_update(k2_run):
     assert {r["run"] for r in data["experts"]} == {"adamw-x1-s0", "muon-x1-s0", "stability muon-s0",
                                                   "stability muonclip-s0"}
     assert "## Experts: each expert's update RMS" in (k2_run / "summary.md").read_text()
+
+
+def test_k2_mini_report_says_what_its_one_seed_and_hand_set_rates_support(k2_run):
+    """k2-mini runs one seed at rates set by hand: its report gives values, not spreads or ranges of one value,
+    and never calls Muon's rate tuned."""
+    import re
+
+    md = (k2_run / "summary.md").read_text()
+    for forbidden in ("± 0.000", "1 seeds", "Muon's tuned", "tuned rate"):
+        assert forbidden not in md, forbidden
+    assert not re.search(r"(?<![\d.])(\d+(?:\.\d+)?)x?–\1(?![\d.])", md), "a range of one value"
+    assert "(one seed, 0)" in md and "final val loss (one seed)" in md and "Muon's rate (not tuned)" in md

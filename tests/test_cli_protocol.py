@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -95,17 +96,18 @@ def test_stability_figures_on_synthetic_curves(tmp_path):
     assert by["muonclip"]["peak_after_first_clip"] == [40] and by["muonclip"]["clip_events"] == [4]
     assert by["muonclip"]["clip_steps"] == [3] and by["muonclip"]["clip_events_per_layer"] == [4]
     text = report.reading({"model": "m", "params": 1e5, "tokens_per_param": 1.0, "rates": "r", "stability_lr": 0.1,
-                           "lr_muon": 0.04}, None, stab)
-    assert "a rescue at an excessive constant learning rate, 0.1, 2.5 times Muon's tuned 0.04" in text
-    assert "climbs to 100–100 (3.3–3.3 times tau)" in text
+                           "lr_muon": 0.04, "rates_tuned": True}, None, stab)
+    assert "a rescue at an excessive constant learning rate, 0.1, 2.5 times Muon's tuned rate 0.04" in text
+    assert "climbs to 100 (3.3 times tau)" in text  # one seed: a value, not a range of one
     assert "stays at most 1.33 times tau after its first clip (40.0: within one update's growth" in text
 
 
 def test_log_grid():
     assert sweep.log_grid(1e-3, 5, 2.0) == [2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3]  # powers of two: exact
     assert sweep.log_grid(1.0, 6, 2.0) == [0.25, 0.5, 1.0, 2.0, 4.0, 8.0]
-    with pytest.raises(ValueError, match="at least 5 points"):
-        sweep.log_grid(1e-3, 4)
+    assert sweep.log_grid(1.0, 3, 2.0) == [0.5, 1.0, 2.0]
+    with pytest.raises(ValueError, match="at least 3 points"):
+        sweep.log_grid(1e-3, 2)
 
 
 def _quadratic(best):
@@ -299,8 +301,8 @@ def test_the_tuned_rate_row_reports_clips_and_the_loss_difference_per_seed(tmp_p
     md = report.tuned_stability_markdown(stab)
     assert "| 0 | 44.0 (1.47x) | 40 (27) | 1.9117 | 1.9099 | -0.0018 |" in md
     assert "| 1 | 40.0 (1.33x) | 31 (20) | 1.9200 | 1.9190 | -0.0010 |" in md
-    text = report.reading({"model": "m", "params": 1e5, "tokens_per_param": 1.0, "rates": "r", "lr_muon": 0.04},
-                          None, None, stab)
+    text = report.reading({"model": "m", "params": 1e5, "tokens_per_param": 1.0, "rates": "r", "lr_muon": 0.04,
+                           "rates_tuned": True}, None, None, stab)
     assert "At Muon's tuned rate (0.04)" in text and "1.33–1.47 times tau" in text and "20–27 steps" in text
     assert "-0.0014 ± 0.0006" in text and "lower than Muon beyond the seed spread" in text
 
@@ -346,3 +348,33 @@ def test_the_muon_variants_are_muon_with_one_option_on_at_their_own_rate():
             assert all(g[key] is options.get(key, False) for g in muon_groups), (name, key)
     with pytest.raises(ValueError, match="stability_segments"):
         make_config("tiny", sets=["stability_segments=excessive,fast"])
+
+
+def test_one_seed_reports_say_what_one_seed_supports(tmp_path):
+    """One seed: the value alone ("(one seed, 0)"), never "± 0.000 over 1 seeds", never a range of one value
+    ("100–100"); a rate is called tuned only when it was."""
+    runs = {("adamw", 1.0, 0): _write_run(tmp_path / "a1", [(150, 2.3), (300, 2.0)], 0.01),
+            ("adamw", 2.0, 0): _write_run(tmp_path / "a2", [(300, 2.2), (600, 1.8)], 0.01),
+            ("muon", 1.0, 0): _write_run(tmp_path / "m", [(150, 2.2), (300, 1.9)], 0.012)}
+    eff = report.efficiency(runs, [1.0, 2.0])
+    stab = report.stability({("muon", 0): _write_run(tmp_path / "sm", [(i, 2.0) for i in range(3)], 0.01,
+                                                     logits=[10, 90, 120]),
+                             ("muonclip", 0): _write_run(tmp_path / "sc", [(i, 1.9) for i in range(3)], 0.01,
+                                                         logits=[10, 40, 31], clipped=[0, 1, 1])}, 30.0)
+    tuned = report.stability({("muon", 0): _write_run(tmp_path / "tm", [(i, 2.0) for i in range(3)], 0.01,
+                                                      logits=[10, 40, 45]),
+                              ("muonclip", 0): _write_run(tmp_path / "tc", [(i, 1.99) for i in range(3)], 0.01,
+                                                          logits=[10, 40, 31], clipped=[0, 1, 0])}, 30.0)
+    context = {"model": "m", "params": 1e5, "tokens_per_param": 1.0, "rates": "r", "seeds": [0], "stability_lr": 0.1,
+               "lr_muon": 0.02}
+    text = report.reading(context, eff, stab, tuned)
+    md = "\n".join([report.efficiency_markdown(eff), report.stability_markdown(stab),
+                    report.tuned_stability_markdown(tuned)])
+    for forbidden in ("± 0.000", "1 seeds", "Muon's tuned", "mean ± sd | |"):
+        assert forbidden not in text + md, forbidden
+    assert not re.search(r"(?<![\d.])(\d+(?:\.\d+)?)x?–\1(?![\d.])", text + md), "a range of one value"
+    assert "1.900 (one seed, 0)" in text and "AdamW's 2.000" in text
+    assert "5.0 times Muon's rate (not tuned) 0.02" in text and "climbs to 120 (4.0 times tau)" in text
+    assert "At Muon's rate (not tuned) (0.02)" in text and "ends -0.0100 against Muon: one seed" in text
+    assert "final val loss (one seed)" in md and "| muon | 120.0 (4.0x) |" in md
+    assert "**about 1.5x (one seed: no spread measured)**" in md and "the same, per seed" not in md

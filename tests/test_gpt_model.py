@@ -101,7 +101,7 @@ def test_mla_shared_rotary_key_is_one_head():
         (dict(attention="gqa"), "attention must be"),
         (dict(n_head=3), "divisible"),
         (dict(n_kv_head=3), "multiple of n_kv_head"),
-        (dict(attention="mla", qk_norm=True), "qk_norm"),
+        (dict(attn_softcap=-1.0), "attn_softcap must be a finite number >= 0"),
         (dict(attention="mla", qk_rope_head_dim=3), "even"),
         (dict(n_expert=4, n_expert_active=5), "n_expert_active=5 must be between 1 and n_expert=4"),
     ],

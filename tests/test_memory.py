@@ -63,6 +63,8 @@ def corpus():
     ("adamw", "block_size=512,batch_size=8,n_layer=2,attention=mla"),  # MLA: T x T scores too
     ("muonclip", "block_size=1024,batch_size=4,n_layer=2,n_embd=128"),  # long sequences
     ("muon", "block_size=256,batch_size=16,attention=mla,n_head=4,n_expert=8,expert_hidden=64"),  # experts
+    ("muon", "block_size=512,batch_size=8,n_layer=2,attn_softcap=30"),  # soft-capping: eager T x T scores
+    ("muon", "block_size=256,batch_size=8,attention=mla,qk_norm=true,attn_softcap=30"),  # MLA's q^C/k^C norms too
 ])
 def test_estimate_counts_the_tensors_a_step_allocates(optimizer, sets, corpus):
     """The tensors the estimate counts (parameters, gradients, optimizer state, activations,

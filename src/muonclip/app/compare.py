@@ -30,7 +30,10 @@ The runs go in ``jobs`` worker processes at a time (default: one per core, one t
     <out>/val_loss.png, budget.png, max_logit.png, clip_events.png
     <out>/summary.md, summary.json               both tables and the reading (muonclip.app.report)
 
-``--preset finetune`` runs the fine-tuning protocol of `muonclip.app.finetune` instead.
+Some presets run a protocol of their own instead (`OWN_PROTOCOL`): ``finetune``
+(`muonclip.app.finetune`), ``guards`` and ``guards-mla`` (the guards of the attention logits side by
+side, `muonclip.app.guards`), ``ladder`` (the budget-matched ratio at three widths,
+`muonclip.app.ladder`); they share this module's checks before anything is written (`prepare`).
 
 MuonClip with the default ``tau`` (100) never clips in the efficiency runs (the max logit stays
 far below it), so its run there would be Muon's step for step; it runs only where the clip acts.
@@ -50,7 +53,7 @@ from typing import Any
 import torch
 
 from .config import OPTIMIZERS, TUNED_PRESETS, RunConfig, check_optimizer, make_config
-from .data import check_fits, corpus_size, corpus_warnings, load_corpus
+from .data import Corpus, check_fits, corpus_size, corpus_warnings, load_corpus
 from .memory import check_memory
 from .model import build_model
 from .report import (
@@ -76,6 +79,9 @@ from .sweep import budget_steps, tune
 from .train import check_threads
 
 EFFICIENCY = ("adamw", "muon")
+OWN_PROTOCOL = {"finetune": "muonclip.app.finetune", "guards": "muonclip.app.guards",
+                "guards-mla": "muonclip.app.guards", "ladder": "muonclip.app.ladder"}
+"""The presets that run a protocol of their own instead of this module's, and its module."""
 
 
 def adamw_budget_lr(cfg: RunConfig, budget: float) -> float:
@@ -123,6 +129,45 @@ def plan(cfg: RunConfig, out_dir: Path, optimizers: Sequence[str]) -> tuple[
     return eff, segments["excessive"], segments["tuned"]
 
 
+def prepare(cfg: RunConfig, out_dir: Path, runs: Sequence[tuple[RunConfig, str]], jobs: int | None,
+            longest: int, *, resume: bool = False) -> tuple[RunConfig, Corpus, int]:
+    """Every check of a comparison before anything is written, then its folder created: ``jobs``
+    (default None: one per core) and ``threads`` (the cores shared between the jobs when 0), the
+    memory of each of ``runs`` (config, optimizer) with ``jobs`` of them at a time, the output
+    folder (absent or empty, writable; ``resume``: the caller checked that it holds the same
+    comparison stopped part way, default False), the corpus (loaded; its warnings for a run of
+    ``longest`` steps printed). Returns the config with its threads set, the corpus and the jobs.
+
+    Raises:
+        DataError, OutputError, ValueError: bad input; nothing written.
+    """
+    cores = os.cpu_count() or 1
+    jobs = cores if jobs is None else jobs
+    if jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
+    check_threads(cfg.threads)
+    if not cfg.threads:
+        cfg = dataclasses.replace(cfg, threads=max(1, cores // jobs))
+    for run_cfg, o in runs:
+        check_memory(run_cfg, o, torch.device("cpu"), ranks_here=jobs, sharing="runs at a time",
+                     corpus=corpus_size(cfg.data))  # every worker reads its own copy
+    if inspect_folder(out_dir).kind == "run":
+        raise OutputError(f"--out {out_dir} already holds a run of muonclip train; choose a new folder for the "
+                          "comparison")
+    if not resume and out_dir.exists() and any(out_dir.iterdir()):
+        raise OutputError(f"--out {out_dir} is not empty; choose a new folder so nothing is overwritten")
+    check_writable(out_dir)
+    corpus = load_corpus(cfg.data, cfg.val_fraction)
+    check_fits(corpus, cfg.batch_size, cfg.block_size)
+    for warning in corpus_warnings(corpus, steps=longest, batch_size=cfg.batch_size, block_size=cfg.block_size):
+        print(f"muonclip: warning: {warning}", file=sys.stderr)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"--out {out_dir}: cannot create it ({e}); choose another --out") from None
+    return cfg, corpus, jobs
+
+
 def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = EFFICIENCY, jobs: int | None = None,
             sweep: dict[str, Any] | None = None, progress: bool = True) -> tuple[dict[str, Any], str]:
     """Run the comparison (module docstring) and write the report; return (summary data, printed tables).
@@ -143,10 +188,21 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = 
             `muonclip.app.memory`); nothing written.
         NonFiniteLossError, Interrupted: from a run (see `muonclip.app.train`).
     """
-    if cfg.preset == "finetune":  # another protocol: muonclip.app.finetune
-        from .finetune import compare_finetune
+    if cfg.preset in OWN_PROTOCOL:  # another protocol: its own module
+        if sweep is not None or list(optimizers) != list(EFFICIENCY):
+            raise ValueError(f"--preset {cfg.preset} runs its own protocol ({OWN_PROTOCOL[cfg.preset]}): "
+                             "--optimizers and --sweep do not apply to it")
+        if cfg.preset == "finetune":
+            from .finetune import compare_finetune
 
-        return compare_finetune(cfg, out_dir, progress=progress)
+            return compare_finetune(cfg, out_dir, progress=progress)
+        if cfg.preset == "ladder":
+            from .ladder import compare_ladder
+
+            return compare_ladder(cfg, out_dir, jobs=jobs, progress=progress)
+        from .guards import compare_guards
+
+        return compare_guards(cfg, out_dir, jobs=jobs, progress=progress)
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
     cfg.validate()
@@ -154,31 +210,9 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = 
         check_optimizer(o)
     if not optimizers and not (cfg.stability_steps and cfg.stability_segments):
         raise ValueError("nothing to compare: give --optimizers or a stability segment (stability_steps > 0)")
-    cores = os.cpu_count() or 1
-    jobs = cores if jobs is None else jobs
-    if jobs < 1:
-        raise ValueError(f"--jobs must be >= 1, got {jobs}")
-    check_threads(cfg.threads)
-    if not cfg.threads:
-        cfg = dataclasses.replace(cfg, threads=max(1, cores // jobs))
-    for o in {*optimizers, *(("muon", "muonclip") if cfg.stability_steps else ())}:
-        check_memory(cfg, o, torch.device("cpu"), ranks_here=jobs, sharing="runs at a time",
-                     corpus=corpus_size(cfg.data))  # every worker reads its own copy
-    if inspect_folder(out_dir).kind == "run":
-        raise OutputError(f"--out {out_dir} already holds a run of muonclip train; choose a new folder for the "
-                          "comparison")
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise OutputError(f"--out {out_dir} is not empty; choose a new folder so nothing is overwritten")
-    check_writable(out_dir)
-    corpus = load_corpus(cfg.data, cfg.val_fraction)
-    check_fits(corpus, cfg.batch_size, cfg.block_size)
+    runs = [(cfg, o) for o in {*optimizers, *(("muon", "muonclip") if cfg.stability_steps else ())}]
     longest = max([budget_steps(cfg, b) for b in cfg.budgets] + [cfg.stability_steps])
-    for warning in corpus_warnings(corpus, steps=longest, batch_size=cfg.batch_size, block_size=cfg.block_size):
-        print(f"muonclip: warning: {warning}", file=sys.stderr)
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OutputError(f"--out {out_dir}: cannot create it ({e}); choose another --out") from None
+    cfg, corpus, jobs = prepare(cfg, out_dir, runs, jobs, longest)
 
     sections: list[tuple[str, str]] = []
     data: dict[str, Any] = {}
@@ -200,13 +234,13 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = 
     outcomes = {o.spec.run_dir: o for o in run_all(specs, corpus, jobs=jobs, progress=progress)}
     assert all(o.result is not None for o in outcomes.values())
 
-    n_params = _parameters(cfg)
+    n_params = parameter_count(cfg)
     tokens = cfg.steps * cfg.batch_size * cfg.block_size
     ctx = {"model": f"a {cfg.n_layer}-layer, {cfg.n_embd}-wide byte-level GPT ({n_params / 1e6:.2f}M parameters)",
            "tokens_per_param": tokens / n_params, "params": n_params,
            "rates": rates_phrase(cfg, sweep is not None, optimizers),
            "seeds": [cfg.seed + i for i in range(cfg.seeds)], "cpu": cpu_name(),
-           "stability_lr": cfg.stability_lr, "lr_muon": cfg.lr_muon}
+           "stability_lr": cfg.stability_lr, "lr_muon": cfg.lr_muon, "rates_tuned": rates_tuned(cfg, sweep is not None)}
     eff = stab = None
     tables = []
     if eff_specs:
@@ -231,7 +265,8 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = 
         runs3 = {k: s.run_dir for k, s in tuned_specs.items()}
         tuned_stab = stability(runs3, cfg.stability_tuned_tau)
         where = len(sections) - (1 if sweep is not None else 0)
-        sections.insert(where, (f"Stability at Muon's tuned rate: Muon against MuonClip at lr {cfg.lr_muon:g}, "
+        rate = "Muon's tuned rate" if rates_tuned(cfg, sweep is not None) else "Muon's rate (not tuned)"
+        sections.insert(where, (f"Stability at {rate}: Muon against MuonClip at lr {cfg.lr_muon:g}, "
                                 f"tau {cfg.stability_tuned_tau:g}", tuned_stability_markdown(tuned_stab)))
         tables.append(tuned_stability_markdown(tuned_stab))
         data["stability_tuned"] = tuned_stab
@@ -252,12 +287,23 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = 
     text = reading(ctx, eff, stab, tuned_stab)
     sections.append(("Protocol: what was tuned, what was not", protocol_markdown(cfg, optimizers, sweep is not None)))
     wall = time.perf_counter() - t0
-    context = _context(cfg, corpus, optimizers, n_params, jobs, wall)
+    context = _context(cfg, corpus, optimizers, n_params, jobs, wall, rates_tuned(cfg, sweep is not None))
     data.update(config=cfg.to_dict(), reading=text, wall_time=wall)
     compared = [*optimizers, *(("muon", "muonclip") if stab_specs or tuned_specs else ())]
     title = "muonclip compare: " + " vs ".join(NAMES.get(o, o) for o in dict.fromkeys(compared))
     write_summary(out_dir / "summary.md", title, context, text, sections, data)
     return data, "\n\n".join([*tables, text])
+
+
+def rates_tuned(cfg: RunConfig, swept: bool) -> bool:
+    """Whether ``cfg``'s rates and warm-ups are tuned ones: this run's sweep, or a tuned preset's
+    values unchanged (`muonclip.app.config.TUNED_PRESETS`)."""
+    if swept:
+        return True
+    if cfg.preset not in TUNED_PRESETS:
+        return False
+    preset = make_config(cfg.preset)
+    return all(cfg.lr(o) == preset.lr(o) and cfg.warmup(o) == preset.warmup(o) for o in OPTIMIZERS)
 
 
 def rates_phrase(cfg: RunConfig, swept: bool, optimizers: Sequence[str] = ()) -> str:
@@ -266,8 +312,7 @@ def rates_phrase(cfg: RunConfig, swept: bool, optimizers: Sequence[str] = ()) ->
     if swept:
         return "the learning rates and warm-ups tuned by this run's sweep"
     if cfg.preset in TUNED_PRESETS:
-        preset = make_config(cfg.preset)
-        same = all(cfg.lr(o) == preset.lr(o) and cfg.warmup(o) == preset.warmup(o) for o in OPTIMIZERS)
+        same = rates_tuned(cfg, False)
         variants = [o for o in optimizers if o in ("normuon", "muon_cautious", "muon_8bit")]
         if same:
             return (f"the `{cfg.preset}` preset's learning rates and warm-ups, tuned by `muonclip compare --sweep` "
@@ -290,7 +335,8 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _parameters(cfg: RunConfig) -> int:
+def parameter_count(cfg: RunConfig) -> int:
+    """The parameters of the reference GPT of ``cfg`` (tied weights once), counted on the meta device."""
     state = torch.random.get_rng_state()  # build_model seeds the global generator
     try:
         with torch.device("meta"):
@@ -300,7 +346,7 @@ def _parameters(cfg: RunConfig) -> int:
 
 
 def _context(cfg: RunConfig, corpus: Any, optimizers: Sequence[str], n_params: int, jobs: int,
-             wall: float) -> list[str]:
+             wall: float, tuned: bool) -> list[str]:
     tokens = cfg.steps * cfg.batch_size * cfg.block_size
     seeds = ", ".join(str(cfg.seed + i) for i in range(cfg.seeds))
     rates = "; ".join(f"{o} lr {cfg.lr(o):.3g}, warm-up {cfg.warmup(o)}" for o in optimizers)
@@ -325,10 +371,12 @@ def _context(cfg: RunConfig, corpus: Any, optimizers: Sequence[str], n_params: i
         ]
     if cfg.stability_steps and "excessive" in cfg.stability_segments:
         lines.append(f"stability, a rescue at an excessive rate: Muon and MuonClip, {cfg.stability_steps} steps, lr "
-                     f"{cfg.stability_lr:g} ({cfg.stability_lr / cfg.lr_muon:.1f} times Muon's rate) constant after "
+                     f"{cfg.stability_lr:g} ({cfg.stability_lr / cfg.lr_muon:.1f} times Muon's "
+                     f"{'tuned ' if tuned else ''}rate{'' if tuned else ', not tuned'}) constant after "
                      f"warm-up {cfg.warmup('muon')}, no weight decay, tau {cfg.stability_tau:g}; seeds {seeds}")
     if cfg.stability_steps and "tuned" in cfg.stability_segments:
-        lines.append(f"stability at Muon's tuned rate: the same segment at lr {cfg.lr_muon:g}, tau "
+        lines.append(f"stability at Muon's {'tuned rate' if tuned else 'rate (not tuned)'}: the same segment at lr "
+                     f"{cfg.lr_muon:g}, tau "
                      f"{cfg.stability_tuned_tau:g}; seeds {seeds}")
     lines += [
         f"data: {corpus.source} ({corpus.train.numel() / 1e6:.2f}M train bytes, {corpus.val.numel() / 1e6:.2f}M "
@@ -341,4 +389,5 @@ def _context(cfg: RunConfig, corpus: Any, optimizers: Sequence[str], n_params: i
     return lines
 
 
-__all__ = ["EFFICIENCY", "adamw_budget_lr", "compare", "plan", "stability_config"]
+__all__ = ["EFFICIENCY", "OWN_PROTOCOL", "adamw_budget_lr", "compare", "cpu_name", "parameter_count", "plan",
+           "prepare", "rates_phrase", "rates_tuned", "stability_config"]

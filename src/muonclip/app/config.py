@@ -16,6 +16,15 @@ stability segment). Presets:
   layer, the factors applied to each part of a clipped MLA head, and each expert's update RMS.
   Its rates are not tuned (6e-3 for AdamW, 2e-2 for Muon and MuonClip, chosen by hand; it shows
   the clip and the experts, not a token ratio), and its one seed is 0 (``--set seeds=3`` for more).
+* ``guards`` — the guards of the attention logits side by side on the ``default`` model
+  (`muonclip.app.guards`): Muon with none, QK-Clip, QK-Norm or soft-capping (c =
+  ``attn_softcap``, 30), AdamW with and without QK-Norm, at the excessive rate and at Muon's tuned
+  rate, 3 seeds. ``guards-mla``: the same on ``k2-mini``'s MLA model (Muon's arms only).
+* ``ladder`` — the budget-matched ratio at three widths of the ``default`` model, 1x, 1.5x and 2x
+  ``n_embd`` and ``n_head`` (`muonclip.app.ladder`), every rate re-bracketed at each width, the
+  same tokens per parameter; 3 seeds at the two smaller widths, one at the largest (its runs cost
+  about 14 times the first width's).
+* ``finetune`` — fine-tuning an AdamW-pretrained model (`muonclip.app.finetune`).
 
 Optimizers: ``adamw``, ``muon``, ``muonclip`` and three variants of Muon with one option on
 (`MUON_VARIANTS`): ``normuon`` (NorMuon), ``muon_cautious`` (cautious weight decay) and
@@ -36,9 +45,10 @@ MUON_VARIANTS = {"muon": {}, "normuon": {"normuon": True}, "muon_cautious": {"ca
                  "muon_8bit": {"momentum_8bit": True}}
 """The optimizers that are `muonclip.Muon` with one option on (`muonclip.Muon`'s arguments)."""
 STABILITY_SEGMENTS = ("excessive", "tuned")
-TUNED_PRESETS = ("default",)
+TUNED_PRESETS = ("default", "guards")
 """Presets whose learning rates and warm-ups are the tuned values of ``muonclip compare --sweep``
-(docs/compare.md); the others' are not tuned."""
+(docs/compare.md: ``guards`` has the ``default`` preset's); the others' are not tuned (``ladder``
+tunes its own at each size)."""
 ATTENTIONS = ("mha", "mla")
 ORTH_DTYPES = ("bfloat16", "float32")
 SEED_LIMIT = 2**62  # seeds are 0 <= seed < SEED_LIMIT: torch.manual_seed takes 64-bit values, compare adds offsets
@@ -70,8 +80,10 @@ class RunConfig:
         n_kv_head: key/value heads, for GQA/MQA (default None: = n_head, plain MHA).
         n_embd: model width (default 64).
         attention: ``"mha"`` (covers GQA/MQA with n_kv_head) or ``"mla"`` (default "mha").
-        qk_norm: RMSNorm on q and k after the projections (default False; QK-Clip cannot
-            clip such heads and says so).
+        qk_norm: RMSNorm on q and k after the projections (default False; MLA: on the
+            non-rotary parts q^C and k^C only; QK-Clip cannot clip such heads and says so).
+        attn_softcap: Gemma 2's attention logit soft-capping ``c``, the softmax over
+            ``c * tanh(s / c)`` (default 0.0: none; QK-Clip refuses it; `muonclip.models.GPTConfig`).
         n_expert: routed experts of a mixture-of-experts feed-forward, stored as one 3-D stack
             (default 0: a dense MLP); see `muonclip.models.GPTConfig`.
         n_expert_active: experts per token, top-k (default 2).
@@ -145,6 +157,7 @@ class RunConfig:
     n_embd: int = _model(64)
     attention: str = _model("mha")
     qk_norm: bool = _model(False)
+    attn_softcap: float = _model(0.0, shape=False)
     n_expert: int = _model(0)
     n_expert_active: int = _model(2)
     n_shared_expert: int = _model(1)
@@ -242,6 +255,8 @@ class RunConfig:
                              f"({self.n_expert})")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.attn_softcap < 0:
+            raise ValueError(f"attn_softcap must be >= 0 (0: no soft-capping), got {self.attn_softcap}")
         if self.grad_clip < 0:
             raise ValueError(f"grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < SEED_LIMIT:
@@ -359,6 +374,13 @@ def model_config(cfg: RunConfig) -> Any:
     return GPTConfig(vocab_size=256, **{k: getattr(cfg, k) for k in MODEL_FIELDS})
 
 
+_K2_MODEL: dict[str, Any] = dict(attention="mla", n_head=4, n_expert=8, n_expert_active=2, n_shared_expert=1,
+                                 expert_hidden=64, block_size=64)
+_K2_RATES: dict[str, Any] = dict(
+    lr_adamw=6e-3, lr_muon=2e-2, lr_muonclip=2e-2, warmup_adamw=None, warmup_muon=None, warmup_muonclip=None,
+    lr_normuon=2e-2, lr_muon_cautious=2e-2, lr_muon_8bit=2e-2, warmup_normuon=None, warmup_muon_cautious=None,
+    warmup_muon_8bit=None)  # set by hand, not tuned
+
 PRESETS: dict[str, dict[str, Any]] = {
     "default": {},
     "tiny": dict(
@@ -375,13 +397,19 @@ PRESETS: dict[str, dict[str, Any]] = {
     "finetune": dict(steps=200, eval_batches=8, orth_dtype="float32", budgets=(1.0,), lr_adamw_budgets=(),
                      stability_steps=0),
     "k2-mini": dict(
-        attention="mla", n_head=4, n_expert=8, n_expert_active=2, n_shared_expert=1, expert_hidden=64,
-        block_size=64, steps=300, seeds=1, budgets=(1.0,), lr_adamw_budgets=(), stability_steps=300,
+        **_K2_MODEL, steps=300, seeds=1, budgets=(1.0,), lr_adamw_budgets=(), stability_steps=300,
         stability_segments=("excessive",),  # no tuned rate to test the clip at
-        lr_adamw=6e-3, lr_muon=2e-2, lr_muonclip=2e-2, warmup_adamw=None, warmup_muon=None, warmup_muonclip=None,
-        lr_normuon=2e-2, lr_muon_cautious=2e-2, lr_muon_8bit=2e-2, warmup_normuon=None, warmup_muon_cautious=None,
-        warmup_muon_8bit=None,
+        **_K2_RATES,
     ),
+    # `muonclip compare --preset guards` (muonclip.app.guards): the default model's stability segments (the
+    # excessive rate, Muon's tuned rate) with each guard of the attention logits; attn_softcap is the soft-capping
+    # arm's c (= tau, so both guards hold what the softmax sees to the same level), the other arms run without
+    "guards": dict(attn_softcap=30.0, budgets=(1.0,), lr_adamw_budgets=()),
+    # the same on k2-mini's MLA + MoE model, at its rates (set by hand, not tuned)
+    "guards-mla": dict(**_K2_MODEL, **_K2_RATES, attn_softcap=30.0, budgets=(1.0,), lr_adamw_budgets=()),
+    # `muonclip compare --preset ladder` (muonclip.app.ladder): the budget-matched ratio at three widths, every
+    # rate re-bracketed at each; AdamW at its 1x rate at every budget
+    "ladder": dict(stability_steps=0, lr_adamw_budgets=()),
 }
 
 

@@ -20,8 +20,9 @@ model's own), never by building a model, so that any size, however absurd (``n_l
   in flight during the backward pass;
 * attention scores: MLA's query/key and value head widths differ, so PyTorch's CPU attention
   takes its unfused path, which materialises ``batch x heads x T x T`` float32 scores: the
-  saved softmax of every layer and two gradients in flight. The fused kernels (MHA/GQA) and
-  the chunked max-logit recording keep them in blocks of a few MiB;
+  saved softmax of every layer and two gradients in flight; soft-capped attention
+  (``attn_softcap``, computed eagerly) keeps two such tensors a layer, tanh's and the softmax's.
+  The fused kernels (MHA/GQA) and the chunked max-logit recording keep them in blocks of a few MiB;
 * allocator slack: activation tensors smaller than `MMAP_BYTES` count `ALLOCATOR_FACTOR`
   times (2: glibc keeps freed blocks in its heap; the peak RSS of a step measured 2.0–2.2
   times the live tensors with 4k–8k tokens when no block is returned to the system), larger
@@ -85,7 +86,7 @@ class StepMemory:
 
     parameters: int  # weights, gradients, optimizer state and its buffers
     activations: int  # kept for the backward pass, plus the head's and one layer's gradients in flight
-    attention_scores: int  # materialised T x T scores (MLA's unfused path); 0 for fused attention
+    attention_scores: int  # materialised T x T scores (MLA's unfused path, soft-capping); 0 for fused attention
     overhead: int  # allocator slack and the libraries' workspaces
     corpus: int = 0  # the corpus while it is read, and once in memory (`corpus_memory`)
     margin: int = 0  # SAFETY_MARGIN of the counted tensors (parameters, activations, scores, corpus)
@@ -165,8 +166,8 @@ def _parameter_counts(cfg: RunConfig) -> tuple[int, int, int]:
 
 def activation_widths(cfg: RunConfig) -> tuple[list[int], int]:
     """(the widths, in floats per token, of the tensors one layer keeps for the backward pass;
-    the floats of one layer's ``heads x T x T`` scores per sequence, 0 for fused attention) of
-    the reference GPT of ``cfg``."""
+    the floats of one layer's ``heads x T x T`` scores per sequence, 0 for fused attention, two
+    such tensors with soft-capping) of the reference GPT of ``cfg``."""
     g = model_config(cfg)
     C, H = g.n_embd, g.n_head
     widths = [C] * 4  # ln_1 in/out, ln_2 in/out
@@ -175,16 +176,19 @@ def activation_widths(cfg: RunConfig) -> tuple[list[int], int]:
         widths += [g.n_expert] * 2 + [k * (2 * C + 2 * eh)] + [g.n_shared_expert * eh] * 2
     else:
         widths += [4 * C] * 2  # c_fc out, gelu out
+    capped = 2 * H * cfg.block_size**2 if g.attn_softcap else 0  # softcap_attention keeps tanh's and softmax's
     if g.attention == "mha":
         kv = g.n_kv_head * (C // H)
         widths += [C, kv, kv, C, C, H]  # q, k (after RoPE), v, output, its contiguous copy, logsumexp
         if g.qk_norm:
             widths += [C, kv] * 2  # the norms' inputs and outputs
-        return widths, 0
+        return widths, capped
     qk, v = H * (g.qk_nope_head_dim + g.qk_rope_head_dim), H * g.v_head_dim
     widths += [qk] * 4 + [H * (g.qk_nope_head_dim + g.v_head_dim), v, v]  # q, k (and scaled), kv_b out, output, copy
     widths += [g.kv_lora_rank + g.qk_rope_head_dim, g.kv_lora_rank]  # the latent's norm: input, output
-    return widths, H * cfg.block_size**2  # unfused: query/key and value widths differ
+    if g.qk_norm:
+        widths += [H * g.qk_nope_head_dim] * 4  # q^C and k^C norms' inputs and outputs
+    return widths, capped or H * cfg.block_size**2  # unfused: query/key and value widths differ
 
 
 def step_memory(cfg: RunConfig, optimizer: str, *, world_size: int = 1, fsdp: bool = False,

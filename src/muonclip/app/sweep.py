@@ -3,7 +3,7 @@
 For each optimizer (AdamW first: the AdamW branch of Muon's runs then uses AdamW's tuned rate)
 and each warm-up length of ``warmups``:
 
-1. `log_grid`: ``points`` (at least 5) learning rates ``ratio`` apart (default sqrt 2), centred
+1. `log_grid`: ``points`` (at least 3) learning rates ``ratio`` apart (default sqrt 2), centred
    on the config's rate;
 2. every rate is trained with ``seeds`` seeds (``budget_seeds`` at AdamW's larger budgets;
    different from the seeds `compare` reports, `sweep_seeds`) and scored by the mean of their
@@ -50,10 +50,10 @@ def log_grid(center: float, points: int = 5, ratio: float = SQRT2) -> list[float
     on ``center``; even: the extra point above), in increasing order.
 
     Raises:
-        ValueError: fewer than 5 points (a bracket needs room inside), a center <= 0 or a ratio <= 1.
+        ValueError: fewer than 3 points (a bracket needs a point inside), a center <= 0 or a ratio <= 1.
     """
-    if points < 5:
-        raise ValueError(f"a learning-rate grid needs at least 5 points, got {points}")
+    if points < 3:
+        raise ValueError(f"a learning-rate grid needs at least 3 points, got {points}")
     if not (center > 0 and math.isfinite(center)) or not (ratio > 1 and math.isfinite(ratio)):
         raise ValueError(f"grid center must be > 0 and ratio > 1, got {center} and {ratio}")
     low = -((points - 1) // 2)

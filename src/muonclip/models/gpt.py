@@ -12,7 +12,13 @@ Every attention call goes through `muonclip.scaled_dot_product_attention` with t
 (`muonclip.attention.forward_rule`). Every attention module has ``qk_clip_layer(name)``
 returning the `AttentionLayer` that `MuonClip` clips. No QK-norm by default; with
 ``qk_norm=True`` QK-Clip is refused (the norm undoes any scaling of W_q/W_k; docs/design.md,
-"QK-Clip is never a silent no-op").
+"QK-Clip is never a silent no-op"). For MLA, ``qk_norm`` normalises the non-rotary parts q^C and
+k^C of each head only (the rotary q^R and the shared k^R stay as they are).
+
+``attn_softcap = c > 0``: Gemma 2's logit soft-capping, the softmax over ``c * tanh(s / c)`` of
+every logit ``s = scale * q.k`` (`softcap_attention`, eager: the full score matrix); the recorder
+still receives the raw logits' maxima. QK-Clip refuses such a layer (the two guards together are
+not supported).
 
 Pre-norm blocks (RMSNorm), GELU MLP, no biases unless ``bias=True``, tied embeddings unless
 ``tie_embeddings=False``. With ``n_expert > 0`` the MLP of every block is a mixture of experts
@@ -33,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import MaxLogitRecorder, scaled_dot_product_attention
+from ..attention.forward_rule import recorders_to_feed, unseen_by_selective_checkpointing
 from ..qkclip.layouts import AttentionLayer, GQALayout, MHALayout, MLALayout
 
 
@@ -55,7 +62,13 @@ class GPTConfig:
         v_head_dim: MLA value dim per head (default 16).
         rope_theta: RoPE base (default 10000.0).
         bias: biases in the linear layers (default False).
-        qk_norm: RMSNorm on per-head q and k (default False; MHA only; blocks QK-Clip).
+        qk_norm: RMSNorm on per-head q and k (default False; blocks QK-Clip). MHA: on the whole
+            of q and k (before RoPE); MLA: on the non-rotary q^C and k^C of each head only
+            (Qwen3 / OLMo 2 normalise whole heads; MLA's rotary k^R is one key shared by every
+            head, left unnormalised here, as is q^R).
+        attn_softcap: Gemma 2's attention logit soft-capping ``c`` (default 0.0: none): the
+            softmax sees ``c * tanh(s / c)`` of every logit ``s`` (`softcap_attention`); must be
+            >= 0; blocks QK-Clip.
         tie_embeddings: share the token embedding and the LM head (default True).
         dropout: dropout in attention and residuals (default 0.0).
         n_expert: routed experts per block (default 0: a dense MLP instead of `MoE`).
@@ -82,6 +95,7 @@ class GPTConfig:
     rope_theta: float = 10000.0
     bias: bool = False
     qk_norm: bool = False
+    attn_softcap: float = 0.0
     tie_embeddings: bool = True
     dropout: float = 0.0
     n_expert: int = 0
@@ -101,6 +115,9 @@ class GPTConfig:
             self.n_kv_head = self.n_head
         if self.attention not in ("mha", "mla"):
             raise ValueError(f"attention must be 'mha' or 'mla', got {self.attention!r}")
+        if not (self.attn_softcap >= 0 and math.isfinite(self.attn_softcap)):
+            raise ValueError(f"attn_softcap must be a finite number >= 0 (0: no soft-capping), got "
+                             f"{self.attn_softcap!r}")
         if self.attention == "mha":
             if self.n_embd % self.n_head:
                 raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
@@ -109,8 +126,6 @@ class GPTConfig:
             if self.n_head % self.n_kv_head:
                 raise ValueError(f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}")
         else:
-            if self.qk_norm:
-                raise ValueError("qk_norm is supported with attention='mha' only")
             if self.qk_rope_head_dim % 2:
                 raise ValueError("qk_rope_head_dim must be even")
 
@@ -135,9 +150,69 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+def softcap_attention(q: Tensor, k: Tensor, v: Tensor, cap: float, *, scale: float | None = None,
+                      dropout_p: float = 0.0, recorder: MaxLogitRecorder | None = None,
+                      training: bool = True) -> Tensor:
+    """Causal attention over soft-capped logits (Gemma 2): for query i,
+    ``sum_{j <= i} softmax_j(cap * tanh(s_ij / cap)) v_j`` with ``s_ij = scale * q_i . k_j``.
+
+    Computed eagerly (the ``(B, H, T, T)`` scores are materialised). The recorder receives, on
+    the calls `muonclip.attention.forward_rule` says feed it (a training forward, or an active
+    monitor), each query head's max of the *raw* logits ``s_ij`` over the allowed pairs: the
+    capped maximum is ``cap * tanh(raw / cap)`` of it (tanh is increasing).
+
+    Args:
+        q: ``(B, Hq, T, D)``.
+        k: ``(B, Hkv, T, D)``; ``Hkv`` divides ``Hq`` (query head h uses key head ``h // (Hq // Hkv)``).
+        v: ``(B, Hkv, T, Dv)``.
+        cap: the soft cap ``c`` (> 0).
+        scale: logit scale (default None: ``1 / sqrt(D)``).
+        dropout_p: dropout on the attention weights (default 0.0).
+        recorder: the layer's `MaxLogitRecorder` (default None: nothing recorded).
+        training: the calling module's ``training`` (default True).
+
+    Returns:
+        ``(B, Hq, T, Dv)``.
+    """
+    if not cap > 0:
+        raise ValueError(f"the soft cap must be > 0, got {cap!r}")
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv != hq:
+        k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
+    s = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)  # (B, H, T, T)
+    T = q.shape[2]
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    targets = recorders_to_feed(recorder, training)
+    if targets:
+        with unseen_by_selective_checkpointing():
+            per_head = s.detach().masked_fill(future, -math.inf).amax(dim=(0, 2, 3)).float()
+            for target in targets:
+                target.update(per_head)
+    weights = torch.softmax((cap * torch.tanh(s / cap)).masked_fill(future, -math.inf), dim=-1)
+    if dropout_p:
+        weights = F.dropout(weights, dropout_p)
+    return weights @ v
+
+
 # ----------------------------------------------------------------------------------------------
 # attention
 # ----------------------------------------------------------------------------------------------
+
+
+def _check_no_other_guard(name: str, qk_norm: bool, softcap: float) -> None:
+    """Refuse QK-Clip on a layer that already guards its logits another way (ValueError naming it)."""
+    if qk_norm:
+        raise ValueError(
+            f"attention layer '{name}' has QK-norm (q_norm/k_norm after the projections): scaling W_q/W_k "
+            "cannot change its logits, so QK-Clip cannot act on it. Build the model with qk_norm=False, or use "
+            "muonclip.Muon without the clip."
+        )
+    if softcap:
+        raise ValueError(
+            f"attention layer '{name}' soft-caps its logits (attn_softcap={softcap:g}): QK-Clip together with "
+            "soft-capping is not supported (tau would bound the raw logits while the softmax sees capped ones). "
+            "Build the model with attn_softcap=0 for MuonClip, or use muonclip.Muon with the soft cap."
+        )
 
 
 class CausalSelfAttention(nn.Module):
@@ -155,6 +230,7 @@ class CausalSelfAttention(nn.Module):
         self.q_norm = nn.RMSNorm(hd) if config.qk_norm else None
         self.k_norm = nn.RMSNorm(hd) if config.qk_norm else None
         self.dropout = config.dropout
+        self.softcap = config.attn_softcap
         cos, sin = rope_tables(hd, config.block_size, config.rope_theta)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -169,6 +245,10 @@ class CausalSelfAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, self.cos[:T], self.sin[:T]), apply_rope(k, self.cos[:T], self.sin[:T])
+        if self.softcap:
+            y = softcap_attention(q, k, v, self.softcap, dropout_p=self.dropout if self.training else 0.0,
+                                  recorder=self.recorder, training=self.training)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
         y = scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=self.n_kv_head != self.n_head, recorder=self.recorder, training=self.training,
@@ -177,12 +257,7 @@ class CausalSelfAttention(nn.Module):
 
     def qk_clip_layer(self, name: str) -> AttentionLayer:
         """The `AttentionLayer` QK-Clip acts on (MHA layout, or GQA/MQA with the per-head policy)."""
-        if self.q_norm is not None:
-            raise ValueError(
-                f"attention layer '{name}' has QK-norm (q_norm/k_norm after the projections): scaling W_q/W_k "
-                "cannot change its logits, so QK-Clip cannot act on it. Build the model with qk_norm=False, or use "
-                "muonclip.Muon without the clip."
-            )
+        _check_no_other_guard(name, self.q_norm is not None, self.softcap)
         q, k = self.q_proj, self.k_proj
         if self.n_kv_head == self.n_head:
             layout = MHALayout(q.weight, k.weight, self.n_head, self.head_dim, q.bias, k.bias)
@@ -217,7 +292,10 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_a_norm = nn.RMSNorm(self.kv_rank)
         self.kv_b_proj = nn.Linear(self.kv_rank, c.n_head * (self.nope + self.v_dim), bias=b)
         self.o_proj = nn.Linear(c.n_head * self.v_dim, c.n_embd, bias=b)
+        self.q_norm = nn.RMSNorm(self.nope) if c.qk_norm else None  # the non-rotary parts q^C, k^C only
+        self.k_norm = nn.RMSNorm(self.nope) if c.qk_norm else None
         self.dropout = c.dropout
+        self.softcap = c.attn_softcap
         self.scale = 1.0 / math.sqrt(self.nope + self.rope)
         cos, sin = rope_tables(self.rope, c.block_size, c.rope_theta)
         self.register_buffer("cos", cos, persistent=False)
@@ -238,9 +316,16 @@ class MultiHeadLatentAttention(nn.Module):
         c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], dim=-1)
         kv = self.kv_b_proj(self.kv_a_norm(c_kv)).view(B, T, -1, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # (B, nh, T, nope), (B, nh, T, v)
+        if self.q_norm is not None:
+            q_nope, k_nope = self.q_norm(q_nope), self.k_norm(k_nope)
         k_rope = apply_rope(k_rope.view(B, 1, T, self.rope), cos, sin)  # (B, 1, T, rope): shared by all heads
         q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)  # (B, nh, T, nope+rope)
         k = torch.cat([k_nope, k_rope.expand(B, q.shape[1], T, self.rope)], dim=-1)  # (B, nh, T, nope+rope)
+        if self.softcap:
+            y = softcap_attention(q, k, v, self.softcap, scale=self.scale,
+                                  dropout_p=self.dropout if self.training else 0.0, recorder=self.recorder,
+                                  training=self.training)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
         y = scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0, scale=self.scale,
             recorder=self.recorder, training=self.training,
@@ -249,6 +334,7 @@ class MultiHeadLatentAttention(nn.Module):
 
     def qk_clip_layer(self, name: str) -> AttentionLayer:
         """The `AttentionLayer` QK-Clip acts on (MLA layout; the shared k^R is never touched)."""
+        _check_no_other_guard(name, self.q_norm is not None, self.softcap)
         qw, qb = self._q_weight_bias()
         layout = MLALayout(qw, self.n_head, self.nope, self.rope, self.kv_b_proj.weight, self.v_dim,
                            q_bias=qb, kv_b_bias=self.kv_b_proj.bias)
@@ -420,5 +506,5 @@ class GPT(nn.Module):
 
 __all__ = [
     "GPT", "GPTConfig", "Block", "CausalSelfAttention", "Experts", "MLP", "MoE", "MultiHeadLatentAttention",
-    "apply_rope", "rope_tables",
+    "apply_rope", "rope_tables", "softcap_attention",
 ]

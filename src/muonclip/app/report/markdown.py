@@ -23,8 +23,23 @@ def _le(is_bound: bool) -> str:
 
 
 def _pm(values: Sequence[float], spec: str = ".4f") -> str:
+    """``"mean ± sd"`` of ``values``; one value alone (one seed has no spread to print)."""
+    if len(values) == 1:
+        return format(values[0], spec)
     mean, sd = mean_sd(values)
     return f"{mean:{spec}} ± {sd:{spec.replace('+', '')}}"
+
+
+def spread_label(n: int) -> str:
+    """What a column of `_pm` values holds: ``"mean ± sd, 3 seeds"``, or ``"one seed"``."""
+    return "one seed" if n == 1 else f"mean ± sd, {n} seeds"
+
+
+def span(values: Sequence[float], spec: str = ".1f", unit: str = "") -> str:
+    """``"a–b"`` (the smallest and largest of ``values``), or one figure when they print the same
+    (one seed, or seeds that agree to the printed digits)."""
+    lo, hi = format(min(values), spec), format(max(values), spec)
+    return f"{lo}{unit}" if lo == hi else f"{lo}–{hi}{unit}"
 
 
 def _ratio(v: float | None, top: float) -> str:
@@ -41,9 +56,9 @@ def decimals(values: Sequence[float]) -> int:
 def about(value: float, per_seed: Sequence[float]) -> str:
     """``"about 2.6x (2.4–2.8 per seed)"``: ``value`` and the per-seed range at the precision their
     spread allows (`decimals`)."""
+    if len(per_seed) < 2:  # no spread measured: one decimal, what three seeds supported on the default preset
+        return f"about {value:.1f}x (one seed: no spread measured)"
     d = decimals(per_seed)
-    if len(per_seed) < 2:
-        return f"about {value:.{d}f}x (one seed)"
     return f"about {value:.{d}f}x ({min(per_seed):.{d}f}–{max(per_seed):.{d}f} per seed)"
 
 
@@ -51,18 +66,19 @@ def _ratio_pm(values: Sequence[float | None], top: float) -> str:
     known = [v for v in values if v is not None]
     if len(known) < len(values):
         return f"> {top:g}x for {len(values) - len(known)} of {len(values)} seeds"
+    if len(known) == 1:
+        return f"{known[0]:.2f}x (one seed)"
     return f"{_pm(known, '.2f')}x (range {min(known):.2f}–{max(known):.2f})"
 
 
 def efficiency_markdown(eff: dict[str, Any]) -> str:
     """The token-efficiency tables (Markdown)."""
     n = len(eff["seeds"])
-    lines = [f"| optimizer | token budget | tokens | final val loss (mean ± sd, {n} seeds) | per seed | "
+    lines = [f"| optimizer | token budget | tokens | final val loss ({spread_label(n)}) | per seed | "
              "step time (median) |", "|---|---|---|---|---|---|"]
     for t in eff["table"]:
-        lines.append(f"| {t['optimizer']} | {t['budget']:g}x | {t['tokens'] / 1e6:.2f}M | {t['mean']:.4f} ± "
-                     f"{t['sd']:.4f} | {', '.join(f'{v:.4f}' for v in t['final_val_loss'])} | "
-                     f"{1000 * t['step_time']:.0f} ms |")
+        lines.append(f"| {t['optimizer']} | {t['budget']:g}x | {t['tokens'] / 1e6:.2f}M | {_pm(t['final_val_loss'])} | "
+                     f"{', '.join(f'{v:.4f}' for v in t['final_val_loss'])} | {1000 * t['step_time']:.0f} ms |")
     for opt, r in eff["ratios"].items():
         top = r["max_budget"]
         crossing = r["crossing_per_seed"]
@@ -73,7 +89,8 @@ def efficiency_markdown(eff: dict[str, Any]) -> str:
         lines += ["", f"| {opt} against AdamW | value |", "|---|---|",
                   f"| **tokens AdamW needs to match {opt}'s final loss** (budget-matched: AdamW's own schedule at "
                   f"each budget, interpolated), on the seed means | **{headline}** |",
-                  f"| the same, per seed (mean ± sd) | {_ratio_pm(r['budget_matched_per_seed'], top)} |",
+                  *([f"| the same, per seed (mean ± sd) | {_ratio_pm(r['budget_matched_per_seed'], top)} |"]
+                    if n > 1 else []),
                   f"| crossing ratio (secondary: {opt}'s tokens, mid-schedule, to first reach AdamW's final loss at "
                   f"1x, over AdamW's tokens; favours the faster starter) | "
                   f"{crossed} |",
@@ -83,7 +100,7 @@ def efficiency_markdown(eff: dict[str, Any]) -> str:
                   f"{r['loss']:.4f} |"]
     against = against_muon(eff)
     if against:
-        lines += ["", "| against Muon at 1x (same seeds) | final val loss difference, mean ± sd | per seed |",
+        lines += ["", f"| against Muon at 1x (same seeds) | final val loss difference ({spread_label(n)}) | per seed |",
                   "|---|---|---|"]
         for opt, diffs in against.items():
             lines.append(f"| {opt} - muon | {_pm(diffs, '+.4f')} | {', '.join(f'{d:+.4f}' for d in diffs)} |")
@@ -106,17 +123,17 @@ def stability_markdown(stab: dict[str, Any]) -> str:
     """The stability table (Markdown)."""
     tau, n = stab["tau"], len(stab["seeds"])
     lines = [f"| optimizer | peak max logit (x tau) | peak after the first clip | clip events (steps) | "
-             f"clip events per layer | final val loss (mean ± sd, {n} seeds) |", "|---|---|---|---|---|---|"]
+             f"clip events per layer | final val loss ({spread_label(n)}) |", "|---|---|---|---|---|---|"]
     for t in stab["table"]:
         peaks = t["peak_max_logit"]
         after = [(a, b) for a, b in zip(t["peak_after_first_clip"], t["peak_after_first_clip_is_bound"])
                  if a is not None]
         top, bound = max(after) if after else (None, False)
         lines.append(
-            f"| {t['optimizer']} | {max(peaks):.1f} ({min(peaks) / tau:.1f}–{max(peaks) / tau:.1f}x) | "
+            f"| {t['optimizer']} | {max(peaks):.1f} ({span([p / tau for p in peaks], '.1f', 'x')}) | "
             f"{f'{_le(bound)}{top:.1f} ({top / tau:.2f}x)' if after else 'no clip'} | "
             f"{sum(t['clip_events'])} ({sum(t['clip_steps'])}) | {', '.join(map(str, t['clip_events_per_layer']))} | "
-            f"{t['mean']:.4f} ± {t['sd']:.4f} |")
+            f"{_pm(t['final_val_loss'])} |")
     g = stab.get("muon_one_step_growth")
     if g is not None:
         lines += ["", f"The most one update added to plain Muon's max logit once above tau: {g:.1f}."]
@@ -138,8 +155,9 @@ def tuned_stability_markdown(stab: dict[str, Any]) -> str:
         peak = mu["peak_max_logit"][i]
         lines.append(f"| {s} | {peak:.1f} ({peak / tau:.2f}x) | {mc['clip_events'][i]} ({mc['clip_steps'][i]}) | "
                      f"{mu['final_val_loss'][i]:.4f} | {mc['final_val_loss'][i]:.4f} | {diffs[i]:+.4f} |")
-    lines.append(f"| mean ± sd | | | {_pm(mu['final_val_loss'])} | {_pm(mc['final_val_loss'])} | "
-                 f"{_pm(diffs, '+.4f')} |")
+    if len(diffs) > 1:
+        lines.append(f"| mean ± sd | | | {_pm(mu['final_val_loss'])} | {_pm(mc['final_val_loss'])} | "
+                     f"{_pm(diffs, '+.4f')} |")
     return "\n".join(lines)
 
 
@@ -206,22 +224,26 @@ def reading(context: dict[str, Any], eff: dict[str, Any] | None, stab: dict[str,
 
     ``context``: ``model`` (a phrase), ``params`` (parameters), ``tokens_per_param`` (at 1x),
     ``rates`` (a phrase: where the learning rates come from); optional ``seeds`` (the seeds),
-    ``cpu`` (the CPU's name), ``stability_lr`` and ``lr_muon`` (the two segments' rates).
+    ``cpu`` (the CPU's name), ``stability_lr`` and ``lr_muon`` (the two segments' rates),
+    ``rates_tuned`` (whether ``lr_muon`` is a tuned rate; default False: it is not called tuned).
+
+    One seed: a value alone, "(one seed, 0)", never a spread or a range of one value.
     """
     parts = []
     seeds = context.get("seeds")
     seed_text = f" {', '.join(map(str, seeds))}" if seeds else ""
+    muons_rate = "Muon's tuned rate" if context.get("rates_tuned") else "Muon's rate (not tuned)"
     if eff and eff["ratios"]:
         opt, r = next(iter(eff["ratios"].items()))
         name = NAMES.get(opt, opt)
         by = {(t["optimizer"], t["budget"]): t for t in eff["table"]}
         a1, m1 = by[("adamw", 1.0)], by[(opt, 1.0)]
         n = len(eff["seeds"])
+        over = f"one seed,{seed_text}" if n == 1 else f"mean ± sd over {n} seeds{seed_text}"
         parts.append(
             f"On {context['model']} trained on {m1['tokens'] / 1e6:.2f}M tokens ({context['tokens_per_param']:.1f} "
-            f"tokens per parameter), {name} ends at a validation loss of {m1['mean']:.3f} ± {m1['sd']:.3f} (mean ± "
-            f"sd over {n} seeds{seed_text}) against AdamW's {a1['mean']:.3f} ± {a1['sd']:.3f} with the same tokens, "
-            f"each at {context['rates']}.")
+            f"tokens per parameter), {name} ends at a validation loss of {_pm(m1['final_val_loss'], '.3f')} ({over}) "
+            f"against AdamW's {_pm(a1['final_val_loss'], '.3f')} with the same tokens, each at {context['rates']}.")
         ratio = r["budget_matched"]
         if ratio is None:
             parts.append(f"AdamW given up to {r['max_budget']:g} times the tokens, each with its own schedule, does "
@@ -251,10 +273,11 @@ def reading(context: dict[str, Any], eff: dict[str, Any] | None, stab: dict[str,
     if eff:
         for opt, diffs in against_muon(eff).items():
             mean, sd = mean_sd(diffs)
-            verdict = ("lower than Muon's beyond the seed spread" if mean + sd < 0 else
+            verdict = ("one seed: no spread to judge it by" if len(diffs) == 1 else
+                       "lower than Muon's beyond the seed spread" if mean + sd < 0 else
                        "higher than Muon's beyond the seed spread" if mean - sd > 0 else
                        "within the seed spread of Muon's")
-            parts.append(f"{NAMES.get(opt, opt)} ends {mean:+.4f} ± {sd:.4f} against Muon (same seeds): {verdict}.")
+            parts.append(f"{NAMES.get(opt, opt)} ends {_pm(diffs, '+.4f')} against Muon (same seeds): {verdict}.")
     if eff or stab:
         cpu = context.get("cpu")
         parts.append((f"Measured on {cpu}; " if cpu else "") + "every run is seeded, so these figures come back on "
@@ -265,11 +288,11 @@ def reading(context: dict[str, Any], eff: dict[str, Any] | None, stab: dict[str,
         mu, mc = stab["table"]
         peaks = mu["peak_max_logit"]
         lr, tuned_lr = context.get("stability_lr"), context.get("lr_muon")
-        rate = (f"at an excessive constant learning rate, {lr:g}, {lr / tuned_lr:.1f} times Muon's tuned "
+        rate = (f"at an excessive constant learning rate, {lr:g}, {lr / tuned_lr:.1f} times {muons_rate} "
                 f"{tuned_lr:g}" if lr and tuned_lr else "at a high constant learning rate")
         head = (f"The stability segment is a rescue {rate}, with no weight decay and tau = {tau:g}: plain Muon's max "
-                f"attention logit climbs to {min(peaks):.0f}–{max(peaks):.0f} ({min(peaks) / tau:.1f}–"
-                f"{max(peaks) / tau:.1f} times tau)" if max(peaks) > tau else
+                f"attention logit climbs to {span(peaks, '.0f')} ({span([p / tau for p in peaks])} times tau)"
+                if max(peaks) > tau else
                 f"In the stability segment {rate} (tau = {tau:g}) plain Muon's max attention logit stays below tau "
                 f"(at most {max(peaks):.1f}), so there is nothing for QK-Clip to hold")
         after = [a for a in mc["peak_after_first_clip"] if a is not None]
@@ -283,8 +306,9 @@ def reading(context: dict[str, Any], eff: dict[str, Any] | None, stab: dict[str,
             held = f", while MuonClip's never exceeds {max(after):.1f} after its first clip"
         else:
             held = ", and MuonClip never clips"
-        parts.append(f"{head}{held}; both end far from a tuned run: final validation loss {mc['mean']:.3f} ± "
-                     f"{mc['sd']:.3f} for MuonClip against {mu['mean']:.3f} ± {mu['sd']:.3f} for Muon.")
+        parts.append(f"{head}{held}; both end far from a tuned run: final validation loss "
+                     f"{_pm(mc['final_val_loss'], '.3f')} for MuonClip against {_pm(mu['final_val_loss'], '.3f')} "
+                     f"for Muon{' (one seed)' if len(peaks) == 1 else ''}.")
     if tuned and len(tuned["table"]) == 2:
         tau = tuned["tau"]
         mu, mc = tuned["table"]
@@ -292,13 +316,15 @@ def reading(context: dict[str, Any], eff: dict[str, Any] | None, stab: dict[str,
         mean, sd = mean_sd(diffs)
         peaks = mu["peak_max_logit"]
         lr = context.get("lr_muon")
+        verdict = ("one seed: no spread to judge it by." if len(diffs) == 1 else
+                   "no cost beyond the seed spread." if abs(mean) <= sd or sd == 0 and mean == 0 else
+                   "a cost beyond the seed spread." if mean > 0 else "lower than Muon beyond the seed spread.")
+        per = "" if len(diffs) == 1 else f" (per seed {', '.join(f'{d:+.4f}' for d in diffs)})"
         parts.append(
-            f"At Muon's tuned rate{f' ({lr:g})' if lr else ''}, same segment, tau = {tau:g}: plain Muon's max logit "
-            f"peaks at {min(peaks) / tau:.2f}–{max(peaks) / tau:.2f} times tau; MuonClip clips "
-            f"{min(mc['clip_steps'])}–{max(mc['clip_steps'])} steps per seed and ends {mean:+.4f} ± {sd:.4f} against "
-            f"Muon (per seed {', '.join(f'{d:+.4f}' for d in diffs)}): "
-            + ("no cost beyond the seed spread." if abs(mean) <= sd or sd == 0 and mean == 0 else
-               "a cost beyond the seed spread." if mean > 0 else "lower than Muon beyond the seed spread."))
+            f"At {muons_rate}{f' ({lr:g})' if lr else ''}, same segment, tau = {tau:g}: plain Muon's max logit "
+            f"peaks at {span([p / tau for p in peaks], '.2f')} times tau; MuonClip clips "
+            f"{span(mc['clip_steps'], 'd')} steps{' per seed' if len(diffs) > 1 else ''} and ends "
+            f"{_pm(diffs, '+.4f')} against Muon{per}: {verdict}")
     return " ".join(parts)
 
 
@@ -321,7 +347,8 @@ def _jsonable(v: Any) -> Any:
 
 
 __all__ = [
-    "NAMES", "about", "against_muon", "decimals", "protocol_markdown", "tuned_stability_markdown",
+    "NAMES", "about", "against_muon", "decimals", "protocol_markdown", "span", "spread_label",
+    "tuned_stability_markdown",
     "clip_audit_markdown", "efficiency_markdown", "experts_markdown", "reading", "stability_markdown",
     "write_summary",
 ]
