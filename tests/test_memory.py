@@ -213,12 +213,18 @@ def test_check_memory_names_the_setting_to_lower(monkeypatch, sets, first, secon
 
 
 @pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="Linux's /proc/meminfo")
-def test_available_memory_is_read_from_the_system():
-    total = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
-                 if line.startswith("MemTotal:"))
+def test_available_memory_is_read_from_the_system(tmp_path):
+    meminfo = Path("/proc/meminfo").read_text()
+    total = next(int(line.split()[1]) * 1024 for line in meminfo.splitlines() if line.startswith("MemTotal:"))
+    available = next(int(line.split()[1]) * 1024 for line in meminfo.splitlines()
+                     if line.startswith("MemAvailable:"))
     found = memory.available_memory(torch.device("cpu"))
     assert 0 < found <= total
-    assert memory.available_memory(torch.device("cpu"), ranks_here=4) == found // 4
+    # the division among ranks, on a copy of the file (the live value moves between two reads)
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc" / "meminfo").write_text(meminfo)
+    assert memory.available_memory(torch.device("cpu"), root=tmp_path) == available
+    assert memory.available_memory(torch.device("cpu"), ranks_here=4, root=tmp_path) == available // 4
 
 
 @pytest.mark.parametrize("command", ["train", "compare"])
