@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ..ortho import METHODS
 from .matrices import MatrixSpec
+from .precision import resolve_orth_dtype
 
 STRUCTURAL_OPTIONS = ("method", "ns_steps", "orth_dtype", "eps", "ns_coefficients", "flatten", "split_sizes",
                       "transposed", "split_groups", "adjust_lr_fn")
@@ -44,8 +45,8 @@ class Bucket:
     Attributes:
         A, B: the shape of each matrix.
         device, method, steps, dtype, eps, coefficients: where and how it is orthogonalised
-            (a param group's ``method``, ``ns_steps``, ``orth_dtype``, ``eps``,
-            ``ns_coefficients``).
+            (a param group's ``method``, ``ns_steps``, ``orth_dtype`` resolved for the device
+            (`muonclip.optim.precision`), ``eps``, ``ns_coefficients``).
         entries: ``(item, block)`` of each slot, in order.
         specs: each slot's item's `MatrixSpec`.
     """
@@ -95,7 +96,8 @@ def make_buckets(specs: Sequence[MatrixSpec], groups: Sequence[Mapping[str, Any]
     for k in owned:
         spec, g = specs[k], groups[k]
         for b in range(spec.n_blocks):
-            fields = (spec.block_rows(b), spec.cols, devices[k], g["method"], g["ns_steps"], g["orth_dtype"], g["eps"],
+            dtype = resolve_orth_dtype(g["orth_dtype"], g["method"], devices[k])  # "auto": per device
+            fields = (spec.block_rows(b), spec.cols, devices[k], g["method"], g["ns_steps"], dtype, g["eps"],
                       g["ns_coefficients"])
             bucket = buckets.setdefault(frozen(fields), Bucket(*fields))
             bucket.entries.append((k, b))
