@@ -6,10 +6,13 @@
 #              attention call, the Triton symmetric kernel against cuBLAS);
 #   attention  bench_gated_capture.py (bf16 and float32): exact and gated capture vs SDPA;
 #              bench_attention.py: capture with the flex backend vs plain FlexAttention and SDPA;
-#   step       bench_step.py on the GPT-2-small hidden set (d=768, 12 layers) vs fused AdamW, and
+#   step       bench_step.py on the GPT-2-small hidden set (d=768, 12 layers): the default Muon (its
+#              row names the dtype orth_dtype="auto" picks and why) vs torch.optim.Muon, Keller
+#              Jordan's Muon, fused AdamW and the quintic's bf16/fp32 product floors; and
 #              bench_overhead.py on CUDA (the launch-bound fixed cost per step, NS stubbed);
 #   ortho      bench_ortho.py --big: 4096 x 4096, 4096 x 14336, 64 x 2048 x 1408 vs the matmul floor
-#              (ns5_sym there is the Triton kernel: does it beat cuBLAS's ns5?).
+#              and vs the device's dense bf16 peak (bench_ortho.GPU_BF16_PEAK_TFLOPS; ns5_sym there
+#              is the Triton kernel: does it beat cuBLAS's ns5?).
 # Usage: bash benchmarks/gpu_check.sh [PART ...]   (default: all four, in this order; make
 # gpu-check runs all). Each part takes a few minutes (FlexAttention compiles once per shape), so
 # under a per-command time limit run them one or two at a time. The output is also appended to
