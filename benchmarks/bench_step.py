@@ -300,7 +300,8 @@ def ns_rate(args) -> None:
         for E, A, B in [(4 * L, d, d), (L, 4 * d, d), (L, d, 4 * d)]:
             V = conditioned((E, A, B)).to(args.device, dtype)
             t = round_robin(
-                {m: partial(BufferedBackend().orthogonalize, V, m, reuse_result=True) for m in ("ns5", "gram")},
+                {m: partial(BufferedBackend().orthogonalize, V, m, None, dtype, reuse_result=True)
+                 for m in ("ns5", "gram")},
                 rounds=args.rounds, clock=args.clock, device=args.device,
             )
             floor = matmul_floor(E, A, B, dtype, args.device, args.rounds, args.clock)
