@@ -3,7 +3,7 @@
 The GPT set's 36 hidden matrices (6 layers: q, k, v, o at d x d, c_fc 4d x d, c_proj d x 4d)
 at d = 4 by default, so the arithmetic is negligible and what is timed is Python, dispatch
 and the small elementwise passes, i.e. what a GPU step spends launching kernels. The
-orthogonaliser is replaced by the identity in both muonclip.Muon (a backend whose
+orthogonaliser is replaced by the identity in both muonclip.Muon (a workspace whose
 ``orthogonalize`` returns its input) and torch.optim.Muon (so their Newton–Schulz is not timed
 at all), then, timed round-robin in one run (timing.py):
 
@@ -24,11 +24,11 @@ import argparse
 from contextlib import contextmanager
 
 import torch
-from bench_step import LR, WD, gpt_shapes, make_params
+from step_sets import LR, WD, gpt_shapes, make_params
 from timing import machine, round_robin, setup_threads
 
 import muonclip
-from muonclip.optim.backend import CoreBackend
+from muonclip.optim.workspace import CoreWorkspace
 
 try:
     import torch.optim._muon as torch_muon_module
@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover
     torch_muon_module = None
 
 
-class IdentityBackend(CoreBackend):
+class IdentityWorkspace(CoreWorkspace):
     """muonclip.Muon's buckets, not orthogonalised."""
 
     def orthogonalize(self, V, *args, **kwargs):
@@ -65,7 +65,7 @@ def rebuilt_every_step(opt):
     """``opt.step`` with its cached step structure dropped first."""
 
     def step():
-        opt._structure = None
+        opt._structures.clear()
         opt.step()
 
     return step
@@ -88,7 +88,7 @@ def main() -> None:
 
     def muon(**kw):
         return muonclip.Muon(make_params(shapes, grads, args.device), lr=LR, weight_decay=WD,
-                             backend=IdentityBackend(), **kw)
+                             workspace=IdentityWorkspace(), **kw)
 
     opts = {
         "muonclip.Muon (default: check + host read)": muon(),

@@ -9,10 +9,10 @@ Two parameter sets (float32 weights, fixed gradients):
   (looped); muonclip.Muon takes the 3-D weight and orthogonalises the 64 as one batch.
 
 Contenders: ``muonclip.Muon`` with its defaults (ns5, ``orth_dtype="auto"``: bfloat16 where the
-device multiplies it natively, else float32, the row names which and why; ``backend="auto"``: the
-buffered backend on CPU), with ``orth_dtype`` fixed to float32 and to bfloat16 (both dtypes on
-every machine), with ``backend="core"`` (the pure functions, fresh tensors every step), with the
-CPU chunking rule (``BufferedBackend(chunk="cache")``), with ``method="gram"`` (Gram
+device multiplies it natively, else float32, the row names which and why; ``workspace="auto"``: the
+buffered workspace on CPU), with ``orth_dtype`` fixed to float32 and to bfloat16 (both dtypes on
+every machine), with ``workspace="core"`` (the pure functions, fresh tensors every step), with the
+CPU chunking rule (``BufferedWorkspace(chunk="cache")``), with ``method="gram"`` (Gram
 Newton–Schulz for the rectangular matrices), with ``method="polar_express"`` (the same flops as
 ns5, a tighter band), with ``on_nonfinite="mask"`` (no host sync: the step is snapshot and
 undone on the device), torch.optim.Muon (same lr, weight decay, ns5 coefficients, 5 steps),
@@ -52,28 +52,16 @@ from functools import partial
 
 import torch
 from bench_ortho import conditioned, matmul_floor, ortho_error, quintic_flops, torch_ns
+from step_sets import LR, WD, gpt_shapes, make_params
 from timing import machine, round_robin, setup_threads
 
 import muonclip
 from muonclip.common.hardware import cpu_bf16_instructions, cpu_matrix_instructions
-from muonclip.fast import BufferedBackend
+from muonclip.fast import BufferedWorkspace
 from muonclip.optim.precision import native_bf16, orth_dtype_choice, resolve_orth_dtype
 from muonclip.ortho import orthogonalize
 
-LR, WD = 0.02, 0.1
 NS5 = (3.4445, -4.7750, 2.0315)
-
-
-def gpt_shapes(d: int = 384, layers: int = 6) -> list[tuple[int, ...]]:
-    """Hidden matrices of a GPT block stack: q, k, v, o (d x d), c_fc (4d x d), c_proj (d x 4d)."""
-    return [s for _ in range(layers) for s in [(d, d)] * 4 + [(4 * d, d), (d, 4 * d)]]
-
-
-def make_params(shapes, grads, device):
-    params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
-    for p, g in zip(params, grads):
-        p.grad = g.to(device).clone()
-    return params
 
 
 class KellerMuon(torch.optim.Optimizer):
@@ -186,13 +174,13 @@ def contenders(shapes, grads, device, torch_shapes=None, torch_grads=None):
             muonclip.Muon(make_params(shapes, grads, device), lr=LR, weight_decay=WD, orth_dtype=torch.bfloat16),
             lambda V: orthogonalize(V, "ns5", dtype=torch.bfloat16),
         ),
-        'muonclip.Muon backend="core"': (
-            muonclip.Muon(make_params(shapes, grads, device), lr=LR, weight_decay=WD, backend="core"),
+        'muonclip.Muon workspace="core"': (
+            muonclip.Muon(make_params(shapes, grads, device), lr=LR, weight_decay=WD, workspace="core"),
             lambda V: orthogonalize(V, "ns5"),
         ),
-        'muonclip.Muon BufferedBackend(chunk="cache")': (
+        'muonclip.Muon BufferedWorkspace(chunk="cache")': (
             muonclip.Muon(make_params(shapes, grads, device), lr=LR, weight_decay=WD,
-                          backend=BufferedBackend(chunk="cache")),
+                          workspace=BufferedWorkspace(chunk="cache")),
             lambda V: orthogonalize(V, "ns5"),
         ),
         "muonclip.Muon method=gram": (
@@ -288,7 +276,7 @@ def ns_rate(args) -> None:
     same dtype on the GPT buckets.
 
     The input is a bucket in the compute dtype, as `muonclip.Muon` hands it over (V written in
-    the compute dtype), orthogonalised by the default CPU backend (`muonclip.fast.BufferedBackend`:
+    the compute dtype), orthogonalised by the default CPU workspace (`muonclip.fast.BufferedWorkspace`:
     temporaries and result kept between calls, the bucket normalised in place); the time
     includes the normalisation, not a cast.
     """
@@ -300,7 +288,7 @@ def ns_rate(args) -> None:
         for E, A, B in [(4 * L, d, d), (L, 4 * d, d), (L, d, 4 * d)]:
             V = conditioned((E, A, B)).to(args.device, dtype)
             t = round_robin(
-                {m: partial(BufferedBackend().orthogonalize, V, m, None, dtype, reuse_result=True)
+                {m: partial(BufferedWorkspace().orthogonalize, V, m, None, dtype, reuse_result=True)
                  for m in ("ns5", "gram")},
                 rounds=args.rounds, clock=args.clock, device=args.device,
             )

@@ -25,7 +25,7 @@ from muonclip import Muon, param_groups
 from muonclip.common.dtensor import local_rows, shard_rows
 from muonclip.distributed import assign_owners, checkpoint
 from muonclip.models import GPT, GPTConfig
-from muonclip.optim.backend import AutoBackend
+from muonclip.optim.buckets import Bucket
 from muonclip.optim.matrices import matrix_spec
 from muonclip.ortho.newton_schulz import ns_flops
 from muonclip.qkclip.muonclip import MuonClip
@@ -149,9 +149,9 @@ def _muon_matrices(model) -> list[tuple[int, int]]:
 
 
 def _spy(collectives, calls):
-    """Wrap the collectives and the default backend's ``orthogonalize`` (every bucket of a Muon
-    built with the default ``backend="auto"`` goes through it); return an undo function."""
-    real_orth = AutoBackend.orthogonalize
+    """Wrap the collectives and `Bucket.orthogonalize` (every bucket of a Muon step goes through it,
+    whatever the backend); return an undo function."""
+    real_orth = Bucket.orthogonalize
 
     def counting(self, V, *a, **k):
         calls.append(tuple(V.shape))
@@ -166,10 +166,10 @@ def _spy(collectives, calls):
             return _real(*a, **k)
 
         setattr(dist, op, spy)
-    AutoBackend.orthogonalize = counting
+    Bucket.orthogonalize = counting
 
     def undo():
-        AutoBackend.orthogonalize = real_orth
+        Bucket.orthogonalize = real_orth
         for op, real in wrapped.items():
             setattr(dist, op, real)
 
@@ -676,8 +676,8 @@ def _errors_worker(rank, world, out_dir):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    # a gradient on rank 0 only: both ranks raise, nobody waits in a collective
-    a, b = torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(6, 4))
+    # a gradient on rank 0 only: both ranks raise, nobody waits in a collective (a and b: replicas)
+    a, b = (torch.nn.Parameter(torch.randn(6, 4, generator=torch.Generator().manual_seed(i))) for i in (0, 1))
     opt = Muon([a, b], lr=0.1)
     a.grad = torch.ones_like(a)
     if rank == 0:
@@ -695,11 +695,21 @@ def _errors_worker(rank, world, out_dir):
     shard = torch.nn.Parameter(torch.full((6, 4), float(rank)))
     shard.grad = torch.ones_like(shard)
     _expect(ValueError, "plain tensor with different values on different ranks", Muon([shard], lr=0.1).step)
+    # ... by every optimizer, every step: a refused plan is never kept for a later step
+    _expect(ValueError, "plain tensor with different values on different ranks", Muon([shard], lr=0.1).step)
     # parameters present on every rank without a gradient anywhere are skipped, consistently
     a.grad, b.grad = torch.ones_like(a), None
     before = b.detach().clone()
     opt.step()
     assert torch.equal(b.detach(), before)
+    # the lr walk of a step over the two ranks (benchmarks/step_trace.py), kept for the test
+    from step_trace_loader import step_trace
+
+    walked = step_trace.optimizer("core", experts=False)
+    walked.step()
+    walk = step_trace.trace_walk(walked)
+    with open(os.path.join(out_dir, f"walk{rank}.json"), "w") as f:
+        json.dump(walk, f)
     # a clip without effect is reported from the all-reduced maxima: every rank raises at the same clip,
     # although on rank 1 alone the maxima came down
     from muonclip.attention import MaxLogitRecorder
@@ -745,8 +755,15 @@ def _errors_worker(rank, world, out_dir):
 
 
 def test_bad_input_gives_the_same_clear_error_on_every_rank(tmp_path):
+    """And the lr walk of a two-rank step (`benchmarks/step_trace.py`: 18 weights in a Muon group,
+    one AdamW group): the lr is read once per group and passed down to the apply, never returned
+    per weight (21 returns when the distributed engine read each weight's lr from its group)."""
     _launch(_errors_worker, str(tmp_path))
     assert all((tmp_path / f"ok{r}").exists() for r in range(WORLD))
+    for r in range(WORLD):
+        walk = json.loads((tmp_path / f"walk{r}.json").read_text())
+        assert walk["stays"] and "apply_update_" in walk["stays"]  # the walk reaches the apply
+        assert len(walk["returns"]) <= 10, walk["returns"]
 
 
 # ------------------------------------------------------------------------------------------

@@ -19,8 +19,8 @@ from torch import nn
 from toy_models import unfuse
 
 import muonclip
-from muonclip.optim.backend import CoreBackend
 from muonclip.optim.fused import weight_splits
+from muonclip.optim.workspace import CoreWorkspace
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -331,12 +331,12 @@ def test_per_head_blocks_are_batched_in_one_call():
     model = tiny("llama")
     calls = []
 
-    class Spy(CoreBackend):
+    class Spy(CoreWorkspace):
         def orthogonalize(self, V, *a, **k):
             calls.append(tuple(V.shape))
             return super().orthogonalize(V, *a, **k)
 
-    train(model, muonclip.param_groups(model, per_head=True), steps=1, backend=Spy())
+    train(model, muonclip.param_groups(model, per_head=True), steps=1, workspace=Spy())
     assert [c for c in calls if c[1:] == (8, 32)] == [(8, 8, 32)]
 
 

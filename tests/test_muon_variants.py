@@ -272,13 +272,17 @@ def test_bad_options_are_refused_in_the_constructor_a_group_and_a_loaded_state_d
         opt.load_state_dict(sd)
 
 
-def test_a_state_dict_without_the_new_keys_loads_with_the_groups_values():
+def test_a_state_dict_without_the_option_keys_is_refused_naming_them():
+    """A group saved before these options existed is not completed from the receiving group's
+    values (a pre-release form): the load is refused, naming the keys, and nothing changes."""
     W = torch.nn.Parameter(torch.randn(4, 3))
     opt = muonclip.Muon([W], normuon=True)
     sd = opt.state_dict()
     for k in ("normuon", "normuon_beta2", "cautious_weight_decay", "momentum_8bit"):
         del sd["param_groups"][0][k]
-    opt.load_state_dict(sd)
+    with pytest.raises(ValueError, match=r"keys \['normuon', 'normuon_beta2', 'cautious_weight_decay', "
+                                         r"'momentum_8bit'\] are missing"):
+        opt.load_state_dict(sd)
     assert opt.param_groups[0]["normuon"] is True
 
 

@@ -17,7 +17,7 @@ CONFIGS = {
     "polar-fp32": dict(method="polar_express", orth_dtype=torch.float32),
     "svd-unscaled": dict(method="svd", orth_dtype=torch.float64, adjust_lr_fn="unscaled"),
     "torch-kwargs": dict(adjust_lr_fn="match_rms_adamw", ns_steps=4, eps=1e-6),
-    "core-backend": dict(backend="core"),
+    "core-workspace": dict(workspace="core"),
     "skip-nonfinite": dict(on_nonfinite="skip", betas=(0.8, 0.99)),
 }
 configs = pytest.mark.parametrize("cfg", list(CONFIGS), ids=list(CONFIGS))
@@ -235,50 +235,20 @@ def test_fp32_buffers_survive_resume_with_bf16_params():
     opt2.step()  # bf16 grads meet fp32 buffers
 
 
-def _as_saved_before_the_redesign(sd):
-    """``sd`` in the keys muonclip 0.1 wrote before docs/changelog.md's renames."""
-    old_scale = {"match_rms_adamw": "rms", "original": "shape", "unscaled": "none"}
-    groups = []
-    for g in sd["param_groups"]:
-        g = dict(g)
-        g["update_scale"] = old_scale[g.pop("adjust_lr_fn")]
-        g["steps"] = g.pop("ns_steps")
-        adamw_eps = g.pop("adamw_eps")
-        if g["algorithm"] == "adamw":
-            g["eps"] = adamw_eps
-        g.pop("split_groups")
-        groups.append(g)
-    return {**sd, "param_groups": groups}
-
-
-@pytest.mark.parametrize("adjust_lr_fn", ["match_rms_adamw", "original"])
-def test_a_state_dict_saved_before_the_renames_resumes_identically(adjust_lr_fn):
-    """An old state dict (update_scale, steps, an adamw group's eps) loads into the keys of today
-    and the next steps are bit-identical to a resume from today's state dict: the same code runs
-    on the same values (the upgrade copies numbers, it computes nothing)."""
-    over = dict(adjust_lr_fn=adjust_lr_fn, ns_steps=4, adamw_eps=1e-6)
-    model, opt = build("default", **over)
-    train(model, opt, 2)
-    sd = copy.deepcopy(opt.state_dict())
-    results = []
-    for saved in (sd, _as_saved_before_the_redesign(sd)):
-        model2, opt2 = build("default", seed=1, **over)
-        model2.load_state_dict(model.state_dict())
-        opt2.load_state_dict(copy.deepcopy(saved))
-        assert [{k: v for k, v in g.items() if k != "params"} for g in opt2.param_groups] == [
-            {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-        train(model2, opt2, 2, start=2)
-        results.append(params_of(model2))
-    assert_same(*results)
-
-
-def test_a_state_dict_with_an_unknown_old_scale_is_refused():
+def test_a_state_dict_in_the_keys_before_the_renames_is_refused_by_name():
+    """The pre-release keys (``update_scale``, ``steps``, an AdamW group's ``eps``) are not
+    translated: such a state dict is refused before anything is loaded, naming the keys it lacks."""
     model, opt = build("default")
     train(model, opt, 1)
-    sd = _as_saved_before_the_redesign(opt.state_dict())
-    sd["param_groups"][0]["update_scale"] = "spectral"
-    with pytest.raises(ValueError, match="update_scale='spectral'"):
-        build("default")[1].load_state_dict(sd)
+    sd = copy.deepcopy(opt.state_dict())
+    for g in sd["param_groups"]:
+        g["update_scale"], g["steps"] = {"match_rms_adamw": "rms"}[g.pop("adjust_lr_fn")], g.pop("ns_steps")
+    model2, opt2 = build("default", seed=1)
+    before = copy.deepcopy(opt2.state_dict())
+    with pytest.raises(ValueError, match=r"param group 0 of the state dict: keys \['ns_steps', 'adjust_lr_fn'\] "
+                                         "are missing"):
+        opt2.load_state_dict(sd)
+    assert opt2.state_dict() == before
 
 
 # ----------------------------------------------------------------------------------------------
@@ -300,7 +270,7 @@ def test_a_state_dict_with_an_unknown_old_scale_is_refused():
         (dict(betas=(0.9, 1.0)), "betas"),
         (dict(on_nonfinite="ignore"), "on_nonfinite"),
         (dict(adjust_lr_fn="sqrt"), "adjust_lr_fn"),
-        (dict(backend="gpu"), "backend"),
+        (dict(workspace="gpu"), "workspace"),
         # nan and +-inf: never a setting (each would reach every weight); the error names it
         (dict(lr=math.inf), "lr"),
         (dict(lr=math.nan), "lr"),

@@ -18,6 +18,7 @@ from muonclip.models import GPT, GPTConfig
 from muonclip.optim.buckets import make_buckets
 from muonclip.optim.matrices import matrix_spec
 from muonclip.optim.precision import explain_orth_dtype, native_bf16, resolve_orth_dtype
+from muonclip.optim.workspace import CoreWorkspace
 
 AMX = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"})  # Sapphire Rapids
 AVX512_BF16 = frozenset({"avx2", "avx512f", "avx512_bf16"})  # AMD Zen 4, Intel Cooper Lake
@@ -144,7 +145,7 @@ def test_muon_default_is_auto_and_steps_as_the_dtype_it_resolves_to(monkeypatch,
     cpu(monkeypatch, flags)
     opt, ps = _steps("auto")
     assert muonclip.Muon(ps).defaults["orth_dtype"] == "auto"
-    assert {b.compute_dtype for b in opt._structure[1].buckets} == {same_as}
+    assert {b.compute_dtype for b in opt._structures.latest().buckets} == {same_as}
     _, explicit = _steps(same_as)
     assert all(torch.equal(p, q) for p, q in zip(ps, explicit))
 
@@ -164,7 +165,8 @@ def test_resolution_is_per_device_of_the_parameters(monkeypatch):
              "split_sizes": None, "split_groups": 1, "flatten": False, "transposed": False,
              "adjust_lr_fn": "match_rms_adamw"}
     spec = matrix_spec((8, 8), group)
-    buckets = make_buckets([spec, spec], [group, group], [torch.device("cpu"), torch.device("meta")], range(2))
+    buckets = make_buckets([spec, spec], [group, group], [torch.device("cpu"), torch.device("meta")], range(2),
+                           CoreWorkspace())
     assert [(b.device.type, b.compute_dtype) for b in buckets] == [("cpu", torch.bfloat16), ("meta", torch.float32)]
 
 
@@ -203,7 +205,7 @@ def test_auto_is_saved_as_auto_and_resolved_again_where_loaded(monkeypatch):
     for p in ps:
         p.grad = torch.ones_like(p)
     other.step()
-    assert {b.compute_dtype for b in other._structure[1].buckets} == {torch.float32}
+    assert {b.compute_dtype for b in other._structures.latest().buckets} == {torch.float32}
     fixed, _ = _steps(torch.bfloat16)
     sd = fixed.state_dict()
     assert sd["param_groups"][0]["orth_dtype"] == "torch.bfloat16"

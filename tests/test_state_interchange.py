@@ -278,14 +278,6 @@ def test_load_state_dict_refuses_a_group_with_a_missing_key():
         opt.load_state_dict(bad)
 
 
-def test_removed_keywords_name_their_replacement():
-    p = [torch.nn.Parameter(torch.randn(4, 4))]
-    for removed, replacement in [("update_scale", "adjust_lr_fn"), ("steps", "ns_steps"),
-                                 ("split_sizes", "the param-group key 'split_sizes'")]:
-        with pytest.raises(TypeError, match=rf"removed keyword argument '{removed}': use {replacement}"):
-            muonclip.Muon(p, **{removed: None})
-
-
 # ----------------------------------------------------------------------------------------------
 # optimizer-wide values survive a state dict flattened per parameter
 # ----------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ Every export (the algorithms and where each piece lives: docs/design.md, "Module
 * `param_groups` — routes a model's parameters to Muon or AdamW, with fused weights split into
   their maps; returns a `ParamGroups` (a list of param groups with a ``.report()``).
 * `ParamGroups` — that list.
-* `muon_update` — the Muon update of one matrix, as a function (what `Muon.step` runs, batched).
+* `muon_update` — the Muon update of one weight, as a function: the step body `Muon.step` runs, on one weight.
 * `orthogonalize` — the polar factor by Newton–Schulz (``"ns5"``), Polar Express, Gram
   Newton–Schulz or SVD.
 * `scaled_dot_product_attention` — a drop-in for ``F.scaled_dot_product_attention`` that also
@@ -18,12 +18,12 @@ Every export (the algorithms and where each piece lives: docs/design.md, "Module
 * ``__version__``.
 
 Importing the package also registers its layers with the core: `muonclip.distributed` (steps
-over several processes), `muonclip.fast` (the opt-in fast paths and the CPU default backend)
+over several processes), `muonclip.fast` (the opt-in fast paths and the CPU default workspace)
 and `muonclip.integrations` (Hugging Face models' attention layers for `MuonClip`).
 """
 
 from . import distributed as _distributed  # noqa: F401  (registers the distributed engine)
-from . import fast as _fast  # noqa: F401  (registers backends and methods)
+from . import fast as _fast  # noqa: F401  (registers workspaces and methods)
 from . import integrations as _integrations  # noqa: F401  (registers the transformers layer discovery)
 from .attention import scaled_dot_product_attention
 from .optim import Muon, NonFiniteGradError, ParamGroups, muon_update, param_groups

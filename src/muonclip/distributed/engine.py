@@ -1,33 +1,32 @@
-"""The distributed Muon step: the core's update phases over a process group (DDP, FSDP2, TP, HSDP, EP).
+"""The exchanges of a distributed Muon step (DDP, FSDP2, TP, HSDP, EP), around the core's one step body.
 
 `DistributedEngine` is the `muonclip.optim.distribution.Engine` this package registers: the core
-optimizer hands it a step when the Muon parameters are shared by more than one rank (DTensors,
-or a multi-rank process group; docs/design.md, "Distributed Muon"). A group of one rank never
-comes here: the core runs that step itself (`muonclip.optim.functional.muon_step`, on each
-rank-local tensor). The phases, each run by every rank:
+optimizer asks it for a step's exchanges when the Muon parameters are shared by more than one
+rank (DTensors, or a multi-rank process group; docs/design.md, "Distributed Muon"). A group of
+one rank never comes here. The update itself is the core's, in one place
+(`muonclip.optim.functional.muon_step`, the same body as in one process); this module supplies
+only what moves between ranks, as the body's `muonclip.optim.distribution.Exchange`:
 
-1. **Agree**: one small all-reduce checks that every rank has the same Muon parameters and the
-   same gradients present (`exchange.agree`); when the step's structure is new, a second one
-   checks that plain (non-DTensor) parameters hold the same values everywhere
-   (`exchange.agree_replicas`: a shard passed as a plain tensor is refused, never taken for a replica).
-2. **Momentum** (`muonclip.optim.functional.momentum_`) on what each rank holds, each weight's
-   just before its V is formed (`muon_input`). Under FSDP2 ``M``, ``G`` and ``V`` are row
-   shards: momentum stays sharded.
-3. **Plan**: every weight gets one owner rank, balanced by Newton–Schulz flops
-   (`plan.assign_owners`); the same on every rank, no communication.
-4. **Gather** (exchange): owners get whole V: row-sharded ones by one all-to-all
-   (`exchange.exchange`); replicated ones are already whole and written straight into the
-   owner's bucket.
-5. **Orthogonalise** on the owner only, on whole matrices, one call per bucket of same-shape
-   blocks (`muonclip.optim.buckets`, the core's buckets).
-6. **Scatter** (exchange): results go back: an all-to-all of each rank's rows (FSDP2), of the
-   owned results to every replica (DDP).
-7. **Apply** (`muonclip.optim.functional.apply_blocks_`) on each rank's own rows.
+1. **Agree** (`DistributedEngine.exchange`, every step): one small all-reduce checks that every
+   rank has the same Muon parameters and the same gradients present (`exchange.agree`).
+2. **Plan** (`StepExchange.plan`, when the step's structure is new): every unit of work (a
+   weight, or an expert-parallel piece of one) gets one owner rank, balanced by Newton–Schulz
+   flops (`plan.assign_owners`), the same on every rank with no communication; what moves where
+   follows. A second all-reduce checks that plain (non-DTensor) parameters hold the same values
+   everywhere (`exchange.agree_replicas`: a shard passed as a plain tensor is refused, never
+   taken for a replica).
+3. **Gather** (`StepExchange.gather`, before orthogonalisation): owners get whole V: row-sharded
+   ones by one all-to-all (`exchange.exchange`) of the pieces each rank formed from what it
+   holds (momentum stays sharded); units held whole by their owner are written straight into
+   its bucket by the body.
+4. **Scatter** (`StepExchange.scatter`, after): NorMuon's second moments made the same on every
+   rank, then an all-to-all of each rank's rows of the results (FSDP2), of the owned results to
+   every replica (DDP); the owner's own piece goes through the wire dtype too, so replicas agree
+   exactly. The body applies each piece on its rank.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,25 +36,18 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..common.dtensor import Piece, covers, is_dtensor, is_empty, local, piece_shape, put, take
-from ..optim.buckets import Bucket, Results, make_buckets, options_key
+from ..optim.buckets import Place, Unit, options_key
 from ..optim.distribution import StepStats, register_engine
-from ..optim.functional import apply_blocks_, muon_input, neuron_moment, normuon_bucket_, step_momentum
+from ..optim.functional import MuonWeight
 from ..optim.matrices import MatrixSpec, matrix_spec
 from ..optim.state_dicts import state_dtype
-from ..optim.validation import number
-from ..optim.weight_state import momentum_state, second_moment_state
 from .context import GroupContext, locals_and_group, resolve_group
 from .exchange import Transfer, agree, agree_replicas, exchange, signature
-from .plan import Plan, assign_owners
-
-_KEPT_STRUCTURES = 8  # step structures kept (least recently used dropped)
+from .plan import assign_owners
 
 
 class DistributedEngine:
     """The engine `muonclip.distributed` registers (see module docstring)."""
-
-    def __init__(self) -> None:
-        self._structures: OrderedDict[tuple, _Routes] = OrderedDict()  # a few, for several optimizers
 
     def context(self, params: Sequence[Tensor], name_of: Callable[[int], str], process_group: Any) -> GroupContext:
         """`muonclip.distributed.context.resolve_group`: the group, and a clear error for a
@@ -76,145 +68,96 @@ class DistributedEngine:
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN, group=group)
         return flags.bool()
 
-    def muon_step(self, items: Sequence[tuple[dict[str, Any], Tensor, Callable[[], str]]],
-                  state: dict[Tensor, dict[str, Any]], ctx: GroupContext, *, backend: Any,
-                  new_buffer: Callable[[Tensor], Tensor], comm_dtype: torch.dtype | None) -> StepStats:
-        """Apply one Muon update to every item with a gradient (see module docstring).
+    def exchange(self, items: Sequence[tuple[dict[str, Any], Tensor, Callable[[], str]]], ctx: GroupContext,
+                 comm_dtype: torch.dtype | None, stats: StepStats) -> StepExchange:
+        """The step's `StepExchange`, after one all-reduce checks that every rank has the same Muon
+        parameters (``items``: all of them, as ``(group, param, name)``, in optimizer order: the
+        order fixes the plan; ``name()`` is called only for an error) and the same gradients
+        present. ``comm_dtype``: wire dtype of the exchanges (None: the momentum dtype)."""
+        if items:
+            sig = signature([(tuple(p.shape), p.dtype, str(getattr(p, "placements", "")), ctx.mesh_shape,
+                              *options_key(g)) for g, p, _ in items])
+            agree(ctx, sig, [p.grad is not None for _, p, _ in items], [n for _, _, n in items],
+                  local(items[0][1]).device, stats.comm)
+        return StepExchange(ctx, comm_dtype, stats)
 
-        Args:
-            items: every Muon parameter of the optimizer, with or without a gradient, as
-                ``(group, param, name)`` in optimizer order (the order fixes the plan; ``name()``
-                is called only for an error).
-            state: the optimizer's per-parameter state; ``"momentum_buffer"`` is created with
-                ``new_buffer(param)`` (a DTensor for a DTensor parameter, so checkpoints reshard).
-            ctx: the group (`context`), of more than one rank.
-            backend: the optimizer's backend (`muonclip.optim.backend`).
-            new_buffer: makes a parameter's momentum buffer.
-            comm_dtype: wire dtype of the exchanges (None: the momentum dtype).
-        """
-        stats = StepStats(world_size=ctx.world_size)
-        if not items:
-            return stats
-        # 1. agree
-        sig = signature([(tuple(p.shape), p.dtype, str(getattr(p, "placements", "")), ctx.mesh_shape,
-                          *options_key(g)) for g, p, _ in items])
-        agree(ctx, sig, [p.grad is not None for _, p, _ in items], [n() for _, _, n in items],
-              local(items[0][1]).device, stats.comm)
-        live = [(g, p) for g, p, _ in items if p.grad is not None]
-        if not live:
-            return stats
-        names = [n for _, p, n in items if p.grad is not None]
-        grads = [local(p.grad) for _, p in live]
-        st, new = self._cached_structure(live, names, ctx)
-        specs = [matrix_spec(p.shape, g) for g, p in live]
-        momenta = [momentum_state(state[p], p, g, spec, local, new_buffer) for (g, p), spec in zip(live, specs)]
-        seconds = [second_moment_state(state[p], p, g, spec) for (g, p), spec in zip(live, specs)]
-        if new:  # plain tensors must really be replicas (never a shard taken for one)
-            plain = [k for k, (_, p) in enumerate(live) if not is_dtensor(p)]
-            agree_replicas(ctx, [live[k][1] for k in plain], [names[k]() for k in plain], device_of(live), stats.comm)
-        plan, me = st.plan, ctx.rank
-        stats.total_ns_flops, stats.ns_flops = sum(plan.flops), plan.flops[me]
-        dtype, device = state_dtype(live[0][1]), grads[0].device
-        wire = comm_dtype or dtype
 
-        # 2. momentum, once per weight, just before its V is formed (8-bit: dequantised, and back)
-        fresh = set(range(len(live)))
-        bufs: dict[int, Tensor] = {}
+class StepExchange:
+    """The exchanges of one step over the group of ``ctx`` (`muonclip.optim.distribution.Exchange`;
+    module docstring), collectives counted in ``stats.comm``."""
 
-        def momentum(k: int) -> Tensor:
-            if k in fresh:
-                fresh.discard(k)
-                bufs[k] = step_momentum(grads[k], live[k][0]["momentum"], *momenta[k])
-            return bufs[k]
+    def __init__(self, ctx: GroupContext, comm_dtype: torch.dtype | None, stats: StepStats) -> None:
+        self.ctx, self.comm_dtype, self.stats = ctx, comm_dtype, stats
 
-        v_cache: dict[int, Tensor] = {}
+    def key(self, params: Sequence[Tensor]) -> tuple:
+        """The group, the rank and each parameter's placements, mesh and local device."""
+        ctx = self.ctx
+        return (ctx.world_size, ctx.rank, ctx.mesh_shape, ctx.coords,
+                tuple((str(getattr(p, "placements", "")), getattr(p, "device_mesh", None), local(p).device)
+                      for p in params))
 
-        def my_v(k: int) -> Tensor:
-            """This rank's piece of weight k's V (momentum first)."""
-            if k not in v_cache:
-                g = live[k][0]
-                v_cache[k] = muon_input(grads[k], momentum(k), g["momentum"], g["nesterov"])
-            return v_cache[k]
+    def plan(self, live: Sequence[tuple[dict[str, Any], Tensor]], names: Sequence[Callable[[], str]],
+             specs: Sequence[MatrixSpec]) -> Routes:
+        """`Routes` of the weights ``live``; then plain tensors must really be replicas (never a
+        shard taken for one): one all-reduce of their fingerprints."""
+        routes = _build(live, names, specs, self.ctx)
+        plain = [k for k, (_, p) in enumerate(live) if not is_dtensor(p)]
+        agree_replicas(self.ctx, [live[k][1] for k in plain], [names[k]() for k in plain], local(live[0][1]).device,
+                       self.stats.comm)
+        return routes
 
-        # 4. gather: whole V of the units this rank owns and does not hold whole
+    def gather(self, routes: Routes, weights: Sequence[MuonWeight], v_of: Callable[[int], Tensor]) -> dict[int, Tensor]:
+        """The whole V of every unit this rank owns and does not hold whole, assembled from its
+        pieces: this rank's own (``v_of``) and the others' (one all-to-all)."""
+        dtype, device = state_dtype(weights[0].param), weights[0].grad.device
         whole: dict[int, Tensor] = {}
-        if st.gather:
-            got = exchange(ctx, st.gather, lambda j: my_v(st.units[st.gather_unit[j]].k), wire, device, stats.comm)
-            for u in plan.owned(me):
-                unit = st.units[u]
-                if unit.direct:
-                    continue
-                t = torch.empty(unit.shape, dtype=dtype, device=device)
-                for piece, j in st.sources[u]:
-                    put(t, piece, my_v(unit.k) if j is None else got[j].to(dtype), within=unit.piece)
-                whole[u] = t
+        if not routes.gather:
+            return whole
+        got = exchange(self.ctx, routes.gather, lambda j: v_of(routes.units[routes.gather_unit[j]].k),
+                       self.comm_dtype or dtype, device, self.stats.comm)
+        for u in routes.owned:
+            unit = routes.units[u]
+            if unit.direct:
+                continue
+            t = torch.empty(routes.shapes[u], dtype=dtype, device=device)
+            for piece, j in routes.sources[u]:
+                put(t, piece, v_of(unit.k) if j is None else got[j].to(dtype), within=routes.unit_pieces[u])
+            whole[u] = t
+        return whole
 
-        # 5. orthogonalise the owned units, one call per bucket (the core's buckets and phases)
-        results: dict[int, Tensor] = {}
-        collect = Results([u.spec for u in st.units], reuse_result=False)
-        for bucket in st.buckets:
-            V = bucket.empty(backend)
-            for u, b, slot in bucket.slots(V):
-                unit = st.units[u]
-                if u in whole:  # assembled from pieces
-                    slot.copy_(unit.spec.block(whole[u], b))
-                else:  # held whole here: V straight into the bucket
-                    g = live[unit.k][0]
-                    muon_input(unit.spec.block(grads[unit.k], b), unit.spec.block(momentum(unit.k), b),
-                               g["momentum"], g["nesterov"], out=slot)
-            O = bucket.orthogonalize(V, backend, reuse_result=False)
-            normuon_bucket_(bucket, O, lambda u, b: neuron_moment(
-                seconds[st.units[u].k], st.units[u].spec, b, live[st.units[u].k][0]["normuon_beta2"],
-                experts=st.units[u].experts))
-            results.update(collect.of(bucket, O))
-            stats.matrices += V.shape[0]
-        for k in sorted(fresh):  # momentum of the weights this rank neither owns nor sends
-            momentum(k)
-        if any(v is not None for v in seconds):  # NorMuon: every rank gets the owners' second moments
-            share_second_moments(ctx, st, seconds, stats)
-
-        # 6. scatter: each rank's piece of every result, from its owner; 7. apply
+    def scatter(self, routes: Routes, results: dict[int, Tensor],
+                weights: Sequence[MuonWeight]) -> list[tuple[int, Tensor]]:
+        """NorMuon's second moments made the same on every rank (`share_second_moments`), then this
+        rank's piece of every weight's result, from its owner (one all-to-all), in the momentum
+        dtype."""
+        seconds = [w.second_moment for w in weights]
+        if any(v is not None for v in seconds):
+            share_second_moments(self.ctx, routes, seconds, self.stats)
+        dtype, device = state_dtype(weights[0].param), weights[0].grad.device
+        wire = self.comm_dtype or dtype
         got = {}
-        if st.scatter:
-            got = exchange(ctx, st.scatter,
-                           lambda j: take(results[st.scatter_unit[j]], st.scatter_piece[j],
-                                          within=st.units[st.scatter_unit[j]].piece), wire, device, stats.comm)
-        for k, (u, j) in enumerate(st.mine):
+        if routes.scatter:
+            got = exchange(self.ctx, routes.scatter,
+                           lambda j: take(results[routes.scatter_unit[j]], routes.scatter_piece[j],
+                                          within=routes.unit_pieces[routes.scatter_unit[j]]),
+                           wire, device, self.stats.comm)
+        out = []
+        for k, (u, j) in enumerate(routes.mine):
             if u is None:  # this rank holds nothing of weight k (an uneven split)
                 continue
             if j is None:  # from a unit this rank owns: through the wire dtype too, so replicas agree exactly
-                O = take(results[u], st.pieces[k], within=st.units[u].piece).to(wire).to(dtype)
+                out.append((k, take(results[u], routes.pieces[k], within=routes.unit_pieces[u]).to(wire).to(dtype)))
             else:
-                O = got[j].to(dtype)
-            g, p = live[k]
-            axis, ranges, offset = st.scales[k]
-            apply_blocks_(local(p), O, lr=number(g["lr"]), weight_decay=number(g["weight_decay"]), axis=axis,
-                          ranges=ranges, offset=offset, cautious=g["cautious_weight_decay"])
-        return stats
-
-    def _cached_structure(self, live: list[tuple[dict[str, Any], Tensor]], names: list[Callable[[], str]],
-                          ctx: GroupContext) -> tuple[_Routes, bool]:
-        """The step's `_Routes` and whether they are new: rebuilt only when the items' global shapes,
-        placements, meshes, devices, structural options, the rank or the group changed."""
-        key = (ctx.world_size, ctx.rank, ctx.mesh_shape, ctx.coords,
-               tuple((options_key(g), tuple(p.shape), str(getattr(p, "placements", "")),
-                      getattr(p, "device_mesh", None), local(p).device) for g, p in live))
-        if key in self._structures:
-            self._structures.move_to_end(key)
-            return self._structures[key], False
-        st = _build(live, names, ctx)
-        self._structures[key] = st
-        if len(self._structures) > _KEPT_STRUCTURES:
-            self._structures.popitem(last=False)
-        return st, True
+                out.append((k, got[j].to(dtype)))
+        return out
 
 
-def share_second_moments(ctx: GroupContext, st: _Routes, seconds: Sequence[Tensor | None], stats: StepStats) -> None:
+def share_second_moments(ctx: GroupContext, routes: Routes, seconds: Sequence[Tensor | None], stats: StepStats) -> None:
     """NorMuon's second moments after a step, the same on every rank: each unit's rows were
     updated by its owner only; one SUM all-reduce of every unit's rows (the owner's values, zeros
     from the other ranks: exact) gives every rank the owners' values."""
-    parts = [(u, seconds[unit.k][unit.experts]) for u, unit in enumerate(st.units) if seconds[unit.k] is not None]
-    flat = torch.cat([v.reshape(-1) if st.plan.owners[u] == ctx.rank else torch.zeros_like(v).reshape(-1)
+    parts = [(u, seconds[unit.k][unit.experts]) for u, unit in enumerate(routes.units) if seconds[unit.k] is not None]
+    flat = torch.cat([v.reshape(-1) if routes.owners[u] == ctx.rank else torch.zeros_like(v).reshape(-1)
                       for u, v in parts])
     dist.all_reduce(flat, group=ctx.group)
     stats.comm.add("all_reduce", 2 * flat.numel() * flat.element_size() * (ctx.world_size - 1) // ctx.world_size)
@@ -222,59 +165,36 @@ def share_second_moments(ctx: GroupContext, st: _Routes, seconds: Sequence[Tenso
         v.copy_(got.view(v.shape))
 
 
-def device_of(live: list[tuple[dict[str, Any], Tensor]]) -> torch.device:
-    """The device of the first item's local tensor (where the step's small collectives run)."""
-    return local(live[0][1]).device
-
-
-@dataclass(frozen=True)
-class _Unit:
-    """What one owner orthogonalises in one piece of work.
-
-    Attributes:
-        k: the item (parameter) it belongs to.
-        piece: the global indices it covers (the whole parameter, or an expert-parallel piece).
-        shape: its shape (the parameter's global shape, or the piece's).
-        direct: the owner holds all of it locally (its V is written straight into the bucket).
-        spec: its `muonclip.optim.matrices.MatrixSpec`.
-    """
-
-    k: int
-    piece: Piece
-    shape: tuple[int, ...]
-    direct: bool
-    spec: MatrixSpec
-
-    @property
-    def experts(self) -> slice:
-        """The experts (rows of a per-expert buffer) this unit covers: those of its piece for
-        a stacked-expert weight, else all."""
-        first = self.piece[0]
-        if self.spec.experts and isinstance(first, range) and first.step == 1:
-            return slice(first.start, first.stop)
-        return slice(None)
-
-
 @dataclass
-class _Routes:
-    """What a step does that depends only on its items' shapes, options and placements.
+class Routes:
+    """A step's plan over the group (`muonclip.optim.distribution.Routes`): the units, who owns
+    them and what moves where; the same on every rank but for this rank's own entries.
 
     Attributes:
-        plan: owner rank of each unit (`plan.assign_owners`).
-        units: the units of work (`_Unit`).
-        pieces: this rank's piece of each item.
+        units: the units of work (`muonclip.optim.buckets.Unit`).
+        owned: the units this rank orthogonalises.
+        places: per weight, where this rank's piece of its result applies.
+        flops, total_flops: Newton–Schulz flops of this rank's units and of all.
+        owners: the owner rank of each unit (`plan.assign_owners`).
+        unit_pieces, shapes: the global indices each unit covers (the whole parameter, or an
+            expert-parallel piece), and its shape.
+        pieces: this rank's piece of each weight.
         gather, gather_unit: the pieces of V that move to owners, and the unit each belongs to.
         sources: per owned unit, ``(piece, transfer)`` for each piece it is assembled from
             (transfer None: this rank's own).
         scatter, scatter_unit, scatter_piece: the pieces of results that move from owners.
-        mine: per item ``(unit, transfer)``: where this rank's piece of the result comes from
+        mine: per weight ``(unit, transfer)``: where this rank's piece of the result comes from
             (transfer None: a unit this rank owns; unit None: this rank holds nothing).
-        scales: per item ``(axis, ranges, offset)`` for `apply_blocks_` on this rank's piece.
-        buckets: the owned units' buckets (`muonclip.optim.buckets.make_buckets`).
     """
 
-    plan: Plan
-    units: list[_Unit]
+    units: list[Unit]
+    owned: list[int]
+    places: list[Place]
+    flops: int
+    total_flops: int
+    owners: tuple[int, ...]
+    unit_pieces: list[Piece]
+    shapes: list[tuple[int, ...]]
     pieces: list[Piece]
     gather: list[Transfer]
     gather_unit: list[int]
@@ -283,17 +203,24 @@ class _Routes:
     scatter_unit: list[int]
     scatter_piece: list[Piece]
     mine: list[tuple[int | None, int | None]]
-    scales: list[tuple[int, tuple[tuple[int, int, float], ...], int]]
-    buckets: list[Bucket]
 
 
-def _build(live: list[tuple[dict[str, Any], Tensor]], names: list[Callable[[], str]], ctx: GroupContext) -> _Routes:
+def _experts(spec: MatrixSpec, piece: Piece) -> slice:
+    """The experts (rows of a per-expert buffer) a unit covers: those of its piece for a
+    stacked-expert weight, else all."""
+    first = piece[0]
+    if spec.experts and isinstance(first, range) and first.step == 1:
+        return slice(first.start, first.stop)
+    return slice(None)
+
+
+def _build(live: Sequence[tuple[dict[str, Any], Tensor]], names: Sequence[Callable[[], str]],
+           specs: Sequence[MatrixSpec], ctx: GroupContext) -> Routes:
     """Plan a step: units, owners, what moves where (identical on every rank: no communication)."""
     me, world = ctx.rank, ctx.world_size
-    units: list[_Unit] = []
+    found: list[tuple[int, Piece, tuple[int, ...], bool, MatrixSpec]] = []  # (weight, piece, shape, direct, spec)
     allowed: list[list[int] | None] = []
     all_pieces = []
-    specs = [matrix_spec(p.shape, g) for g, p in live]
     for k, (g, p) in enumerate(live):
         pieces = ctx.pieces(p, names[k]())
         all_pieces.append(pieces)
@@ -305,14 +232,14 @@ def _build(live: list[tuple[dict[str, Any], Tensor]], names: list[Callable[[], s
             # stacked experts whose every piece holds whole experts: each piece is orthogonalised where it lives
             for pc in distinct:
                 holders = [r for r in range(world) if pieces[r] == pc]
-                units.append(_Unit(k, pc, piece_shape(pc), True, matrix_spec(piece_shape(pc), g)))
+                found.append((k, pc, piece_shape(pc), True, matrix_spec(piece_shape(pc), g)))
                 allowed.append(holders)
         else:
-            units.append(_Unit(k, full, tuple(p.shape), False, specs[k]))
+            found.append((k, full, tuple(p.shape), False, specs[k]))
             allowed.append(None)
-    plan = assign_owners([u.spec.flops for u in units], world, allowed)
-    units = [u if u.direct or all_pieces[u.k][plan.owners[i]] != u.piece else
-             _Unit(u.k, u.piece, u.shape, True, u.spec) for i, u in enumerate(units)]  # owner holds it whole (replicas)
+    plan = assign_owners([f[4].flops for f in found], world, allowed)
+    found = [(k, pc, shape, direct or all_pieces[k][plan.owners[i]] == pc, spec)  # owner holds it whole (replicas)
+             for i, (k, pc, shape, direct, spec) in enumerate(found)]
 
     gather: list[Transfer] = []
     gather_unit: list[int] = []
@@ -321,12 +248,12 @@ def _build(live: list[tuple[dict[str, Any], Tensor]], names: list[Callable[[], s
     scatter_unit: list[int] = []
     scatter_piece: list[Piece] = []
     mine: list[tuple[int | None, int | None]] = [(None, None)] * len(live)
-    for i, u in enumerate(units):
-        o, pieces = plan.owners[i], all_pieces[u.k]
-        needed = [u.piece] if u.direct else list(dict.fromkeys(pc for pc in pieces if not is_empty(pc)))
+    for i, (k, piece, _, direct, _) in enumerate(found):
+        o, pieces = plan.owners[i], all_pieces[k]
+        needed = [piece] if direct else list(dict.fromkeys(pc for pc in pieces if not is_empty(pc)))
         for pc in needed:
             holders = [r for r in range(world) if pieces[r] == pc]
-            if not u.direct:
+            if not direct:
                 if o in holders:
                     transfer = None
                 else:
@@ -338,32 +265,33 @@ def _build(live: list[tuple[dict[str, Any], Tensor]], names: list[Callable[[], s
             for h in holders:
                 if h == o:
                     if h == me:
-                        mine[u.k] = (i, None)
+                        mine[k] = (i, None)
                     continue
                 if h == me:
-                    mine[u.k] = (i, len(scatter))
+                    mine[k] = (i, len(scatter))
                 scatter.append(Transfer(o, h, piece_shape(pc)))
                 scatter_unit.append(i)
                 scatter_piece.append(pc)
 
-    scales = []
+    places: list[Place] = []
     for k, (_, p) in enumerate(live):
         axis, ranges = specs[k].axis, specs[k].ranges
         index = all_pieces[k][me][axis]
         if isinstance(index, range):
-            scales.append((axis, ranges, index.start if len(index) else 0))
+            places.append((axis, ranges, index.start if len(index) else 0))
         elif len({s for _, _, s in ranges}) == 1:
-            scales.append((axis, ((0, len(index), ranges[0][2]),), 0))
+            places.append((axis, ((0, len(index), ranges[0][2]),), 0))
         else:
             raise ValueError(
                 f"{names[k]()}: this rank's shard holds non-contiguous rows of matrix blocks with different update "
                 f"scales (placements {getattr(p, 'placements', None)}); shard it so that each rank holds a "
                 "contiguous block of rows, or keep the weight whole (split_fused=False)"
             )
-    buckets = make_buckets([u.spec for u in units], [live[u.k][0] for u in units],
-                           [local(live[u.k][1]).device for u in units], plan.owned(me))
-    return _Routes(plan, units, [all_pieces[k][me] for k in range(len(live))], gather, gather_unit, sources,
-                   scatter, scatter_unit, scatter_piece, mine, scales, buckets)
+    units = [Unit(k, spec, _experts(spec, pc), direct) for k, pc, _, direct, spec in found]
+    return Routes(units, plan.owned(me), places, plan.flops[me], sum(plan.flops), plan.owners,
+                  [pc for _, pc, _, _, _ in found], [shape for _, _, shape, _, _ in found],
+                  [all_pieces[k][me] for k in range(len(live))], gather, gather_unit, sources, scatter, scatter_unit,
+                  scatter_piece, mine)
 
 
 def _check_whole_rows(p: Tensor, spec: MatrixSpec, pieces: Sequence[Piece], name: Callable[[], str]) -> None:
@@ -385,4 +313,4 @@ def _check_whole_rows(p: Tensor, spec: MatrixSpec, pieces: Sequence[Piece], name
 
 register_engine(DistributedEngine())
 
-__all__ = ["DistributedEngine"]
+__all__ = ["DistributedEngine", "Routes", "StepExchange"]

@@ -41,12 +41,13 @@ def signature(parts: Sequence[object]) -> int:
     return (zlib.crc32(text) << 30) ^ zlib.adler32(text)
 
 
-def agree(ctx: GroupContext, sig: int, has_grad: Sequence[bool], names: Sequence[str], device: torch.device,
-          stats: CommStats) -> None:
+def agree(ctx: GroupContext, sig: int, has_grad: Sequence[bool], names: Sequence[Callable[[], str]],
+          device: torch.device, stats: CommStats) -> None:
     """Check that every rank has the same Muon parameters and the same gradients present.
 
     One all-reduce (MAX) of ``[sig, -sig, g_0..g_n, -g_0..-g_n]`` gives both the max and the
-    min over ranks of each entry. Raises ValueError on every rank if they differ.
+    min over ranks of each entry. Raises ValueError on every rank if they differ, naming the
+    parameters (``names[i]()``, formatted only then).
     """
     flags = torch.tensor([int(b) for b in has_grad], dtype=torch.int64)
     packed = torch.cat([torch.tensor([sig, -sig], dtype=torch.int64), flags, -flags]).to(device)
@@ -59,7 +60,7 @@ def agree(ctx: GroupContext, sig: int, has_grad: Sequence[bool], names: Sequence
             "must build the same model and optimizer, or the collectives would pair the wrong tensors"
         )
     n = len(has_grad)
-    mixed = [names[i] for i in range(n) if packed[2 + i] != -packed[2 + n + i]]
+    mixed = [names[i]() for i in range(n) if packed[2 + i] != -packed[2 + n + i]]
     if mixed:
         raise ValueError(
             f"{', '.join(mixed[:5])} has a gradient on some ranks but not on others; every rank must see the "

@@ -3,9 +3,9 @@
 Layers on the core (`muonclip.ortho`, `muonclip.optim`), which never imports them; importing
 this package registers them (``import muonclip`` does):
 
-* backend ``"buffered"`` (`BufferedBackend`): Muon's buckets orthogonalised into buffers kept
-  between steps, on CPU; optional CPU chunking (`muonclip.fast.chunks`). The default for CPU
-  parameters (``Muon(backend="auto")``), measured faster there; ``backend="core"`` turns it off.
+* workspace ``"buffered"`` (`BufferedWorkspace`): Muon's buckets orthogonalised into buffers kept
+  between steps, on CPU; optional CPU chunking (`muonclip.fast.buffered.chunk_size`). The default for CPU
+  parameters (``Muon(workspace="auto")``), measured faster there; ``workspace="core"`` turns it off.
 * method ``"ns5_sym"`` (`muonclip.fast.symmetric`): the quintic computing only half of its
   symmetric products (row strips on CPU, the Triton kernel of `muonclip.fast.triton_syrk` on
   CUDA). Opt-in.
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from ..optim.backend import register_backend
+from ..optim.workspace import register_workspace
 from ..ortho import ITERATIVE_DTYPES, Method, ns5_schedule, register_method
-from .buffered_backend import BufferedBackend
+from .buffered import BufferedWorkspace
 from .compiled import compiled_newton_schulz
 from .symmetric import symmetric_newton_schulz
 
@@ -37,6 +37,6 @@ def _ns5_compiled(V, steps, dtype, eps, coefficients):
 
 register_method("ns5_sym", Method(_ns5_sym, 5, torch.bfloat16, ITERATIVE_DTYPES, takes_coefficients=True))
 register_method("ns5_compiled", Method(_ns5_compiled, 5, torch.bfloat16, ITERATIVE_DTYPES, takes_coefficients=True))
-register_backend("buffered", BufferedBackend, auto_for=("cpu",))
+register_workspace("buffered", BufferedWorkspace, auto_for=("cpu",))
 
-__all__ = ["BufferedBackend"]
+__all__ = ["BufferedWorkspace"]

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..ortho.newton_schulz import normalized, small_side
+from ..ortho.newton_schulz import normalized, quintic
 from .triton_syrk import syrk, triangle_fraction, usable
 
 SYM_BLOCKS = 2
@@ -58,20 +58,20 @@ def symmetric_quintic(
     coefficients: Sequence[tuple[float, float, float]],
     blocks: int = SYM_BLOCKS,
 ) -> Tensor:
-    """`muonclip.ortho.newton_schulz.quintic` with ``X X^T`` and ``S S`` from `sym_gram` (of
-    ``X^T`` for a tall X), or, where `muonclip.fast.triton_syrk.usable` (CUDA and Triton), from
-    its kernel with ``b S + c S S`` in one rounding; returns a new tensor of X's shape."""
+    """`muonclip.ortho.newton_schulz.quintic` (the one quintic iteration) with its two symmetric
+    products, ``X X^T`` and ``b S + c S S``, from `sym_gram` (of ``X^T`` for a tall X), or, where
+    `muonclip.fast.triton_syrk.usable` (CUDA and Triton), from its kernel with ``b S + c S S`` in
+    one rounding; returns a new tensor of X's shape."""
     kernel = usable(X)
-    for a, b, c in coefficients:
+
+    def gram_of(X: Tensor, out: None = None) -> Tensor:  # S = X X^T (X^T X for a tall X)
         G = X.mT if X.shape[-2] > X.shape[-1] else X
-        if kernel:
-            S = syrk(G)  # (batch, m, m)
-            P = syrk(S, alpha=c, beta=b, add=S)  # b S + c S S
-        else:
-            S = sym_gram(G, blocks)
-            P = sym_gram(S, blocks).mul_(c).add_(S, alpha=b)
-        X = small_side(P, X, beta=a)  # a X + P X
-    return X
+        return syrk(G) if kernel else sym_gram(G, blocks)
+
+    def poly_of(S: Tensor, b: float, c: float, out: None = None) -> Tensor:  # b S + c S S
+        return syrk(S, alpha=c, beta=b, add=S) if kernel else sym_gram(S, blocks).mul_(c).add_(S, alpha=b)
+
+    return quintic(X, coefficients, gram_of=gram_of, poly_of=poly_of)
 
 
 def symmetric_newton_schulz(

@@ -1,5 +1,6 @@
-"""The Muon update, as functions: its phases, `muon_update` (one matrix) and `muon_step` (what
-`muonclip.Muon.step` runs).
+"""The Muon update, in one place: its phases and `muon_step`, their one composition (what
+`muonclip.Muon.step` runs, in one process and over several); `muon_update` is its call for one
+weight.
 
 For one weight matrix W (or a batch of them, ``(E, A, B)``), with gradient G and momentum
 buffer M (docs/design.md, "Muon")::
@@ -31,10 +32,12 @@ The three optional lines (each off by default, each a `muonclip.Muon` argument):
   elements of a row (`muonclip.optim.quantized`); dequantised for the step, V formed from the
   float32 M, M quantised back.
 
-`muon_update` is these lines for one matrix (its momentum a float32 buffer). `muon_step` runs the
-same phases for every Muon weight of a step, with the blocks of equal shape batched into one ``orthogonalize`` call
-(`muonclip.optim.buckets`): that is the step `muonclip.Muon` runs in one process. Over several
-processes `muonclip.distributed` runs these phases too, with the exchanges around them.
+`muon_step` runs these lines for every Muon weight of a step, with the blocks of equal shape
+batched into one ``orthogonalize`` call (`muonclip.optim.buckets`): that is the step
+`muonclip.Muon` runs, in one process and over several ranks, where the distribution layer
+supplies only the exchanges around the same phases (`muonclip.optim.distribution.Exchange`:
+the owner of each matrix, the gather of V before orthogonalisation, the scatter of the result
+after). `muon_update` is `muon_step` on one weight (its momentum a float32 buffer).
 `adamw_update` (`muonclip.optim.adamw`) is the AdamW branch's.
 
 References:
@@ -47,16 +50,20 @@ References:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
 
-from ..ortho import run_method
-from .buckets import Bucket, Results
-from .matrices import MatrixSpec
+from ..ortho import check_method
+from .buckets import Bucket, Place, Results, StepStructure, Unit, step_structure
 from .quantized import QuantLayout, dequantize, quantize_
+from .workspace import CoreWorkspace
+
+if TYPE_CHECKING:
+    from .distribution import Exchange
 
 NORMUON_EPS = 1e-8
 """NorMuon's epsilon, added to ``sqrt(v)`` and the floor of the rescale's norm (dion's value)."""
@@ -130,7 +137,12 @@ def muon_update(
     normuon_beta2: float = 0.95,
     cautious: bool = False,
 ) -> None:
-    """One Muon step of one matrix ``(A, B)`` or one batch ``(E, A, B)``, in place.
+    """One Muon step of one weight, in place: `muon_step` (the body `muonclip.Muon` runs) on a
+    step of this one weight, with the core workspace (fresh tensors).
+
+    The weight is seen as `muonclip.Muon` sees it without group keys: a 2-D ``(A, B)`` weight is
+    one matrix, a 3-D ``(E, A, B)`` one a batch of E, one of 4 or more dimensions the matrix
+    ``(out, prod(rest))``.
 
     Args:
         param: the weight W (float32, bfloat16 or float64).
@@ -151,12 +163,15 @@ def muon_update(
         normuon_beta2: NorMuon's EMA coefficient (default 0.95).
         cautious: cautious weight decay (default False).
     """
-    momentum_(momentum_buffer, grad, momentum)
-    V = muon_input(grad, momentum_buffer, momentum, nesterov, out=torch.empty_like(grad, dtype=dtype))
-    O = run_method(V, method, steps, dtype, eps=eps, coefficients=coefficients)
-    if second_moment is not None:
-        normalize_neurons_(O.view(-1, *O.shape[-2:]), second_moment.view(-1, O.shape[-2]), normuon_beta2)
-    apply_update_(param, O, lr=lr, weight_decay=weight_decay, scale=scale, cautious=cautious)
+    check_method(method, steps, dtype, coefficients)
+    group = {"method": method, "ns_steps": steps, "orth_dtype": dtype, "eps": eps, "ns_coefficients": coefficients,
+             "flatten": False, "split_sizes": None, "split_groups": 1, "transposed": False, "adjust_lr_fn": "unscaled"}
+    st = step_structure([(group, param)], [param.device], CoreWorkspace())
+    spec = st.specs[0]
+    st.places[0] = (spec.axis, ((0, spec.rows, scale),), 0)  # the scale given, for all rows
+    moment = None if second_moment is None else second_moment.view(spec.batch, spec.rows)
+    muon_step([MuonWeight(param, grad, momentum_buffer, lr, weight_decay, momentum, nesterov, moment, normuon_beta2,
+                          cautious)], st)
 
 
 def step_momentum(grad: Tensor, momentum: float, buffer: Tensor | None = None,
@@ -175,8 +190,8 @@ def step_momentum(grad: Tensor, momentum: float, buffer: Tensor | None = None,
 
 
 class MuonWeight(NamedTuple):
-    """One Muon weight in a step: its tensors (this process's, in their stored layout), how it
-    is cut into matrices, and its group's settings for this step.
+    """One Muon weight in a step: its tensors (this process's, in their stored layout) and its
+    group's settings for this step.
 
     ``momentum_buffer`` is the float32 M, or None with ``quantized`` (8-bit momentum:
     `step_momentum`). ``second_moment`` is NorMuon's ``(batch, rows)`` buffer, the rows of
@@ -186,7 +201,6 @@ class MuonWeight(NamedTuple):
     param: Tensor
     grad: Tensor
     momentum_buffer: Tensor | None
-    spec: MatrixSpec
     lr: float
     weight_decay: float
     momentum: float
@@ -197,50 +211,82 @@ class MuonWeight(NamedTuple):
     quantized: tuple[Tensor, Tensor, QuantLayout] | None = None
 
 
-def muon_step(weights: Sequence[MuonWeight], buckets: Sequence[Bucket], backend: Any) -> int:
-    """`muon_update` of every weight, one ``orthogonalize`` call per bucket of same-shape blocks.
+def muon_step(weights: Sequence[MuonWeight], structure: StepStructure, exchange: Exchange | None = None) -> int:
+    """The Muon update of every weight of a step, the one composition of the phases (module
+    docstring), in one process and over several ranks; returns the matrices orthogonalised here.
 
-    For each bucket (`muonclip.optim.buckets.make_buckets` of the weights' specs): each block's
-    V is written into its slot in the compute dtype, right after its weight's momentum (once,
-    at the weight's first block: G and M are still in cache; 8-bit momentum is dequantised
-    there and its float32 copy dropped after the weight's last block); the bucket is
-    orthogonalised by ``backend`` (`muonclip.optim.backend.Backend`, which may reuse the
-    result's storage for the next bucket) and NorMuon-normalised per matrix where asked; every
-    weight whose last block this was is updated at once, its blocks' row ranges each with their
-    own scale. Returns the number of matrices orthogonalised.
+    ``structure`` (`muonclip.optim.buckets.StepStructure`): the units of work this process
+    orthogonalises, their buckets of same-shape blocks, where each weight's result applies.
+    ``exchange`` (`muonclip.optim.distribution.Exchange`; None in one process): the gather of V
+    to the owners before orthogonalisation, the scatter of the results after. A weight's momentum
+    is updated just before its V is first formed (8-bit: its float32 copy dropped after its last
+    block); a bucket is written in the compute dtype, orthogonalised in one call by its workspace; a
+    result is applied once its weight is complete (the workspace may then reuse it), or scattered.
     """
-    results = Results([w.spec for w in weights], reuse_result=True)
-    momenta: dict[int, Tensor] = {}  # this step's M of the weights whose blocks are not all written yet
-    left = [w.spec.n_blocks for w in weights]
-    matrices = 0
-    for bucket in buckets:
-        V = bucket.empty(backend)
-        for k, b, slot in bucket.slots(V):
+    units, left = structure.units, list(structure.direct_blocks)  # slots still to form from each momentum
+    fresh, momenta = set(range(len(weights))), {}  # weights whose momentum is not updated yet; this step's M
+
+    def momentum(k: int) -> Tensor:
+        if k in fresh:
+            fresh.discard(k)
             w = weights[k]
-            if k not in momenta:
-                momenta[k] = step_momentum(w.grad, w.momentum, w.momentum_buffer, w.quantized)
-            muon_input(w.spec.block(w.grad, b), w.spec.block(momenta[k], b), w.momentum, w.nesterov, out=slot)
-            left[k] -= 1
-            if not left[k]:
-                del momenta[k]
-        O = bucket.orthogonalize(V, backend, reuse_result=True)
-        normuon_bucket_(bucket, O, lambda k, b: neuron_moment(weights[k].second_moment, weights[k].spec, b,
-                                                                weights[k].normuon_beta2))
-        for k, O_k in results.of(bucket, O):
-            w = weights[k]
-            apply_blocks_(w.param, O_k, lr=w.lr, weight_decay=w.weight_decay, axis=w.spec.axis, ranges=w.spec.ranges,
-                          cautious=w.cautious)
+            momenta[k] = step_momentum(w.grad, w.momentum, w.momentum_buffer, w.quantized)
+        return momenta[k]
+
+    @functools.cache
+    def v_of(k: int) -> Tensor:  # this process's piece of weight k's V, for the gather
+        w = weights[k]
+        return muon_input(w.grad, momentum(k), w.momentum, w.nesterov)
+
+    whole = {} if exchange is None else exchange.gather(structure.routes, weights, v_of)
+    v_of.cache_clear()
+    for k in [k for k in momenta if not left[k]]:
+        del momenta[k]
+    reuse, done, matrices = exchange is None, {}, 0
+    results = Results([u.spec for u in units], reuse_result=reuse)
+    normuon = any(w.second_moment is not None for w in weights)
+    for bucket in structure.buckets:
+        V = bucket.empty()
+        for u, b, slot in bucket.slots(V):
+            unit, w = units[u], weights[units[u].k]
+            if u in whole:  # assembled by the gather
+                slot.copy_(unit.spec.block(whole[u], b))
+                continue
+            muon_input(unit.spec.block(w.grad, b), unit.spec.block(momentum(unit.k), b), w.momentum, w.nesterov,
+                       out=slot)
+            left[unit.k] -= 1
+            if not left[unit.k]:
+                del momenta[unit.k]
+        O = bucket.orthogonalize(V, reuse_result=reuse)
+        if normuon:
+            normuon_bucket_(bucket, O, lambda u, b: neuron_moment(weights[units[u].k], units[u], b))
+        for u, O_u in results.of(bucket, O):
+            if exchange is None:
+                _apply(weights[units[u].k], O_u, structure.places[units[u].k])
+            else:
+                done[u] = O_u
         matrices += V.shape[0]
+    for k in sorted(fresh):  # the momentum of the weights this process neither orthogonalises nor sends
+        momentum(k)
+    for k, O_k in exchange.scatter(structure.routes, done, weights) if exchange is not None else ():
+        _apply(weights[k], O_k, structure.places[k])
     return matrices
 
 
-def neuron_moment(second_moment: Tensor | None, spec: MatrixSpec, b: int, beta2: float,
-                  experts: slice = slice(None)) -> tuple[Tensor, float] | None:
-    """Block ``b``'s columns of NorMuon's ``(batch, rows)`` buffer (the rows of ``experts``), and
-    beta2; None without NorMuon."""
-    if second_moment is None:
+def _apply(w: MuonWeight, update: Tensor, place: Place) -> None:
+    """`apply_blocks_` of ``update`` to weight ``w``'s rows at ``place``."""
+    axis, ranges, offset = place
+    apply_blocks_(w.param, update, lr=w.lr, weight_decay=w.weight_decay, axis=axis, ranges=ranges, offset=offset,
+                  cautious=w.cautious)
+
+
+def neuron_moment(w: MuonWeight, unit: Unit, b: int) -> tuple[Tensor, float] | None:
+    """NorMuon's second-moment rows of block ``b`` of ``unit`` (of weight ``w``): its columns of the
+    ``(batch, rows)`` buffer, the rows of the unit's experts, and beta2; None without NorMuon."""
+    if w.second_moment is None:
         return None
-    return second_moment[experts].narrow(1, spec.block_offset(b), spec.block_rows(b)), beta2
+    rows = w.second_moment[unit.experts].narrow(1, unit.spec.block_offset(b), unit.spec.block_rows(b))
+    return rows, w.normuon_beta2
 
 
 def normuon_bucket_(bucket: Bucket, O: Tensor,

@@ -1,19 +1,19 @@
 """`Muon`: the Muon optimizer for hidden matrices, with an AdamW branch, in one object.
 
 A thin ``torch.optim.Optimizer`` shell (Keller Jordan's three layers: orthogonaliser, per-matrix
-update, thin class): it keeps the state and, each step, hands every Muon weight to the update's
-step body (`muonclip.optim.functional.muon_step`: momentum, V written into same-shape buckets,
-one orthogonalisation per bucket, the update) and the AdamW groups to `muonclip.optim.adamw`.
-What it accepts is checked by `muonclip.optim.validation`; its state dicts, and the conversions
-to and from torch.optim's, are `muonclip.optim.state_dicts`. A step over several processes is
-handed to the distribution layer (`muonclip.optim.distribution`), which runs the same phases
-with the exchanges around them; a step in one process never enters it.
+update, thin class): it keeps the state (each Muon weight's is made here: `momentum_state`,
+`second_moment_state`) and, each step, hands every Muon weight to the update's one step body
+(`muonclip.optim.functional.muon_step`: momentum, V written into same-shape buckets, one
+orthogonalisation per bucket, the update) and the AdamW groups to `muonclip.optim.adamw`. What
+it accepts is checked by `muonclip.optim.validation`; its state dicts, and the conversions to
+and from torch.optim's, are `muonclip.optim.state_dicts`. Over several processes the same body
+runs with the distribution layer's exchanges (`muonclip.optim.distribution.Exchange`); a step
+in one process never enters that layer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from operator import itemgetter
 from typing import Any
@@ -21,28 +21,31 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..common.dtensor import is_dtensor
 from . import state_dicts, state_validation
 from .adamw import adamw_step
-from .backend import Backend, make_backend
-from .buckets import Bucket, make_buckets, options_key
-from .distribution import Engine, StepStats, engine_for
+from .buckets import StepStructure, StructureCache, options_key, step_structure
+from .distribution import Engine, Exchange, StepStats, engine_for
 from .functional import MuonWeight, muon_step
 from .masked import MaskedStep
 from .matrices import MatrixSpec, matrix_spec
-from .nonfinite import ON_NONFINITE, NonFiniteGradError, finite_per_tensor, nonfinite_indices
 from .precision import AUTO, orth_dtype_choice, orth_dtype_name
+from .quantized import dequantize, quant_layout, quantize_, scale_like
 from .scale import scale_name
 from .state_dicts import state_dtype
 from .unrouted import refuse_model, refuse_unrouted
 from .validation import (
     GROUP_KEYS,
+    ON_NONFINITE,
+    NonFiniteGradError,
     check_group,
     check_hyperparameters,
     check_step_params,
-    refuse_removed_keywords,
+    finite_per_tensor,
+    nonfinite_indices,
     step_numbers,
 )
-from .weight_state import momentum_state, second_moment_state
+from .workspace import Workspace, make_workspace
 
 _SETTINGS = itemgetter(*(k for k in GROUP_KEYS if k not in ("lr", "weight_decay")))
 """A group's settings other than lr and weight decay (a step re-validates the group when they change)."""
@@ -133,12 +136,12 @@ class Muon(torch.optim.Optimizer):
         comm_dtype: wire dtype of those exchanges (default None: the momentum dtype,
             float32). ``torch.bfloat16`` halves the bytes; where the orthogonalisation runs in
             bfloat16 it is lossless for the built-in methods.
-        backend: where buckets live and how they are orthogonalised
-            (`muonclip.optim.backend`): ``"auto"`` (default: ``"buffered"`` for CPU parameters,
+        workspace: where buckets live and how they are orthogonalised
+            (`muonclip.optim.workspace`): ``"auto"`` (default: ``"buffered"`` for CPU parameters,
             buffers kept between steps, measured faster there, docs/benchmarks.md; ``"core"``
             elsewhere), ``"core"`` (the pure functions, fresh tensors each step),
-            ``"buffered"``, or a backend object such as
-            ``muonclip.fast.BufferedBackend(chunk="cache")``. Never changes what is computed.
+            ``"buffered"``, or a workspace object such as
+            ``muonclip.fast.BufferedWorkspace(chunk="cache")``. Never changes what is computed.
         normuon: NorMuon (Li et al., arXiv 2510.05491, as microsoft/dion's ``NorMuon``
             defines it): after orthogonalisation each row i of each matrix (an output neuron)
             is divided by ``sqrt(v_i) + 1e-8``, where ``v_i = normuon_beta2 v_i + (1 -
@@ -172,7 +175,7 @@ class Muon(torch.optim.Optimizer):
     and step). Complex parameters are refused when added (TypeError): the orthogonalisation and
     the update scale are defined for real matrices. Everything after ``lr`` is keyword-only,
     because torch.optim.Muon's positional order differs: a positional call could silently mean
-    other settings; a keyword of an earlier version raises a TypeError naming its replacement.
+    other settings.
 
     A step is all or nothing: before it changes any parameter, buffer or counter it checks again
     what the groups hold now (``lr`` and ``weight_decay`` every step, as a scheduler may set
@@ -203,7 +206,6 @@ class Muon(torch.optim.Optimizer):
     """
 
 
-    @refuse_removed_keywords
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -223,7 +225,7 @@ class Muon(torch.optim.Optimizer):
         on_nonfinite: str = "raise",
         process_group: Any = None,
         comm_dtype: torch.dtype | None = None,
-        backend: str | Backend = "auto",
+        workspace: str | Workspace = "auto",
         normuon: bool = False,
         normuon_beta2: float = 0.95,
         cautious_weight_decay: bool = False,
@@ -259,14 +261,14 @@ class Muon(torch.optim.Optimizer):
         self.on_nonfinite = on_nonfinite
         self.process_group = process_group
         self.comm_dtype = comm_dtype
-        self.backend = make_backend(backend)
+        self.workspace = make_workspace(workspace)
         self.last_step_stats = StepStats()
         self._checked: dict[int, tuple[Any, ...]] = {}  # per group: what the last full check of a step saw
         self.steps_taken = 0
         self.steps_skipped = 0
         # on_nonfinite="mask": the last step's device flag (True: masked), for what runs after it
         self.last_masked: Tensor | None = None
-        self._structure: tuple[Any, StepStructure] | None = None  # the one-process step's buckets, cached
+        self._structures = StructureCache()  # the step's structure (buckets, plan), by shapes and options
         self._mask_copies: list[Tensor] = []  # on_nonfinite="mask": the snapshot, reused between steps
         super().__init__(params, defaults)  # add_param_group copies the counters into each group
 
@@ -383,17 +385,30 @@ class Muon(torch.optim.Optimizer):
 
     def _update(self, engine: Engine | None, ctx: Any, local: Callable[[Tensor], Tensor],
                 numbers: dict[int, tuple[float, float]]) -> None:
-        """The Muon update of every Muon parameter with a gradient, then the AdamW groups', with each
-        group's checked ``(lr, weight_decay)`` (`_check_groups`); ``steps_taken`` counts it once done."""
-        if engine is None or ctx.world_size == 1:
-            live = [(g, p) for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"]
-                    if p.grad is not None]
-            self.last_step_stats = self._muon_step(live, local, numbers)
-        else:  # on every rank, even one without grads: it runs collectives
+        """The Muon update of every Muon parameter with a gradient (`muonclip.optim.functional.muon_step`,
+        with the engine's exchanges over several ranks), then the AdamW groups', with each group's
+        checked ``(lr, weight_decay)`` (`_check_groups`); ``steps_taken`` counts it once done."""
+        stats = StepStats()
+        exchange = None
+        muon = [g for g in self.param_groups if g["algorithm"] == "muon"]
+        if engine is not None and ctx.world_size > 1:  # on every rank, even one without grads: it runs collectives
+            stats.world_size = ctx.world_size
             items = [(g, p, partial(_name, self, g, i))  # the name is only formatted for an error
-                     for g in self.param_groups if g["algorithm"] == "muon" for i, p in enumerate(g["params"])]
-            self.last_step_stats = engine.muon_step(items, self.state, ctx, backend=self.backend,
-                                                    new_buffer=_zeros_fp32, comm_dtype=self.comm_dtype)
+                     for g in muon for i, p in enumerate(g["params"])]
+            exchange = engine.exchange(items, ctx, self.comm_dtype, stats)
+        live = [(g, i, p) for g in muon for i, p in enumerate(g["params"]) if p.grad is not None]
+        if live:
+            st = self._structure_of(live, local, exchange)
+            settings = {id(g): (*numbers[id(g)], g["momentum"], g["nesterov"]) for g in muon}  # once per group
+            weights = []
+            for (g, _, p), spec in zip(live, st.specs):
+                buffer, quantized = momentum_state(self.state[p], p, g, spec, local)
+                weights.append(MuonWeight(local(p), local(p.grad), buffer, *settings[id(g)],
+                                          second_moment_state(self.state[p], p, g, spec), g["normuon_beta2"],
+                                          g["cautious_weight_decay"], quantized))
+            stats.matrices = muon_step(weights, st, exchange)
+            stats.ns_flops, stats.total_ns_flops = st.flops, st.total_flops
+        self.last_step_stats = stats
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
                 lr, wd = numbers[id(group)]
@@ -401,39 +416,28 @@ class Muon(torch.optim.Optimizer):
                            weight_decay=wd, new_buffer=_zeros_fp32)
         self.steps_taken += 1
 
-    def _muon_step(self, live: list[tuple[dict[str, Any], Tensor]], local: Callable[[Tensor], Tensor],
-                   numbers: dict[int, tuple[float, float]]) -> StepStats:
-        """One process: `muonclip.optim.functional.muon_step` of every Muon weight with a gradient."""
-        stats = StepStats()
-        if not live:
-            return stats
-        st = self._cached_structure(live)
-        settings = {id(g): (*numbers[id(g)], g["momentum"], g["nesterov"]) for g, _ in live}  # once per group
-        weights = []
-        for (g, p), spec in zip(live, st.specs):
-            buffer, quantized = momentum_state(self.state[p], p, g, spec, local, _zeros_fp32)
-            weights.append(MuonWeight(local(p), local(p.grad), buffer, spec, *settings[id(g)],
-                                      second_moment=second_moment_state(self.state[p], p, g, spec),
-                                      normuon_beta2=g["normuon_beta2"], cautious=g["cautious_weight_decay"],
-                                      quantized=quantized))
-        stats.matrices = muon_step(weights, st.buckets, self.backend)
-        stats.ns_flops = stats.total_ns_flops = st.flops
-        return stats
-
-    def _cached_structure(self, live: list[tuple[dict[str, Any], Tensor]]) -> StepStructure:
-        """The specs and buckets of ``live``, rebuilt only when a shape, a device or a
-        structural option (`muonclip.optim.buckets.STRUCTURAL_OPTIONS`) changed."""
+    def _structure_of(self, live: list[tuple[dict[str, Any], int, Tensor]], local: Callable[[Tensor], Tensor],
+                      exchange: Exchange | None) -> StepStructure:
+        """The step's structure (`muonclip.optim.buckets.StepStructure`), rebuilt only when a shape, a
+        device, a structural option (`muonclip.optim.buckets.STRUCTURAL_OPTIONS`), the workspace or,
+        over several ranks, the layout (`Exchange.key`) changed; a new one over several ranks is
+        planned by the exchange (`Exchange.plan`)."""
         options: dict[int, tuple] = {}  # per group, once
-        for g, _ in live:
+        for g, _, _ in live:
             if id(g) not in options:
                 options[id(g)] = options_key(g)
-        key = tuple((options[id(g)], tuple(p.shape), p.device) for g, p in live)
-        if self._structure is not None and self._structure[0] == key:
-            return self._structure[1]
-        specs = [matrix_spec(p.shape, g) for g, p in live]
-        buckets = make_buckets(specs, [g for g, _ in live], [p.device for _, p in live], range(len(live)))
-        st = StepStructure(specs, buckets, sum(s.flops for s in specs))
-        self._structure = (key, st)
+        params = [p for _, _, p in live]
+        key = (self.workspace, None if exchange is None else exchange.key(params),
+               tuple((options[id(g)], tuple(p.shape), p.device) for g, _, p in live))
+        st = self._structures.get(key)
+        if st is None:
+            pairs = [(g, p) for g, _, p in live]
+            plan = None
+            if exchange is not None:
+                names = [partial(_name, self, g, i) for g, i, _ in live]
+                plan = exchange.plan(pairs, names, [matrix_spec(p.shape, g) for g, p in pairs])
+            st = step_structure(pairs, [local(p).device for p in params], self.workspace, plan)
+            self._structures.put(key, st)
         return st
 
     # ----------------------------------------------------------------------------------------
@@ -502,7 +506,7 @@ class Muon(torch.optim.Optimizer):
         # settings and counters too (copy.deepcopy and pickle go through here). The cached
         # structure and copies are not state.
         kept = {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_")}
-        return {**kept, "_structure": None, "_mask_copies": [], "_checked": {}}
+        return {**kept, "_structures": StructureCache(), "_mask_copies": [], "_checked": {}}
 
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state dict in its saved form (`muonclip.optim.state_dicts.saved_form`:
@@ -513,7 +517,7 @@ class Muon(torch.optim.Optimizer):
         return state_dicts.saved_form(super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict of this optimizer, of an earlier version of it, or of torch.optim.Muon.
+        """Load a state dict of this optimizer or of torch.optim.Muon.
 
         What is recognised and how it is converted: `muonclip.optim.state_dicts`. Every group is
         validated as the constructor validates its arguments, and every state tensor and counter
@@ -539,7 +543,7 @@ class Muon(torch.optim.Optimizer):
         def finish(opt: Muon) -> None:  # before every user post-hook
             state_dicts.restore_fp32_state(opt.state, opt.param_groups, saved_groups, kept)
             opt._load_wide_state(dict(opt.param_groups[0]) if opt.param_groups else {})
-            opt._structure = None
+            opt._structures.clear()
             opt._checked = {}
 
         pre = self.register_load_state_dict_pre_hook(prepare)
@@ -585,19 +589,49 @@ class Muon(torch.optim.Optimizer):
                                                     muon_params=muon_params, adamw_params=adamw_params))
 
 
-@dataclass
-class StepStructure:
-    """What a one-process step does that depends only on shapes, devices and structural options.
+def momentum_state(state: dict[str, Any], p: Tensor, group: dict[str, Any], spec: MatrixSpec,
+                   local: Callable[[Tensor], Tensor]) -> tuple[Tensor | None, Any]:
+    """A Muon weight's momentum for `muonclip.optim.functional.step_momentum`, created at its first
+    step (zeros) and converted when the group's ``momentum_8bit`` changed since it was made:
+    ``(local float32 buffer, None)``, or ``(None, (local codes, local scales, layout))``.
 
-    Attributes:
-        specs: each weight's `muonclip.optim.matrices.MatrixSpec`.
-        buckets: `muonclip.optim.buckets.make_buckets` of every weight.
-        flops: Newton–Schulz flops of the step.
+    * ``momentum_buffer``: float32 (float64 for float64 weights), the weight's shape (a DTensor
+      for a DTensor weight, so checkpoints reshard).
+    * ``momentum_int8`` + ``momentum_scale`` (``momentum_8bit``): int8 codes, the weight's shape,
+      and float32 scales ``(*leading dims, blocks per row)`` (`muonclip.optim.quantized`); for a
+      DTensor weight both are DTensors with its placements.
     """
+    if group["momentum_8bit"]:
+        lay = quant_layout(p.shape, spec)
+        if "momentum_int8" not in state:
+            buffer = state.pop("momentum_buffer", None)
+            q = _zeros_fp32(p).to(torch.int8)
+            state["momentum_scale"] = scale_like(p, lay)
+            state["momentum_int8"] = q
+            if buffer is not None:  # a float32 momentum from before: kept, quantised
+                quantize_(local(buffer), local(q), local(state["momentum_scale"]), lay)
+        return None, (local(state["momentum_int8"]), local(state["momentum_scale"]), lay)
+    if "momentum_buffer" not in state:
+        state["momentum_buffer"] = _zeros_fp32(p)
+        if "momentum_int8" in state:  # an 8-bit momentum from before: kept, dequantised
+            q, s = state.pop("momentum_int8"), state.pop("momentum_scale")
+            local(state["momentum_buffer"]).copy_(dequantize(local(q), local(s), quant_layout(p.shape, spec),
+                                                             local(s).dtype))
+    return local(state["momentum_buffer"]), None
 
-    specs: list[MatrixSpec]
-    buckets: list[Bucket]
-    flops: int
+
+def second_moment_state(state: dict[str, Any], p: Tensor, group: dict[str, Any], spec: MatrixSpec) -> Tensor | None:
+    """NorMuon's ``neuron_second_moment`` of a Muon weight: float32 ``(batch, rows)`` (E experts or
+    1; the rows of the ``(out, in)`` matrix, block after block:
+    `muonclip.optim.matrices.MatrixSpec.block_offset`), zeros at its first step, the whole
+    weight's on every rank (a plain tensor, small, that every rank updates the same way); None
+    without NorMuon."""
+    if not group["normuon"]:
+        return None
+    if "neuron_second_moment" not in state:
+        device = p.device_mesh.device_type if is_dtensor(p) else p.device
+        state["neuron_second_moment"] = torch.zeros(spec.batch, spec.rows, dtype=state_dtype(p), device=device)
+    return state["neuron_second_moment"]
 
 
 def _same(t: Tensor) -> Tensor:
@@ -616,4 +650,4 @@ def _name(opt: Muon, group: dict[str, Any], i: int) -> str:
     return f"parameter {i} of param group {gi} (shape {tuple(group['params'][i].shape)})"
 
 
-__all__ = ["Muon", "NonFiniteGradError", "StepStructure"]
+__all__ = ["Muon", "NonFiniteGradError"]

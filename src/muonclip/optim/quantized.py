@@ -44,6 +44,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..common.dtensor import is_dtensor
+from .matrices import MatrixSpec
+from .state_dicts import state_dtype
+
 BLOCK = 256
 """The most elements of one row in one quantisation block."""
 
@@ -96,6 +100,30 @@ def _layout(shape: tuple[int, ...], flat: bool, cuts: tuple[int, ...]) -> QuantL
     return QuantLayout(lead, row, tuple(edges), regular)
 
 
+def quant_layout(shape: Sequence[int], spec: MatrixSpec) -> QuantLayout:
+    """The blocks of a Muon weight of ``shape`` seen as ``spec`` (`layout`): cut at the
+    matrix-block edges that run along its last dimension (a transposed weight's splits)."""
+    cuts = [a for segs in spec.blocks for a, _ in segs] if spec.axis == len(shape) - 1 and spec.n_blocks > 1 else []
+    return layout(shape, spec.flatten, cuts)
+
+
+def scale_like(p: Tensor, lay: QuantLayout) -> Tensor:
+    """Zero float32 scales (float64 for a float64 ``p``) for ``p``'s blocks: a DTensor with ``p``'s
+    placements for a DTensor ``p`` (its leading dimensions are the weight's, so a checkpoint
+    reshards it like ``p``)."""
+    dtype = state_dtype(p)
+    if not is_dtensor(p):
+        return torch.zeros(lay.scale_shape(p.shape), dtype=dtype, device=p.device)
+    from torch.distributed.tensor import DTensor
+
+    loc = p.to_local()
+    zeros = torch.zeros(lay.scale_shape(loc.shape), dtype=dtype, device=loc.device)
+    shape = lay.scale_shape(p.shape)
+    stride = tuple(int(math.prod(shape[i + 1:])) for i in range(len(shape)))
+    return DTensor.from_local(zeros, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape),
+                              stride=stride)
+
+
 @functools.lru_cache(maxsize=1024)
 def _block_index(edges: tuple[int, ...], device: torch.device) -> Tensor:
     sizes = torch.tensor([b - a for a, b in zip(edges, edges[1:])])
@@ -135,4 +163,4 @@ def quantize_(x: Tensor, q: Tensor, scale: Tensor, lay: QuantLayout) -> None:
     q.view(rows.shape).copy_(codes) if q.is_contiguous() else q.copy_(codes.reshape(q.shape))
 
 
-__all__ = ["BLOCK", "LEVELS", "QuantLayout", "dequantize", "layout", "quantize_"]
+__all__ = ["BLOCK", "LEVELS", "QuantLayout", "dequantize", "layout", "quant_layout", "quantize_", "scale_like"]

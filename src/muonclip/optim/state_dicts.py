@@ -3,11 +3,9 @@
 **What `Muon.load_state_dict` takes** (`prepare`). A state dict is recognised by its param groups:
 
 * ``muonclip.Muon``'s: some group has an ``algorithm`` key, or the dict has a top-level
-  ``"muonclip"`` entry. Keys of earlier versions are translated (``update_scale``
-  "rms"/"shape"/"none" -> ``adjust_lr_fn`` "match_rms_adamw"/"original"/"unscaled", ``steps``
-  -> ``ns_steps``, an adamw group's ``eps`` -> ``adamw_eps``); a key added since
-  (`ADDED_GROUP_KEYS`) takes the value of the group it is loaded into; any other missing key
-  is an error.
+  ``"muonclip"`` entry. Every group must hold every key of
+  `muonclip.optim.validation.GROUP_KEYS` (a missing one is an error that names it); a group's
+  ``name``, when the receiving group has one and the saved one not, is kept.
 * ``torch.optim.Muon``'s: no group has ``algorithm``, every group has exactly torch's keys
   (`TORCH_MUON_KEYS`, plus ``params`` and optionally ``param_names``) with an int
   ``ns_steps`` and three ``ns_coefficients``, and the per-parameter state holds only
@@ -72,11 +70,6 @@ WIDE_KEYS = ("steps_taken", "steps_skipped")
 DTYPE_PREFIX = "torch."
 """A torch dtype in the saved form: ``str(dtype)``, e.g. ``"torch.bfloat16"``."""
 
-ADDED_GROUP_KEYS = ("ns_coefficients", "adamw_eps", "split_groups", "transposed", "normuon", "normuon_beta2",
-                    "cautious_weight_decay", "momentum_8bit")
-"""Group keys a muonclip state dict may lack (added to the format later): the receiving group's
-value is used."""
-
 TORCH_MUON_KEYS = frozenset({"lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
                              "adjust_lr_fn"})
 """torch.optim.Muon's param-group keys besides ``params`` (and ``param_names``)."""
@@ -88,7 +81,6 @@ TORCH_ADAMW_GROUP = {"amsgrad": False, "maximize": False, "foreach": None, "capt
                      "differentiable": False, "fused": None, "decoupled_weight_decay": True}
 """The AdamW group keys `torch_state_dict` writes besides the hyperparameters."""
 
-_OLD_SCALES = {"rms": "match_rms_adamw", "shape": "original", "none": "unscaled"}
 _TORCH_MUON_METHODS = ("ns5", "ns5_sym", "ns5_compiled")  # the quintic torch.optim.Muon runs
 
 
@@ -117,7 +109,7 @@ def saved_form(state_dict: Mapping[str, Any]) -> dict[str, Any]:
 
 def from_saved_form(group: Mapping[str, Any]) -> dict[str, Any]:
     """A saved param group with its dtype strings (`saved_form`) back as torch dtypes; a new dict.
-    A group that holds dtypes (earlier versions saved them so) is taken as it is."""
+    A group that holds dtypes (``torch.optim.Optimizer.state_dict``'s own form) is taken as it is."""
     return {k: _dtype(v) if isinstance(v, str) and v.startswith(DTYPE_PREFIX) else v for k, v in group.items()}
 
 
@@ -194,11 +186,11 @@ def _is_torch_adamw_group(g: Mapping[str, Any]) -> bool:
 
 def prepare(state_dict: Mapping[str, Any], groups: Sequence[dict[str, Any]],
             wide_keys: Sequence[str] = WIDE_KEYS) -> dict[str, Any]:
-    """The state dict to hand torch's loader: recognised, converted to this version's format,
-    every group validated against the optimizer's ``groups``; a new dict (the one passed in, and
-    its tensors, are not modified). The optimizer-wide values ``wide_keys`` it holds
-    (`wide_values`, wherever this or an earlier version kept them) are put in every group, and
-    taken out of the per-parameter state; a torch.optim.Muon state dict has none."""
+    """The state dict to hand torch's loader: recognised (a torch.optim.Muon one converted), every
+    group validated against the optimizer's ``groups``; a new dict (the one passed in, and its
+    tensors, are not modified). The optimizer-wide values ``wide_keys`` it holds (`wide_values`,
+    wherever this or an earlier version kept them) are put in every group, and taken out of the
+    per-parameter state; a torch.optim.Muon state dict has none."""
     source = kind(state_dict)
     saved = [from_saved_form(g) for g in state_dict["param_groups"]]
     if len(saved) != len(groups):
@@ -219,7 +211,8 @@ def prepare(state_dict: Mapping[str, Any], groups: Sequence[dict[str, Any]],
                 if "momentum_buffer" in state.get(pid, {}):
                     state[pid]["momentum_buffer"] = _sum_momentum(state[pid]["momentum_buffer"], g["momentum"])
     else:
-        new_groups = [_upgrade_group(g, own, i) for i, (g, own) in enumerate(zip(saved, groups))]
+        new_groups = [{**g, "name": own["name"]} if "name" in own and "name" not in g else g
+                      for g, own in zip(saved, groups)]
     wide = wide_values(state_dict, wide_keys) if source == "muonclip" else {}
     for g in new_groups:
         for key in wide_keys:
@@ -236,26 +229,6 @@ def prepare(state_dict: Mapping[str, Any], groups: Sequence[dict[str, Any]],
         check_group({**g, "params": own["params"], "param_names": own.get("param_names")},
                     f"param group {i} of the state dict: ", f"param group {i} of the state dict: ")
     return {"state": state, "param_groups": new_groups}
-
-
-def _upgrade_group(saved: Mapping[str, Any], own: Mapping[str, Any], i: int) -> dict[str, Any]:
-    """A saved muonclip group in this version's keys (see the module docstring); a new dict."""
-    group = dict(saved)
-    if "update_scale" in group:
-        old = group.pop("update_scale")
-        if old not in _OLD_SCALES:
-            raise ValueError(f"saved param group {i} has update_scale={old!r}; expected one of {sorted(_OLD_SCALES)}")
-        group["adjust_lr_fn"] = _OLD_SCALES[old]
-    if "steps" in group and "ns_steps" not in group:
-        group["ns_steps"] = group.pop("steps")
-    if "adamw_eps" not in group and group.get("algorithm", "muon") == "adamw" and "eps" in group:
-        group["adamw_eps"], group["eps"] = group["eps"], own["eps"]
-    for key in ADDED_GROUP_KEYS:
-        if key not in group:
-            group[key] = own[key]
-    if "name" in own and "name" not in group:
-        group["name"] = own["name"]
-    return group
 
 
 def _from_torch_muon_group(g: Mapping[str, Any], own: Mapping[str, Any]) -> dict[str, Any]:
@@ -498,6 +471,6 @@ def _label(groups: Sequence[Mapping[str, Any]], p: Tensor) -> str:
     return "a parameter"
 
 
-__all__ = ["ADDED_GROUP_KEYS", "DTYPE_PREFIX", "FP32_STATE", "INT8_STATE", "TORCH_MUON_KEYS", "WIDE_KEYS",
+__all__ = ["DTYPE_PREFIX", "FP32_STATE", "INT8_STATE", "TORCH_MUON_KEYS", "WIDE_KEYS",
            "first_param", "from_saved_form", "from_torch", "kind", "prepare", "restore_fp32_state", "saved_form",
            "split_fp32_state", "state_dtype", "torch_state_dict", "wide_values"]

@@ -8,7 +8,7 @@ was. Per parameter, by its group's ``algorithm``:
 
 * Muon: ``momentum_buffer`` (a real floating tensor of the parameter's shape); with 8-bit momentum
   ``momentum_int8`` (int8, the parameter's shape) and ``momentum_scale`` (floating, >= 0, the
-  shape of its blocks' scales, `muonclip.optim.weight_state.quant_layout`); with NorMuon
+  shape of its blocks' scales, `muonclip.optim.quantized.quant_layout`); with NorMuon
   ``neuron_second_moment`` (floating, >= 0, ``(matrices, rows)``);
 * AdamW: ``step`` (a whole number >= 0: an int, or a one-element tensor holding one, as
   torch.optim.AdamW keeps it), ``exp_avg`` and ``exp_avg_sq`` (floating, the parameter's shape,
@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ..common.dtensor import is_dtensor
 from .matrices import matrix_spec
-from .weight_state import quant_layout
+from .quantized import quant_layout
 
 COUNTER_LIMIT = 2**62
 """The largest step count accepted (a 64-bit counter with room to grow)."""

@@ -1,4 +1,5 @@
-"""What `muonclip.Muon` accepts: one check for its arguments, its param groups and loaded state.
+"""What `muonclip.Muon` accepts: one check for its arguments, its param groups and loaded state,
+and each step's numbers and gradients.
 
 `check_group` is the one validation: ``Muon.__init__`` runs it on the defaults,
 ``add_param_group`` on every group, ``load_state_dict`` on every group of the state dict, so a
@@ -22,17 +23,26 @@ The step itself reads a group's values again before it changes anything (`StepLi
 the rest whenever one of them changed, so a value set between steps is refused before any
 parameter or counter moves, never half-way through a step.
 
-`refuse_removed_keywords` turns a keyword argument of earlier versions into a TypeError that
-names its replacement (docs/changelog.md lists them).
+**Non-finite gradients**: none may reach a weight or an optimizer buffer. Three policies
+(``Muon(on_nonfinite=...)``):
+
+* ``"raise"`` (default) and ``"skip"`` look at every gradient before the step
+  (`finite_per_tensor`, then `nonfinite_indices`: one host sync per step, the answer decides a
+  Python branch). ``raise`` names the bad parameters (`NonFiniteGradError`); ``skip`` returns
+  without touching anything.
+* ``"mask"`` decides on the device, with no host sync: the step runs on zeroed gradients and is
+  undone where the flag is set (`muonclip.optim.masked.MaskedStep`).
+
+Under FSDP2 each rank sees its own shards: the flags are computed on the local shards and the
+distributed layer AND-s them over the ranks (`muonclip.optim.distribution.Engine.all_finite`).
 """
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -49,35 +59,21 @@ GROUP_KEYS = ("algorithm", "lr", "weight_decay", "momentum", "nesterov", "ns_coe
               "transposed", "normuon", "normuon_beta2", "cautious_weight_decay", "momentum_8bit")
 """The keys of every param group (besides ``params`` and the optional ``param_names``)."""
 
-REMOVED_KEYWORDS = {
-    "update_scale": "adjust_lr_fn (update_scale 'rms' -> 'match_rms_adamw', 'shape' -> 'original', "
-                    "'none' -> 'unscaled')",
-    "steps": "ns_steps",
-    "split_sizes": "the param-group key 'split_sizes' (muonclip.param_groups sets it from the model)",
-    "split_groups": "the param-group key 'split_groups' (muonclip.param_groups sets it from the model)",
-    "flatten": "the param-group key 'flatten' (muonclip.param_groups sets it from the model)",
-    "transposed": "the param-group key 'transposed' (muonclip.param_groups sets it from the model)",
-}
-"""Keyword arguments of ``Muon(...)`` in earlier versions -> what replaced them."""
+ON_NONFINITE = ("raise", "skip", "mask")
+"""The values of ``Muon(on_nonfinite=...)`` (module docstring)."""
 
-RENAMED_GROUP_KEYS = {"update_scale": "adjust_lr_fn", "steps": "ns_steps"}
-"""Param-group keys of earlier versions -> the keys that replaced them (a group with one is refused)."""
-
-F = TypeVar("F", bound=Callable[..., Any])
+GRAD_LIMIT = 2.0**100
+"""The largest gradient entry a step accepts; a larger one counts as non-finite. Muon's float32
+momentum ``M = mu M + G`` and its input ``G + mu M`` stay below ``|G|_max / (1 - mu)``, which
+must fit float32 (largest value about ``2^128``): every ``mu`` below ``1 - 2^-27`` does with
+this limit, while a gradient of 3e38 (or a steady 2e37 for 36 steps at ``mu`` = 0.95) would
+overflow to inf and end as NaN weights. No gradient of a training run that has not diverged
+comes near ``2^100`` (about 1.3e30)."""
 
 
-def refuse_removed_keywords(init: F) -> F:
-    """Wrap ``__init__`` so that a keyword of `REMOVED_KEYWORDS` raises a TypeError naming its
-    replacement (the signature stays ``init``'s)."""
-
-    @functools.wraps(init)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
-        for key in kwargs.keys() & REMOVED_KEYWORDS.keys():
-            raise TypeError(f"{type(self).__name__}() got the removed keyword argument {key!r}: use "
-                            f"{REMOVED_KEYWORDS[key]} (docs/changelog.md)")
-        init(self, *args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
+class NonFiniteGradError(FloatingPointError):
+    """A gradient holds NaN or inf (or an entry beyond `GRAD_LIMIT`); the step was not applied to any
+    parameter."""
 
 
 def number(value: Any) -> Any:
@@ -217,10 +213,6 @@ def check_group(group: Mapping[str, Any], where: str = "a param group's ", conte
     missing = [k for k in ("params", *GROUP_KEYS) if k not in group]
     if missing:
         raise ValueError(f"{context}keys {missing} are missing (a Muon param group has {list(GROUP_KEYS)})")
-    for old, new in RENAMED_GROUP_KEYS.items():
-        if old in group:
-            raise ValueError(f"param group key {old!r} was replaced by {new!r} (torch.optim.Muon's name; "
-                             "docs/changelog.md)")
     algorithm = group["algorithm"]
     if algorithm not in ALGORITHMS:
         raise ValueError(f"{context}algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
@@ -279,6 +271,38 @@ def check_step_params(group: Mapping[str, Any], where: str = "") -> None:
                              "initialisation), then build the optimizer over its parameters")
 
 
-__all__ = ["ALGORITHMS", "GROUP_KEYS", "REMOVED_KEYWORDS", "RENAMED_GROUP_KEYS", "StepLimits", "check_group",
-           "check_hyperparameters", "check_step_params", "check_step_scalars", "group_limits", "number",
-           "refuse_removed_keywords", "step_numbers"]
+def finite_per_tensor(grads: list[Tensor]) -> Tensor:
+    """A bool vector on ``grads[0].device`` (CPU for none): True where that gradient is all
+    finite and at most `GRAD_LIMIT` in magnitude. No host sync.
+
+    Exact for every finite input (no overflow): max |g| on CUDA (one fused ``_foreach_norm``
+    launch), ``aminmax`` elsewhere (a plain reduction: torch's CPU ``_foreach_norm(ord=inf)`` is
+    the slower one there). Both propagate NaN and inf.
+    """
+    if not grads:
+        return torch.ones(0, dtype=torch.bool)
+    device = grads[0].device
+
+    def on_device(t: Tensor) -> Tensor:
+        t = t.float()
+        return t if t.device == device else t.to(device, non_blocking=True)
+
+    if device.type == "cuda":
+        stats = torch._foreach_norm(grads, ord=float("inf"))  # max |g|: inf for an inf, NaN for a NaN
+        return torch.stack([on_device(s) for s in stats]) <= GRAD_LIMIT  # False for NaN and inf
+    # (min, max): non-finite iff g is; an empty tensor is finite. One stack for all of them.
+    ends = [torch.aminmax(g) if g.numel() else (g.new_zeros(()), g.new_zeros(())) for g in grads]
+    both = torch.stack([on_device(e[0]) for e in ends] + [on_device(e[1]) for e in ends])
+    return (both.abs() <= GRAD_LIMIT).view(2, len(grads)).all(dim=0)  # False for NaN and inf
+
+
+def nonfinite_indices(finite: Tensor) -> list[int]:
+    """Indices where ``finite`` (from `finite_per_tensor`) is False: one host sync for all."""
+    if finite.numel() == 0 or bool(finite.all()):
+        return []
+    return [i for i, ok in enumerate(finite.tolist()) if not ok]
+
+
+__all__ = ["ALGORITHMS", "GRAD_LIMIT", "GROUP_KEYS", "ON_NONFINITE", "NonFiniteGradError", "StepLimits", "check_group",
+           "check_hyperparameters", "check_step_params", "check_step_scalars", "finite_per_tensor", "group_limits",
+           "nonfinite_indices", "number", "step_numbers"]

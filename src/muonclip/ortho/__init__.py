@@ -18,7 +18,14 @@ import torch
 from torch import Tensor
 
 from .gram import gram_newton_schulz
-from .newton_schulz import NS5_COEFFICIENTS, POLAR_EXPRESS_SAFETY, newton_schulz, polar_express_coefficients
+from .newton_schulz import (
+    NS5_COEFFICIENTS,
+    POLAR_EXPRESS_SAFETY,
+    Scratch,
+    newton_schulz,
+    no_scratch,
+    polar_express_coefficients,
+)
 from .svd import svd_polar
 
 
@@ -28,19 +35,24 @@ class Method:
 
     Attributes:
         run: ``run(V, steps, dtype, eps, coefficients) -> Tensor``: the polar factors of the
-            ``(..., A, B)`` batch ``V``, a new tensor of its shape in ``dtype``.
+            ``(..., A, B)`` batch ``V``, a new tensor of its shape in ``dtype``; with
+            ``in_place``, also ``run(..., out=, scratch=)``: the result into ``out``
+            (``(batch, A, B)``), ``V`` normalised in place, the temporaries in ``scratch``
+            (`muonclip.ortho.newton_schulz.Scratch`), the same products on the same values.
         default_steps: iterations used when ``steps`` is None (0 for direct methods).
         default_dtype: compute dtype used when ``dtype`` is None.
         dtypes: compute dtypes the method accepts.
         takes_coefficients: whether ``coefficients`` (the quintic's (a, b, c)) applies
             (default False: passing them is an error).
+        in_place: whether ``run`` takes ``out`` and ``scratch`` (default False).
     """
 
-    run: Callable[[Tensor, int, torch.dtype, float, Sequence[float] | None], Tensor]
+    run: Callable[..., Tensor]
     default_steps: int
     default_dtype: torch.dtype
     dtypes: tuple[torch.dtype, ...]
     takes_coefficients: bool = False
+    in_place: bool = False
 
 
 def ns5_schedule(steps: int, coefficients: Sequence[float] | None) -> list[tuple[float, float, float]]:
@@ -48,16 +60,20 @@ def ns5_schedule(steps: int, coefficients: Sequence[float] | None) -> list[tuple
     return [tuple(coefficients or NS5_COEFFICIENTS)] * steps  # type: ignore[list-item]
 
 
-def _ns5(V: Tensor, steps: int, dtype: torch.dtype, eps: float, coefficients: Sequence[float] | None) -> Tensor:
-    return newton_schulz(V, ns5_schedule(steps, coefficients), dtype=dtype, eps=eps)
+def _ns5(V: Tensor, steps: int, dtype: torch.dtype, eps: float, coefficients: Sequence[float] | None,
+         out: Tensor | None = None, scratch: Scratch = no_scratch) -> Tensor:
+    return newton_schulz(V, ns5_schedule(steps, coefficients), dtype=dtype, eps=eps, out=out, scratch=scratch)
 
 
-def _polar_express(V: Tensor, steps: int, dtype: torch.dtype, eps: float, coefficients: None) -> Tensor:
-    return newton_schulz(V, polar_express_coefficients(steps), dtype=dtype, eps=eps, norm_scale=POLAR_EXPRESS_SAFETY)
+def _polar_express(V: Tensor, steps: int, dtype: torch.dtype, eps: float, coefficients: None,
+                   out: Tensor | None = None, scratch: Scratch = no_scratch) -> Tensor:
+    return newton_schulz(V, polar_express_coefficients(steps), dtype=dtype, eps=eps, norm_scale=POLAR_EXPRESS_SAFETY,
+                         out=out, scratch=scratch)
 
 
-def _gram(V: Tensor, steps: int, dtype: torch.dtype, eps: float, coefficients: Sequence[float] | None) -> Tensor:
-    return gram_newton_schulz(V, ns5_schedule(steps, coefficients), dtype=dtype, eps=eps)
+def _gram(V: Tensor, steps: int, dtype: torch.dtype, eps: float, coefficients: Sequence[float] | None,
+          out: Tensor | None = None, scratch: Scratch = no_scratch) -> Tensor:
+    return gram_newton_schulz(V, ns5_schedule(steps, coefficients), dtype=dtype, eps=eps, out=out, scratch=scratch)
 
 
 def _svd(V: Tensor, steps: int, dtype: torch.dtype, eps: float, coefficients: None) -> Tensor:
@@ -67,9 +83,9 @@ def _svd(V: Tensor, steps: int, dtype: torch.dtype, eps: float, coefficients: No
 ITERATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 METHODS: dict[str, Method] = {
-    "ns5": Method(_ns5, 5, torch.bfloat16, ITERATIVE_DTYPES, takes_coefficients=True),
-    "polar_express": Method(_polar_express, 5, torch.bfloat16, ITERATIVE_DTYPES),
-    "gram": Method(_gram, 5, torch.bfloat16, ITERATIVE_DTYPES, takes_coefficients=True),
+    "ns5": Method(_ns5, 5, torch.bfloat16, ITERATIVE_DTYPES, takes_coefficients=True, in_place=True),
+    "polar_express": Method(_polar_express, 5, torch.bfloat16, ITERATIVE_DTYPES, in_place=True),
+    "gram": Method(_gram, 5, torch.bfloat16, ITERATIVE_DTYPES, takes_coefficients=True, in_place=True),
     "svd": Method(_svd, 0, torch.float64, (torch.float32, torch.float64)),
 }
 

@@ -33,8 +33,8 @@ float32/float64 (tested) if wanted.
 n is more than about 1.5 m (0.67x at n = 4 m); for squarer matrices `gram_newton_schulz` runs
 the plain quintic (``min_aspect``).
 
-Pure functions, like `muonclip.ortho.newton_schulz` (`muonclip.fast.buffered_backend` runs the same
-products into kept buffers).
+Pure functions unless given storage, like `muonclip.ortho.newton_schulz` (`muonclip.fast.buffered`
+runs the same iteration into kept buffers).
 
 Reference: J. Zhang, N. Amsel, B. Chen, T. Dao, "Gram Newton–Schulz: A Fast, Hardware-Aware
 Newton–Schulz Algorithm for Muon" (2026), https://tridao.me/blog/2026/gram-newton-schulz/.
@@ -47,7 +47,7 @@ from collections.abc import Collection, Sequence
 import torch
 from torch import Tensor
 
-from .newton_schulz import gram, normalized, quintic, small_side
+from .newton_schulz import Scratch, gram, no_scratch, normalized, quintic, small_side
 
 GRAM_MIN_ASPECT = 1.5
 
@@ -64,32 +64,44 @@ def gram_iteration(
     X: Tensor,  # (batch, p, q), wide or tall, normalised so that ||X||_2 <= 1
     coefficients: Sequence[tuple[float, float, float]],
     restarts: Collection[int] | None = None,
+    *,
+    out: Tensor | None = None,
+    scratch: Scratch = no_scratch,
 ) -> Tensor:
     """The quintic steps of ``coefficients`` on X, done on its small Gram matrix (`gram`: ``X X^T``
-    wide, ``X^T X`` tall; Q applied on that side by `small_side`); returns a new tensor of X's shape.
+    wide, ``X^T X`` tall; Q applied on that side by `small_side`): the one definition of the Gram
+    iteration (the buffered workspace runs it with its kept storage).
 
     ``restarts``: step indices before which X and its Gram matrix are recomputed (index 0 is
-    ignored: step 0 always starts from X); None means `default_restarts`.
+    ignored: step 0 always starts from X); None means `default_restarts`. ``out``: X's shape,
+    where the result goes (default None: a new tensor; X itself is never written). ``scratch``
+    (`muonclip.ortho.newton_schulz.Scratch`): storage for the m x m temporaries (``"ns.R"``,
+    ``"ns.Z"``, ``"ns.Q"``, ``"ns.RZ"``) and a restart's X (``"ns.X"``).
     """
     if restarts is None:
         restarts = default_restarts(len(coefficients))
-    R = gram(X)  # (batch, m, m)
+    dtype, device, small = X.dtype, X.device, (X.shape[0], *[min(X.shape[-2:])] * 2)
+    kept_R = scratch("ns.R", small, dtype, device)  # R's storage (None: a new tensor each time)
+    R = gram(X, out=kept_R)  # (batch, m, m)
     Q: Tensor | None = None
     last = len(coefficients) - 1
     for i, (a, b, c) in enumerate(coefficients):
         if i != 0 and i in restarts and Q is not None:
-            X = small_side(Q, X)
-            R, Q = gram(X), None
-        Z = torch.baddbmm(R, R, R, beta=b, alpha=c)  # b R + c R^2
+            X = small_side(Q, X, out=scratch("ns.X", X.shape, dtype, device, X))
+            R, Q = gram(X, out=kept_R), None
+        Z = torch.baddbmm(R, R, R, beta=b, alpha=c, out=scratch("ns.Z", small, dtype, device))  # b R + c R^2
         if Q is None:
-            Q = Z.clone()
+            q = scratch("ns.Q", small, dtype, device)
+            Q = Z.clone() if q is None else q.copy_(Z)
             Q.diagonal(dim1=-2, dim2=-1).add_(a)  # a I + Z
         else:
-            Q = torch.baddbmm(Q, Q, Z, beta=a)  # Q (a I + Z)
+            Q = torch.baddbmm(Q, Q, Z, beta=a, out=scratch("ns.Q", small, dtype, device, Q))  # Q (a I + Z)
         if i < last and (i + 1) not in restarts:
-            RZ = torch.baddbmm(R, R, Z, beta=a)  # a R + R Z
-            R = torch.baddbmm(RZ, Z, RZ, beta=a)  # (a I + Z) R (a I + Z)
-    return X.clone() if Q is None else small_side(Q, X)
+            RZ = torch.baddbmm(R, R, Z, beta=a, out=scratch("ns.RZ", small, dtype, device))  # a R + R Z
+            R = torch.baddbmm(RZ, Z, RZ, beta=a, out=kept_R)  # (a I + Z) R (a I + Z)
+    if Q is None:
+        return X.clone() if out is None else out.copy_(X)
+    return small_side(Q, X, out=out)
 
 
 def uses_gram(A: int, B: int, min_aspect: float = GRAM_MIN_ASPECT) -> bool:
@@ -106,6 +118,8 @@ def gram_newton_schulz(
     norm_scale: float = 1.0,
     restarts: Collection[int] | None = None,
     min_aspect: float = GRAM_MIN_ASPECT,
+    out: Tensor | None = None,
+    scratch: Scratch = no_scratch,
 ) -> Tensor:
     """Approximate the polar factor of each matrix in ``V`` by Gram Newton–Schulz.
 
@@ -124,14 +138,16 @@ def gram_newton_schulz(
         restarts: step indices before which X and R are recomputed (default None:
             `default_restarts`, i.e. (3,) for 5 steps).
         min_aspect: smallest ``max(A, B) / min(A, B)`` that uses the Gram form (default 1.5).
+        out, scratch: storage for the result and the temporaries, as for
+            `muonclip.ortho.newton_schulz.newton_schulz` (given ``out``, ``V`` is normalised in place).
 
     Returns:
-        A new tensor of ``V``'s shape, in ``dtype``.
+        The result, of ``V``'s shape, in ``dtype`` (in ``out`` when given).
     """
-    X = normalized(V, dtype, eps, norm_scale)
+    X = normalized(V, dtype, eps, norm_scale, inplace=out is not None)
     if uses_gram(*V.shape[-2:], min_aspect):
-        return gram_iteration(X, coefficients, restarts).reshape(V.shape)
-    return quintic(X, coefficients).reshape(V.shape)
+        return gram_iteration(X, coefficients, restarts, out=out, scratch=scratch).reshape(V.shape)
+    return quintic(X, coefficients, out=out, scratch=scratch).reshape(V.shape)
 
 
 def gram_flops(m: int, n: int, steps: int, restarts: Collection[int] | None = None) -> int:

@@ -7,15 +7,16 @@ Two coefficient schedules share one iteration (docs/design.md, "Orthogonalisatio
 * ``polar_express`` — Amsel et al., "The Polar Express" (arXiv 2505.16932): a minimax-optimal
   (a, b, c) per step; 5–6 steps bring every singular value within 0.01 of 1.
 
-Pure functions: a batch ``V`` of shape ``(..., A, B)`` in, a new tensor of that shape out; no
-buffer is kept and the input is never written. (`muonclip.fast.buffered_backend` runs the same products
-into buffers kept between optimizer steps.)
+A batch ``V`` of shape ``(..., A, B)`` in, a new tensor of that shape out; no buffer is kept and
+the input is never written, unless the caller passes storage (``out``, ``scratch``: what
+`muonclip.fast.buffered` does with buffers kept between optimizer steps; the same
+products into other storage).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -85,25 +86,71 @@ def overflow_scale(X: Tensor) -> Tensor:  # X: (batch, A, B)
     return torch.ldexp(torch.ones_like(amax), (E - exponent).clamp(max=0))
 
 
-def normalized(V: Tensor, dtype: torch.dtype, eps: float, norm_scale: float = 1.0) -> Tensor:
+Scratch = Callable[..., "Tensor | None"]
+"""Where an iteration's temporaries may live: ``scratch(role, shape, dtype, device, avoid=None)``
+returns a tensor of that shape to overwrite (not sharing storage with ``avoid``), or None for a
+new one (e.g. `muonclip.fast.buffered.Buffers.get`: buffers kept between optimizer steps)."""
+
+
+def no_scratch(role: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device,
+               avoid: Tensor | None = None) -> None:
+    """The `Scratch` that keeps nothing: every temporary is a new tensor."""
+    return None
+
+
+def poly(S: Tensor, b: float, c: float, out: Tensor | None = None) -> Tensor:
+    """``b S + c S S`` for a symmetric batch ``S``, in one product and one rounding (into ``out``)."""
+    return torch.baddbmm(S, S, S, beta=b, alpha=c, out=out)
+
+
+def normalized(V: Tensor, dtype: torch.dtype, eps: float, norm_scale: float = 1.0, inplace: bool = False) -> Tensor:
     """``V`` as a batch ``(batch, A, B)`` in ``dtype``, each matrix scaled by `overflow_scale` (a
     power of two, 1 unless its entries are huge) and then divided by ``||X_i||_F * norm_scale +
     eps`` (so its spectral norm is at most 1; a zero matrix stays zero; a finite matrix never
-    gives inf or NaN, however large its entries)."""
+    gives inf or NaN, however large its entries). ``inplace``: in ``V``'s own storage when ``V``
+    is in ``dtype`` and contiguous (the same values, no copy)."""
     X = V.reshape(-1, *V.shape[-2:]).to(dtype)
+    if inplace:
+        X.mul_(overflow_scale(X))
+        return X.div_(torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) * norm_scale + eps)
     X = X * overflow_scale(X)
     return X / (torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) * norm_scale + eps)
 
 
-def quintic(X: Tensor, coefficients: Sequence[tuple[float, float, float]]) -> Tensor:
-    """One step ``X <- a X + (b S + c S S) X`` with ``S = X X^T`` per (a, b, c), on a normalised
-    batch ``(batch, p, q)``; a tall X runs the transposed form ``X <- a X + X (b S + c S S)``,
-    ``S = X^T X`` (`gram`, `small_side`), so every product is on the small side and nothing is
-    copied into a transposed layout. ``4 m^2 n + 2 m^3`` flops a step, m <= n the sides."""
-    for a, b, c in coefficients:
-        S = gram(X)  # (batch, m, m)
-        P = torch.baddbmm(S, S, S, beta=b, alpha=c)  # b S + c S S, one rounding
-        X = small_side(P, X, beta=a)  # a X + P X, one rounding
+def quintic(X: Tensor, coefficients: Sequence[tuple[float, float, float]], *, out: Tensor | None = None,
+            scratch: Scratch = no_scratch, gram_of: Callable[..., Tensor] = gram,
+            poly_of: Callable[..., Tensor] = poly) -> Tensor:
+    """The quintic iteration: one step ``X <- a X + (b S + c S S) X`` with ``S = X X^T`` per (a, b, c),
+    on a normalised batch ``(batch, p, q)``; a tall X runs the transposed form ``X <- a X + X (b S
+    + c S S)``, ``S = X^T X`` (`gram`, `small_side`), so every product is on the small side and
+    nothing is copied into a transposed layout. ``4 m^2 n + 2 m^3`` flops a step, m <= n the sides.
+
+    This is the one definition every quintic method runs (``ns5``, ``polar_express``, ``gram`` on
+    squarish matrices, the buffered workspace, ``ns5_sym``, ``ns5_compiled``); they differ only in
+    where the tensors live and how the two symmetric products are computed:
+
+    * ``out`` (X's shape, not overlapping X): the result is written there and X is overwritten:
+      the steps alternate between ``out`` and X (free once step 0 has read it), so the call
+      touches two X-sized tensors besides S and P; only step 0 of an even number of steps takes
+      a third (``"ns.X"``). None (default): each step's X is a new tensor and X is not written.
+    * ``scratch`` (`Scratch`): storage for S, P (``"ns.S"``, ``"ns.P"``) and that third X.
+    * ``gram_of(X, out=None)``: ``S`` (default `gram`); ``poly_of(S, b, c, out=None)``: ``b S +
+      c S S`` (default `poly`). `muonclip.fast.symmetric` computes both from their upper
+      triangles.
+    """
+    last = len(coefficients) - 1
+    dtype, device, small = X.dtype, X.device, (X.shape[0], *[min(X.shape[-2:])] * 2)
+    spare = X
+    for i, (a, b, c) in enumerate(coefficients):
+        S = gram_of(X, out=scratch("ns.S", small, dtype, device))  # (batch, m, m)
+        P = poly_of(S, b, c, out=scratch("ns.P", small, dtype, device))  # b S + c S S
+        if out is None:
+            nxt = None
+        elif (last - i) % 2 == 0:
+            nxt = out
+        else:
+            nxt = spare if i > 0 else scratch("ns.X", X.shape, dtype, device)
+        X = small_side(P, X, beta=a, out=nxt)  # a X + P X, one rounding
     return X
 
 
@@ -127,6 +174,8 @@ def newton_schulz(
     dtype: torch.dtype = torch.bfloat16,
     eps: float = 1e-7,
     norm_scale: float = 1.0,
+    out: Tensor | None = None,
+    scratch: Scratch = no_scratch,
 ) -> Tensor:
     """Approximate the polar factor of each matrix in ``V`` by a quintic Newton–Schulz run.
 
@@ -142,14 +191,18 @@ def newton_schulz(
         eps: added to the Frobenius norm before the division (default 1e-7).
         norm_scale: the Frobenius norm is multiplied by this first (default 1.0; Polar Express
             uses 1.01).
+        out: ``(batch, A, B)`` storage for the result (default None: a new tensor); given, ``V``
+            is normalised in place and overwritten when it is in ``dtype`` (`quintic`).
+        scratch: storage for the temporaries (`Scratch`; default: new tensors).
 
     Returns:
-        A new tensor of ``V``'s shape, in ``dtype``.
+        The result, of ``V``'s shape, in ``dtype`` (in ``out`` when given).
     """
-    return quintic(normalized(V, dtype, eps, norm_scale), coefficients).reshape(V.shape)
+    X = normalized(V, dtype, eps, norm_scale, inplace=out is not None)
+    return quintic(X, coefficients, out=out, scratch=scratch).reshape(V.shape)
 
 
 __all__ = [
-    "NS5_COEFFICIENTS", "POLAR_EXPRESS_SAFETY", "gram", "newton_schulz", "normalized", "ns_flops",
-    "overflow_scale", "polar_express_coefficients", "quintic", "small_side",
+    "NS5_COEFFICIENTS", "POLAR_EXPRESS_SAFETY", "Scratch", "gram", "newton_schulz", "no_scratch", "normalized",
+    "ns_flops", "overflow_scale", "polar_express_coefficients", "poly", "quintic", "small_side",
 ]

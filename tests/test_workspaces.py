@@ -1,6 +1,6 @@
-"""Backends (where Muon's buckets live) against the core, and the CPU chunking rule.
+"""Workspaces (where Muon's buckets live) against the core, and the CPU chunking rule.
 
-`BufferedBackend` without chunking makes exactly the core's products on the same values and
+`BufferedWorkspace` without chunking makes exactly the core's products on the same values and
 only writes them into kept storage, so its results are compared bit for bit (the same kernels
 on the same inputs, on any machine); chunked runs batch the products differently and are
 compared at round-off tolerance.
@@ -14,11 +14,9 @@ from test_ortho_fast import conditioned
 
 import muonclip
 from muonclip import orthogonalize
-from muonclip.fast import BufferedBackend, kept_buffers
-from muonclip.fast.buffered_backend import quintic_into
-from muonclip.fast.chunks import CPU_CHUNK_BYTES, chunk_size, working_set
-from muonclip.fast.kept_buffers import Buffers
-from muonclip.optim.backend import AutoBackend, CoreBackend, make_backend
+from muonclip.fast import BufferedWorkspace, buffered
+from muonclip.fast.buffered import CPU_CHUNK_BYTES, Buffers, chunk_size, working_set
+from muonclip.optim.workspace import AutoWorkspace, CoreWorkspace, make_workspace
 from muonclip.ortho.newton_schulz import normalized, polar_express_coefficients, quintic
 
 METHODS = ["ns5", "gram", "polar_express"]
@@ -28,31 +26,31 @@ SHAPES = [(7, 24, 72), (7, 72, 24), (7, 24, 24)]
 @pytest.fixture
 def keep_small(monkeypatch):
     """Keep even the small temporaries of these test shapes."""
-    monkeypatch.setattr(kept_buffers, "KEEP_BYTES", 0)
+    monkeypatch.setattr(buffered, "KEEP_BYTES", 0)
 
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_buffered_equals_the_core_and_reuses_its_buffers(keep_small, method, shape):
     """The same result bit for bit as the pure core, wide, tall and square; the temporaries live
-    in the backend's buffers, and a second call of the same shape (or a smaller one) reuses them
+    in the workspace's buffers, and a second call of the same shape (or a smaller one) reuses them
     without allocating; the result is a view of the kept "result" buffer.
 
     Bit for bit on any machine: the same bmm/baddbmm calls on the same operands in the same
     layouts; only the storage they write differs."""
     V = conditioned(shape).to(torch.bfloat16)
     want = orthogonalize(V, method)
-    backend = BufferedBackend()
-    got = backend.orthogonalize(V.clone(), method, reuse_result=True)
+    workspace = BufferedWorkspace()
+    got = workspace.orthogonalize(V.clone(), method, reuse_result=True)
     assert torch.equal(got, want)
-    roles = backend.buffers.roles()
+    roles = workspace.buffers.roles()
     assert {"result", "ns.S" if method != "gram" or shape[-1] == shape[-2] else "ns.R"} <= roles
-    ptrs = backend.buffers.pointers()
+    ptrs = workspace.buffers.pointers()
     result_ptr = got.data_ptr()
-    again = backend.orthogonalize(V.clone(), method, reuse_result=True)
+    again = workspace.orthogonalize(V.clone(), method, reuse_result=True)
     assert torch.equal(again, want) and again.data_ptr() == result_ptr
-    assert torch.equal(backend.orthogonalize(V[:2].clone(), method), orthogonalize(V[:2], method))
-    assert backend.buffers.pointers() == ptrs
+    assert torch.equal(workspace.orthogonalize(V[:2].clone(), method), orthogonalize(V[:2], method))
+    assert workspace.buffers.pointers() == ptrs
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -63,23 +61,24 @@ def test_buffered_may_overwrite_only_its_input(method):
     V32 = conditioned((7, 24, 72)).float()
     V = V32.to(torch.bfloat16)
     keep, keep32 = V.clone(), V32.clone()
-    backend = BufferedBackend()
+    workspace = BufferedWorkspace()
     want = orthogonalize(V, method)
-    assert torch.equal(backend.orthogonalize(V32, method, dtype=torch.bfloat16).bfloat16(),
+    assert torch.equal(workspace.orthogonalize(V32, method, dtype=torch.bfloat16).bfloat16(),
                        orthogonalize(V32, method, dtype=torch.bfloat16).bfloat16())
     assert torch.equal(V32, keep32)
-    a = backend.orthogonalize(V, method)
+    a = workspace.orthogonalize(V, method)
     assert torch.equal(a, want) and not torch.equal(V, keep)
-    b = backend.orthogonalize(keep.clone(), method)
+    b = workspace.orthogonalize(keep.clone(), method)
     assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
 
 
 @pytest.mark.parametrize("steps", [1, 2, 5, 6])
 @pytest.mark.parametrize("shape", [(3, 16, 40), (3, 40, 16), (3, 16, 16)])
 def test_quintic_ping_pong_equals_the_plain_loop(keep_small, steps, shape):
-    """The quintic's steps alternate between the input and the result (odd and even step
-    counts, wide, tall and square): bit for bit the core's loop of fresh ``baddbmm`` results,
-    the result in ``out``; a third X-sized buffer only for step 0 of an even step count.
+    """The one quintic iteration given storage: its steps alternate between the input and the
+    result (odd and even step counts, wide, tall and square), bit for bit the same iteration
+    with fresh ``baddbmm`` results, the result in ``out``; a third X-sized buffer only for step
+    0 of an even step count.
 
     Bit for bit on any machine: the same bmm/baddbmm calls on the same operands in the same
     layouts, into other storage."""
@@ -89,30 +88,30 @@ def test_quintic_ping_pong_equals_the_plain_loop(keep_small, steps, shape):
     want = quintic(X0, coeffs)
     out = torch.full(shape, float("nan"), dtype=torch.bfloat16)
     kept = Buffers()
-    got = quintic_into(X0.clone(), coeffs, out, kept)
+    got = quintic(X0.clone(), coeffs, out=out, scratch=kept.get)
     assert torch.isfinite(want).all() and torch.equal(got, want) and got.data_ptr() == out.data_ptr()
     assert ("ns.X" in kept.roles()) == (steps % 2 == 0)
 
 
 @pytest.mark.parametrize("method", ["ns5", "gram", "polar_express", "ns5_sym", "svd"])
 def test_backends_stay_differentiable_and_fall_back_to_the_core(method):
-    """An input that requires grad (outside no_grad), a method the buffered backend has no form
+    """An input that requires grad (outside no_grad), a method the buffered workspace has no form
     for, or a device it does not keep buffers on: the core's pure function runs, so backward
     works, and the result equals the no-grad one bit for bit (the same products)."""
     dtype = torch.float64 if method == "svd" else None
     V = conditioned((2, 16, 40)).float().requires_grad_()
-    O = BufferedBackend().orthogonalize(V, method, dtype=dtype)
+    O = BufferedWorkspace().orthogonalize(V, method, dtype=dtype)
     O.square().sum().backward()
     assert V.grad is not None and torch.isfinite(V.grad).all() and V.grad.abs().sum() > 0
     with torch.no_grad():
         assert torch.equal(O.detach(), orthogonalize(V, method, dtype=dtype))
-    backend = BufferedBackend()
-    backend.orthogonalize(V.detach().clone(), method, dtype=dtype)
-    assert len(backend.buffers) == 0 or method in ("ns5", "gram", "polar_express")
+    workspace = BufferedWorkspace()
+    workspace.orthogonalize(V.detach().clone(), method, dtype=dtype)
+    assert len(workspace.buffers) == 0 or method in ("ns5", "gram", "polar_express")
 
 
 def test_kept_buffers(monkeypatch):
-    monkeypatch.setattr(kept_buffers, "KEEP_BYTES", 0)
+    monkeypatch.setattr(buffered, "KEEP_BYTES", 0)
     kept = Buffers()
     cpu = torch.device("cpu")
     a = kept.get("x", (2, 3), torch.float32, cpu)
@@ -124,7 +123,7 @@ def test_kept_buffers(monkeypatch):
     assert kept.get("x", (2,), torch.bfloat16, cpu).dtype == torch.bfloat16  # per dtype
     assert kept.get("y", (2,), torch.float32, torch.device("meta")) is None  # off the CPU: allocate as usual
     assert kept.empty("y", (2,), torch.float32, torch.device("meta")).device.type == "meta"
-    monkeypatch.setattr(kept_buffers, "KEEP_BYTES", 1024)
+    monkeypatch.setattr(buffered, "KEEP_BYTES", 1024)
     assert kept.get("z", (255,), torch.float32, cpu) is None  # small: allocate as usual
     assert kept.get("z", (256,), torch.float32, cpu).numel() == 256
     assert len(copy.deepcopy(kept)) == 0  # scratch, not state
@@ -150,45 +149,53 @@ def _step_both(params, twin, opt, ref):
 
 
 def test_muon_default_backend_equals_the_core_and_keeps_its_buffers(keep_small):
-    """One process on CPU, ``backend="auto"``: the buffered backend; every bucket's input and
+    """One process on CPU, ``workspace="auto"``: the buffered workspace; every bucket's input and
     result come from the same two buffers and Newton–Schulz's temporaries from buffers of their
     own, step after step; a deepcopy starts without them; every step equals, bit for bit, a
-    ``backend="core"`` optimizer's (fresh tensors everywhere).
+    ``workspace="core"`` optimizer's (fresh tensors everywhere).
 
     Bit for bit on any machine: both form the same batches and make the same products on the
     same values; only the storage differs."""
     shapes = [(32, 32)] * 3 + [(64, 32), (32, 64), (48, 32)]
     params, twin, grouped = _twins(shapes, [((0, 5), {}), ((5, 6), {"split_sizes": [16, 8, 24]})])
     opt = muonclip.Muon(grouped(params), lr=0.02, weight_decay=0.1)
-    ref = muonclip.Muon(grouped(twin), lr=0.02, weight_decay=0.1, backend="core")
-    assert isinstance(opt.backend, AutoBackend) and isinstance(ref.backend, CoreBackend)
+    ref = muonclip.Muon(grouped(twin), lr=0.02, weight_decay=0.1, workspace="core")
+    assert isinstance(opt.workspace, AutoWorkspace) and isinstance(ref.workspace, CoreWorkspace)
     ptrs = None
     for _ in range(3):
         _step_both(params, twin, opt, ref)
-        kept = opt.backend.for_device(torch.device("cpu")).buffers
+        kept = opt.workspace.for_device(torch.device("cpu")).buffers
         # ns5's 5 steps ping-pong between the normalised input and the result: no third X
         assert kept.roles() == {"input", "result", "ns.S", "ns.P"}
         assert ptrs is None or kept.pointers() == ptrs
         ptrs = kept.pointers()
     for p, q in zip(params, twin):
         assert torch.equal(p, q)
-    assert len(copy.deepcopy(opt).backend.for_device(torch.device("cpu")).buffers) == 0
+    assert len(copy.deepcopy(opt).workspace.for_device(torch.device("cpu")).buffers) == 0
 
 
-@pytest.mark.parametrize("backend", ["core", "buffered"])
-def test_muon_step_is_muon_update_on_one_matrix(backend):
-    """`Muon.step` on one weight is `muonclip.muon_update` (the functional form) bit for bit:
-    the same phases, the same kernels on the same values (one matrix: a bucket of one)."""
+@pytest.mark.parametrize("workspace", ["core", "buffered"])
+@pytest.mark.parametrize("shape, matrix", [((24, 40), (24, 40)), ((3, 24, 40), (24, 40)), ((8, 3, 3, 5), (8, 45))],
+                         ids=["matrix", "experts", "conv"])
+@pytest.mark.parametrize("options", [{}, {"normuon": True, "cautious_weight_decay": True}], ids=["plain", "variants"])
+def test_muon_step_is_muon_update_on_one_weight(workspace, shape, matrix, options):
+    """`Muon.step` on one weight is `muonclip.muon_update` bit for bit: the same step body
+    (`muon_step`) on the same values, a matrix, a stack of experts and a convolution (the
+    matrix ``(out, in kh kw)``, as `Muon` sees it), with NorMuon and cautious weight decay too."""
     torch.manual_seed(0)
-    W = torch.nn.Parameter(torch.randn(24, 40))
-    W2, M = W.detach().clone(), torch.zeros(24, 40)
-    opt = muonclip.Muon([W], lr=0.02, weight_decay=0.1, momentum=0.9, backend=backend)
+    W = torch.nn.Parameter(torch.randn(shape))
+    W2, M = W.detach().clone(), torch.zeros(shape)
+    V2 = torch.zeros(shape[0] if len(shape) == 3 else 1, matrix[0]) if options else None
+    opt = muonclip.Muon([W], lr=0.02, weight_decay=0.1, momentum=0.9, workspace=workspace, **options)
     for _ in range(3):
-        G = torch.randn(24, 40)
+        G = torch.randn(shape)
         W.grad = G.clone()
         opt.step()
-        muonclip.muon_update(W2, G, M, lr=0.02, weight_decay=0.1, momentum=0.9, scale=0.2 * 40**0.5)
+        muonclip.muon_update(W2, G, M, lr=0.02, weight_decay=0.1, momentum=0.9, scale=0.2 * max(matrix) ** 0.5,
+                             second_moment=V2, cautious=bool(options))
         assert torch.equal(W.detach(), W2) and torch.equal(opt.state[W]["momentum_buffer"], M)
+        if options:
+            assert torch.equal(opt.state[W]["neuron_second_moment"], V2)
 
 
 def test_step_structure_is_cached_and_rebuilt_when_an_option_changes():
@@ -214,9 +221,9 @@ def test_step_structure_is_cached_and_rebuilt_when_an_option_changes():
         if change is not None:
             change(opt)
             change(ref)
-        ref._structure = None  # nothing cached
+        ref._structures.clear()  # nothing cached
         _step_both(params, twin, opt, ref)
-        seen.append(opt._structure[1])
+        seen.append(opt._structures.latest())
         for p, q in zip(params, twin):
             assert torch.equal(p, q)
     assert seen[1] is seen[0] and seen[2] is seen[0]  # same structure; lr/wd/momentum still applied
@@ -228,19 +235,19 @@ def test_step_structure_is_cached_and_rebuilt_when_an_option_changes():
 
 
 def test_backend_choice():
-    assert isinstance(make_backend("core"), CoreBackend)
-    assert isinstance(make_backend("buffered"), BufferedBackend)
-    auto = make_backend("auto")
-    assert isinstance(auto.for_device(torch.device("cpu")), BufferedBackend)
-    assert isinstance(auto.for_device(torch.device("meta")), CoreBackend)  # no buffers off the CPU
-    mine = BufferedBackend(chunk=4)
-    assert make_backend(mine) is mine
-    with pytest.raises(ValueError, match="unknown backend"):
-        make_backend("fastest")
+    assert isinstance(make_workspace("core"), CoreWorkspace)
+    assert isinstance(make_workspace("buffered"), BufferedWorkspace)
+    auto = make_workspace("auto")
+    assert isinstance(auto.for_device(torch.device("cpu")), BufferedWorkspace)
+    assert isinstance(auto.for_device(torch.device("meta")), CoreWorkspace)  # no buffers off the CPU
+    mine = BufferedWorkspace(chunk=4)
+    assert make_workspace(mine) is mine
+    with pytest.raises(ValueError, match="unknown workspace"):
+        make_workspace("fastest")
     with pytest.raises(ValueError, match="empty"):
-        make_backend(object())
+        make_workspace(object())
     with pytest.raises(ValueError, match="chunk must be"):
-        BufferedBackend(chunk=0)
+        BufferedWorkspace(chunk=0)
 
 
 # ------------------------------------------------------------------------------------------
@@ -256,7 +263,7 @@ def test_cpu_chunks_equal_one_call(method, shape):
     V = conditioned(shape).float()
     whole = orthogonalize(V, method, dtype=torch.float32)
     for k in (1, 3):
-        got = BufferedBackend(chunk=k).orthogonalize(V.clone(), method, dtype=torch.float32)
+        got = BufferedWorkspace(chunk=k).orthogonalize(V.clone(), method, dtype=torch.float32)
         assert got.shape == V.shape
         torch.testing.assert_close(got, whole, atol=1e-6, rtol=0)
 
