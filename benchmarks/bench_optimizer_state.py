@@ -23,8 +23,9 @@ weight one matrix, bfloat16) with torch.optim.AdamW on the rest, as a torch user
 
 Each optimizer is measured ``--runs`` times (default 3), the runs interleaved (run 1 of every
 optimizer, then run 2...), each in a fresh process; the table shows every run, then the range of
-each optimizer's peak and step rise, and whether Muon's peak is below AdamW's by at least half
-their state difference in every run (the goal of docs/benchmarks.md's memory row).
+each optimizer's peak and step rise, whether Muon's peak is below AdamW's by at least half
+their state difference in every run, and whether 8-bit Muon's is below both (the goals of
+docs/benchmarks.md's memory rows).
 
 Usage: ``python benchmarks/bench_optimizer_state.py [--sets n_layer=4,n_embd=256] [--optimizers adamw,muon]
 [--runs 3]``.
@@ -158,6 +159,10 @@ def main() -> None:
         verdict = "yes" if min(gaps) >= half else "no"
         print(f"\nAdamW's peak minus Muon's, per run: {', '.join(f'{g:.0f}' for g in gaps)} MiB; half the state "
               f"difference: {half:.0f} MiB; Muon below AdamW by at least that in every run: {verdict}")
+    if {"adamw", "muon", "muon_8bit"} <= set(rows):
+        lower = all(e["peak"] < min(a["peak"], m["peak"]) for a, m, e in zip(rows["adamw"], rows["muon"],
+                                                                             rows["muon_8bit"]))
+        print(f"Muon 8-bit's peak below both AdamW's and Muon's in every run: {'yes' if lower else 'no'}")
     r = rows[names[0]][0]
     print(f"\n{r['params'] / 1e6:.2f}M parameters, {r['hidden_params'] / 1e6:.2f}M in hidden matrices")
 
