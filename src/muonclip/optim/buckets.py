@@ -68,6 +68,9 @@ fill its cores: at that bound a run holds 14 of 384 x 384 matrices in bfloat16, 
 float32, one of 2048 x 512 (docs/benchmarks.md measures the step's speed and peak against the
 whole-bucket step). On a GPU the width of a batched product is what fills the device, and its
 caching allocator already holds the memory between steps: the bucket stays whole there.
+
+Read when a step's structure is built (`step_structure`, cached by the optimizer): a change
+applies to the structures built after it; `step_structure`'s ``chunk_bytes`` overrides it.
 """
 
 
