@@ -18,7 +18,17 @@ For the reference GPT of ``muonclip train`` with the settings below (``--set`` s
   during ``optimizer.step()`` over the resident set just before it: the step's new state and
   temporaries beyond the memory the allocator already holds (freed activations are reused).
 
-Usage: ``python benchmarks/bench_optimizer_state.py [--sets n_layer=4,n_embd=256] [--optimizers adamw,muon]``.
+Besides the app's optimizers, ``torch_muon``: torch.optim.Muon on the hidden matrices (each 2-D
+weight one matrix, bfloat16) with torch.optim.AdamW on the rest, as a torch user pairs them.
+
+Each optimizer is measured ``--runs`` times (default 3), the runs interleaved (run 1 of every
+optimizer, then run 2...), each in a fresh process; the table shows every run, then the range of
+each optimizer's peak and step rise, whether Muon's peak is below AdamW's by at least half
+their state difference in every run, and whether 8-bit Muon's is below both (the goals of
+docs/benchmarks.md's memory rows).
+
+Usage: ``python benchmarks/bench_optimizer_state.py [--sets n_layer=4,n_embd=256] [--optimizers adamw,muon]
+[--runs 3]``.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ import json
 import subprocess
 import sys
 
-OPTIMIZERS = ("adamw", "muon", "muon_8bit", "normuon")
+OPTIMIZERS = ("adamw", "muon", "muon_8bit", "normuon", "torch_muon")
 
 STEP = """
 import json, sys
@@ -48,7 +58,34 @@ optimizer, sets = sys.argv[1:3]
 cfg = make_config("default", sets=[s for s in sets.split(",") if s])
 corpus = load_corpus(None)
 model = build_model(cfg)
-opt = build_optimizer(optimizer, model, cfg)
+
+
+class TorchPair:  # torch.optim.Muon on the hidden matrices, torch.optim.AdamW on the rest, stepped together
+
+    def __init__(self, model):
+        from muonclip.app.model import hidden_matrices
+        hidden = {id(p) for p in hidden_matrices(model)}
+        self.muon = torch.optim.Muon([p for p in model.parameters() if id(p) in hidden], lr=cfg.lr_muon,
+                                     weight_decay=cfg.weight_decay)
+        self.adamw = torch.optim.AdamW([p for p in model.parameters() if id(p) not in hidden], lr=cfg.lr_adamw,
+                                       betas=(0.9, 0.95))
+        self.param_groups = self.muon.param_groups + self.adamw.param_groups
+
+    def zero_grad(self, set_to_none=True):
+        self.muon.zero_grad(set_to_none)
+        self.adamw.zero_grad(set_to_none)
+
+    def step(self):
+        self.muon.step()
+        self.adamw.step()
+
+    def state_dict(self):
+        a, b = self.muon.state_dict()["state"], self.adamw.state_dict()["state"]
+        n = len(self.muon.param_groups[0]["params"])
+        return {"state": {**a, **{n + k: v for k, v in b.items()}}}
+
+
+opt = TorchPair(model) if optimizer == "torch_muon" else build_optimizer(optimizer, model, cfg)
 batches = [train_batch(corpus, s, batch_size=cfg.batch_size, block_size=cfg.block_size, seed=0) for s in range(3)]
 def reset_peak():
     with open("/proc/self/clear_refs", "w") as f:
@@ -94,19 +131,39 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sets", default="n_layer=4,n_embd=256,batch_size=8")
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
     mib = 2**20
-    print(f"# {machine()}; settings over the default preset: {args.sets}")
-    print("| optimizer | state bytes / parameter (whole model) | state bytes / element (hidden matrices) "
+    names = args.optimizers.split(",")
+    print(f"# {machine()}; settings over the default preset: {args.sets}; {args.runs} runs each, interleaved")
+    print("| optimizer | run | state bytes / parameter (whole model) | state bytes / element (hidden matrices) "
           "| optimizer state (MiB) | peak RSS of 3 steps over the resident set before (MiB) "
           "| of which the optimizer step's own rise, largest of 3 (MiB) |")
-    print("|---|---|---|---|---|---|")
-    rows = {}
-    for o in args.optimizers.split(","):
-        r = rows[o] = measure(o, args.sets)
-        print(f"| {o} | {r['state'] / r['params']:.3f} | {r['hidden_state'] / r['hidden_params']:.3f} "
-              f"| {r['state'] / mib:.2f} | {r['peak'] / mib:.1f} | {r['step_rise'] / mib:.1f} |", flush=True)
-    r = next(iter(rows.values()))
+    print("|---|---|---|---|---|---|---|")
+    rows: dict[str, list[dict]] = {o: [] for o in names}
+    for run in range(1, args.runs + 1):
+        for o in names:
+            r = measure(o, args.sets)
+            rows[o].append(r)
+            print(f"| {o} | {run} | {r['state'] / r['params']:.3f} | {r['hidden_state'] / r['hidden_params']:.3f} "
+                  f"| {r['state'] / mib:.2f} | {r['peak'] / mib:.1f} | {r['step_rise'] / mib:.1f} |", flush=True)
+    print("\n| optimizer | state (MiB) | peak (MiB), min–max | step rise (MiB), min–max |")
+    print("|---|---|---|---|")
+    for o, rs in rows.items():
+        peaks, rises = [r["peak"] / mib for r in rs], [r["step_rise"] / mib for r in rs]
+        print(f"| {o} | {rs[0]['state'] / mib:.1f} | {min(peaks):.0f}–{max(peaks):.0f} | "
+              f"{min(rises):.1f}–{max(rises):.1f} |")
+    if "adamw" in rows and "muon" in rows:
+        half = (rows["adamw"][0]["state"] - rows["muon"][0]["state"]) / 2 / mib
+        gaps = [(a["peak"] - m["peak"]) / mib for a, m in zip(rows["adamw"], rows["muon"])]
+        verdict = "yes" if min(gaps) >= half else "no"
+        print(f"\nAdamW's peak minus Muon's, per run: {', '.join(f'{g:.0f}' for g in gaps)} MiB; half the state "
+              f"difference: {half:.0f} MiB; Muon below AdamW by at least that in every run: {verdict}")
+    if {"adamw", "muon", "muon_8bit"} <= set(rows):
+        lower = all(e["peak"] < min(a["peak"], m["peak"]) for a, m, e in zip(rows["adamw"], rows["muon"],
+                                                                             rows["muon_8bit"]))
+        print(f"Muon 8-bit's peak below both AdamW's and Muon's in every run: {'yes' if lower else 'no'}")
+    r = rows[names[0]][0]
     print(f"\n{r['params'] / 1e6:.2f}M parameters, {r['hidden_params'] / 1e6:.2f}M in hidden matrices")
 
 

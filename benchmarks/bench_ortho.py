@@ -14,8 +14,12 @@ For each shape (a batch of E matrices A x B) and method this prints, from one ru
 Batched vs looped: the same E matrices as one batched call and as E calls, and
 torch.optim.Muon's per-matrix Newton–Schulz looped.
 
+On a CUDA device the bfloat16 rows also give "equiv" against the device's dense bfloat16 peak
+(`GPU_BF16_PEAK_TFLOPS`, the vendor's datasheet figure without sparsity, looked up by the device's
+name; ``--peak-tflops`` gives it for another device).
+
 Usage: ``python benchmarks/bench_ortho.py [--threads 2] [--rounds 7] [--clock wall|process]
-[--big] [--compiled] [--device cpu|cuda]``. ``--big`` adds 4096 x 4096, 4096 x 14336 and 64
+[--big] [--compiled] [--device cpu|cuda] [--peak-tflops T]``. ``--big`` adds 4096 x 4096, 4096 x 14336 and 64
 experts of 2048 x 1408 (the GPU goals; slow on CPU).
 """
 
@@ -37,6 +41,21 @@ except ImportError:  # pragma: no cover
     torch_ns = None
 
 NS5 = (3.4445, -4.7750, 2.0315)
+GPU_BF16_PEAK_TFLOPS = (  # (name contains, dense bfloat16 tensor-core TFLOP/s), first match wins
+    ("H200", 989.0), ("H100 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("A100", 312.0),
+    ("L40S", 362.0), ("L4", 121.0), ("A10", 125.0),
+)
+
+
+def bf16_peak(device: str, given: float | None) -> float | None:
+    """The device's dense bfloat16 peak in GFLOP/s: ``given`` (TFLOP/s), else the table's for its
+    name; None on a CPU or an unknown GPU."""
+    if given is not None:
+        return given * 1e3
+    if not device.startswith("cuda"):
+        return None
+    name = torch.cuda.get_device_name(torch.device(device))
+    return next((t * 1e3 for key, t in GPU_BF16_PEAK_TFLOPS if key in name), None)
 # (label, batch E, A, B)
 SHAPES = [
     ("gpt attn", 1, 384, 384),
@@ -125,13 +144,15 @@ def bench_shape(label: str, E: int, A: int, B: int, args: argparse.Namespace) ->
         dt: matmul_floor(E, A, B, dt, args.device, args.rounds, args.clock) for dt in (torch.bfloat16, torch.float32)
     }
     equiv = E * quintic_flops(min(A, B), max(A, B))
+    peak = bf16_peak(args.device, args.peak_tflops)
     rows = []
     for name, t in times.items():
         floor = floors[torch.float32] if "float32" in name else floors[torch.bfloat16]
         rate = flops[name] / t / 1e9
+        of_peak = f"{equiv / t / 1e9 / peak:.2f}" if peak and "float32" not in name and "float64" not in name else ""
         rows.append(
             f"| {label} | {E}x{A}x{B} | {name} | {t * 1e3:.2f} | {rate:.0f} | {equiv / t / 1e9:.0f} "
-            f"| {floor:.0f} | {rate / floor:.2f} | {errs[name]:.3f} |"
+            f"| {floor:.0f} | {rate / floor:.2f} | {of_peak} | {errs[name]:.3f} |"
         )
     return rows
 
@@ -145,15 +166,20 @@ def main() -> None:
     parser.add_argument("--big", action="store_true", help="add 4096 x 4096, 4096 x 14336, 64 x 2048 x 1408")
     parser.add_argument("--compiled", action="store_true", help="add ns5_compiled (torch.compile)")
     parser.add_argument("--only", default=None, help="run only shapes whose label contains this")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the device's dense bfloat16 peak (default: GPU_BF16_PEAK_TFLOPS by the device's name)")
     args = parser.parse_args()
     setup_threads(args.threads)
     unknown = {m for m, _ in CONTENDERS + COMPILED} - set(METHODS)
     if unknown:
         raise SystemExit(f"methods {unknown} are not registered")
     print(f"# bench_ortho: {machine()}; clock={args.clock}, median of {args.rounds} interleaved rounds\n")
+    peak = bf16_peak(args.device, args.peak_tflops)
+    if peak:
+        print(f"device's dense bfloat16 peak: {peak / 1e3:.0f} TFLOP/s\n")
     print("| shape | E x A x B | method | ms | GFLOP/s | equiv GFLOP/s | matmul floor GFLOP/s "
-          "| GFLOP/s / floor | max abs(sigma-1) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| GFLOP/s / floor | equiv / bf16 peak | max abs(sigma-1) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for label, E, A, B in SHAPES + (BIG if args.big else []):
         if args.only and args.only not in label:
             continue

@@ -16,7 +16,8 @@ the ratio of the second tree to the first, per round (paired: the two processes 
 back to back), as median, 25th and 75th percentile, min and max.
 
 Usage: ``python benchmarks/bench_trees.py --tree main=/path/to/main/src --tree mine=src
-[--rounds 10] [--steps 3] [--warmup 1] [--threads 1] [--clock process|wall] [--workspace auto|core]``.
+[--rounds 10] [--steps 3] [--warmup 1] [--threads 1] [--clock process|wall] [--workspace auto|core]
+[--orth-dtype default|float32|bfloat16]``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ SETS = ("gpt", "experts")
 
 def worker(args: argparse.Namespace) -> None:
     """In a fresh process importing one tree: the median step time of each set (seconds)."""
+    import torch
     from bench_ortho import conditioned
     from step_sets import LR, WD, gpt_shapes, make_params
     from timing import CLOCKS, setup_threads
@@ -50,6 +52,8 @@ def worker(args: argparse.Namespace) -> None:
             "experts": ([tuple(experts.shape)], [experts])}
     key = "workspace" if "workspace" in inspect.signature(muonclip.Muon).parameters else "backend"  # its older name
     kw = {} if args.workspace == "auto" else {key: args.workspace}
+    if args.orth_dtype != "default":
+        kw["orth_dtype"] = getattr(torch, args.orth_dtype)
     out = {"file": muonclip.__file__}
     for name, (shapes, grads) in sets.items():
         opt = muonclip.Muon(make_params(shapes, grads, "cpu"), lr=LR, weight_decay=WD, **kw)
@@ -78,6 +82,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--clock", choices=("process", "wall"), default="process")
     parser.add_argument("--workspace", default="auto", help="Muon's workspace ('backend' in a tree before the name)")
+    parser.add_argument("--orth-dtype", default="default", choices=("default", "float32", "bfloat16"),
+                        help="Muon's orth_dtype (default: the tree's own default)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -89,8 +95,9 @@ def main() -> None:
     from timing import machine, setup_threads
 
     setup_threads(args.threads)
-    print(f"# bench_trees: {machine()}; clock={args.clock}, workspace={args.workspace!r}, {args.rounds} rounds, median "
-          f"of {args.steps} steps after {args.warmup} per process; trees {trees}")
+    print(f"# bench_trees: {machine()}; clock={args.clock}, workspace={args.workspace!r}, "
+          f"orth_dtype={args.orth_dtype}, {args.rounds} rounds, median of {args.steps} steps after {args.warmup} "
+          f"per process; trees {trees}")
     names = list(trees)
     got: dict[str, dict[str, list[float]]] = {s: {n: [] for n in names} for s in SETS}
     order = random.Random(0)
@@ -98,7 +105,8 @@ def main() -> None:
         for name in order.sample(names, len(names)):
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(trees[name]).resolve()), str(HERE)])}
             cmd = [sys.executable, __file__, "--worker", "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--threads", str(args.threads), "--clock", args.clock, "--workspace", args.workspace]
+                   "--threads", str(args.threads), "--clock", args.clock, "--workspace", args.workspace,
+                   "--orth-dtype", args.orth_dtype]
             out = json.loads(subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
                              .stdout.splitlines()[-1])
             if not out["file"].startswith(str(Path(trees[name]).resolve())):

@@ -7,10 +7,13 @@
 #              recorded per document against a float64 reference);
 #   attention  bench_gated_capture.py (bf16 and float32): exact and gated capture vs SDPA;
 #              bench_attention.py: capture with the flex backend vs plain FlexAttention and SDPA;
-#   step       bench_step.py on the GPT-2-small hidden set (d=768, 12 layers) vs fused AdamW, and
+#   step       bench_step.py on the GPT-2-small hidden set (d=768, 12 layers): the default Muon (its
+#              row names the dtype orth_dtype="auto" picks and why) vs torch.optim.Muon, Keller
+#              Jordan's Muon, fused AdamW and the quintic's bf16/fp32 product floors; and
 #              bench_overhead.py on CUDA (the launch-bound fixed cost per step, NS stubbed);
 #   ortho      bench_ortho.py --big: 4096 x 4096, 4096 x 14336, 64 x 2048 x 1408 vs the matmul floor
-#              (ns5_sym there is the Triton kernel: does it beat cuBLAS's ns5?);
+#              and vs the device's dense bf16 peak (bench_ortho.GPU_BF16_PEAK_TFLOPS; ns5_sym there
+#              is the Triton kernel: does it beat cuBLAS's ns5?);
 #   torchtitan bench_torchtitan.py on one GPU (not in the default list; needs the torchtitan extra):
 #              torchtitan's llama3 (width 512, 8 layers), AdamW / DistMuon / Muon / MuonClip, whole
 #              step and optimizer step, interleaved (NVIDIA's figure for Muon on Kimi K2: -2.1%).

@@ -36,14 +36,17 @@ def round_robin(
     warmup: int = 2,
     clock: str = "wall",
     device: str = "cpu",
+    samples: dict[str, list[float]] | None = None,
 ) -> dict[str, float]:
-    """Median seconds per call of each function, timed interleaved."""
+    """Median seconds per call of each function, timed interleaved; ``samples``, when given, is
+    filled with every round's time of each (round i at index i, for per-round ratios)."""
     tick = CLOCKS[clock]
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     sync(device)
-    samples: dict[str, list[float]] = {name: [] for name in fns}
+    samples = {} if samples is None else samples
+    samples.update({name: [] for name in fns})
     order = list(fns.items())
     shuffle = random.Random(0).shuffle
     for _ in range(rounds):
@@ -63,7 +66,8 @@ def setup_threads(threads: int) -> None:
 
 
 def machine() -> str:
-    """CPU model (from /proc/cpuinfo), torch version and thread count, for the report."""
+    """CPU model (from /proc/cpuinfo) and its matrix instructions, torch version and thread count,
+    for the report."""
     model = "unknown CPU"
     try:
         with open("/proc/cpuinfo") as f:
@@ -73,5 +77,8 @@ def machine() -> str:
                     break
     except OSError:
         pass
+    from muonclip.common.hardware import cpu_matrix_instructions
+
+    model += f" ({', '.join(cpu_matrix_instructions()) or 'no AVX2'})"
     gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     return f"{model}{gpu}; torch {torch.__version__}; {torch.get_num_threads()} threads"

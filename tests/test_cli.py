@@ -14,6 +14,7 @@ from muonclip.app.checkpoints import load_file, read_checkpoint
 from muonclip.app.config import make_config
 from muonclip.app.main import main
 from muonclip.app.metrics import read_rows
+from muonclip.app.model import orthogonalisation
 
 TINY = ["--preset", "tiny", "--quiet", "--threads", "1"]
 
@@ -114,6 +115,8 @@ def test_compare_end_to_end_writes_a_real_report(tmp_path, text, capsys):
     assert read_rows(out / "stability-tuned" / "muon-s0")[-1]["lr"] == pytest.approx(0.02)
     assert f"{table[('muon', 1.0)]['mean']:.4f} ± {table[('muon', 1.0)]['sd']:.4f}" in md
     assert "| adamw | 2x | 0.01M |" in printed and data["reading"] in printed
+    orth = orthogonalisation(make_config("tiny"))  # the dtype "auto" picks on this machine, and why
+    assert f"\n\nMuon's orthogonalisation: {orth}\n" in printed and f"orthogonalisation in {orth}" in md
     csv_lines = (out / "stability" / "muonclip-s0" / "metrics.csv").read_text().splitlines()
     assert len(csv_lines) == 7 and csv_lines[0].startswith("step,tokens,loss,val_loss,lr,max_logit,max_logit_0")
 
@@ -124,6 +127,7 @@ def test_train_interrupt_then_resume_matches_straight_run(tmp_path, text, monkey
     after it."""
     args = ["train", *TINY, "--data", text, "--optimizer", "muonclip", "--steps", "6", "--tau", "0.05"]
     assert main([*args, "--out", str(tmp_path / "straight")]) == 0
+    assert f"; orthogonalisation in {orthogonalisation(make_config('tiny'))}; run folder" in capsys.readouterr().out
 
     at_training_forward(monkeypatch, 3, lambda model, loss: signal.raise_signal(signal.SIGINT))  # Ctrl-C, step 3
     assert main([*args, "--out", str(tmp_path / "run")]) == 130

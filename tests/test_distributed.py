@@ -25,6 +25,7 @@ from muonclip import Muon, param_groups
 from muonclip.common.dtensor import local_rows, shard_rows
 from muonclip.distributed import assign_owners, checkpoint
 from muonclip.models import GPT, GPTConfig
+from muonclip.optim import buckets
 from muonclip.optim.buckets import Bucket
 from muonclip.optim.matrices import matrix_spec
 from muonclip.ortho.newton_schulz import ns_flops
@@ -248,15 +249,21 @@ def test_parity_ns_once_per_whole_matrix_and_same_collectives_on_every_rank(mode
     assert all(r["bf16_wire_diff"] == 0.0 for r in ranks)
 
 
-def _conv1d_run(net, groups, rank=0, world=1, **kw):
-    opt = Muon(groups, **{**OPT, **kw})
-    for s in range(4):
-        g = torch.Generator().manual_seed(2000 + s)
-        x = torch.randn(4, 6, generator=g)
-        n = x.shape[0] // world
-        net(x[rank * n:(rank + 1) * n]).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+def _conv1d_run(net, groups, rank=0, world=1, mode="local", **kw):
+    bound = buckets.STEP_CHUNK_BYTES.get("cpu")
+    if mode == "ddp":  # every bucket cut into chunks of one slot (the bound under one matrix's bytes)
+        buckets.STEP_CHUNK_BYTES["cpu"] = 1
+    try:
+        opt = Muon(groups, **{**OPT, **kw})
+        for s in range(4):
+            g = torch.Generator().manual_seed(2000 + s)
+            x = torch.randn(4, 6, generator=g)
+            n = x.shape[0] // world
+            net(x[rank * n:(rank + 1) * n]).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    finally:
+        buckets.STEP_CHUNK_BYTES["cpu"] = bound
     return _params(net)
 
 
@@ -279,15 +286,18 @@ def _conv1d_net(mode):
 
 
 def _conv1d_worker(rank, world, out_dir, mode):
-    torch.save(_conv1d_run(*_conv1d_net(mode), rank=rank, world=world), os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save(_conv1d_run(*_conv1d_net(mode), rank=rank, world=world, mode=mode),
+               os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_transposed_conv1d_weights_with_splits_match_one_process(mode, tmp_path):
     """Weights stored (in, out) (transformers' Conv1D), one split in three column blocks: FSDP2
-    shards their *input* dimension, so every matrix block is spread over both ranks."""
+    shards their *input* dimension, so every matrix block is spread over both ranks. Under DDP
+    every bucket is orthogonalised one slot at a time (`STEP_CHUNK_BYTES` below one matrix), on
+    the ranks and in the one-process reference: chunks over several ranks, the same update."""
     _launch(_conv1d_worker, str(tmp_path), mode)
-    ref = _conv1d_run(*_conv1d_net("local"), process_group="local")
+    ref = _conv1d_run(*_conv1d_net("local"), process_group="local", mode=mode)
     for r in range(WORLD):
         assert _max_diff(torch.load(tmp_path / f"rank{r}.pt"), ref) <= TOL
 

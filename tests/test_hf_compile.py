@@ -102,7 +102,7 @@ def test_compiled_steps_decide_and_update_as_eager():
     ids, am = batch()
     labels = ids.masked_fill(am == 0, -100)
     eager, compiled = llama(), llama()
-    # float32 orthogonalisation: the bfloat16 default would round the compiled and eager gradients'
+    # float32 orthogonalisation: bfloat16 (what "auto" picks on most machines) would round the compiled and eager gradients'
     # last-bit differences into visibly different updates
     opts = [MuonClip(m, lr=0.02, tau=100.0, orth_dtype=torch.float32) for m in (eager, compiled)]
     with MaxLogitMonitor(opts[0].layers) as monitor, torch.no_grad():  # exact maxima: tau between the heads

@@ -29,7 +29,7 @@ def test_matches_torch_optim_muon(adjust_lr_fn, nesterov):
     ours, theirs = make_params(shapes), make_params(shapes)
     w0 = [p.detach().clone() for p in theirs]
     kw = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
-    a = muonclip.Muon(ours, **kw)
+    a = muonclip.Muon(ours, orth_dtype=torch.bfloat16, **kw)  # torch's dtype, on any machine
     b = torch.optim.Muon(theirs, **kw)
     for step in range(6):
         set_grads([ours, theirs], step)

@@ -187,7 +187,7 @@ def test_compiled_method_does_not_recompile_when_hyperparameters_change():
     raise on any recompile)."""
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(16, 40))
-    opt = muonclip.Muon([p], lr=0.02, method="ns5_compiled")
+    opt = muonclip.Muon([p], lr=0.02, method="ns5_compiled", orth_dtype=torch.bfloat16)
     p.grad = torch.randn_like(p)
     opt.step()  # compiles once for (1, 16, 40) bf16
     with torch._dynamo.config.patch(error_on_recompile=True):

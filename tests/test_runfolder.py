@@ -246,7 +246,7 @@ def test_resume_overrides_are_applied_to_the_optimizer_and_recorded(tmp_path, te
     config = json.loads((changed / "config.json").read_text())
     assert (config["tau"], config["weight_decay"], config["orth_dtype"]) == (0.05, 0.9, "float32")
     assert config["run"]["history"] == [{"step": 4, "changed": {
-        "steps": [4, 6], "weight_decay": [0.1, 0.9], "tau": [100.0, 0.05], "orth_dtype": ["bfloat16", "float32"]}}]
+        "steps": [4, 6], "weight_decay": [0.1, 0.9], "tau": [100.0, 0.05], "orth_dtype": ["auto", "float32"]}}]
     assert read_checkpoint(changed).run.history == config["run"]["history"]
 
 

@@ -55,7 +55,7 @@ import torch
 from .config import OPTIMIZERS, TUNED_PRESETS, RunConfig, check_optimizer, make_config
 from .data import Corpus, check_fits, corpus_size, corpus_warnings, load_corpus
 from .memory import check_memory
-from .model import build_model
+from .model import build_model, orthogonalisation
 from .report import (
     NAMES,
     clip_audit,
@@ -292,7 +292,8 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = 
     compared = [*optimizers, *(("muon", "muonclip") if stab_specs or tuned_specs else ())]
     title = "muonclip compare: " + " vs ".join(NAMES.get(o, o) for o in dict.fromkeys(compared))
     write_summary(out_dir / "summary.md", title, context, text, sections, data)
-    return data, "\n\n".join([*tables, text])
+    orth = [f"Muon's orthogonalisation: {orthogonalisation(cfg)}"] if set(compared) - {"adamw"} else []
+    return data, "\n\n".join([*tables, text, *orth])
 
 
 def rates_tuned(cfg: RunConfig, swept: bool) -> bool:
@@ -382,7 +383,8 @@ def _context(cfg: RunConfig, corpus: Any, optimizers: Sequence[str], n_params: i
         f"data: {corpus.source} ({corpus.train.numel() / 1e6:.2f}M train bytes, {corpus.val.numel() / 1e6:.2f}M "
         f"validation bytes; byte tokens; validation on {cfg.eval_batches} batches every {cfg.eval_every} steps)",
         f"machine: {cpu_name()} ({platform.machine()}), {os.cpu_count()} cores, {jobs} runs at a time with "
-        f"{cfg.threads} thread(s) each; torch {torch.__version__}; wall time of the whole comparison {wall:.0f} s. "
+        f"{cfg.threads} thread(s) each; torch {torch.__version__}; Muon's orthogonalisation in "
+        f"{orthogonalisation(cfg)}; wall time of the whole comparison {wall:.0f} s. "
         "Every run is seeded, so the same figures come back on the same CPU kind and torch version; another CPU "
         "kind runs other kernels and its losses differ (by up to about 0.01 between two kinds measured)",
     ]

@@ -50,7 +50,7 @@ TUNED_PRESETS = ("default", "guards")
 (docs/compare.md: ``guards`` has the ``default`` preset's); the others' are not tuned (``ladder``
 tunes its own at each size)."""
 ATTENTIONS = ("mha", "mla")
-ORTH_DTYPES = ("bfloat16", "float32")
+ORTH_DTYPES = ("auto", "bfloat16", "float32")
 SEED_LIMIT = 2**62  # seeds are 0 <= seed < SEED_LIMIT: torch.manual_seed takes 64-bit values, compare adds offsets
 INT_LIMIT = 2**62
 """The largest value of any whole-number setting (steps, sizes, counts): step counters and tensor
@@ -119,9 +119,11 @@ class RunConfig:
             (default 20, Muon's tuned warm-up, held fixed while their rates were tuned).
         min_lr_ratio: cosine decay from the peak down to peak * min_lr_ratio (default 0.1).
         tau: QK-Clip threshold on the max logit, also drawn on the plots (default 100, K2's).
-        orth_dtype: compute dtype of Muon's orthogonalisation, ``"bfloat16"`` (default, the
-            paper's) or ``"float32"`` (slower; for exact comparisons, e.g. a torchrun run
-            against one process).
+        orth_dtype: compute dtype of Muon's orthogonalisation: ``"auto"`` (default: bfloat16
+            where the device multiplies it natively, a CPU with AMX-BF16 or AVX512-BF16 or a
+            CUDA GPU of compute capability 8.0+, else float32; `muonclip.optim.precision`; the
+            report names what it picked and why), ``"bfloat16"`` (the paper's) or
+            ``"float32"`` (for exact comparisons, e.g. a torchrun run against one process).
 
     Comparison (``muonclip compare`` only; see `muonclip.app.compare`):
         seeds: seeds per setting, ``seed``, ``seed + 1``, ... (default 3).
@@ -184,7 +186,7 @@ class RunConfig:
     warmup_muon_8bit: int | None = 20
     min_lr_ratio: float = 0.1
     tau: float = 100.0
-    orth_dtype: str = "bfloat16"
+    orth_dtype: str = "auto"
     seeds: int = 3
     budgets: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0)
     lr_adamw_budgets: tuple[float, ...] = (0.03394, 0.03394, 0.03394, 0.03394)

@@ -58,7 +58,7 @@ from ..optim import Muon, param_groups
 from .config import RunConfig
 from .data import Corpus, DataError, train_batch, val_batches
 from .data.corpus import SEPARATOR, builtin_corpus_dir, encode, list_documents, read_document
-from .model import build_model
+from .model import build_model, muon_orth_dtype, orthogonalisation
 from .runfolder import OutputError, check_writable, inspect_folder
 from .sweep import bracket, log_grid
 from .train import check_threads, clip_grad_norm, evaluate, lr_factor
@@ -141,7 +141,7 @@ def _optimizer(method: str, model: nn.Module, lr: float, cfg: RunConfig) -> torc
              {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
     if method in ("muon-full", "lora-muon"):
         return Muon(param_groups(model), lr=lr, weight_decay=cfg.weight_decay,
-                    orth_dtype=getattr(torch, cfg.orth_dtype))
+                    orth_dtype=muon_orth_dtype(cfg))
     raise ValueError(f"unknown fine-tuning method {method!r}; choose one of {METHODS}")
 
 
@@ -299,7 +299,7 @@ def compare_finetune(cfg: RunConfig, out_dir: str | Path, *, progress: bool = Tr
         f"{2 * LORA_RANK} on {', '.join(LORA_TARGETS)}; rates tuned on seed {protocol.seeds[0]} (5-point grid, "
         f"ratio {GRID_RATIO:g}, bracketed); seeds {', '.join(map(str, protocol.seeds))}",
         f"machine: {platform.machine()} CPU, {os.cpu_count()} cores, {threads} thread(s); torch {torch.__version__}; "
-        f"wall time {wall:.0f} s",
+        f"Muon's orthogonalisation in {orthogonalisation(cfg)}; wall time {wall:.0f} s",
     ]
     data = {"config": cfg.to_dict(), "protocol": dataclasses.asdict(protocol), "before": before, "rows": rows,
             "tuned": tuned, "finding": found, "published": list(PUBLISHED), "context": context, "wall_time": wall}

@@ -34,12 +34,14 @@ from .data import DataError
 from .launch import (
     DEFAULT_TIMEOUT,
     LAUNCH_HINT,
+    device,
     is_active,
     is_collective_failure,
     launched_by_torchrun,
     mode,
     session,
 )
+from .model import orthogonalisation
 from .resume import check_restart
 from .runfolder import OutputError, check_run_folder
 from .train import Interrupted, NonFiniteLossError
@@ -204,8 +206,9 @@ def _run_train(args: argparse.Namespace) -> int:
         if ctx.rank == 0:
             ranks = f" on {ctx.world_size} processes ({mode(ctx, args.fsdp, args.tp)})" if is_active(ctx, args.fsdp) \
                 else ""
+            orth = "" if optimizer == "adamw" else f"; orthogonalisation in {orthogonalisation(cfg, device(ctx))}"
             print(f"{optimizer}: {result.steps} steps{ranks}, final validation loss {result.final_val_loss:.4f}, "
-                  f"{result.wall_time:.0f}s; run folder {out}")
+                  f"{result.wall_time:.0f}s{orth}; run folder {out}")
     return 0
 
 

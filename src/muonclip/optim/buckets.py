@@ -8,6 +8,15 @@ tensor: the step writes V straight into its slots in the compute dtype (`Bucket.
 materialised in float32 and concatenated), orthogonalises it with one call, and takes each
 weight's result back as soon as its last block is done (`Results`).
 
+**Chunks.** A bucket is orthogonalised in runs of at most a bound's worth of matrices (`Chunk`,
+`chunk_plan`): on a CPU, `STEP_CHUNK_BYTES` caps the bytes one run's V, its result and
+Newton–Schulz's two ``m x m`` temporaries take (`matrix_bytes` per matrix), so the step's
+working set, and the buffers a workspace keeps between steps, stay under that bound whatever
+the model's width or depth. A stack of experts is cut between experts where a run is full (in
+one process: each run's experts are applied to their part of the weight as the run ends); a
+slot that cannot be cut (one matrix, a fused block of a stack, a unit of a multi-rank step) is
+never split, so a run is over the bound only when one such slot alone is.
+
 What a step does that depends only on its weights' shapes, options, devices and (over several
 ranks) placements is its `StepStructure`, built once and cached (`StructureCache`): the units
 of work (`Unit`: a weight, or over several ranks a piece of one), the buckets of the units this
@@ -28,6 +37,7 @@ from torch import Tensor
 
 from ..ortho import METHODS
 from .matrices import MatrixSpec, matrix_spec
+from .precision import resolve_orth_dtype
 from .workspace import Workspace, workspace_for
 
 STRUCTURAL_OPTIONS = ("method", "ns_steps", "orth_dtype", "eps", "ns_coefficients", "flatten", "split_sizes",
@@ -46,6 +56,85 @@ def options_key(group: Mapping[str, Any]) -> tuple:
     return tuple(frozen(group.get(o)) for o in STRUCTURAL_OPTIONS)
 
 
+STEP_CHUNK_BYTES: dict[str, int] = {"cpu": 16 * 2**20}
+"""The most bytes one orthogonalisation call of a step works on, per device type (`matrix_bytes`
+per matrix: V, its result, the quintic's S and P); a device type not listed takes each bucket
+whole.
+
+CPU, 16 MiB: the step's own working set should be small beside the state it saves over AdamW
+(a float32 momentum, 4 bytes per hidden parameter against AdamW's 8: at 25M parameters 97 MiB,
+the bound a sixth of it), and a CPU gains nothing from a wider batch once one run's products
+fill its cores: at that bound a run holds 14 of 384 x 384 matrices in bfloat16, 4 of 512 x 512 in
+float32, one of 2048 x 512 (docs/benchmarks.md measures the step's speed and peak against the
+whole-bucket step). On a GPU the width of a batched product is what fills the device, and its
+caching allocator already holds the memory between steps: the bucket stays whole there.
+
+Read when a step's structure is built (`step_structure`, cached by the optimizer): a change
+applies to the structures built after it; `step_structure`'s ``chunk_bytes`` overrides it.
+"""
+
+
+def matrix_bytes(A: int, B: int, dtype: torch.dtype) -> int:
+    """Bytes one ``A x B`` matrix takes in an orthogonalisation call: its V and its result, and the
+    quintic's ``m x m`` temporaries S and P (m the smaller side), in the compute ``dtype``."""
+    m, n = min(A, B), max(A, B)
+    return (2 * m * n + 2 * m * m) * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """The matrices of a bucket orthogonalised in one call.
+
+    Attributes:
+        parts: ``(slot, lo, hi)``: the matrices ``[lo, hi)`` of the bucket's slot ``slot`` (an
+            expert range of a stack; ``(0, batch)``: the whole slot), in bucket order.
+        size: the number of matrices.
+    """
+
+    parts: tuple[tuple[int, int, int], ...]
+    size: int
+
+
+def chunk_plan(batches: Sequence[int], limit: int | None, splittable: Sequence[bool] = ()) -> list[Chunk]:
+    """The bucket of slots of ``batches`` matrices each cut into chunks of at most ``limit``
+    matrices (None: one chunk, the whole bucket).
+
+    The chunks are filled in slot order up to ``ceil(N / ceil(N / limit))`` matrices each (as
+    many chunks as ``limit`` needs, near-equal in size). A slot marked in ``splittable`` (a stack
+    of experts in one block, in one process) is cut between its matrices where a chunk is full;
+    any other slot goes whole into a chunk with room for it, or starts a new one: a slot of more
+    than ``limit`` matrices that cannot be cut is a chunk alone.
+    """
+    N = sum(batches)
+    if limit is None or N <= limit:
+        return [Chunk(tuple((j, 0, e) for j, e in enumerate(batches)), N)]
+    target = -(-N // -(-N // limit))
+    chunks: list[Chunk] = []
+    parts: list[tuple[int, int, int]] = []
+    size = 0
+    for j, e in enumerate(batches):
+        split, lo = j < len(splittable) and splittable[j], 0
+        while lo < e:
+            take = min(e - lo, target - size) if split else e
+            if size and (take == 0 or size + take > target):  # full, or no room for a whole slot
+                chunks.append(Chunk(tuple(parts), size))
+                parts, size = [], 0
+                continue
+            parts.append((j, lo, lo + take))
+            size, lo = size + take, lo + take
+    chunks.append(Chunk(tuple(parts), size))
+    return chunks
+
+
+def chunk_limit(A: int, B: int, dtype: torch.dtype, device: torch.device,
+                bounds: Mapping[str, int] | None = None) -> int | None:
+    """Matrices per orthogonalisation call for ``A x B`` matrices in ``dtype`` on ``device``: the
+    most that fit in the device type's bound (``bounds``, default `STEP_CHUNK_BYTES`), at least 1;
+    None (the whole bucket) for a device type without one."""
+    bound = (STEP_CHUNK_BYTES if bounds is None else bounds).get(device.type)
+    return None if bound is None else max(1, bound // matrix_bytes(A, B, dtype))
+
+
 @dataclass
 class Bucket:
     """Same-shape matrix blocks with the same settings: one ``orthogonalize`` call.
@@ -53,12 +142,14 @@ class Bucket:
     Attributes:
         A, B: the shape of each matrix.
         device, method, steps, dtype, eps, coefficients: where and how it is orthogonalised
-            (a param group's ``method``, ``ns_steps``, ``orth_dtype``, ``eps``,
-            ``ns_coefficients``).
+            (a param group's ``method``, ``ns_steps``, ``orth_dtype`` resolved for the device
+            (`muonclip.optim.precision`), ``eps``, ``ns_coefficients``).
         workspace: the workspace its tensors come from and that orthogonalises it
             (`muonclip.optim.workspace.Workspace`, the one for ``device``).
         entries: ``(item, block)`` of each slot, in order.
         specs: each slot's item's `MatrixSpec`.
+        chunks: the `Chunk` runs the step orthogonalises it in (`chunk_plan`; set by
+            `step_structure`; default: the whole bucket).
     """
 
     A: int
@@ -72,6 +163,7 @@ class Bucket:
     workspace: Workspace | None = None
     entries: list[tuple[int, int]] = field(default_factory=list)
     specs: list[MatrixSpec] = field(default_factory=list)
+    chunks: list[Chunk] = field(default_factory=list)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -83,20 +175,32 @@ class Bucket:
         """``(N, A, B)``: every slot's matrices stacked."""
         return (sum(s.batch for s in self.specs), self.A, self.B)
 
-    def empty(self) -> Tensor:
-        """An uninitialised bucket from its workspace."""
-        return self.workspace.empty("input", self.shape, self.compute_dtype, self.device)
+    def empty(self, chunk: Chunk | None = None) -> Tensor:
+        """An uninitialised bucket (or ``chunk`` of it: ``(chunk.size, A, B)``) from its workspace."""
+        shape = self.shape if chunk is None else (chunk.size, self.A, self.B)
+        return self.workspace.empty("input", shape, self.compute_dtype, self.device)
+
+    def whole(self) -> Chunk:
+        """The whole bucket as one `Chunk`."""
+        return chunk_plan([s.batch for s in self.specs], None)[0]
 
     def orthogonalize(self, V: Tensor, reuse_result: bool) -> Tensor:
         """Its workspace's ``orthogonalize`` of the filled bucket ``V`` with the bucket's settings."""
         return self.workspace.orthogonalize(V, self.method, self.steps, self.dtype, eps=self.eps,
                                           coefficients=self.coefficients, reuse_result=reuse_result)
 
-    def slots(self, V: Tensor) -> Iterator[tuple[int, int, Tensor]]:
-        """``(item, block, slot)`` of every slot of ``V``, the slot laid out like
-        ``spec.block(t, block)`` of a tensor ``t`` of the item's shape (`MatrixSpec.slot`)."""
-        for (k, b), spec, dst in zip(self.entries, self.specs, V.split([s.batch for s in self.specs])):
-            yield k, b, spec.slot(dst, b)
+    def slots(self, V: Tensor, chunk: Chunk | None = None) -> Iterator[tuple[int, int, slice | None, Tensor]]:
+        """``(item, block, experts, slot)`` of every slot (or part of one) of ``V``, the bucket or
+        its ``chunk``: ``experts`` None for a whole slot, laid out like ``spec.block(t, block)`` of
+        a tensor ``t`` of the item's shape (`MatrixSpec.slot`); else the expert range
+        ``[lo, hi)`` of a stack cut by the chunk, laid out like ``t[lo:hi]``."""
+        parts = (chunk or self.whole()).parts
+        for (j, lo, hi), dst in zip(parts, V.split([hi - lo for _, lo, hi in parts])):
+            (k, b), spec = self.entries[j], self.specs[j]
+            if hi - lo == spec.batch:
+                yield k, b, None, spec.slot(dst, b)
+            else:  # a part of a stack of experts in one block (`step_structure` lets no other slot be cut)
+                yield k, b, slice(lo, hi), dst.mT if spec.transposed else dst
 
 
 def make_buckets(specs: Sequence[MatrixSpec], groups: Sequence[Mapping[str, Any]], devices: Sequence[torch.device],
@@ -108,7 +212,8 @@ def make_buckets(specs: Sequence[MatrixSpec], groups: Sequence[Mapping[str, Any]
     for k in owned:
         spec, g = specs[k], groups[k]
         for b in range(spec.n_blocks):
-            fields = (spec.block_rows(b), spec.cols, devices[k], g["method"], g["ns_steps"], g["orth_dtype"], g["eps"],
+            dtype = resolve_orth_dtype(g["orth_dtype"], g["method"], devices[k])  # "auto": per device
+            fields = (spec.block_rows(b), spec.cols, devices[k], g["method"], g["ns_steps"], dtype, g["eps"],
                       g["ns_coefficients"])
             bucket = buckets.get(frozen(fields))
             if bucket is None:
@@ -133,11 +238,11 @@ class Results:
         self._pieces: dict[int, list[Tensor | None]] = {}
 
     def add(self, k: int, b: int, result: Tensor) -> Tensor | None:
-        """Block ``b`` of item ``k`` is ``result`` (``(E, rows_b, B)``); item k's whole result
-        when this was its last block, else None."""
+        """Block ``b`` of item ``k`` is ``result``, laid out as its slot (`Bucket.slots`); item
+        k's whole result when this was its last block, else None."""
         spec = self._specs[k]
         if spec.n_blocks == 1:
-            return spec.slot(result, 0)
+            return result
         pieces = self._pieces.setdefault(k, [None] * spec.n_blocks)
         missing = sum(p is None for p in pieces) - 1
         pieces[b] = result.clone() if self._reuse and missing else result
@@ -146,15 +251,20 @@ class Results:
         del self._pieces[k]
         out = torch.empty(spec.shape, dtype=result.dtype, device=result.device)
         for i, r in enumerate(pieces):
-            spec.block(out, i).copy_(spec.slot(r, i))
+            spec.block(out, i).copy_(r)
         return out
 
-    def of(self, bucket: Bucket, O: Tensor) -> Iterator[tuple[int, Tensor]]:
-        """``(item, result)`` of every item that ``O``, the bucket's result, completes."""
-        for (k, b), r in zip(bucket.entries, O.split([s.batch for s in bucket.specs])):
+    def of(self, bucket: Bucket, O: Tensor, chunk: Chunk | None = None) -> Iterator[tuple[int, slice | None, Tensor]]:
+        """``(item, experts, result)`` of every item that ``O``, the result of the bucket (or of its
+        ``chunk``), completes (``experts`` None), and of every expert range of a stack that the
+        chunk cut (``experts``: the range, the result laid out like ``t[experts]``)."""
+        for k, b, experts, r in bucket.slots(O, chunk):
+            if experts is not None:
+                yield k, experts, r
+                continue
             whole = self.add(k, b, r)
             if whole is not None:
-                yield k, whole
+                yield k, None, whole
 
 
 Place = tuple[int, tuple[tuple[int, int, float], ...], int]
@@ -209,13 +319,22 @@ class StepStructure:
     total_flops: int
     routes: Any = None
 
+    def chunks(self) -> Iterator[tuple[Bucket, Chunk]]:
+        """``(bucket, chunk)`` of every chunk of every bucket, in order: one orthogonalisation
+        call each (`chunk_plan`)."""
+        for bucket in self.buckets:
+            for chunk in bucket.chunks or [bucket.whole()]:
+                yield bucket, chunk
+
 
 def step_structure(live: Sequence[tuple[Mapping[str, Any], Tensor]], devices: Sequence[torch.device],
-                   workspace: Workspace, plan: Any = None) -> StepStructure:
+                   workspace: Workspace, plan: Any = None, chunk_bytes: Mapping[str, int] | None = None
+                   ) -> StepStructure:
     """The `StepStructure` of the weights ``live`` (``(param group, parameter)``, this process's
     tensors on ``devices``), their buckets from ``workspace``: every weight one unit orthogonalised
     here, or, with ``plan`` (`muonclip.optim.distribution.Routes`, from ``Exchange.plan``), the
-    units, owned units, places and flops it says."""
+    units, owned units, places and flops it says. Each bucket is cut into chunks of at most
+    ``chunk_bytes[device type]`` bytes (`chunk_limit`; default `STEP_CHUNK_BYTES`)."""
     specs = [matrix_spec(p.shape, g) for g, p in live]
     if plan is None:
         units = [Unit(k, spec) for k, spec in enumerate(specs)]
@@ -226,6 +345,10 @@ def step_structure(live: Sequence[tuple[Mapping[str, Any], Tensor]], devices: Se
         units, owned, places, flops, total = plan.units, plan.owned, plan.places, plan.flops, plan.total_flops
     buckets = make_buckets([u.spec for u in units], [live[u.k][0] for u in units], [devices[u.k] for u in units],
                            owned, workspace)
+    for bucket in buckets:  # stacks cut between experts only in one process (a rank scatters whole units)
+        bucket.chunks = chunk_plan([s.batch for s in bucket.specs],
+                                   chunk_limit(bucket.A, bucket.B, bucket.compute_dtype, bucket.device, chunk_bytes),
+                                   [plan is None and s.n_blocks == 1 and s.batch > 1 for s in bucket.specs])
     direct = [0] * len(live)
     for u in owned:
         if units[u].direct:
@@ -270,5 +393,6 @@ class StructureCache:
         return len(self._kept)
 
 
-__all__ = ["STRUCTURAL_OPTIONS", "Bucket", "Place", "Results", "StepStructure", "StructureCache", "Unit", "frozen",
-           "make_buckets", "options_key", "step_structure"]
+__all__ = ["STEP_CHUNK_BYTES", "STRUCTURAL_OPTIONS", "Bucket", "Chunk", "Place", "Results", "StepStructure",
+           "StructureCache", "Unit", "chunk_limit", "chunk_plan", "frozen", "make_buckets", "matrix_bytes",
+           "options_key", "step_structure"]

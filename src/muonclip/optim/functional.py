@@ -58,7 +58,8 @@ import torch
 from torch import Tensor
 
 from ..ortho import check_method
-from .buckets import Bucket, Place, Results, StepStructure, Unit, step_structure
+from .buckets import Bucket, Chunk, Place, Results, StepStructure, Unit, step_structure
+from .matrices import MatrixSpec
 from .quantized import QuantLayout, dequantize, quantize_
 from .workspace import CoreWorkspace
 
@@ -220,8 +221,9 @@ def muon_step(weights: Sequence[MuonWeight], structure: StepStructure, exchange:
     ``exchange`` (`muonclip.optim.distribution.Exchange`; None in one process): the gather of V
     to the owners before orthogonalisation, the scatter of the results after. A weight's momentum
     is updated just before its V is first formed (8-bit: its float32 copy dropped after its last
-    block); a bucket is written in the compute dtype, orthogonalised in one call by its workspace; a
-    result is applied once its weight is complete (the workspace may then reuse it), or scattered.
+    block); each bucket is written in chunks (`StepStructure.chunks`) in the compute dtype, each
+    orthogonalised in one call by its workspace; a result is applied once its weight (or the stack's
+    experts a chunk cut) is complete (the workspace may then reuse it), or scattered.
     """
     units, left = structure.units, list(structure.direct_blocks)  # slots still to form from each momentum
     fresh, momenta = set(range(len(weights))), {}  # weights whose momentum is not updated yet; this step's M
@@ -242,42 +244,47 @@ def muon_step(weights: Sequence[MuonWeight], structure: StepStructure, exchange:
     v_of.cache_clear()
     for k in [k for k in momenta if not left[k]]:
         del momenta[k]
-    reuse, done, matrices = exchange is None, {}, 0
+    reuse, done = exchange is None, {}
     results = Results([u.spec for u in units], reuse_result=reuse)
     normuon = any(w.second_moment is not None for w in weights)
-    for bucket in structure.buckets:
-        V = bucket.empty()
-        for u, b, slot in bucket.slots(V):
+    for bucket, chunk in structure.chunks():
+        V = bucket.empty(chunk)
+        for u, b, experts, slot in bucket.slots(V, chunk):
             unit, w = units[u], weights[units[u].k]
             if u in whole:  # assembled by the gather
                 slot.copy_(unit.spec.block(whole[u], b))
                 continue
-            muon_input(unit.spec.block(w.grad, b), unit.spec.block(momentum(unit.k), b), w.momentum, w.nesterov,
-                       out=slot)
-            left[unit.k] -= 1
+            G, M = (_block(unit.spec, t, b, experts) for t in (w.grad, momentum(unit.k)))
+            muon_input(G, M, w.momentum, w.nesterov, out=slot)
+            left[unit.k] -= experts is None or experts.stop == unit.spec.batch  # once the slot is formed
             if not left[unit.k]:
                 del momenta[unit.k]
         O = bucket.orthogonalize(V, reuse_result=reuse)
         if normuon:
-            normuon_bucket_(bucket, O, lambda u, b: neuron_moment(weights[units[u].k], units[u], b))
-        for u, O_u in results.of(bucket, O):
+            normuon_bucket_(bucket, O, lambda u, b: neuron_moment(weights[units[u].k], units[u], b), chunk)
+        for u, experts, O_u in results.of(bucket, O, chunk):
             if exchange is None:
-                _apply(weights[units[u].k], O_u, structure.places[units[u].k])
+                _apply(weights[units[u].k], O_u, structure.places[units[u].k], experts)
             else:
                 done[u] = O_u
-        matrices += V.shape[0]
     for k in sorted(fresh):  # the momentum of the weights this process neither orthogonalises nor sends
         momentum(k)
     for k, O_k in exchange.scatter(structure.routes, done, weights) if exchange is not None else ():
         _apply(weights[k], O_k, structure.places[k])
-    return matrices
+    return sum(bucket.shape[0] for bucket in structure.buckets)
 
 
-def _apply(w: MuonWeight, update: Tensor, place: Place) -> None:
-    """`apply_blocks_` of ``update`` to weight ``w``'s rows at ``place``."""
+def _block(spec: MatrixSpec, t: Tensor, b: int, experts: slice | None) -> Tensor:
+    """Block ``b`` of ``t`` (`MatrixSpec.block`), or its ``experts`` (a one-block stack cut by a chunk)."""
+    return spec.block(t, b) if experts is None else t[experts]
+
+
+def _apply(w: MuonWeight, update: Tensor, place: Place, experts: slice | None = None) -> None:
+    """`apply_blocks_` of ``update`` to weight ``w``'s rows at ``place`` (of its ``experts`` only:
+    the result of a chunk's part of a stack)."""
     axis, ranges, offset = place
-    apply_blocks_(w.param, update, lr=w.lr, weight_decay=w.weight_decay, axis=axis, ranges=ranges, offset=offset,
-                  cautious=w.cautious)
+    apply_blocks_(w.param if experts is None else w.param[experts], update, lr=w.lr, weight_decay=w.weight_decay,
+                  axis=axis, ranges=ranges, offset=offset, cautious=w.cautious)
 
 
 def neuron_moment(w: MuonWeight, unit: Unit, b: int) -> tuple[Tensor, float] | None:
@@ -290,13 +297,17 @@ def neuron_moment(w: MuonWeight, unit: Unit, b: int) -> tuple[Tensor, float] | N
 
 
 def normuon_bucket_(bucket: Bucket, O: Tensor,
-                    moment_of: Callable[[int, int], tuple[Tensor, float] | None]) -> None:
-    """`normalize_neurons_` of every slot of the orthogonalised bucket ``O`` whose item has
-    NorMuon: ``moment_of(item, block)`` gives its second-moment rows ``(E, rows_b)`` and beta2."""
-    for (k, b), r in zip(bucket.entries, O.split([s.batch for s in bucket.specs])):
+                    moment_of: Callable[[int, int], tuple[Tensor, float] | None], chunk: Chunk | None = None) -> None:
+    """`normalize_neurons_` of every slot of the orthogonalised bucket ``O`` (or ``chunk`` of it)
+    whose item has NorMuon: ``moment_of(item, block)`` gives its second-moment rows ``(E, rows_b)``
+    and beta2 (the rows of a chunk's expert range, for a part of a stack)."""
+    parts = (chunk or bucket.whole()).parts
+    for (j, lo, hi), r in zip(parts, O.split([hi - lo for _, lo, hi in parts])):
+        k, b = bucket.entries[j]
         moment = moment_of(k, b)
         if moment is not None:
-            normalize_neurons_(r, *moment)
+            rows, beta2 = moment
+            normalize_neurons_(r, rows if hi - lo == len(rows) else rows[lo:hi], beta2)
 
 
 def apply_blocks_(param: Tensor, update: Tensor, *, lr: float, weight_decay: float, axis: int,

@@ -29,6 +29,7 @@ from .distribution import Engine, Exchange, StepStats, engine_for
 from .functional import MuonWeight, muon_step
 from .masked import MaskedStep
 from .matrices import MatrixSpec, matrix_spec
+from .precision import AUTO, orth_dtype_choice, orth_dtype_name
 from .quantized import dequantize, quant_layout, quantize_, scale_like
 from .scale import scale_name
 from .state_dicts import state_dtype
@@ -111,8 +112,14 @@ class Muon(torch.optim.Optimizer):
             = sqrt(max(1, A/B)) (torch.optim.Muon's default, Keller Jordan's), ``"unscaled"`` = 1.
         method: orthogonalisation method, ``"ns5"`` (default), ``"polar_express"``, ``"gram"``,
             ``"svd"`` or any name in ``muonclip.ortho.METHODS``.
-        orth_dtype: compute dtype of the orthogonalisation (default torch.bfloat16; float32
-            for accuracy, float64 for svd).
+        orth_dtype: compute dtype of the orthogonalisation (default ``"auto"``: bfloat16 where
+            the parameters' device multiplies it natively — a CUDA GPU of compute capability 8.0
+            or more, a CPU with AMX-BF16 or AVX512-BF16 — and float32 elsewhere, resolved per
+            device when the step builds its buckets, `muonclip.optim.precision`; the method's
+            own default for one without bfloat16, ``"svd"``: float64). A dtype
+            (``torch.bfloat16``, ``torch.float32`` for accuracy, ``torch.float64`` for svd) is
+            used on every device. The two differ by rounding only; the optimizer's repr names
+            the dtype each device gets and why.
         betas: AdamW branch moment coefficients (default (0.9, 0.95)).
         adamw_eps: AdamW branch epsilon (default 1e-8); a group key too (``eps`` is always
             Newton–Schulz's).
@@ -127,8 +134,8 @@ class Muon(torch.optim.Optimizer):
             ``"local"`` turns communication off. ``last_step_stats``
             (`muonclip.optim.distribution.StepStats`) reports this rank's share.
         comm_dtype: wire dtype of those exchanges (default None: the momentum dtype,
-            float32). ``torch.bfloat16`` halves the bytes; with ``orth_dtype=torch.bfloat16``
-            it is lossless for the built-in methods.
+            float32). ``torch.bfloat16`` halves the bytes; where the orthogonalisation runs in
+            bfloat16 it is lossless for the built-in methods.
         workspace: where buckets live and how they are orthogonalised
             (`muonclip.optim.workspace`): ``"auto"`` (default: ``"buffered"`` for CPU parameters,
             buffers kept between steps, measured faster there, docs/benchmarks.md; ``"core"``
@@ -186,7 +193,8 @@ class Muon(torch.optim.Optimizer):
     and ``steps_skipped`` are attributes, copied into every param group (so a parameter swapped
     by a wrapper, or a state dict flattened per parameter, keeps them;
     `muonclip.optim.state_dicts`). ``state_dict()`` writes dtypes (``orth_dtype``) as strings,
-    so any checkpointer can save it. `load_state_dict` also takes torch.optim.Muon's state dict
+    so any checkpointer can save it; ``orth_dtype="auto"`` is saved as ``"auto"``, so a state
+    loaded on another kind of machine resolves it there. `load_state_dict` also takes torch.optim.Muon's state dict
     (momentum converted: torch keeps an average, we keep a sum); `torch_state_dict` gives one
     torch.optim.Muon or torch.optim.AdamW continues; `load_torch_state_dicts` takes torch's
     Muon + AdamW pair into this one optimizer (docs/migrating.md).
@@ -211,7 +219,7 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int | None = None,
         adjust_lr_fn: str | None = "match_rms_adamw",
         method: str = "ns5",
-        orth_dtype: torch.dtype = torch.bfloat16,
+        orth_dtype: torch.dtype | str | None = "auto",
         betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
         on_nonfinite: str = "raise",
@@ -279,6 +287,26 @@ class Muon(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
         self._record_wide_state()
+
+    def __repr__(self) -> str:
+        """torch's optimizer repr, where a Muon group's ``orth_dtype: auto`` also names the dtype
+        it resolves to on each device of the group's parameters, and why
+        (`muonclip.optim.precision`), e.g. ``orth_dtype: auto -> bfloat16 on cpu (the CPU has
+        AMX-BF16 and AVX512-BF16)``."""
+        lines = [f"{type(self).__name__} ("]
+        for i, group in enumerate(self.param_groups):
+            lines.append(f"Parameter Group {i}")
+            for key in sorted(group):
+                if key == "params":
+                    continue
+                value = group[key]
+                if key == "orth_dtype" and value == AUTO and group["algorithm"] == "muon":
+                    devices = dict.fromkeys(p.device for p in group["params"]) or [torch.device("cpu")]
+                    value = "auto -> " + "; ".join(
+                        f"{orth_dtype_name(choice[0])} on {d} ({choice[1]})"
+                        for d, choice in ((d, orth_dtype_choice(AUTO, group["method"], d)) for d in devices))
+                lines.append(f"    {key}: {value}")
+        return "\n".join(lines) + "\n)"
 
     # ----------------------------------------------------------------------------------------
     # the step
@@ -534,7 +562,7 @@ class Muon(torch.optim.Optimizer):
         For Muon: torch's momentum convention (``buf = (1 - mu) M``, the average torch keeps),
         concrete ``ns_steps`` and ``ns_coefficients``. Only groups whose settings torch can
         express: ``method`` ns5 (or ``ns5_sym``/``ns5_compiled``, the same quintic),
-        ``orth_dtype`` bfloat16, ``adjust_lr_fn`` "original" or "match_rms_adamw", 2-D weights
+        ``orth_dtype`` bfloat16 or ``"auto"``, ``adjust_lr_fn`` "original" or "match_rms_adamw", 2-D weights
         orthogonalised whole; anything else raises a ValueError that names it. For AdamW: the
         moments, ``step`` as a float32 tensor, ``eps`` = our ``adamw_eps``. Build the torch
         optimizer with those groups' parameters, in the same groups and order, then

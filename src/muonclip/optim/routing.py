@@ -35,7 +35,8 @@ into their maps by default, so a fused model takes the steps of the same model s
 ``per_head=True`` cuts q/k/v and MLA up-projections into one block per head; routers and MLA
 weights stay one matrix; per-expert biases are vectors (AdamW). An explicit ``split=`` pattern
 wins over all of it, and ``split_fused=False`` keeps fused weights whole. ``.report()`` shows
-every split and why.
+every split and why, and the dtype the Muon weights are orthogonalised in on their device and why
+(`muonclip.optim.precision`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from torch import nn
 from ..common.family_readers import adapter_role, copied_name, output_layer, stored_transposed
 from .flat import refuse_flat_model
 from .fused import WeightSplit, weight_splits
+from .precision import AUTO, explain_orth_dtype
 
 HEAD_NAMES = ("lm_head", "head", "output", "unembed", "classifier", "score")
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -99,7 +101,18 @@ class ParamGroups(list):
         unknown = [r.name for r in self.routes if r.reason == "fused? layout unknown"]
         if unknown:
             lines.append(f"Fused, layout unknown (one matrix each; cut with split=): {', '.join(unknown)}")
+        lines.extend(self._precision_lines())
         return "\n".join(lines)
+
+    def _precision_lines(self) -> list[str]:
+        """Where the Muon weights are orthogonalised in which dtype and why: a group's own
+        ``orth_dtype``/``method``, else Muon's defaults (``"auto"``, ``"ns5"``;
+        `muonclip.optim.precision`)."""
+        seen = dict.fromkeys((g.get("orth_dtype", AUTO), g.get("method", "ns5"), p.device)
+                             for g in self if g["algorithm"] == "muon" for p in g["params"])
+        default = "" if all("orth_dtype" in g for g in self if g["algorithm"] == "muon") else \
+            " (Muon's default orth_dtype='auto'; orth_dtype=torch.float32 or torch.bfloat16 sets it)"
+        return [f"Orthogonalisation{default}: " + "; ".join(explain_orth_dtype(*k) for k in seen)] if seen else []
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -30,7 +30,9 @@ are read from there and never put back into the state.
 
 **The saved form** holds nothing a checkpointer cannot store (`saved_form`): torch dtypes in
 param groups (``orth_dtype``) are strings such as ``"torch.bfloat16"``, turned back into dtypes
-on load (`from_saved_form`); everything else is a tensor, a number, a string, None or a list,
+on load (`from_saved_form`); ``orth_dtype="auto"`` stays ``"auto"``, never the dtype it resolved
+to, so a state saved on one kind of machine and loaded on another resolves it for the machine
+that loads it (`muonclip.optim.precision`); everything else is a tensor, a number, a string, None or a list,
 tuple or dict of those, which ``torch.distributed.checkpoint`` (full or sharded, with or without
 ``cpu_offload``), accelerate and Lightning save.
 
@@ -52,6 +54,7 @@ from torch import Tensor
 
 from ..ortho import METHODS
 from ..ortho.newton_schulz import NS5_COEFFICIENTS
+from .precision import AUTO
 from .scale import scale_name
 from .validation import check_group
 
@@ -330,7 +333,7 @@ def _check_torch_muon(i: int, g: Mapping[str, Any], own: Mapping[str, Any]) -> N
     problems = []
     if g["method"] not in _TORCH_MUON_METHODS:
         problems.append(f"method={g['method']!r} (torch.optim.Muon runs the quintic 'ns5')")
-    if own["orth_dtype"] not in (None, torch.bfloat16):
+    if own["orth_dtype"] not in (None, AUTO, torch.bfloat16):  # "auto": the same update up to rounding
         problems.append(f"orth_dtype={own['orth_dtype']} (torch.optim.Muon orthogonalises in bfloat16)")
     if g["adjust_lr_fn"] not in ("original", "match_rms_adamw"):
         problems.append(f"adjust_lr_fn={g['adjust_lr_fn']!r} (torch: 'original' or 'match_rms_adamw')")

@@ -10,9 +10,10 @@ setting is refused with the same message wherever it comes from. It raises
   finite and in its range (nan and inf never are: they would reach every weight), or so large
   that what the step computes from it overflows the parameters' dtype (`check_step_scalars`:
   ``lr * weight_decay``, Muon's ``lr * scale`` of each matrix, AdamW's ``lr / (1 - beta1)``);
-  a flag that is not True or False; an unknown ``algorithm`` or orthogonalisation method, a
-  group key that is missing, a 0-D/1-D tensor in a Muon group, or matrix keys that do not fit a
-  weight (`muonclip.optim.matrices.matrix_spec`);
+  a flag that is not True or False; an unknown ``algorithm`` or orthogonalisation method, an
+  ``orth_dtype`` that is not ``"auto"``, None or a dtype the method computes in, a group key that
+  is missing, a 0-D/1-D tensor in a Muon group, or matrix keys that do not fit a weight
+  (`muonclip.optim.matrices.matrix_spec`);
 * TypeError for a complex parameter: Muon's orthogonalisation and update scale are defined for
   real matrices (a complex ``(A, B)`` viewed as real ``(A, 2B)`` would be another optimizer),
   so ``Muon`` refuses complex parameters when they are added, not at the first step.
@@ -48,6 +49,7 @@ from torch import Tensor
 
 from ..ortho import check_method
 from .matrices import matrix_spec
+from .precision import AUTO
 from .scale import scale_name
 
 ALGORITHMS = ("muon", "adamw")
@@ -221,10 +223,14 @@ def check_group(group: Mapping[str, Any], where: str = "a param group's ", conte
         if coefficients is not None and (not isinstance(coefficients, (tuple, list)) or not all(
                 isinstance(c, (int, float)) and not isinstance(c, bool) for c in coefficients)):
             raise ValueError(f"ns_coefficients must be None or three numbers (a, b, c), got {coefficients!r}")
-        check_method(group["method"], group["ns_steps"], group["orth_dtype"], coefficients)
         orth = group["orth_dtype"]
+        if orth is not None and orth != AUTO and not isinstance(orth, torch.dtype):
+            raise ValueError(f"orth_dtype must be 'auto', None (the method's default) or a torch dtype such as "
+                             f"torch.bfloat16 or torch.float32, got {orth!r}")
+        check_method(group["method"], group["ns_steps"], None if orth == AUTO else orth, coefficients)
         eps = _float(f"{where}eps", group["eps"])
-        if isinstance(orth, torch.dtype) and orth.is_floating_point and eps > torch.finfo(orth).max:
+        narrowest = torch.bfloat16 if orth == AUTO else orth  # "auto" may resolve to bfloat16
+        if isinstance(narrowest, torch.dtype) and narrowest.is_floating_point and eps > torch.finfo(narrowest).max:
             raise ValueError(f"{where}eps={eps:g} does not fit orth_dtype {orth}")
     except (ValueError, TypeError) as e:
         raise ValueError(f"{context}{e}") from None

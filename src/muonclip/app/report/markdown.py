@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..model import orthogonalisation
 from .figures import mean_sd
 
 
@@ -182,7 +183,7 @@ def protocol_markdown(cfg: Any, optimizers: Sequence[str], swept: bool) -> str:
     lines.append(f"- held fixed (not swept by this run): AdamW betas (0.9, 0.95) and eps 1e-8; weight decay "
                  f"{cfg.weight_decay:g}; cosine to {cfg.min_lr_ratio:g} of the peak; gradient clipping at "
                  f"{cfg.grad_clip:g}; batch {cfg.batch_size} x {cfg.block_size}; Muon momentum 0.95 (Nesterov), "
-                 f"orthogonalisation ns5 in {cfg.orth_dtype}")
+                 f"orthogonalisation ns5 in {orthogonalisation(cfg)}")
     lines.append(f"- seeds reported: {', '.join(str(cfg.seed + i) for i in range(cfg.seeds))}")
     return "\n".join(lines)
 
