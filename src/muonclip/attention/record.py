@@ -102,12 +102,14 @@ class Kernel(ABC):
 
     Subclasses implement `run`; a kernel that computes each query row's max logit in the same
     pass implements `run_with_row_max`; one whose pairs only it knows (a block mask the call's
-    ``attn_mask`` cannot express) sets ``row_max_only``, and then `run_with_row_max` must succeed.
+    ``attn_mask`` cannot express), or whose row maxima cost nothing (it materialises the scores),
+    sets ``row_max_only``, and then `run_with_row_max` must succeed.
     """
 
     row_max_only = False
-    """True when the call's ``attn_mask`` / ``is_causal`` do not describe the kernel's pairs, so
-    the max can only come from the kernel itself (`run_with_row_max`)."""
+    """True when the max is to come from the kernel itself (`run_with_row_max`): the call's
+    ``attn_mask`` / ``is_causal`` do not describe the kernel's pairs, or the kernel has its row
+    maxima for free."""
 
     @abstractmethod
     def run(self, call: AttentionCall, lse: bool) -> tuple[Tensor, Tensor | None]:

@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import MaxLogitRecorder, scaled_dot_product_attention
-from ..attention.forward_rule import recorders_to_feed, unseen_by_selective_checkpointing
+from ..attention.call import AttentionCall
+from ..attention.record import Kernel, attend
 from ..qkclip.layouts import AttentionLayer, GQALayout, MHALayout, MLALayout
 
 
@@ -150,6 +151,40 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+class _SoftcapKernel(Kernel):
+    """Causal attention over soft-capped logits, eager; its row maxima are those of the raw
+    logits, taken from the scores it materialises anyway (``row_max_only``)."""
+
+    row_max_only = True
+
+    def __init__(self, cap: float) -> None:
+        self.cap = cap
+
+    def _scores(self, call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = call.query, call.key, call.value
+        hq, hkv = q.shape[1], k.shape[1]
+        if hkv != hq:
+            k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
+        s = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if call.scale is None else call.scale)  # (B, H, T, T)
+        T = q.shape[2]
+        future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+        return s.masked_fill(future, -math.inf), v, future
+
+    def _output(self, call: AttentionCall, s: Tensor, v: Tensor, future: Tensor) -> Tensor:
+        weights = torch.softmax((self.cap * torch.tanh(s / self.cap)).masked_fill(future, -math.inf), dim=-1)
+        if call.dropout_p:
+            weights = F.dropout(weights, call.dropout_p)
+        return weights @ v
+
+    def run(self, call: AttentionCall, lse: bool) -> tuple[Tensor, Tensor | None]:
+        s, v, future = self._scores(call)
+        return self._output(call, s, v, future), None
+
+    def run_with_row_max(self, call: AttentionCall) -> tuple[Tensor, Tensor]:
+        s, v, future = self._scores(call)
+        return self._output(call, s, v, future), s.detach().amax(dim=-1)
+
+
 def softcap_attention(q: Tensor, k: Tensor, v: Tensor, cap: float, *, scale: float | None = None,
                       dropout_p: float = 0.0, recorder: MaxLogitRecorder | None = None,
                       training: bool = True) -> Tensor:
@@ -158,8 +193,9 @@ def softcap_attention(q: Tensor, k: Tensor, v: Tensor, cap: float, *, scale: flo
 
     Computed eagerly (the ``(B, H, T, T)`` scores are materialised). The recorder receives, on
     the calls `muonclip.attention.forward_rule` says feed it (a training forward, or an active
-    monitor), each query head's max of the *raw* logits ``s_ij`` over the allowed pairs: the
-    capped maximum is ``cap * tanh(raw / cap)`` of it (tanh is increasing).
+    monitor), each query head's max of the *raw* logits ``s_ij`` over the allowed pairs (the
+    kernel's own row maxima, through `muonclip.attention.record.attend`): the capped maximum is
+    ``cap * tanh(raw / cap)`` of it (tanh is increasing).
 
     Args:
         q: ``(B, Hq, T, D)``.
@@ -176,22 +212,8 @@ def softcap_attention(q: Tensor, k: Tensor, v: Tensor, cap: float, *, scale: flo
     """
     if not cap > 0:
         raise ValueError(f"the soft cap must be > 0, got {cap!r}")
-    hq, hkv = q.shape[1], k.shape[1]
-    if hkv != hq:
-        k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
-    s = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)  # (B, H, T, T)
-    T = q.shape[2]
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    targets = recorders_to_feed(recorder, training)
-    if targets:
-        with unseen_by_selective_checkpointing():
-            per_head = s.detach().masked_fill(future, -math.inf).amax(dim=(0, 2, 3)).float()
-            for target in targets:
-                target.update(per_head)
-    weights = torch.softmax((cap * torch.tanh(s / cap)).masked_fill(future, -math.inf), dim=-1)
-    if dropout_p:
-        weights = F.dropout(weights, dropout_p)
-    return weights @ v
+    call = AttentionCall(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return attend(call, recorder, training, _SoftcapKernel(cap))
 
 
 # ----------------------------------------------------------------------------------------------
