@@ -73,7 +73,7 @@ from .report import (
 from .runfolder import OutputError, check_writable, inspect_folder
 from .runner import RunSpec, run_all
 from .sweep import budget_steps, tune
-from .train import check_threads
+from .train_setup import check_threads
 
 EFFICIENCY = ("adamw", "muon")
 

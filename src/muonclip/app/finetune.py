@@ -61,7 +61,8 @@ from .data.corpus import SEPARATOR, builtin_corpus_dir, encode, list_documents, 
 from .model import build_model
 from .runfolder import OutputError, check_writable, inspect_folder
 from .sweep import bracket, log_grid
-from .train import check_threads, clip_grad_norm, evaluate, lr_factor
+from .train import clip_grad_norm, evaluate, lr_factor
+from .train_setup import check_threads
 
 HELD_OUT = "histories"
 """The genre of the built-in plays held out from pre-training and fine-tuned on."""
