@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ..common.dtensor import is_dtensor
-from . import state_dicts, state_validation
+from . import state_dicts, state_validation, torch_state_dicts
 from .adamw import adamw_step
 from .buckets import StepStructure, StructureCache, options_key, step_structure
 from .distribution import Engine, Exchange, StepStats, engine_for
@@ -540,7 +540,7 @@ class Muon(torch.optim.Optimizer):
         optimizer with those groups' parameters, in the same groups and order, then
         ``load_state_dict`` this (docs/migrating.md).
         """
-        return state_dicts.torch_state_dict(self.state_dict(), self.param_groups, algorithm)
+        return torch_state_dicts.torch_state_dict(self.state_dict(), self.param_groups, algorithm)
 
     def load_torch_state_dicts(self, muon: dict[str, Any], adamw: dict[str, Any] | None = None, *,
                                muon_params: Sequence[Tensor] | None = None,
@@ -557,7 +557,7 @@ class Muon(torch.optim.Optimizer):
         ValueError for a parameter found in neither dict or in the wrong algorithm's, and for
         anything `load_state_dict` refuses (docs/migrating.md).
         """
-        self.load_state_dict(state_dicts.from_torch(self.state_dict(), self.param_groups, muon, adamw,
+        self.load_state_dict(torch_state_dicts.from_torch(self.state_dict(), self.param_groups, muon, adamw,
                                                     muon_params=muon_params, adamw_params=adamw_params))
 
 
