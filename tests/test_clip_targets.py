@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 from muonclip.attention import MaxLogitRecorder
-from muonclip.qkclip import AttentionLayer, GQALayout, MHALayout, MLALayout, MuonClip, Rows, StridedRows
-from muonclip.qkclip.layouts import Magnitudes
+from muonclip.qkclip import AttentionLayer, GQALayout, Magnitudes, MHALayout, MLALayout, MuonClip, Rows, StridedRows
 from muonclip.qkclip.writable import refusal
 
 H, HD, D = 4, 4, 12

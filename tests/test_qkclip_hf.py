@@ -41,7 +41,7 @@ from transformers import (  # noqa: E402
 )
 
 from muonclip.integrations.hf import ATTN_IMPLEMENTATION, RECORDER_ATTR, attach  # noqa: E402
-from muonclip.qkclip.layouts import GQALayout, MHALayout, MLALayout, Rows  # noqa: E402
+from muonclip.qkclip import GQALayout, MHALayout, MLALayout, Rows  # noqa: E402
 
 VOCAB, B, T = 64, 3, 9
 
@@ -386,7 +386,7 @@ def test_attach_fused_projections_as_row_ranges(kind):
         c = model.transformer.h[0].attn.c_attn  # weight (32, 96) = (in, out), bias (96,)
         assert (lay.q_weight, lay.k_weight) == (Rows(c.weight, 0, 32, True), Rows(c.weight, 32, 64, True))
         assert (lay.q_bias, lay.k_bias) == (Rows(c.bias, 0, 32), Rows(c.bias, 32, 64))
-    from muonclip.qkclip.layouts import scale_rows_
+    from muonclip.qkclip.rows import scale_rows_
 
     t = torch.randn(6, 10)
     for rows, expect in ((Rows(t, 2, 5), lambda x, f: x[2:5] * f[:, None]),

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from ..qkclip.layouts import Magnitudes
+from ..qkclip.rows import Magnitudes
 from .families import ADAPTER_BASE, ADAPTER_COPIES, DORA_MAGNITUDE, LORA_A
 
 

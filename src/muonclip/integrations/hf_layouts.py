@@ -60,8 +60,9 @@ from ..common.family_readers import (
     separate_projections,
     stored_transposed,
 )
-from ..qkclip.layouts import GQALayout, Layout, MHALayout, MLALayout, Rows, StridedRows
+from ..qkclip.layouts import GQALayout, Layout, MHALayout, MLALayout
 from ..qkclip.qknorm import check_no_qk_norm
+from ..qkclip.rows import Rows, StridedRows
 from .families import CLAMPS, OUTPUT_NORMS, SELECTION_CHILDREN
 from .hf_adapters import projection_rows, unwrap
 

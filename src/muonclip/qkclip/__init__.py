@@ -7,8 +7,9 @@ Hugging Face transformers models are found through `muonclip.integrations.hf` (r
 from .check import QKClipIneffectiveError, QKClipIneffectiveWarning
 from .clip import all_reduce_max_, apply_qk_clip, compute_gamma
 from .discovery import discover_layers, register_discoverer
-from .layouts import GQA_POLICIES, AttentionLayer, GQALayout, Layout, MHALayout, MLALayout, Rows, StridedRows
+from .layouts import GQA_POLICIES, AttentionLayer, GQALayout, Layout, MHALayout, MLALayout
 from .muonclip import MuonClip
+from .rows import Magnitudes, Rows, StridedRows
 
 __all__ = [
     "GQA_POLICIES",
@@ -17,6 +18,7 @@ __all__ = [
     "Layout",
     "MHALayout",
     "MLALayout",
+    "Magnitudes",
     "MuonClip",
     "QKClipIneffectiveError",
     "QKClipIneffectiveWarning",
