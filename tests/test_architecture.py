@@ -21,7 +21,7 @@ from import_graph import SRC, components, cycles, imports, module_graph, subpack
 
 import muonclip
 import muonclip.integrations.families as family_table
-from muonclip.optim import distribution
+from muonclip.optim import multiprocess as distribution
 
 GROUND, CORE, LAYER, APP = 0, 1, 2, 3
 FLOORS = {
@@ -71,9 +71,9 @@ def test_the_checks_see_a_cycle_and_an_upward_import():
     """Control: the parser finds relative imports, inside functions too, and the checks reject
     the graphs they would make."""
     graph = subpackage_graph()
-    assert "optim" in graph["distributed"]  # distributed/engine.py: `from ..optim.buckets import ...`
+    assert "optim" in graph["distributed"]  # distributed/_engine.py: `from ..optim._buckets import ...`
     assert cycles({**graph, "optim": graph["optim"] | {"distributed"}})
-    assert "qkclip" in {subpackage(m) for m in imports(SRC / "models" / "gpt.py")}
+    assert "qkclip" in {subpackage(m) for m in imports(SRC / "models" / "_gpt.py")}
     assert "muonclip.models" in imports(SRC / "app" / "model.py")  # `from ..models import GPT` in a function
     assert components({"a": {"b"}, "b": {"a"}, "c": set()}) == [{"a", "b"}]
 

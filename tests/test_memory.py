@@ -150,7 +150,7 @@ def test_attention_kernel_is_the_one_torch_picks(sets):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
                                                                  enable_gqa=enable_gqa)
 
-    import muonclip.models.gpt as gpt_module
+    import muonclip.models._gpt as gpt_module
 
     real, gpt_module.scaled_dot_product_attention = gpt_module.scaled_dot_product_attention, spy
     try:
@@ -346,7 +346,7 @@ def test_absurd_sizes_exit_2_at_once_without_building_a_model(tmp_path, capsys, 
     """Sizes no machine runs: exit 2 from the arithmetic estimate before any model is built and before
     anything is written, with or without a readable memory limit (where none can be read, the bound is
     1 PiB)."""
-    from muonclip.models import gpt
+    from muonclip.models import _gpt as gpt
 
     monkeypatch.setattr(gpt.GPT, "__init__", lambda *a, **k: pytest.fail("a model was built"))
     monkeypatch.setattr(memory, "available_memory",

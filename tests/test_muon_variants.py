@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import muonclip
-from muonclip.optim.quantized import BLOCK, dequantize, layout, quantize_
+from muonclip.optim._quantized import BLOCK, dequantize, layout, quantize_
 from muonclip.ortho import orthogonalize
 
 OPT = dict(lr=0.05, weight_decay=0.1, orth_dtype=torch.float32, adjust_lr_fn="match_rms_adamw")

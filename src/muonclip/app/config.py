@@ -295,8 +295,8 @@ class RunConfig:
         0.2 sqrt(max(A, B))`` for the largest hidden matrix (A x B, counted from the config:
         `muonclip.app.memory.hidden_extent`) and ``lr * weight_decay``; AdamW's ``lr / (1 -
         beta1)`` (its first step's bias correction) and ``lr * weight_decay`` — the check that
-        ``muonclip.Muon`` makes of its own groups (`muonclip.optim.validation.check_step_scalars`)."""
-        from ..optim.validation import StepLimits, check_step_scalars
+        ``muonclip.Muon`` makes of its own groups (`muonclip.optim._validation.check_step_scalars`)."""
+        from ..optim._validation import StepLimits, check_step_scalars
         from .memory import hidden_extent
 
         limits = StepLimits(0.2 * math.sqrt(hidden_extent(self)), FLOAT32_MAX, FLOAT32_MAX)

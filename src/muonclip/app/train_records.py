@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..distributed.context import SINGLE, GroupContext
-from ..integrations.stats import UpdateRMS
+from ..distributed._context import SINGLE, GroupContext
+from ..qkclip.step_metrics import UpdateRMS
 from .config import RunConfig
 from .launch import all_max
 from .metrics import MetricsWriter

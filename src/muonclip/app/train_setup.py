@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..distributed._context import GroupContext
 from ..distributed.checkpoint import CheckpointError
-from ..distributed.context import GroupContext
 from .checkpoints import (
     Checkpoint,
     RunIdentity,

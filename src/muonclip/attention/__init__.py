@@ -5,15 +5,15 @@ Triton kernel on a GPU: `triton_max_logits`), the LSE gate that makes it nearly 
 the kernels of `lse`), attention with learned sinks (`sinks`), the recorder (`running_max`), the
 rule for which forwards feed the clip and the monitor for those that must not (`forward_rule`)."""
 
+from ._gate import exact_max_logits, gated_max_logits, lse_bound
+from ._lse import sdpa_with_lse
+from ._max_logits import DEFAULT_CHUNK_ELEMENTS, chunked_max_logits
+from ._recorder import MaxLogitRecorder
+from ._sdpa import scaled_dot_product_attention
 from .call import AttentionCall
 from .forward_rule import MaxLogitMonitor, is_training_forward
-from .gate import exact_max_logits, gated_max_logits, lse_bound
-from .lse import sdpa_with_lse
-from .max_logits import DEFAULT_CHUNK_ELEMENTS, chunked_max_logits
 from .pairs import MASKED_AT
 from .record import get_max_logit_backend, set_max_logit_backend
-from .running_max import MaxLogitRecorder
-from .sdpa import scaled_dot_product_attention
 from .sinks import sink_attention
 
 __all__ = [

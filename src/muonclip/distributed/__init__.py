@@ -1,7 +1,7 @@
 """Distributed Muon: the layer on top of the core for DDP, FSDP2, TP, HSDP and EP (docs/design.md, "Distributed Muon").
 
 Importing this package registers `engine.DistributedEngine` with the core
-(`muonclip.optim.distribution`), which hands it every step whose parameters are DTensors or live in a
+(`muonclip.optim.multiprocess`), which hands it every step whose parameters are DTensors or live in a
 multi-rank process group; ``import muonclip`` imports it.
 
 * `engine` — the multi-rank step: the exchanges around the core's update phases, one owner
@@ -13,12 +13,12 @@ multi-rank process group; ``import muonclip`` imports it.
 * `checkpoint` — save/load through ``torch.distributed.checkpoint``, reshardable N -> M ranks.
 
 Which global indices each rank's local tensor holds is the ground floor's
-(`muonclip.common.dtensor`), shared with QK-Clip (`muonclip.qkclip.tensor_parallel`).
+(`muonclip.common._dtensor`), shared with QK-Clip (`muonclip.qkclip.tensor_parallel`).
 """
 
-from .context import GroupContext, resolve_group
-from .engine import DistributedEngine
-from .exchange import CommStats
-from .plan import Plan, assign_owners
+from ._context import GroupContext, resolve_group
+from ._engine import DistributedEngine
+from ._exchange import CommStats
+from ._plan import Plan, assign_owners
 
 __all__ = ["CommStats", "DistributedEngine", "GroupContext", "Plan", "assign_owners", "resolve_group"]

@@ -60,9 +60,9 @@ from ..common.family_readers import (
     separate_projections,
     stored_transposed,
 )
-from ..qkclip.layouts import GQALayout, Layout, MHALayout, MLALayout
+from ..qkclip._layouts import GQALayout, Layout, MHALayout, MLALayout
+from ..qkclip._rows import Rows, StridedRows
 from ..qkclip.qknorm import check_no_qk_norm
-from ..qkclip.rows import Rows, StridedRows
 from .families import CLAMPS, OUTPUT_NORMS, SELECTION_CHILDREN
 from .hf_adapters import projection_rows, unwrap
 

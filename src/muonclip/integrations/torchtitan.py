@@ -50,7 +50,7 @@ from torchtitan.components.optimizer.utils import init_optim_state
 from torchtitan.trainer import Trainer
 
 from ..optim import Muon, param_groups
-from ..qkclip.muonclip import MuonClip
+from ..qkclip._muonclip import MuonClip
 from .torchtitan_attention import recording_attention_config
 from .torchtitan_layouts import attention_layers, canonical_name, muon_splits
 

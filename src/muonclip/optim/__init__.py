@@ -18,12 +18,12 @@
   and `muonclip.distributed` (the exchanges of a step over several processes) plug into.
 """
 
-from .adamw import adamw_update
+from ._adamw import adamw_update
+from ._muon import Muon
+from ._routing import ParamGroups, Route, param_groups
+from ._scale import SCALES, update_scale
+from ._validation import NonFiniteGradError
 from .functional import muon_update
-from .muon import Muon
-from .routing import ParamGroups, Route, param_groups
-from .scale import SCALES, update_scale
-from .validation import NonFiniteGradError
 
 __all__ = [
     "Muon", "NonFiniteGradError", "ParamGroups", "Route", "SCALES", "adamw_update", "muon_update", "param_groups",

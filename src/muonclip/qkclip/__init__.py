@@ -4,12 +4,12 @@ Hugging Face transformers models are found through `muonclip.integrations.hf` (r
 `register_discoverer` by `muonclip.integrations`).
 """
 
+from ._clip import all_reduce_max_, apply_qk_clip, compute_gamma
+from ._discovery import discover_layers, register_discoverer
+from ._layouts import GQA_POLICIES, AttentionLayer, GQALayout, Layout, MHALayout, MLALayout
+from ._muonclip import MuonClip
+from ._rows import Magnitudes, Rows, StridedRows
 from .check import QKClipIneffectiveError, QKClipIneffectiveWarning
-from .clip import all_reduce_max_, apply_qk_clip, compute_gamma
-from .discovery import discover_layers, register_discoverer
-from .layouts import GQA_POLICIES, AttentionLayer, GQALayout, Layout, MHALayout, MLALayout
-from .muonclip import MuonClip
-from .rows import Magnitudes, Rows, StridedRows
 
 __all__ = [
     "GQA_POLICIES",
