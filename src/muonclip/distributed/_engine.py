@@ -8,7 +8,7 @@ one rank never comes here. The update itself is the core's, in one place
 only what moves between ranks, as the body's `muonclip.optim.multiprocess.Exchange`:
 
 1. **Agree** (`DistributedEngine.exchange`, every step): one small all-reduce checks that every
-   rank has the same Muon parameters and the same gradients present (`exchange.agree`).
+   rank has the same Muon parameters and the same gradients present (`_exchange.agree_parameters`).
 2. **Plan** (`StepExchange.plan`, when the step's structure is new): every unit of work (a
    weight, or an expert-parallel piece of one) gets one owner rank, balanced by Newton–Schulz
    flops (`plan.assign_owners`), the same on every rank with no communication; what moves where

@@ -4,7 +4,7 @@ Two kinds of collective (docs/design.md, "Distributed Muon"), every one called o
 order, whatever that rank holds (a rank that owns nothing, or holds an empty shard, still
 sends and receives zero-length pieces):
 
-* `agree` — one small int64 MAX all-reduce that checks, before any data moves, that every
+* `agree_parameters` — one small int64 MAX all-reduce that checks, before any data moves, that every
   rank has the same parameters (a signature of global shapes, placements and options) and the
   same set of gradients. On a mismatch every rank raises the same error, so no rank is left
   waiting in a collective the others never enter.
