@@ -661,11 +661,3 @@ def differences(a: dict[str, Any], b: dict[str, Any], fields: Sequence[str]) -> 
     tuples compare equal)."""
     norm = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731
     return [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in fields if norm(a.get(k)) != norm(b.get(k))]
-
-
-__all__ = [
-    "FILE_FORMAT", "FORMAT", "VERSION", "Checkpoint", "CheckpointError", "RunIdentity", "RunRecord", "check_contents",
-    "check_optimizer_state", "check_rng", "check_shapes", "corpus_digest", "differences", "load_checkpoint",
-    "load_file", "load_full_into_sharded", "read_checkpoint", "read_run_config", "rng_from_json", "rng_state",
-    "rng_to_json", "save_checkpoint", "save_file", "set_rng_state", "verify",
-]

@@ -339,6 +339,3 @@ def _context(cfg: RunConfig, corpus: Any, optimizers: Sequence[str], n_params: i
         "kind runs other kernels and its losses differ (by up to about 0.01 between two kinds measured)",
     ]
     return lines
-
-
-__all__ = ["EFFICIENCY", "adamw_budget_lr", "compare", "plan", "stability_config"]

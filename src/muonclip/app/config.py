@@ -466,11 +466,3 @@ def apply_overrides(cfg: RunConfig, overrides: dict[str, Any] | None = None,
             raise ValueError(f"--set {item}: unknown field {k!r}; fields: {sorted(names - {'preset'})}")
         values[k] = parse_value(k, raw)
     return RunConfig(**values).validate()
-
-
-__all__ = [
-    "ADAMW_BETA1", "ATTENTIONS", "FLOAT32_MAX", "INT_LIMIT", "MODEL_FIELDS", "MUON_VARIANTS", "OPTIMIZERS",
-    "ORTH_DTYPES", "PRESETS", "SEED_LIMIT",
-    "SHAPE_FIELDS", "STABILITY_SEGMENTS", "TUNED_PRESETS", "RunConfig",
-    "apply_overrides", "check_optimizer", "make_config", "model_config", "parse_value",
-]

@@ -324,7 +324,3 @@ def finetune_markdown(rows: dict[str, dict[str, Any]], before: dict[str, float],
         lines.append(f"| {m} | {r['lr']:.3g}{mark} | {f:.4f} ± {fs:.4f} | {p:.4f} ± {ps:.4f} | "
                      f"{p - before['pretrain']:+.4f} |")
     return "\n".join(lines)
-
-
-__all__ = ["CENTERS", "HELD_OUT", "LORA_RANK", "LORA_TARGETS", "METHODS", "PUBLISHED", "Protocol", "compare_finetune",
-           "finding", "finetune_markdown", "finetune_run", "genre_corpora", "train_loop", "with_lora"]

@@ -338,11 +338,3 @@ def check_same_everywhere(values: dict[str, Any], ctx: GroupContext) -> None:
     shown = "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "")
     raise ValueError(f"the ranks were launched with different settings ({shown}); every rank must run the same "
                      "command with the same --out (a folder on a file system they all share)")
-
-
-__all__ = [
-    "DEFAULT_TIMEOUT", "LAUNCH_HINT", "SINGLE", "RankFailed", "agree", "all_gather_text", "all_max", "all_mean",
-    "all_sum", "barrier", "check_batch", "check_same_everywhere", "check_timeout", "current_group", "data_parallel",
-    "device", "die_with_parent", "is_active", "is_collective_failure", "launched_by_torchrun", "mode", "rank_rows",
-    "session", "wrap_model",
-]

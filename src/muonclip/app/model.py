@@ -53,6 +53,3 @@ def build_optimizer(name: str, model: nn.Module, cfg: RunConfig) -> torch.optim.
 def hidden_matrices(model: nn.Module) -> list[torch.Tensor]:
     """The parameters `muonclip.param_groups` gives to Muon (the hidden matrices)."""
     return [p for g in param_groups(model) if g["algorithm"] == "muon" for p in g["params"]]
-
-
-__all__ = ["build_model", "build_optimizer", "hidden_matrices"]

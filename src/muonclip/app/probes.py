@@ -127,6 +127,3 @@ def k2_rule_error(event: dict[str, Any]) -> float:
     g = event["gamma"]
     want = {"q_nope": math.sqrt(g), "k_nope": math.sqrt(g), "q_rope": g, "k_rope": 1.0, "v": 1.0}
     return max(abs(event[k] - w) for k, w in want.items())
-
-
-__all__ = ["ExpertRMS", "MLAClipAudit", "k2_rule_error"]

@@ -192,6 +192,3 @@ def exact_max_logits(call: AttentionCall) -> Tensor:
     if triton_max.usable(call.query, call.key, call.scale):
         return triton_max.triton_max_logits(call.query, call.key, mask, is_causal, call.scale, call.enable_gqa)
     return chunked_max_logits(call.query, call.key, mask, is_causal, call.scale, call.enable_gqa)
-
-
-__all__ = ["bias_floor", "exact_max_logits", "gated_max_logits", "lse_bound", "margins", "seen_rows"]

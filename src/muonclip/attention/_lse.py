@@ -176,6 +176,3 @@ def sdpa_with_lse(call: AttentionCall) -> tuple[Tensor, Tensor] | None:
     out, lse = op(query, call.key, call.value, call.dropout_p, call.is_causal,
                   attn_mask=additive_mask(call.attn_mask, query.dtype), scale=call.scale)
     return out, lse
-
-
-__all__ = ["additive_mask", "cpu_lse_op", "cuda_lse_op", "schema_matches", "sdpa_choice", "sdpa_with_lse"]

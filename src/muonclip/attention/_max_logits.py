@@ -209,11 +209,3 @@ def flex_attention_with_max(
         return_aux=AuxRequest(max_scores=True),
     )
     return out, aux.max_scores.detach().float()
-
-
-__all__ = [
-    "DEFAULT_CHUNK_ELEMENTS",
-    "chunked_max_logits",
-    "flex_attention_with_max",
-    "flex_available",
-]

@@ -141,6 +141,3 @@ class MaxLogitRecorder:
         heads = "" if len(self.heads) == self.n_heads else f", heads={self.heads}"
         return (f"MaxLogitRecorder(n_heads={self.n_heads}{heads}, threshold={self.threshold}, "
                 f"recorded={self.value is not None})")
-
-
-__all__ = ["MaxLogitRecorder"]

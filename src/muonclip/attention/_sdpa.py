@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ._recorder import MaxLogitRecorder
 from .call import AttentionCall
-from .record import BACKENDS, attend, get_max_logit_backend, set_max_logit_backend
+from .record import attend
 
 
 def scaled_dot_product_attention(
@@ -85,6 +85,3 @@ def scaled_dot_product_attention(
     call = AttentionCall(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks=sinks,
                          real_queries=real_queries, real_keys=real_keys)
     return attend(call, recorder, training)
-
-
-__all__ = ["BACKENDS", "get_max_logit_backend", "scaled_dot_product_attention", "set_max_logit_backend"]

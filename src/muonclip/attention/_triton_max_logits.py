@@ -296,6 +296,3 @@ def triton_gated_max_logits(
     if flags.numel() == 0:
         return per_head, torch.zeros(query.shape[1], dtype=torch.bool, device=query.device)
     return per_head, (flags.amax(dim=(0, 2)) > 0) & (per_head <= threshold)
-
-
-__all__ = ["DTYPES", "MAX_HEAD_DIM", "triton_gated_max_logits", "triton_max_logits", "usable"]

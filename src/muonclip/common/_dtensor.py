@@ -257,7 +257,3 @@ def replicas(t: Tensor, world: int | None = None) -> int:
         if placement.is_replicate():
             copies *= size
     return copies
-
-
-__all__ = ["Index", "Piece", "contiguous", "covers", "is_dtensor", "is_empty", "local", "local_rows", "piece_of",
-           "mesh_grid", "piece_shape", "put", "replicas", "root_mesh", "shard_rows", "take"]

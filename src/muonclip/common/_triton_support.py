@@ -21,6 +21,3 @@ def triton_available() -> bool:
 def interpreting() -> bool:
     """True when Triton's interpreter is on (``TRITON_INTERPRET=1``): kernels run on the CPU."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-__all__ = ["interpreting", "triton_available"]

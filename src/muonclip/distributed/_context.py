@@ -206,6 +206,3 @@ def _check_local_shape(p: Tensor, name: str) -> None:
             "differ from what the DTensor says. Build the parameter with distribute_tensor / fully_shard / "
             "parallelize_module"
         )
-
-
-__all__ = ["GroupContext", "SINGLE", "collective_group", "locals_and_group", "mesh_group", "resolve_group"]

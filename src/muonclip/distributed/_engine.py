@@ -312,5 +312,3 @@ def _check_whole_rows(p: Tensor, spec: MatrixSpec, pieces: Sequence[Piece], name
 
 
 register_engine(DistributedEngine())
-
-__all__ = ["DistributedEngine", "Routes", "StepExchange"]

@@ -151,6 +151,3 @@ def _cat(parts: list[Tensor], dtype: torch.dtype, device: torch.device) -> Tenso
     if not parts:
         return torch.empty(0, dtype=dtype, device=device)
     return torch.cat([p.to(dtype) for p in parts])
-
-
-__all__ = ["CommStats", "Transfer", "agree_parameters", "agree_replicas", "exchange", "fingerprint", "signature"]

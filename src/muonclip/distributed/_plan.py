@@ -65,6 +65,3 @@ def assign_owners(costs: Sequence[int], world_size: int,
         owners[i] = r
         load[r] += costs[i]
     return Plan(tuple(owners), tuple(load))
-
-
-__all__ = ["Plan", "assign_owners"]

@@ -205,7 +205,3 @@ class BufferedWorkspace:
 
     def __repr__(self) -> str:
         return f"BufferedWorkspace(chunk={self.chunk!r})"
-
-
-__all__ = ["CPU_CHUNK_BYTES", "KEEP_BYTES", "RULES", "BufferedWorkspace", "Buffers", "check_chunk", "chunk_size",
-           "working_set"]

@@ -416,9 +416,3 @@ class GPT(nn.Module):
                 out[f"blocks.{i}.attn"] = attn.recorder.value
             attn.recorder.reset()
         return out
-
-
-__all__ = [
-    "GPT", "GPTConfig", "Block", "CausalSelfAttention", "Experts", "MLP", "MoE", "MultiHeadLatentAttention",
-    "apply_rope", "rope_tables",
-]

@@ -268,7 +268,3 @@ class StructureCache:
 
     def __len__(self) -> int:
         return len(self._kept)
-
-
-__all__ = ["STRUCTURAL_OPTIONS", "Bucket", "Place", "Results", "StepStructure", "StructureCache", "Unit", "frozen",
-           "make_buckets", "options_key", "step_structure"]

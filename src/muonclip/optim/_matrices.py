@@ -215,6 +215,3 @@ def _check_sizes(split_sizes: tuple[int, ...], split_groups: int, rows: int, sha
         raise ValueError(
             f"split_sizes {list(split_sizes)}{where} must add up to the {rows} rows of a matrix of shape {shape}"
         )
-
-
-__all__ = ["MatrixSpec", "matrix_spec"]

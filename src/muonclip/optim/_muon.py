@@ -622,6 +622,3 @@ def _name(opt: Muon, group: dict[str, Any], i: int) -> str:
         return f"parameter '{names[i]}'"
     gi = next(k for k, g in enumerate(opt.param_groups) if g is group)
     return f"parameter {i} of param group {gi} (shape {tuple(group['params'][i].shape)})"
-
-
-__all__ = ["Muon", "NonFiniteGradError"]

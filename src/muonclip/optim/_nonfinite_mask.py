@@ -80,6 +80,3 @@ def _same_layout(a: list[Tensor], b: list[Tensor]) -> bool:
         x.shape == y.shape and x.dtype == y.dtype and x.device == y.device and x.stride() == y.stride()
         for x, y in zip(a, b)
     )
-
-
-__all__ = ["MaskedStep"]

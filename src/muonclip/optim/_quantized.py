@@ -161,6 +161,3 @@ def quantize_(x: Tensor, q: Tensor, scale: Tensor, lay: QuantBlocks) -> None:
     inv = torch.where(amax > 0, LEVELS / amax, torch.zeros_like(amax))
     codes = (rows * _per_column(inv, lay)).round_().clamp_(-LEVELS, LEVELS)
     q.view(rows.shape).copy_(codes) if q.is_contiguous() else q.copy_(codes.reshape(q.shape))
-
-
-__all__ = ["BLOCK", "LEVELS", "QuantBlocks", "dequantize", "layout", "quant_blocks", "quantize_", "scale_like"]

@@ -350,6 +350,3 @@ def _owned_by_embedding(model: nn.Module, pname: str) -> bool:
     except AttributeError:
         return False
     return isinstance(module, (nn.Embedding, nn.EmbeddingBag))
-
-
-__all__ = ["param_groups", "ParamGroups", "Route", "HEAD_NAMES", "LORA_ROUTES"]

@@ -262,8 +262,3 @@ def restore_fp32_state(opt_state: Mapping[Tensor, dict[str, Any]], groups: Seque
         for key, value in kept.get(pid, {}).items():
             dtype = torch.int8 if key in INT8_STATE else state_dtype(p)
             opt_state[p][key] = value.detach().to(device=p.device, dtype=dtype).clone()
-
-
-__all__ = ["DTYPE_PREFIX", "FP32_STATE", "INT8_STATE", "TORCH_ADAMW_KEYS", "TORCH_MUON_KEYS", "WIDE_KEYS",
-           "first_param", "from_saved_form", "is_torch_adamw_group", "is_torch_muon_group", "kind", "prepare",
-           "restore_fp32_state", "saved_form", "split_fp32_state", "state_dtype", "sum_momentum", "wide_values"]

@@ -163,7 +163,3 @@ def check_loaded_state(state_dict: Mapping[str, Any], groups: Sequence[Mapping[s
                 check_muon_entry(entry, p, merged, where)
             else:
                 check_adamw_entry(entry, p, where)
-
-
-__all__ = ["COUNTER_LIMIT", "check_adamw_entry", "check_counters", "check_loaded_state", "check_muon_entry",
-           "check_tensor"]

@@ -218,6 +218,3 @@ def _label(groups: Sequence[Mapping[str, Any]], p: Tensor) -> str:
                 names = g.get("param_names")
                 return f"parameter '{names[i]}'" if names else f"parameter {i} of param group {gi}"
     return "a parameter"
-
-
-__all__ = ["TORCH_ADAMW_GROUP", "from_torch", "torch_state_dict"]

@@ -62,6 +62,3 @@ def refuse_unrouted(name: str, group: dict[str, Any]) -> None:
             f"of every parameter (what Trainer(optimizer_cls_and_kwargs=({name}, {{...}})) passes) would give Muon "
             f"the vectors, embeddings and head. Instead, {ADVICE}."
         )
-
-
-__all__ = ["ADVICE", "UnroutedParametersError", "refuse_model", "refuse_unrouted"]

@@ -295,8 +295,3 @@ def nonfinite_indices(finite: Tensor) -> list[int]:
     if finite.numel() == 0 or bool(finite.all()):
         return []
     return [i for i, ok in enumerate(finite.tolist()) if not ok]
-
-
-__all__ = ["ALGORITHMS", "GRAD_LIMIT", "GROUP_KEYS", "ON_NONFINITE", "NonFiniteGradError", "StepLimits", "check_group",
-           "check_hyperparameters", "check_step_params", "check_step_scalars", "finite_per_tensor", "group_limits",
-           "nonfinite_indices", "number", "step_numbers"]

@@ -200,9 +200,3 @@ def newton_schulz(
     """
     X = normalized(V, dtype, eps, norm_scale, inplace=out is not None)
     return quintic(X, coefficients, out=out, scratch=scratch).reshape(V.shape)
-
-
-__all__ = [
-    "NS5_COEFFICIENTS", "POLAR_EXPRESS_SAFETY", "Scratch", "gram", "newton_schulz", "no_scratch", "normalized",
-    "ns_flops", "overflow_scale", "polar_express_coefficients", "poly", "quintic", "small_side",
-]

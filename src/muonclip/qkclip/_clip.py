@@ -119,6 +119,3 @@ def apply_qk_clip(
         max_logits[layer.name] = s
         clipped[layer.name] = gamma < 1.0
     return max_logits, clipped
-
-
-__all__ = ["all_reduce_max_", "apply_qk_clip", "compute_gamma", "world_size"]

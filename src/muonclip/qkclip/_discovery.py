@@ -56,6 +56,3 @@ def discover_layers(model: nn.Module) -> list[AttentionLayer]:
         "MuonClip(model, layers=[AttentionLayer(name, MHALayout(q.weight, k.weight, n_heads, head_dim), recorder)]), "
         "and call muonclip.scaled_dot_product_attention(..., recorder=recorder) in the layer's forward."
     )
-
-
-__all__ = ["DISCOVERERS", "discover_layers", "register_discoverer"]

@@ -289,6 +289,3 @@ class AttentionLayer:
             return self.recorder.value.device
         params = self.layout.params()
         return params[0].device if params else torch.device("cpu")
-
-
-__all__ = ["AttentionLayer", "GQALayout", "GQA_POLICIES", "Layout", "MHALayout", "MLALayout"]

@@ -327,6 +327,3 @@ def _not_a_model(value: object) -> str:
 def _check_tau(tau: float) -> None:
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not (math.isfinite(tau) and tau > 0):
         raise ValueError(f"tau must be a finite number > 0 (Kimi K2 uses 100; small models 30-50), got {tau!r}")
-
-
-__all__ = ["MuonClip"]

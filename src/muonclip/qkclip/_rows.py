@@ -234,6 +234,3 @@ def scale_rows_(t: Weight | None, factor: Tensor) -> None:
     factor = factor[offset : offset + data.shape[0]]
     f = factor.to(device=data.device, dtype=torch.float32).view(-1, *([1] * (data.ndim - 1)))
     data.mul_(f)
-
-
-__all__ = ["Magnitudes", "Rows", "StridedRows", "Weight", "check_rows", "scale_rows_", "tensor_of"]
