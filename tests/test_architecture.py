@@ -240,10 +240,11 @@ def test_the_family_check_sees_each_way_of_naming_a_family():
 
 
 # ------------------------------------------------------------------------------------------------
-# what is public: the rule, and docs/design.md's module map
+# what is public: the rule, and the module map (docs/design.md, "Module map")
 # ------------------------------------------------------------------------------------------------
 
-DESIGN = SRC.parents[1] / "docs" / "design.md"
+DESIGN = (SRC.parents[1] / "docs" / "design").with_suffix(".md")
+"""The spec, whose module map (docs/design.md, "Module map") these tests hold to the tree."""
 
 
 def is_internal(rel: str) -> bool:
@@ -275,8 +276,8 @@ def tree_modules() -> dict[str, set[str]]:
 
 
 def map_modules(text: str) -> dict[str, set[str]]:
-    """The modules docs/design.md's module map names, by folder: in the first code block after
-    the heading "Module map", a word ending in ``/`` opens a folder and a line whose first word
+    """The modules the module map (docs/design.md, "Module map") names, by folder: in the
+    first code block after that heading, a word ending in ``/`` opens a folder and a line whose first word
     ends in ``.py`` names a module of the folder opened last."""
     section = text.split("\n## Module map", 1)[1]
     block = section.split("```", 2)[1]
@@ -298,17 +299,19 @@ def map_modules(text: str) -> dict[str, set[str]]:
 
 
 def test_the_module_map_names_every_module_and_no_other():
-    """docs/design.md's module map matches the tree: each folder's modules, no more, no fewer."""
+    """The module map (docs/design.md, "Module map") matches the tree: each folder's modules,
+    no more, no fewer."""
     mapped, found = map_modules(DESIGN.read_text(encoding="utf-8")), tree_modules()
     missing = {f: sorted(m - mapped.get(f, set())) for f, m in found.items() if m - mapped.get(f, set())}
     extra = {f: sorted(m - found.get(f, set())) for f, m in mapped.items() if m - found.get(f, set())}
     assert not missing and not extra, (
-        f"docs/design.md's module map lacks {missing} and names {extra}, which are not in src/muonclip: "
+        f'the module map (docs/design.md, "Module map") lacks {missing} and names {extra}, which are not in '
+        "src/muonclip: "
         "add a line for each new module under its folder (one line: what it holds), remove the ones that went")
 
 
 def test_the_paths_of_the_design_exist():
-    """Every path of a module of ours written in docs/design.md (``optim/functional.py``) exists."""
+    """Every path of a module of ours the spec writes (``optim/functional.py``) exists."""
     import re
 
     text = DESIGN.read_text(encoding="utf-8")
@@ -317,7 +320,7 @@ def test_the_paths_of_the_design_exist():
     ours = {p for p in paths if p.split("/")[0] in roots}
     assert {"optim/functional.py", "qkclip/_rows.py"} <= ours
     gone = sorted(p for p in ours if not (SRC / p).exists())
-    assert not gone, f"docs/design.md names modules that do not exist: {gone}"
+    assert not gone, f"the spec names modules that do not exist: {gone}"
 
 
 def test_all_is_declared_where_the_rule_puts_it():
