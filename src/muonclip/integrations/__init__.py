@@ -13,7 +13,7 @@ MuonClipTrainerCallback``), imported on first access. The framework-free pieces 
 share — finding the `muonclip.Muon` under a framework's optimizer wrapper, the update RMS and
 the per-step metrics — are in `muonclip.qkclip.step_metrics`.
 
-Importing this package registers `hf_layers` with `muonclip.qkclip._discovery`, so that
+Importing this package registers `hf_layers` with `muonclip.qkclip.register_discoverer`, so that
 `muonclip.MuonClip` finds a transformers model's attention layers, and the family table
 (`muonclip.integrations.families`: every model family's fused projections, head counts, q/k
 norms and adapter names) with `muonclip.common.families`, which `muonclip.param_groups` and

@@ -2,6 +2,11 @@
 
 Hugging Face transformers models are found through `muonclip.integrations.hf` (registered with
 `register_discoverer` by `muonclip.integrations`).
+
+Public modules: `binding` (the parameters MuonClip follows), `check` (that the clip acted),
+`clip_targets` (what it may write), `qknorm` (norms that would undo it), `tensor_parallel` (a TP
+rank's heads), `step_metrics` (what the logging callbacks report). Internal, their names exported
+here: `_layouts`, `_rows`, `_clip`, `_discovery`, `_muonclip`.
 """
 
 from ._clip import all_reduce_max_, apply_qk_clip, compute_gamma
