@@ -226,10 +226,10 @@ def test_impossible_block_size_exits_2_at_once(tmp_path, capsys, monkeypatch, co
     machine's memory is fixed at 16 GiB here, so the outcome does not depend on the machine the
     test runs on)."""
     import muonclip.app.compare
-    import muonclip.app.train
+    import muonclip.app.train_setup
 
     monkeypatch.setattr(memory, "available_memory", lambda device, ranks_here=1: 16 * 2**30)
-    for module in (muonclip.app.train, muonclip.app.compare):
+    for module in (muonclip.app.train_setup, muonclip.app.compare):
         monkeypatch.setattr(module, "load_corpus", lambda *a, **k: pytest.fail("the corpus was read"))
     out = tmp_path / "out"
     rc = main([command, "--set", "block_size=100000", "--steps", "2", "--quiet", "--out", str(out)])
