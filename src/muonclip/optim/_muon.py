@@ -567,7 +567,7 @@ def momentum_state(state: dict[str, Any], p: Tensor, group: dict[str, Any], spec
                    local: Callable[[Tensor], Tensor]) -> tuple[Tensor | None, Any]:
     """A Muon weight's momentum for `muonclip.optim.functional.step_momentum`, created at its first
     step (zeros) and converted when the group's ``momentum_8bit`` changed since it was made:
-    ``(local float32 buffer, None)``, or ``(None, (local codes, local scales, layout))``.
+    ``(local float32 buffer, None)``, or ``(None, (local codes, local scales, blocks))``.
 
     * ``momentum_buffer``: float32 (float64 for float64 weights), the weight's shape (a DTensor
       for a DTensor weight, so checkpoints reshard).

@@ -52,7 +52,7 @@ class MaskedStep:
                 g.masked_fill_(self._flag_on(g.device), 0.0)
         protected = [local(p.detach()) for p in params]
         protected += [local(v) for s in states for v in s.values() if isinstance(v, Tensor)]
-        if cache is not None and _same_layout(cache, protected):
+        if cache is not None and _same_geometry(cache, protected):
             copies = cache
         else:
             copies = [torch.empty_like(t) for t in protected]
@@ -75,7 +75,7 @@ class MaskedStep:
         self._copies = []
 
 
-def _same_layout(a: list[Tensor], b: list[Tensor]) -> bool:
+def _same_geometry(a: list[Tensor], b: list[Tensor]) -> bool:
     return len(a) == len(b) and all(
         x.shape == y.shape and x.dtype == y.dtype and x.device == y.device and x.stride() == y.stride()
         for x, y in zip(a, b)

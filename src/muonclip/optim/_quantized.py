@@ -10,7 +10,7 @@ update on it, forms V into the orthogonalisation bucket from that float32 ``M``,
 ``M`` back (`muonclip.optim.functional.muon_step`). Only the step's weight in flight is float32:
 the stored state is about 1 byte per element (4 for float32).
 
-**The blocks** (`layout`): a block is at most `BLOCK` (256) consecutive elements of one *row*
+**The blocks** (`blocks_of`): a block is at most `BLOCK` (256) consecutive elements of one *row*
 of the stored tensor, along its last dimension (a flattened weight, ``flatten=True`` or 4-D and
 more: along the flattened ``(out, in*kh*kw)`` row). Blocks start at column 0 of every row and
 are also cut at the edges of the matrix blocks that run along the last dimension (the fused
@@ -79,20 +79,20 @@ class QuantBlocks:
         return len(self.edges) - 1
 
     def scale_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
-        """The scale tensor's shape for a (local) tensor of ``shape`` with this layout's rows."""
+        """The scale tensor's shape for a (local) tensor of ``shape`` with these blocks' rows."""
         lead = tuple(shape[: len(self.lead)])
         return (*lead, self.n_blocks)
 
 
-def layout(shape: Sequence[int], flatten: bool, cuts: Sequence[int] = ()) -> QuantBlocks:
+def blocks_of(shape: Sequence[int], flatten: bool, cuts: Sequence[int] = ()) -> QuantBlocks:
     """The blocks of a weight of ``shape``: rows along the last dimension (``flatten`` or 4-D
     and more: ``(shape[0], rest)``), cut every `BLOCK` columns and at ``cuts`` (the matrix-block
     edges along the last dimension)."""
-    return _layout(tuple(int(s) for s in shape), bool(flatten or len(shape) >= 4), tuple(sorted(set(cuts))))
+    return _blocks_of(tuple(int(s) for s in shape), bool(flatten or len(shape) >= 4), tuple(sorted(set(cuts))))
 
 
 @functools.lru_cache(maxsize=1024)
-def _layout(shape: tuple[int, ...], flat: bool, cuts: tuple[int, ...]) -> QuantBlocks:
+def _blocks_of(shape: tuple[int, ...], flat: bool, cuts: tuple[int, ...]) -> QuantBlocks:
     lead = shape[:1] if flat else shape[:-1]
     row = math.prod(shape[1:]) if flat else shape[-1]
     edges = sorted({*range(0, row, BLOCK), *(c for c in cuts if 0 < c < row), row}) if row else [0]
@@ -101,10 +101,10 @@ def _layout(shape: tuple[int, ...], flat: bool, cuts: tuple[int, ...]) -> QuantB
 
 
 def quant_blocks(shape: Sequence[int], spec: MatrixSpec) -> QuantBlocks:
-    """The blocks of a Muon weight of ``shape`` seen as ``spec`` (`layout`): cut at the
+    """The blocks of a Muon weight of ``shape`` seen as ``spec`` (`blocks_of`): cut at the
     matrix-block edges that run along its last dimension (a transposed weight's splits)."""
     cuts = [a for segs in spec.blocks for a, _ in segs] if spec.axis == len(shape) - 1 and spec.n_blocks > 1 else []
-    return layout(shape, spec.flatten, cuts)
+    return blocks_of(shape, spec.flatten, cuts)
 
 
 def scale_like(p: Tensor, lay: QuantBlocks) -> Tensor:

@@ -177,7 +177,7 @@ def muon_update(
 def step_momentum(grad: Tensor, momentum: float, buffer: Tensor | None = None,
                   quantized: tuple[Tensor, Tensor, QuantBlocks] | None = None) -> Tensor:
     """The momentum phase of one weight: ``M = mu M + G`` on its float32 ``buffer``, or, with
-    ``quantized = (int8 codes, scales, layout)`` (8-bit momentum), on ``M`` dequantised into a
+    ``quantized = (int8 codes, scales, blocks)`` (8-bit momentum), on ``M`` dequantised into a
     new float32 tensor, quantised back after the update. Returns the float32 ``M`` of this step
     (what V is formed from)."""
     if quantized is None:
