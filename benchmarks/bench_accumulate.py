@@ -2,7 +2,7 @@
 
 One Newton–Schulz step makes three products: ``S = X X^T``, ``P = b S + c S S`` and
 ``X' = a X + P X``. The last two add a matrix into the product with one rounding, which
-``torch.baddbmm`` does (the form `muonclip.ortho.newton_schulz.quintic_iteration` uses). This
+``torch.baddbmm`` does (the form `muonclip.ortho._newton_schulz.quintic_iteration` uses). This
 script prints, from one run, the time of one step written each way, and its rate against
 the bare ``bmm`` step (the flop floor of `bench_ortho.py` and `bench_step.py`):
 
@@ -33,7 +33,7 @@ import torch
 from bench_ortho import quintic_flops
 from timing import machine, round_robin, setup_threads
 
-from muonclip.ortho.newton_schulz import NS5_COEFFICIENTS as NS5
+from muonclip.ortho._newton_schulz import NS5_COEFFICIENTS as NS5
 
 # (label, E, m, n), m <= n: the GPT set's buckets (6 layers, d=384; the tall c_fc runs from the
 # right with the same products) and the 64 experts

@@ -75,7 +75,7 @@ def bench_capture(device: str) -> None:
 
 def plain_flex(q, k, v, enable_gqa: bool):
     """Compiled causal FlexAttention without auxiliary outputs: the baseline of the flex capture."""
-    from muonclip.attention.max_logits import _causal_block_mask, _compiled_flex
+    from muonclip.attention._max_logits import _causal_block_mask, _compiled_flex
 
     block_mask = _causal_block_mask(q.shape[2], k.shape[2], str(q.device))
     return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)

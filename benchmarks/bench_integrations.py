@@ -1,4 +1,4 @@
-"""Cost of the logging callbacks' measurements per training step (muonclip.integrations.stats).
+"""Cost of the logging callbacks' measurements per training step (muonclip.qkclip.step_metrics).
 
     python benchmarks/bench_integrations.py [--steps 20]
 
@@ -19,8 +19,8 @@ import time
 import torch
 
 from muonclip import MuonClip
-from muonclip.integrations.stats import StepMetrics
 from muonclip.models import GPT, GPTConfig
+from muonclip.qkclip.step_metrics import StepMetrics
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ from muonclip.app.data.batches import train_batch
 from muonclip.app.data.corpus import load_corpus
 from muonclip.models import GPT, GPTConfig
 from muonclip.ortho import orthogonalize
-from muonclip.ortho.newton_schulz import NS5_COEFFICIENTS
+from muonclip.ortho._newton_schulz import NS5_COEFFICIENTS
 
 
 def ns5_four_steps_tight_norm(V: torch.Tensor) -> torch.Tensor:

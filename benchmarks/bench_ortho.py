@@ -30,10 +30,10 @@ import argparse
 import torch
 from timing import machine, round_robin, setup_threads
 
-from muonclip.common.triton_support import triton_available
-from muonclip.fast.symmetric import symmetric_flops
+from muonclip.common._triton_support import triton_available
+from muonclip.fast._symmetric import symmetric_flops
 from muonclip.ortho import METHODS, orthogonalize
-from muonclip.ortho.gram import GRAM_MIN_ASPECT, gram_flops
+from muonclip.ortho._gram import GRAM_MIN_ASPECT, gram_flops
 
 try:  # private in torch; only used as the comparison point
     from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns

@@ -26,8 +26,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from muonclip.integrations.hf import attach
 from muonclip.optim import Muon, param_groups
+from muonclip.qkclip import MuonClip
 from muonclip.qkclip.check import QKClipIneffectiveWarning
-from muonclip.qkclip.muonclip import MuonClip
 
 
 def _sync() -> None:

@@ -13,7 +13,7 @@ and a gated MLP gate, up (4d x d) and down (d x 4d), stored as
 * **per-head**: separate storage, q/k/v cut into one block per head (``per_head=True``).
 
 Printed: the median step time of each (interleaved rounds, `timing.round_robin`), its ratio to
-**separate**, and the Newton–Schulz flops of one step (`muonclip.distributed.plan.ns_flops`,
+**separate**, and the Newton–Schulz flops of one step (`muonclip.distributed._plan.ns_flops`,
 exact). Fixed random gradients, float32 weights, default Muon (ns5, bf16).
 
 Usage: ``python benchmarks/bench_split.py [--threads 2] [--rounds 9] [--clock wall|process]

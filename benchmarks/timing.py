@@ -77,7 +77,7 @@ def machine() -> str:
                     break
     except OSError:
         pass
-    from muonclip.common.hardware import cpu_matrix_instructions
+    from muonclip.common._hardware import cpu_matrix_instructions
 
     model += f" ({', '.join(cpu_matrix_instructions()) or 'no AVX2'})"
     gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""

@@ -1,4 +1,4 @@
-"""What QK-Clip may be handed for one layer under the LSE gate (`muonclip.attention.gate`)."""
+"""What QK-Clip may be handed for one layer under the LSE gate (`muonclip.attention._gate`)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ def flex_on_cpu(monkeypatch):
     fa = pytest.importorskip("torch.nn.attention.flex_attention")
     if not all(hasattr(fa, n) for n in ("AuxRequest", "_apply_kernel_options", "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG")):
         pytest.skip("this torch's FlexAttention has no max_scores or a different debug mode")
-    import muonclip.attention.max_logits as max_logits
+    import muonclip.attention._max_logits as max_logits
     import muonclip.attention.record as record
 
     real = fa._apply_kernel_options

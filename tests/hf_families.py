@@ -24,7 +24,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 import muonclip
 from muonclip.integrations.hf import attach, attach_report, detach
 from muonclip.integrations.hf_attention import CHECK_ATTR
-from muonclip.optim.matrices import matrix_spec
+from muonclip.optim._matrices import matrix_spec
 from muonclip.qkclip import MLALayout, MuonClip, Rows, StridedRows
 
 VOCAB = 128
@@ -344,7 +344,7 @@ def _clip_rows(t: Any) -> tuple[torch.Tensor, list[int]] | None:
 
 def _routed_maps(group: dict[str, Any], p: torch.Tensor) -> set[tuple[int, ...]]:
     """The matrices Muon sees in weight ``p`` of param group ``group``, each as the tuple of its
-    ``(out, in)`` rows (`muonclip.optim.matrices.MatrixSpec.blocks`)."""
+    ``(out, in)`` rows (`muonclip.optim._matrices.MatrixSpec.blocks`)."""
     spec = matrix_spec(p.shape, {"split_sizes": group.get("split_sizes"), "split_groups": group.get("split_groups", 1),
                                  "transposed": group.get("transposed", False), "flatten": group.get("flatten", False),
                                  "adjust_lr_fn": "match_rms_adamw", "method": "ns5", "ns_steps": None})

@@ -16,7 +16,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from muonclip.qkclip.layouts import GQALayout, MLALayout, Rows, StridedRows
+from muonclip.qkclip import GQALayout, MLALayout, Rows, StridedRows
 
 CAPTURE = "muonclip_test_capture"
 _captured: dict[int, torch.Tensor] = {}

@@ -21,7 +21,7 @@ from import_graph import SRC, components, cycles, imports, module_graph, subpack
 
 import muonclip
 import muonclip.integrations.families as family_table
-from muonclip.optim import distribution
+from muonclip.optim import multiprocess
 
 GROUND, CORE, LAYER, APP = 0, 1, 2, 3
 FLOORS = {
@@ -71,9 +71,9 @@ def test_the_checks_see_a_cycle_and_an_upward_import():
     """Control: the parser finds relative imports, inside functions too, and the checks reject
     the graphs they would make."""
     graph = subpackage_graph()
-    assert "optim" in graph["distributed"]  # distributed/engine.py: `from ..optim.buckets import ...`
+    assert "optim" in graph["distributed"]  # distributed/_engine.py: `from ..optim._buckets import ...`
     assert cycles({**graph, "optim": graph["optim"] | {"distributed"}})
-    assert "qkclip" in {subpackage(m) for m in imports(SRC / "models" / "gpt.py")}
+    assert "qkclip" in {subpackage(m) for m in imports(SRC / "models" / "_gpt.py")}
     assert "muonclip.models" in imports(SRC / "app" / "model.py")  # `from ..models import GPT` in a function
     assert components({"a": {"b"}, "b": {"a"}, "c": set()}) == [{"a", "b"}]
 
@@ -108,7 +108,7 @@ def _step(**kw):
 
 
 def test_one_process_never_enters_the_distributed_layer(monkeypatch):
-    monkeypatch.setattr(distribution, "_ENGINES", [_Refusing()])
+    monkeypatch.setattr(multiprocess, "_ENGINES", [_Refusing()])
     for mode in ("raise", "mask"):
         assert torch.isfinite(_step(on_nonfinite=mode)).all()
     assert torch.isfinite(_step(process_group="local")).all()
@@ -117,10 +117,10 @@ def test_one_process_never_enters_the_distributed_layer(monkeypatch):
 def test_a_step_that_needs_the_distributed_layer_without_it_is_an_error(monkeypatch):
     """Never silently per shard: with no engine registered, a step over a process group raises
     before anything is updated."""
-    monkeypatch.setattr(distribution, "_ENGINES", [])
+    monkeypatch.setattr(multiprocess, "_ENGINES", [])
     with pytest.raises(RuntimeError, match="import muonclip.distributed"):
         _step(process_group=object())
-    assert distribution.engine_for([torch.zeros(2, 2)], None) is None  # nothing needed, nothing asked
+    assert multiprocess.engine_for([torch.zeros(2, 2)], None) is None  # nothing needed, nothing asked
 
 
 # ------------------------------------------------------------------------------------------------
@@ -237,3 +237,113 @@ def test_the_family_check_sees_each_way_of_naming_a_family():
                              {"head_dim"})
     assert found == ["line 2: imports transformers", "line 3: imports peft.tuners", "line 5: reads .c_attn",
                      "line 6: names 'router'", "line 7: names 'Conv1D'"], found
+
+
+# ------------------------------------------------------------------------------------------------
+# what is public: the rule, and the module map (docs/design.md, "Module map")
+# ------------------------------------------------------------------------------------------------
+
+DESIGN = (SRC.parents[1] / "docs" / "design").with_suffix(".md")
+"""The spec, whose module map (docs/design.md, "Module map") these tests hold to the tree."""
+
+
+def is_internal(rel: str) -> bool:
+    """The rule (docs/design.md, "Module map"): a module whose file name begins with an underscore
+    is internal, and so is every module of the command-line program (``app/``); a package's
+    ``__init__`` is its package's surface."""
+    name = rel.rsplit("/", 1)[-1]
+    if name in ("__init__.py", "__main__.py"):
+        return name == "__main__.py"
+    return name.startswith("_") or rel.startswith("app/")
+
+
+def declares_all(path) -> bool:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return any(isinstance(t, ast.Name) and t.id == "__all__"
+               for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+               for t in (node.targets if isinstance(node, ast.Assign) else [node.target]))
+
+
+def tree_modules() -> dict[str, set[str]]:
+    """Every module file of the package by folder (``"optim/"``: ``{"functional.py", ...}``), the
+    packages' ``__init__.py`` aside."""
+    out: dict[str, set[str]] = {}
+    for p in SRC.rglob("*.py"):
+        rel = p.relative_to(SRC)
+        if p.name != "__init__.py" and len(rel.parts) > 1:
+            out.setdefault("/".join(rel.parts[:-1]) + "/", set()).add(p.name)
+    return out
+
+
+def map_modules(text: str) -> dict[str, set[str]]:
+    """The modules the module map (docs/design.md, "Module map") names, by folder: in the
+    first code block after that heading, a word ending in ``/`` opens a folder and a line whose first word
+    ends in ``.py`` names a module of the folder opened last."""
+    section = text.split("\n## Module map", 1)[1]
+    block = section.split("```", 2)[1]
+    out: dict[str, set[str]] = {}
+    folder = None
+    for line in block.splitlines():
+        words = line.split()
+        if not words:
+            continue
+        if words[0].endswith(".py"):
+            assert folder is not None, f"module map: {words[0]} before any folder"
+            out[folder].add(words[0])
+            continue
+        opened = [w for w in words[:2] if w.endswith("/")]
+        if opened and line[: line.index(opened[0])].strip() in ("", "ground", "core", "layers", "app"):
+            folder = opened[0]
+            out.setdefault(folder, set())
+    return out
+
+
+def test_the_module_map_names_every_module_and_no_other():
+    """The module map (docs/design.md, "Module map") matches the tree: each folder's modules,
+    no more, no fewer."""
+    mapped, found = map_modules(DESIGN.read_text(encoding="utf-8")), tree_modules()
+    missing = {f: sorted(m - mapped.get(f, set())) for f, m in found.items() if m - mapped.get(f, set())}
+    extra = {f: sorted(m - found.get(f, set())) for f, m in mapped.items() if m - found.get(f, set())}
+    assert not missing and not extra, (
+        f'the module map (docs/design.md, "Module map") lacks {missing} and names {extra}, which are not in '
+        "src/muonclip: "
+        "add a line for each new module under its folder (one line: what it holds), remove the ones that went")
+
+
+def test_the_paths_of_the_design_exist():
+    """Every path of a module of ours the spec writes (``optim/functional.py``) exists."""
+    import re
+
+    text = DESIGN.read_text(encoding="utf-8")
+    roots = {p.name for p in SRC.iterdir() if p.is_dir() and not p.name.startswith("__")}
+    paths = set(re.findall(r"(?<![\w/.])((?:[a-z_]+/)+[A-Za-z_0-9]+\.py)\b", text))
+    ours = {p for p in paths if p.split("/")[0] in roots}
+    assert {"optim/functional.py", "qkclip/_rows.py"} <= ours
+    gone = sorted(p for p in ours if not (SRC / p).exists())
+    assert not gone, f"the spec names modules that do not exist: {gone}"
+
+
+def test_all_is_declared_where_the_rule_puts_it():
+    """A public module declares ``__all__`` (the names meant for users); an internal one (its name
+    begins with an underscore, or it is the app's) declares none. Packages declare theirs."""
+    wrong_public, wrong_internal = [], []
+    for p in sorted(SRC.rglob("*.py")):
+        rel = p.relative_to(SRC).as_posix()
+        if p.name == "__main__.py" or rel.startswith("app/") and p.name == "__init__.py":
+            continue
+        has = declares_all(p)
+        if is_internal(rel) and has:
+            wrong_internal.append(rel)
+        elif not is_internal(rel) and not has:
+            wrong_public.append(rel)
+    assert not wrong_internal, f"internal modules that declare __all__ (drop it): {wrong_internal}"
+    assert not wrong_public, f"public modules without __all__ (list the names meant for users): {wrong_public}"
+
+
+def test_the_rule_and_the_map_checks_see_what_they_must():
+    """Control: the rule tells internal from public, and the map parser reads folders and modules."""
+    assert is_internal("optim/_muon.py") and is_internal("app/train.py") and not is_internal("optim/fused.py")
+    assert not is_internal("optim/__init__.py") and not is_internal("integrations/hf.py")
+    text = "x\n## Module map\n\n```\ncore    optim/   the core\n          a.py   one\n" \
+           "layers  app/report/   r\n          b.py   two\n```\n"
+    assert map_modules(text) == {"optim/": {"a.py"}, "app/report/": {"b.py"}}

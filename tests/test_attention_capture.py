@@ -83,7 +83,7 @@ def test_output_equals_sdpa_and_max_equals_explicit(name, chunk, monkeypatch):
     compared with an explicit float64 reference to float32 round-off."""
     q, k, v, kwargs, allowed = build(CASES[name])
     if chunk is not None:
-        monkeypatch.setattr("muonclip.attention.max_logits.DEFAULT_CHUNK_ELEMENTS", chunk * 2 * 4 * k.shape[2])
+        monkeypatch.setattr("muonclip.attention.DEFAULT_CHUNK_ELEMENTS", chunk * 2 * 4 * k.shape[2])
     rec = MaxLogitRecorder(q.shape[1])
     out = scaled_dot_product_attention(q, k, v, recorder=rec, **kwargs)
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, **kwargs))

@@ -1,4 +1,4 @@
-"""The LSE-gated capture (`muonclip.attention.gate`, `muonclip.attention.lse`): the clip's decisions and
+"""The LSE-gated capture (`muonclip.attention._gate`, `muonclip.attention._lse`): the clip's decisions and
 gammas are those of the exact path, the output and gradients are SDPA's, the fallback where the kernel
 with the LSE is missing, and the recorder / MuonClip / clip_stats side of it."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import muonclip.attention.lse as lse_mod
+import muonclip.attention._lse as lse_mod
 import muonclip.attention.record as record_mod
 from muonclip import MuonClip, scaled_dot_product_attention
 from muonclip.attention import (

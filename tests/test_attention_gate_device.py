@@ -1,6 +1,6 @@
-"""The LSE gate on a GPU: the one-kernel exact max (`muonclip.attention.triton_max_logits`) against the
+"""The LSE gate on a GPU: the one-kernel exact max (`muonclip.attention._triton_max_logits`) against the
 chunked reference, the gate whose flags never leave the device, and on CUDA the kernels with the LSE
-(`muonclip.attention.lse`): SDPA's output and gradients bit for bit, every decision and gamma those of
+(`muonclip.attention._lse`): SDPA's output and gradients bit for bit, every decision and gamma those of
 the exact path, and no host sync in a gated call.
 
 Each device test runs on "interpreter" (CPU tensors under Triton's interpreter, TRITON_INTERPRET=1:
@@ -18,9 +18,15 @@ from test_attention_gate import CASES, TARGETS, TAU, _case, _straddle
 
 import muonclip.attention.record as record_mod
 from muonclip import scaled_dot_product_attention
-from muonclip.attention import AttentionCall, MaxLogitRecorder, chunked_max_logits, gated_max_logits, sdpa_with_lse
-from muonclip.attention import triton_max_logits as triton_max
-from muonclip.attention.gate import exact_max_logits
+from muonclip.attention import (
+    AttentionCall,
+    MaxLogitRecorder,
+    chunked_max_logits,
+    exact_max_logits,
+    gated_max_logits,
+    sdpa_with_lse,
+)
+from muonclip.attention import _triton_max_logits as triton_max
 from muonclip.qkclip import compute_gamma
 
 triton = pytest.importorskip("triton")
@@ -202,7 +208,7 @@ def test_cuda_lse_is_each_kernels_and_bounds_large_logits(dtype):
     q = (torch.randn(2, 4, 96, 64, generator=g) * 6).to("cuda", dtype)
     k = (torch.randn(2, 4, 96, 64, generator=g) * 6).to("cuda", dtype)
     v = torch.randn(2, 4, 96, 64, generator=g).to("cuda", dtype)
-    from muonclip.attention.gate import lse_bound
+    from muonclip.attention import lse_bound
 
     for backend in BACKENDS[1:]:
         with _backend_ctx(backend):

@@ -290,7 +290,7 @@ def test_resume_is_bit_identical(tmp_path, corpus, monkeypatch, optimizer):
     """Bit for bit on any machine: the checkpoint holds exact copies of weights, optimizer state and RNG;
     batches depend only on (seed, step); the resumed steps run the same ops on the same values with
     the same kernels and thread count (threads=1) as the uninterrupted ones (Newton-Schulz's CPU
-    batches are chunked only by a fixed rule, never by timing: muonclip.fast.buffered.chunk_size)."""
+    batches are chunked only by a fixed rule, never by timing: muonclip.fast._buffered.chunk_size)."""
     cfg = tiny(tau=0.05) if optimizer == "muonclip" else tiny()
     straight = train_run(cfg, optimizer, tmp_path / "straight", corpus=corpus, progress=False)
 

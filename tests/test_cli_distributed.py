@@ -199,7 +199,7 @@ def test_bad_input_under_torchrun_exits_on_every_rank_without_hanging(tmp_path, 
 def test_each_rank_takes_its_block_of_the_global_batch():
     """Exact: pure indexing."""
     from muonclip.app.launch import check_batch, rank_rows
-    from muonclip.distributed.context import SINGLE, GroupContext
+    from muonclip.distributed._context import SINGLE, GroupContext
 
     x = torch.arange(8 * 3).reshape(8, 3)
     parts = [rank_rows(x, GroupContext(None, r, 4)) for r in range(4)]

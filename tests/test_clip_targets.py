@@ -1,4 +1,4 @@
-"""The rule of muonclip.qkclip.writable: QK-Clip never writes a frozen, quantized or unoptimized tensor.
+"""The rule of muonclip.qkclip.clip_targets: QK-Clip never writes a frozen, quantized or unoptimized tensor.
 
 Every layout (MHA, GQA with each policy, MLA, fused Rows / StridedRows, q/k biases, DoRA Magnitudes):
 for each tensor the layout's clip writes, making it frozen, quantized (an integer tensor, a tensor
@@ -14,9 +14,8 @@ import torch
 from torch import nn
 
 from muonclip.attention import MaxLogitRecorder
-from muonclip.qkclip import AttentionLayer, GQALayout, MHALayout, MLALayout, MuonClip, Rows, StridedRows
-from muonclip.qkclip.layouts import Magnitudes
-from muonclip.qkclip.writable import refusal
+from muonclip.qkclip import AttentionLayer, GQALayout, Magnitudes, MHALayout, MLALayout, MuonClip, Rows, StridedRows
+from muonclip.qkclip.clip_targets import refusal
 
 H, HD, D = 4, 4, 12
 

@@ -22,14 +22,14 @@ import torch.multiprocessing as mp
 
 import muonclip
 from muonclip import Muon, param_groups
-from muonclip.common.dtensor import local_rows, shard_rows
+from muonclip.common._dtensor import local_rows, shard_rows
 from muonclip.distributed import assign_owners, checkpoint
 from muonclip.models import GPT, GPTConfig
-from muonclip.optim import buckets
-from muonclip.optim.buckets import Bucket
-from muonclip.optim.matrices import matrix_spec
-from muonclip.ortho.newton_schulz import ns_flops
-from muonclip.qkclip.muonclip import MuonClip
+from muonclip.optim import _buckets as buckets
+from muonclip.optim._buckets import Bucket
+from muonclip.optim._matrices import matrix_spec
+from muonclip.ortho._newton_schulz import ns_flops
+from muonclip.qkclip import MuonClip
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=3, n_embd=24)  # 3 heads of 8 rows: head 1 straddles 2 ranks
 OPT = dict(lr=0.02, weight_decay=0.1, orth_dtype=torch.float32)

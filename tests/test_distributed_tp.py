@@ -20,8 +20,8 @@ from test_distributed import _train as _train_dp
 from muonclip import Muon, param_groups
 from muonclip.distributed import checkpoint
 from muonclip.models import GPT, GPTConfig
-from muonclip.optim.matrices import matrix_spec
-from muonclip.qkclip.muonclip import MuonClip
+from muonclip.optim._matrices import matrix_spec
+from muonclip.qkclip import MuonClip
 
 WORLD = 4
 OPT = dict(lr=0.02, weight_decay=0.1, orth_dtype=torch.float32)
@@ -94,7 +94,7 @@ def _bag_worker_part(rank, out):
     start, _ = _bag_reference(specs, 0)
     params = [torch.nn.Parameter(distribute_tensor(t.clone(), mesh2, pl)) for t, (_, pl) in zip(start, specs.values())]
     # each rank's local piece is exactly what the layout module says (checked against the values)
-    from muonclip.common.dtensor import piece_of, take
+    from muonclip.common._dtensor import piece_of, take
 
     for t, p in zip(start, params):
         piece = piece_of(p.shape, mesh2.shape, mesh2.get_coordinate(), p.placements)
@@ -419,7 +419,7 @@ class _MeshWithoutLayout:
 
 def test_mesh_grid_without_rank_layouts_maps_by_root_names_and_refuses_other_names():
     """Older torch: a submesh sliced by name maps to its root's copies; a name its root lacks is refused."""
-    from muonclip.common.dtensor import mesh_grid
+    from muonclip.common._dtensor import mesh_grid
 
     root = _MeshWithoutLayout([[0, 1, 2], [3, 4, 5]], ("dp", "tp"))
     grid, where = mesh_grid(_MeshWithoutLayout([1, 4], ("dp",), root))

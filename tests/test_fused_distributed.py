@@ -19,8 +19,8 @@ from test_fused import TOL, batch, max_diff, tiny
 from toy_models import unfuse
 
 import muonclip
-from muonclip.common.dtensor import shard_rows
-from muonclip.optim.matrices import matrix_spec
+from muonclip.common._dtensor import shard_rows
+from muonclip.optim._matrices import matrix_spec
 
 pytest.importorskip("transformers")
 

@@ -11,7 +11,7 @@ import torch
 
 import muonclip
 from muonclip.models import GPT, GPTConfig
-from muonclip.models.gpt import apply_rope
+from muonclip.models._gpt import apply_rope
 
 
 def tiny(**kw) -> GPT:

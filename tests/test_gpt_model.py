@@ -9,7 +9,7 @@ import torch
 
 import muonclip
 from muonclip.models import GPT, GPTConfig
-from muonclip.models.gpt import apply_rope, rope_tables
+from muonclip.models._gpt import apply_rope, rope_tables
 
 
 def tiny(**kw) -> GPT:

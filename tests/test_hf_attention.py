@@ -32,7 +32,7 @@ from muonclip.integrations.hf import (  # noqa: E402
     detach,
 )
 from muonclip.integrations.hf_attention import CHECK_ATTR, KEYWORDS, muonclip_attention_forward  # noqa: E402
-from muonclip.qkclip.layouts import GQALayout, MLALayout  # noqa: E402
+from muonclip.qkclip import GQALayout, MLALayout  # noqa: E402
 
 VOCAB = 96
 

@@ -26,8 +26,8 @@ from torch import nn
 
 import muonclip
 from muonclip import MuonClip
-from muonclip.integrations.stats import StepMetrics, UpdateRMS, unwrap_optimizer
 from muonclip.models import GPT, GPTConfig
+from muonclip.qkclip.step_metrics import StepMetrics, UpdateRMS, unwrap_optimizer
 
 # ----------------------------------------------------------------------------------------------
 # helpers

@@ -152,7 +152,7 @@ def test_attention_kernel_is_the_one_torch_picks(sets):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
                                                                  enable_gqa=enable_gqa)
 
-    import muonclip.models.gpt as gpt_module
+    import muonclip.models._gpt as gpt_module
 
     real, gpt_module.scaled_dot_product_attention = gpt_module.scaled_dot_product_attention, spy
     try:
@@ -234,10 +234,10 @@ def test_impossible_block_size_exits_2_at_once(tmp_path, capsys, monkeypatch, co
     machine's memory is fixed at 16 GiB here, so the outcome does not depend on the machine the
     test runs on)."""
     import muonclip.app.compare
-    import muonclip.app.train
+    import muonclip.app.train_setup
 
     monkeypatch.setattr(memory, "available_memory", lambda device, ranks_here=1: 16 * 2**30)
-    for module in (muonclip.app.train, muonclip.app.compare):
+    for module in (muonclip.app.train_setup, muonclip.app.compare):
         monkeypatch.setattr(module, "load_corpus", lambda *a, **k: pytest.fail("the corpus was read"))
     out = tmp_path / "out"
     rc = main([command, "--set", "block_size=100000", "--steps", "2", "--quiet", "--out", str(out)])
@@ -354,7 +354,7 @@ def test_absurd_sizes_exit_2_at_once_without_building_a_model(tmp_path, capsys, 
     """Sizes no machine runs: exit 2 from the arithmetic estimate before any model is built and before
     anything is written, with or without a readable memory limit (where none can be read, the bound is
     1 PiB)."""
-    from muonclip.models import gpt
+    from muonclip.models import _gpt as gpt
 
     monkeypatch.setattr(gpt.GPT, "__init__", lambda *a, **k: pytest.fail("a model was built"))
     monkeypatch.setattr(memory, "available_memory",

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import muonclip
-from muonclip.optim.quantized import BLOCK, dequantize, layout, quantize_
+from muonclip.optim._quantized import BLOCK, blocks_of, dequantize, quantize_
 from muonclip.ortho import orthogonalize
 
 OPT = dict(lr=0.05, weight_decay=0.1, orth_dtype=torch.float32, adjust_lr_fn="match_rms_adamw")
@@ -173,7 +173,7 @@ def test_quantiser_error_bound_and_blocks_never_cross_a_row_or_a_split():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 4, 600, generator=g)  # experts (3, 4, 600): rows of 600 = blocks 256, 256, 88
     x[0, 0, 5] = 1e4  # one huge value: only its own block's resolution may suffer
-    lay = layout(x.shape, False)
+    lay = blocks_of(x.shape, False)
     assert lay.edges == (0, 256, 512, 600)
     q = torch.empty(x.shape, dtype=torch.int8)
     s = torch.empty(lay.scale_shape(x.shape))
@@ -184,10 +184,10 @@ def test_quantiser_error_bound_and_blocks_never_cross_a_row_or_a_split():
     assert bool((err <= step / 254 * (1 + 1e-6)).all())
     assert err[0, 1].max() < 0.05 and err[1, 0].max() < 0.05  # the next row, the next expert: untouched
     # a weight stored (in, out) with out = [q 6 | k 6]: blocks are also cut at column 6
-    cut = layout((10, 12), False, cuts=[0, 6])
+    cut = blocks_of((10, 12), False, cuts=[0, 6])
     assert cut.edges == (0, 6, 12)
     # a flattened conv weight: rows of in*kh*kw
-    assert layout((4, 3, 3, 3), False).edges == (0, 27)
+    assert blocks_of((4, 3, 3, 3), False).edges == (0, 27)
 
 
 def test_momentum_8bit_state_is_int8_plus_one_float32_scale_per_block():
@@ -250,7 +250,7 @@ def test_switching_momentum_8bit_on_keeps_the_momentum():
     for n, p in params.items():
         st = opt.state[p]
         assert "momentum_buffer" not in st
-        lay = layout(p.shape, False, cuts=[0, 6] if n == "conv1d" else ())
+        lay = blocks_of(p.shape, False, cuts=[0, 6] if n == "conv1d" else ())
         expected = 0.95 * M[n] + G[n]  # the float32 momentum carried on, up to two roundings
         got = dequantize(st["momentum_int8"], st["momentum_scale"], lay)
         assert (got - expected).abs().max() <= 2 * expected.abs().max() / 254 + 1e-6, n
@@ -296,6 +296,6 @@ def test_torch_state_dict_refuses_the_options_torch_does_not_have():
 
 def test_blocks_of_the_quantiser_are_at_most_block_long():
     assert BLOCK == 256
-    lay = layout((2, 1000), False)
+    lay = blocks_of((2, 1000), False)
     sizes = [b - a for a, b in zip(lay.edges, lay.edges[1:])]
     assert max(sizes) == BLOCK and sum(sizes) == 1000

@@ -14,7 +14,7 @@ import muonclip
 from muonclip import Muon, MuonClip
 from muonclip.attention import MaxLogitMonitor, MaxLogitRecorder, set_max_logit_backend
 from muonclip.models import GPT, GPTConfig
-from muonclip.models import gpt as gpt_module
+from muonclip.models import _gpt as gpt_module
 from muonclip.qkclip import AttentionLayer, GQALayout, MHALayout, MLALayout, compute_gamma
 
 CONFIGS = {

@@ -1,7 +1,7 @@
 """A `muonclip.Muon` step runs whole or not at all, and what it is given is checked first: every
 hyperparameter for its kind, range and the overflow of what the step computes from it (at
 construction, in a group, between steps, in a loaded state dict), every loaded state tensor and
-counter against its parameter (muonclip.optim.validation, muonclip.optim.state_validation).
+counter against its parameter (muonclip.optim._validation, muonclip.optim._state_validation).
 Each refusal is a ValueError (TypeError for a complex parameter) naming what is wrong, and the
 optimizer, its parameters and its counters are exactly as they were."""
 

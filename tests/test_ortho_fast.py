@@ -9,10 +9,10 @@ import torch
 
 import muonclip
 from muonclip import orthogonalize
-from muonclip.fast.symmetric import sym_gram
+from muonclip.fast._symmetric import sym_gram
 from muonclip.ortho import svd_polar
-from muonclip.ortho.gram import default_restarts, gram_flops, gram_newton_schulz
-from muonclip.ortho.newton_schulz import NS5_COEFFICIENTS, newton_schulz, polar_express_coefficients
+from muonclip.ortho._gram import default_restarts, gram_flops, gram_newton_schulz
+from muonclip.ortho._newton_schulz import NS5_COEFFICIENTS, newton_schulz, polar_express_coefficients
 
 NS5 = [NS5_COEFFICIENTS] * 5
 # wide, tall (run from the right), batched, square (Gram falls back to the quintic), aspect 1.5

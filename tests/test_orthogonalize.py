@@ -159,7 +159,7 @@ def test_huge_finite_matrices_give_the_polar_factor_of_the_scaled_down_ones(meth
 def test_the_overflow_scale_is_one_on_ordinary_inputs():
     """Exact on any hardware: multiplying by 1.0 changes no bit, so ordinary inputs are normalised as
     ``X / (||X||_F * norm_scale + eps)`` bit for bit; a huge matrix gets a power of two."""
-    from muonclip.ortho.newton_schulz import normalized, overflow_scale
+    from muonclip.ortho._newton_schulz import normalized, overflow_scale
 
     V = torch.randn(4, 24, 40) * 1e6
     assert torch.equal(overflow_scale(V), torch.ones(4, 1, 1))

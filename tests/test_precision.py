@@ -1,6 +1,6 @@
 """orth_dtype="auto": bfloat16 where the device multiplies it natively, float32 elsewhere.
 
-Every machine kind is emulated by mocking what the hardware declares (`muonclip.common.hardware`:
+Every machine kind is emulated by mocking what the hardware declares (`muonclip.common._hardware`:
 the CPU's flags, a CUDA device's capability), so each decision is tested on any machine.
 """
 
@@ -13,11 +13,11 @@ import muonclip
 from muonclip.app.config import make_config
 from muonclip.app.model import muon_orth_dtype, orthogonalisation
 from muonclip.app.report.markdown import protocol_markdown
-from muonclip.common import hardware
+from muonclip.common import _hardware as hardware
 from muonclip.models import GPT, GPTConfig
-from muonclip.optim.buckets import make_buckets
-from muonclip.optim.matrices import matrix_spec
-from muonclip.optim.precision import explain_orth_dtype, native_bf16, resolve_orth_dtype
+from muonclip.optim._buckets import make_buckets
+from muonclip.optim._matrices import matrix_spec
+from muonclip.optim._precision import explain_orth_dtype, native_bf16, resolve_orth_dtype
 from muonclip.optim.workspace import CoreWorkspace
 
 AMX = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"})  # Sapphire Rapids

@@ -41,7 +41,7 @@ from transformers import (  # noqa: E402
 )
 
 from muonclip.integrations.hf import ATTN_IMPLEMENTATION, RECORDER_ATTR, attach  # noqa: E402
-from muonclip.qkclip.layouts import GQALayout, MHALayout, MLALayout, Rows  # noqa: E402
+from muonclip.qkclip import GQALayout, MHALayout, MLALayout, Rows  # noqa: E402
 
 VOCAB, B, T = 64, 3, 9
 
@@ -270,7 +270,7 @@ def _muonclip_and_plain_muon_step(kind: str, lr: float, gqa_policy: str = "per_h
     Returns (model, opt, plain_model, plain_opt, tau, S before, each attention module's saved inputs,
     weights before the step)."""
     from muonclip.optim import Muon, param_groups
-    from muonclip.qkclip.muonclip import MuonClip
+    from muonclip.qkclip import MuonClip
 
     model = build(kind)
     ids, am = batch()
@@ -386,7 +386,7 @@ def test_attach_fused_projections_as_row_ranges(kind):
         c = model.transformer.h[0].attn.c_attn  # weight (32, 96) = (in, out), bias (96,)
         assert (lay.q_weight, lay.k_weight) == (Rows(c.weight, 0, 32, True), Rows(c.weight, 32, 64, True))
         assert (lay.q_bias, lay.k_bias) == (Rows(c.bias, 0, 32), Rows(c.bias, 32, 64))
-    from muonclip.qkclip.layouts import scale_rows_
+    from muonclip.qkclip._rows import scale_rows_
 
     t = torch.randn(6, 10)
     for rows, expect in ((Rows(t, 2, 5), lambda x, f: x[2:5] * f[:, None]),
@@ -414,7 +414,7 @@ def test_attach_fused_projections_as_row_ranges(kind):
 def test_discover_layers_asks_the_registered_discoverers_in_order(monkeypatch):
     """`import muonclip` registers `hf_layers`; a discoverer answering None passes the model on."""
     from muonclip.integrations import hf_layers
-    from muonclip.qkclip import discovery
+    from muonclip.qkclip import _discovery as discovery
 
     assert hf_layers in discovery.DISCOVERERS
     asked = []
@@ -436,7 +436,7 @@ def test_attention_function_gates_with_muonclips_tau(kind):
     projection), MuonClip's tau reaches the recorders: heads below tau may be recorded as LSE bounds
     (at or below tau, at least the exact max: at least one is, so the gate ran), and every head above tau
     holds its exact max."""
-    from muonclip.qkclip.muonclip import MuonClip
+    from muonclip.qkclip import MuonClip
 
     model = build(kind)
     ids, am = batch()

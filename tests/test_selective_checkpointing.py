@@ -20,9 +20,9 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from muonclip.attention.sdpa import get_max_logit_backend, set_max_logit_backend
+from muonclip.attention import get_max_logit_backend, set_max_logit_backend
 from muonclip.models import GPT, GPTConfig
-from muonclip.qkclip.muonclip import MuonClip
+from muonclip.qkclip import MuonClip
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
 TAU = 0.8

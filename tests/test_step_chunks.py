@@ -1,5 +1,5 @@
 """The step's working set bounded: buckets orthogonalised in chunks of at most
-`STEP_CHUNK_BYTES` (`muonclip.optim.buckets.chunk_plan`), with the same update as the whole
+`STEP_CHUNK_BYTES` (`muonclip.optim._buckets.chunk_plan`), with the same update as the whole
 bucket.
 
 The bound is checked exactly, on every tensor the step asks its workspace for and every call it
@@ -15,8 +15,8 @@ import torch
 
 import muonclip
 from muonclip.fast import BufferedWorkspace
-from muonclip.optim import buckets
-from muonclip.optim.buckets import Chunk, chunk_plan, matrix_bytes
+from muonclip.optim import _buckets as buckets
+from muonclip.optim._buckets import Chunk, chunk_plan, matrix_bytes
 from muonclip.optim.workspace import CoreWorkspace
 
 SHAPE = (16, 24)  # every matrix of the test model, so that all share one bucket

@@ -245,7 +245,7 @@ def _record(model, x):
 
 def _exact_clip(cfg, start):
     """Record on a batch, clip alone (no update), record again on the same batch."""
-    from muonclip.attention.sdpa import set_max_logit_backend
+    from muonclip.attention import set_max_logit_backend
 
     model = H.build(cfg, 1, "", parallel=False)
     H.load_params(model, start)

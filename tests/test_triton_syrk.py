@@ -1,4 +1,4 @@
-"""The Triton symmetric-product kernel (`muonclip.fast.triton_syrk`).
+"""The Triton symmetric-product kernel (`muonclip.fast._triton_syrk`).
 
 Without a GPU the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``): the tiling,
 the upper-triangle selection, the mirrored stores, the masks of partial tiles and the fused
@@ -12,10 +12,10 @@ import torch
 from test_ortho_fast import conditioned, sigma
 
 from muonclip import orthogonalize
-from muonclip.fast import triton_syrk
-from muonclip.fast.symmetric import symmetric_flops, symmetric_quintic
-from muonclip.fast.triton_syrk import syrk, usable
-from muonclip.ortho.newton_schulz import NS5_COEFFICIENTS
+from muonclip.fast import _triton_syrk as triton_syrk
+from muonclip.fast._symmetric import symmetric_flops, symmetric_quintic
+from muonclip.fast._triton_syrk import syrk, usable
+from muonclip.ortho._newton_schulz import NS5_COEFFICIENTS
 
 # imported before any test switches the interpreter on, as a program that compiled something
 # first would have it (the kernel must not call Triton's own jit functions then)
@@ -126,7 +126,7 @@ def test_iteration_uses_the_kernel_only_where_usable(monkeypatch):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("muonclip.fast.symmetric.syrk", counting)
+    monkeypatch.setattr("muonclip.fast._symmetric.syrk", counting)
     X = conditioned((2, 16, 40)).float()
     X = X / torch.linalg.matrix_norm(X, keepdim=True)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

@@ -14,10 +14,11 @@ from test_ortho_fast import conditioned
 
 import muonclip
 from muonclip import orthogonalize
-from muonclip.fast import BufferedWorkspace, buffered
-from muonclip.fast.buffered import CPU_CHUNK_BYTES, Buffers, chunk_size, working_set
+from muonclip.fast import BufferedWorkspace
+from muonclip.fast import _buffered as buffered
+from muonclip.fast._buffered import CPU_CHUNK_BYTES, Buffers, chunk_size, working_set
 from muonclip.optim.workspace import AutoWorkspace, CoreWorkspace, make_workspace
-from muonclip.ortho.newton_schulz import normalized, polar_express_coefficients, quintic
+from muonclip.ortho._newton_schulz import normalized, polar_express_coefficients, quintic
 
 METHODS = ["ns5", "gram", "polar_express"]
 SHAPES = [(7, 24, 72), (7, 72, 24), (7, 24, 24)]

@@ -58,10 +58,10 @@ import torch
 from torch import nn
 
 from ..distributed import checkpoint as dcp_checkpoint
+from ..distributed._context import SINGLE, GroupContext
 from ..distributed.checkpoint import CheckpointError, model_shapes
-from ..distributed.context import SINGLE, GroupContext
 from ..optim import Muon
-from ..optim.state_validation import check_adamw_entry
+from ..optim._state_validation import check_adamw_entry
 from .config import INT_LIMIT, OPTIMIZERS, RunConfig
 from .launch import agree, barrier
 from .runfolder import (
@@ -486,7 +486,7 @@ def check_contents(data: dict[str, Any], ckpt: Checkpoint) -> None:
 def check_optimizer_state(state_dict: dict[str, Any], optimizer: torch.optim.Optimizer, where: str) -> None:
     """For a torch optimizer (``torch.optim.AdamW``, whose ``load_state_dict`` checks little): raise
     `CheckpointError` unless ``state_dict`` has its groups and parameters, in order, and every state
-    entry is an AdamW state of its parameter (`muonclip.optim.state_validation.check_adamw_entry`).
+    entry is an AdamW state of its parameter (`muonclip.optim._state_validation.check_adamw_entry`).
     `muonclip.Muon` checks its own (`muonclip.Muon.load_state_dict`)."""
     saved, own = state_dict["param_groups"], optimizer.param_groups
     if len(saved) != len(own) or any(len(s["params"]) != len(o["params"]) for s, o in zip(saved, own)):
@@ -661,11 +661,3 @@ def differences(a: dict[str, Any], b: dict[str, Any], fields: Sequence[str]) -> 
     tuples compare equal)."""
     norm = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731
     return [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in fields if norm(a.get(k)) != norm(b.get(k))]
-
-
-__all__ = [
-    "FILE_FORMAT", "FORMAT", "VERSION", "Checkpoint", "CheckpointError", "RunIdentity", "RunRecord", "check_contents",
-    "check_optimizer_state", "check_rng", "check_shapes", "corpus_digest", "differences", "load_checkpoint",
-    "load_file", "load_full_into_sharded", "read_checkpoint", "read_run_config", "rng_from_json", "rng_state",
-    "rng_to_json", "save_checkpoint", "save_file", "set_rng_state", "verify",
-]

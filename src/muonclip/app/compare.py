@@ -76,7 +76,7 @@ from .report import (
 from .runfolder import OutputError, check_writable, inspect_folder
 from .runner import RunSpec, run_all
 from .sweep import budget_steps, tune
-from .train import check_threads
+from .train_setup import check_threads
 
 EFFICIENCY = ("adamw", "muon")
 OWN_PROTOCOL = {"finetune": "muonclip.app.finetune", "guards": "muonclip.app.guards",
@@ -389,7 +389,3 @@ def _context(cfg: RunConfig, corpus: Any, optimizers: Sequence[str], n_params: i
         "kind runs other kernels and its losses differ (by up to about 0.01 between two kinds measured)",
     ]
     return lines
-
-
-__all__ = ["EFFICIENCY", "OWN_PROTOCOL", "adamw_budget_lr", "compare", "cpu_name", "parameter_count", "plan",
-           "prepare", "rates_phrase", "rates_tuned", "stability_config"]

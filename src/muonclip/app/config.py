@@ -121,7 +121,7 @@ class RunConfig:
         tau: QK-Clip threshold on the max logit, also drawn on the plots (default 100, K2's).
         orth_dtype: compute dtype of Muon's orthogonalisation: ``"auto"`` (default: bfloat16
             where the device multiplies it natively, a CPU with AMX-BF16 or AVX512-BF16 or a
-            CUDA GPU of compute capability 8.0+, else float32; `muonclip.optim.precision`; the
+            CUDA GPU of compute capability 8.0+, else float32; `muonclip.optim._precision`; the
             report names what it picked and why), ``"bfloat16"`` (the paper's) or
             ``"float32"`` (for exact comparisons, e.g. a torchrun run against one process).
 
@@ -312,8 +312,8 @@ class RunConfig:
         0.2 sqrt(max(A, B))`` for the largest hidden matrix (A x B, counted from the config:
         `muonclip.app.memory.hidden_extent`) and ``lr * weight_decay``; AdamW's ``lr / (1 -
         beta1)`` (its first step's bias correction) and ``lr * weight_decay`` — the check that
-        ``muonclip.Muon`` makes of its own groups (`muonclip.optim.validation.check_step_scalars`)."""
-        from ..optim.validation import StepLimits, check_step_scalars
+        ``muonclip.Muon`` makes of its own groups (`muonclip.optim._validation.check_step_scalars`)."""
+        from ..optim._validation import StepLimits, check_step_scalars
         from .memory import hidden_extent
 
         limits = StepLimits(0.2 * math.sqrt(hidden_extent(self)), FLOAT32_MAX, FLOAT32_MAX)
@@ -496,11 +496,3 @@ def apply_overrides(cfg: RunConfig, overrides: dict[str, Any] | None = None,
             raise ValueError(f"--set {item}: unknown field {k!r}; fields: {sorted(names - {'preset'})}")
         values[k] = parse_value(k, raw)
     return RunConfig(**values).validate()
-
-
-__all__ = [
-    "ADAMW_BETA1", "ATTENTIONS", "FLOAT32_MAX", "INT_LIMIT", "MODEL_FIELDS", "MUON_VARIANTS", "OPTIMIZERS",
-    "ORTH_DTYPES", "PRESETS", "SEED_LIMIT",
-    "SHAPE_FIELDS", "STABILITY_SEGMENTS", "TUNED_PRESETS", "RunConfig",
-    "apply_overrides", "check_optimizer", "make_config", "model_config", "parse_value",
-]

@@ -61,7 +61,8 @@ from .data.corpus import SEPARATOR, builtin_corpus_dir, encode, list_documents, 
 from .model import build_model, muon_orth_dtype, orthogonalisation
 from .runfolder import OutputError, check_writable, inspect_folder
 from .sweep import bracket, log_grid
-from .train import check_threads, clip_grad_norm, evaluate, lr_factor
+from .train import clip_grad_norm, evaluate, lr_factor
+from .train_setup import check_threads
 
 HELD_OUT = "histories"
 """The genre of the built-in plays held out from pre-training and fine-tuned on."""
@@ -323,7 +324,3 @@ def finetune_markdown(rows: dict[str, dict[str, Any]], before: dict[str, float],
         lines.append(f"| {m} | {r['lr']:.3g}{mark} | {f:.4f} ± {fs:.4f} | {p:.4f} ± {ps:.4f} | "
                      f"{p - before['pretrain']:+.4f} |")
     return "\n".join(lines)
-
-
-__all__ = ["CENTERS", "HELD_OUT", "LORA_RANK", "LORA_TARGETS", "METHODS", "PUBLISHED", "Protocol", "compare_finetune",
-           "finding", "finetune_markdown", "finetune_run", "genre_corpora", "train_loop", "with_lora"]

@@ -61,7 +61,7 @@ from typing import Any
 
 import torch
 
-from ..distributed.context import SINGLE
+from ..distributed._context import SINGLE
 from ..optim import NonFiniteGradError
 from .checkpoints import CheckpointError, read_checkpoint
 from .config import RunConfig
@@ -348,7 +348,3 @@ def context(cfg: RunConfig, corpus: Corpus, jobs: int, wall: float, tuned: bool)
         "the same figures come back on the same CPU kind and torch version",
     ]
     return lines
-
-
-__all__ = ["Arm", "MHA_ARMS", "MLA_ARMS", "MLA_QK_NORM", "TIMING_ROUNDS", "arm_config", "arms", "check",
-           "compare_guards", "context", "plan", "segment_names", "step_costs", "timing_rounds"]

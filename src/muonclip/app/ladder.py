@@ -313,8 +313,3 @@ def context(cfg: RunConfig, ladder: list[Rung], results: list[dict[str, Any]], c
         + (" (over every session of this folder; a stopped session's time after its last finished rung not counted)"
            if resumed else ""),
     ]
-
-
-__all__ = ["LADDER_OPTIMIZERS", "MAX_EXTENSIONS", "POINTS", "RUNG_PROTOCOL", "Rung", "TOP_POINTS", "TOP_SEEDS",
-           "TUNING_SEEDS", "WIDTH_FACTORS", "check", "compare_ladder", "context", "finished_rungs", "json_data",
-           "rungs"]

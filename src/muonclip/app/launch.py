@@ -9,7 +9,7 @@ Launch (one process per GPU, or a few CPU processes with the gloo backend)::
 (``-m muonclip.app`` instead of ``$(which muonclip)`` works too.) ``--out`` is required
 under torchrun: every rank must write to the same folder.
 
-Where a process stands is the library's `muonclip.distributed.context.GroupContext` (``group``,
+Where a process stands is the library's `muonclip.distributed.GroupContext` (``group``,
 ``rank``, ``world_size``; `SINGLE` for one process); the launch details the app adds are
 functions of it (`device`) or flags of the command (``fsdp``). What changes when
 ``RANK``/``WORLD_SIZE`` are set (`session`):
@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..distributed.context import SINGLE, GroupContext
+from ..distributed._context import SINGLE, GroupContext
 
 DEFAULT_TIMEOUT = 300.0
 """Seconds a collective (and the rendezvous) may wait for the other ranks (``--timeout``)."""
@@ -338,11 +338,3 @@ def check_same_everywhere(values: dict[str, Any], ctx: GroupContext) -> None:
     shown = "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "")
     raise ValueError(f"the ranks were launched with different settings ({shown}); every rank must run the same "
                      "command with the same --out (a folder on a file system they all share)")
-
-
-__all__ = [
-    "DEFAULT_TIMEOUT", "LAUNCH_HINT", "SINGLE", "RankFailed", "agree", "all_gather_text", "all_max", "all_mean",
-    "all_sum", "barrier", "check_batch", "check_same_everywhere", "check_timeout", "current_group", "data_parallel",
-    "device", "die_with_parent", "is_active", "is_collective_failure", "launched_by_torchrun", "mode", "rank_rows",
-    "session", "wrap_model",
-]

@@ -385,8 +385,3 @@ def check_memory(cfg: RunConfig, optimizer: str, device: torch.device, *, world_
     has = f"has {_gib(available)})" if unknown else f"has {_gib(available)} available"
     raise ValueError(f"one training step needs about {_gib(need.total)} ({detail}), but {where} {has}. "
                      f"Lower {' or '.join(hints)}")
-
-
-__all__ = ["ALLOCATOR_FACTOR", "CORPUS_FACTOR", "DOCUMENT_FACTOR", "LIBRARY_BYTES", "MEMORY_CEILING", "MMAP_BYTES",
-           "SAFETY_MARGIN", "Shapes", "StepMemory", "activation_widths", "available_memory", "block_parameters",
-           "cgroup_limits", "check_memory", "corpus_memory", "hidden_extent", "outer_parameters", "step_memory"]

@@ -156,6 +156,3 @@ class MetricsWriter:
     def close(self) -> None:
         self._jsonl.close()
         self._csv_file.close()
-
-
-__all__ = ["CSV", "JSONL", "MetricsError", "MetricsWriter", "csv_columns", "read_rows"]

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ..optim import param_groups
-from ..optim.precision import AUTO, explain_orth_dtype
+from ..optim._precision import AUTO, explain_orth_dtype
 from .config import MUON_VARIANTS, RunConfig, check_optimizer, model_config
 
 
@@ -59,13 +59,10 @@ def muon_orth_dtype(cfg: RunConfig) -> torch.dtype | str:
 def orthogonalisation(cfg: RunConfig, device: torch.device | str = "cpu") -> str:
     """In words, the dtype Muon's orthogonalisation (ns5) runs in on ``device`` with ``cfg`` and
     why, e.g. ``"bfloat16 on cpu (auto: the CPU has AMX-BF16 and AVX512-BF16)"``
-    (`muonclip.optim.precision.explain_orth_dtype`)."""
+    (`muonclip.optim._precision.explain_orth_dtype`)."""
     return explain_orth_dtype(muon_orth_dtype(cfg), "ns5", device)
 
 
 def hidden_matrices(model: nn.Module) -> list[torch.Tensor]:
     """The parameters `muonclip.param_groups` gives to Muon (the hidden matrices)."""
     return [p for g in param_groups(model) if g["algorithm"] == "muon" for p in g["params"]]
-
-
-__all__ = ["build_model", "build_optimizer", "hidden_matrices", "muon_orth_dtype", "orthogonalisation"]

@@ -61,12 +61,12 @@ class MLAClipAudit:
 
     Wraps ``optimizer.clip`` (a `muonclip.MuonClip`) with an instance attribute, as
     `muonclip.integrations.UpdateRMS` does; `events` returns what the last step's clip did and
-    forgets it. Only the reference GPT's `muonclip.models.gpt.MultiHeadLatentAttention` layers
+    forgets it. Only the reference GPT's `muonclip.models._gpt.MultiHeadLatentAttention` layers
     are audited (the layer names ``blocks.<i>.attn``).
     """
 
     def __init__(self, optimizer: Any, model: nn.Module) -> None:
-        from ..models.gpt import MultiHeadLatentAttention
+        from ..models._gpt import MultiHeadLatentAttention
 
         self.optimizer = optimizer
         self.layers = {f"blocks.{i}.attn": b.attn for i, b in enumerate(getattr(model, "blocks", []))
@@ -127,6 +127,3 @@ def k2_rule_error(event: dict[str, Any]) -> float:
     g = event["gamma"]
     want = {"q_nope": math.sqrt(g), "k_nope": math.sqrt(g), "q_rope": g, "k_rope": 1.0, "v": 1.0}
     return max(abs(event[k] - w) for k, w in want.items())
-
-
-__all__ = ["ExpertRMS", "MLAClipAudit", "k2_rule_error"]

@@ -137,7 +137,3 @@ def apply_hyperparameters(optimizer: torch.optim.Optimizer, built: list[dict[str
         group.update(values)
     if hasattr(optimizer, "tau"):
         optimizer.tau = cfg.tau
-
-
-__all__ = ["FIXED_FIELDS", "apply_hyperparameters", "changes", "check_changes", "check_restart", "check_same_run",
-           "first_checkpoint", "group_hyperparameters", "why_fixed"]

@@ -517,12 +517,3 @@ def write_config(folder: str | Path, optimizer: str, config: dict[str, Any], run
     (``run``: the run's identity and history, `muonclip.app.checkpoints.RunIdentity`; ``token``:
     the writer's, `write_atomically`)."""
     return write_json(Path(folder) / CONFIG, {"optimizer": optimizer, **config, "run": run}, token=token)
-
-
-__all__ = [
-    "CHECKPOINT_NAME", "CONFIG", "JSON_LIMIT", "LOCK", "LOCK_RECORD", "METRICS", "POINTER", "TEMPORARY_NAME",
-    "TENSORBOARD_EVENTS", "FolderState", "OutputError", "RunLock", "check_new_run_folder", "check_run_folder",
-    "check_writable", "file_digest", "fsync_dir", "inspect_folder", "is_own_entry", "new_token", "open_file",
-    "read_bytes", "read_config", "read_json", "read_lock_token", "recorded_tokens", "remove_leftovers",
-    "temporary_name", "write_atomically", "write_config", "write_json",
-]

@@ -135,6 +135,3 @@ def run_all(specs: Sequence[RunSpec], corpus: Corpus, *, jobs: int = 1, progress
         pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
     return [outcomes[i] for i in range(len(specs))]
-
-
-__all__ = ["Outcome", "RunSpec", "run_all"]

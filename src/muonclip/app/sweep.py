@@ -336,6 +336,3 @@ def sweep_markdown(points: list[dict[str, Any]], notes: list[str], tuned: Tuned 
     if tuned is not None:
         parts += ["Tuned: `" + " ".join(f"--set {s}" for s in tuned.sets()) + "`", ""]
     return "\n".join(parts)
-
-
-__all__ = ["Bracket", "SQRT2", "Tuned", "bracket", "budget_steps", "log_grid", "sweep_markdown", "sweep_seeds", "tune"]

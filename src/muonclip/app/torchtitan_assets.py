@@ -162,6 +162,3 @@ def commands(assets: str | Path, nproc: int = 2, *, paths: bool = True) -> dict[
     if paths:
         base += f" --hf_assets_path {assets} --dataloader.dataset_path {assets}/train"
     return {"MuonClip": base, "AdamW (baseline)": base + f" --optimizer.name AdamW --optimizer.lr {BASELINE_LR:g}"}
-
-
-__all__ = ["Assets", "BOS", "EOS", "FILES", "commands", "make_assets", "passages"]

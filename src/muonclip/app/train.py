@@ -9,21 +9,14 @@ A run lives in one folder (``run_dir``; its layout, who may write it and how: se
     checkpoint-step<N>.pt    the checkpoint (one process; muonclip.app.checkpoints), or
     checkpoint-step<N>.dcp/  the sharded one (under torchrun)
 
-`train_run` goes through four stages, each a function of this module:
+`train_run` goes through four stages:
 
-1. `check_inputs`: the config, the threads, the ranks' agreement, the batch split, the memory
-   estimate, the corpus — every input, before anything is written.
-2. `open_run_folder`: a new run only in an absent or empty folder, a resume only of a run
-   folder with its checkpoint (or, for a run that stopped before its first checkpoint, a
-   restart from step 0 with its own config, said on screen); the folder's lock
-   (`muonclip.app.runfolder.RunLock`); on resume the checkpoint verified against its manifest,
-   the checkpoint file's contents checked against its pointer, and the resume's changes
-   checked (`muonclip.app.resume`).
-3. `build_state`: the model and the optimizer, wrapped for the launch, the checkpoint loaded
-   and the config's hyperparameters applied. Only then is the lock stamped with this writer's
-   token, so a resume refused at any of these stages leaves the folder as it was.
-4. the steps (`train_step`), their records (`Records`: metrics, TensorBoard, progress bar) and
-   the checkpoints.
+1. to 3. in `muonclip.app.train_setup`: every input checked before anything is written
+   (`check_inputs`), the run folder opened and on resume its checkpoint verified
+   (`open_run_folder`), the model and optimizer built with the checkpoint loaded
+   (`build_state`); only then is the folder's lock stamped with this writer's token.
+4. here: the steps (`train_step`), their records (`muonclip.app.train_records.Records`: metrics,
+   TensorBoard, progress bar) and the checkpoints.
 
 Step s (0-based) of every run: the batch ``train_batch(corpus, s, seed)``, learning rate
 ``peak * lr_factor(s)`` (linear warm-up, cosine decay to ``peak * min_lr_ratio``), forward,
@@ -62,71 +55,20 @@ import sys
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ..distributed.checkpoint import CheckpointError
-from ..distributed.context import SINGLE, GroupContext
-from ..integrations.stats import UpdateRMS
 from ..optim import NonFiniteGradError
-from .checkpoints import (
-    Checkpoint,
-    RunIdentity,
-    check_contents,
-    check_shapes,
-    corpus_digest,
-    load_checkpoint,
-    load_file,
-    read_checkpoint,
-    read_run_config,
-    save_checkpoint,
-    set_rng_state,
-    verify,
-)
-from .config import RunConfig, check_optimizer
-from .data import Corpus, check_fits, corpus_size, corpus_warnings, load_corpus, train_batch, val_batches
-from .launch import (
-    agree,
-    all_gather_text,
-    all_max,
-    all_mean,
-    all_sum,
-    barrier,
-    check_batch,
-    check_same_everywhere,
-    current_group,
-    device,
-    is_active,
-    mode,
-    rank_rows,
-    wrap_model,
-)
-from .memory import check_memory
-from .metrics import MetricsWriter
-from .model import build_model, build_optimizer, hidden_matrices
-from .probes import ExpertRMS, MLAClipAudit
-from .resume import (
-    apply_hyperparameters,
-    changes,
-    check_changes,
-    check_restart,
-    check_same_run,
-    group_hyperparameters,
-)
-from .runfolder import (
-    OutputError,
-    RunLock,
-    check_new_run_folder,
-    check_run_folder,
-    new_token,
-    read_lock_token,
-    remove_leftovers,
-    write_config,
-)
+from .checkpoints import Checkpoint, save_checkpoint
+from .config import RunConfig
+from .data import Corpus, train_batch, val_batches
+from .launch import all_mean, all_sum, current_group, mode, rank_rows
+from .train_records import Records, read_max_logits
+from .train_setup import Opened, Place, State, build_state, check_inputs, open_run_folder, stamp_lock
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -191,32 +133,6 @@ def evaluate(model: nn.Module, batches: list[tuple[Tensor, Tensor]]) -> float:
     return total
 
 
-def read_max_logits(model: nn.Module, optimizer: torch.optim.Optimizer,
-                    ctx: GroupContext = SINGLE) -> tuple[list[float], list[int]]:
-    """Per-layer max logit of the step and per-layer count of clipped heads (0 without QK-Clip).
-
-    Under torchrun, call on every rank: MuonClip's maxima are already reduced over the ranks;
-    the model's own recorders (AdamW/Muon runs) saw only this rank's rows and are all-reduced
-    with MAX here.
-    """
-    names = [f"blocks.{i}.attn" for i in range(len(model.attention_modules()))]
-    clipped_map = {}
-    if hasattr(optimizer, "last_max_logits"):
-        logits_map = dict(optimizer.last_max_logits or {})
-        clipped_map = dict(getattr(optimizer, "last_clipped", None) or {})
-        model.pop_max_logits()  # nothing should be left; keep the recorders clean regardless
-        reduce = False
-    else:
-        logits_map = model.pop_max_logits()
-        reduce = True
-    keys = names if all(k in logits_map for k in names) else list(logits_map)
-    maxes = [float(logits_map[k].max()) for k in keys]
-    if reduce:
-        maxes = all_max(maxes, ctx)
-    clipped = [int(clipped_map[k].sum()) if k in clipped_map else 0 for k in keys]
-    return maxes, clipped
-
-
 def _install_sigint() -> tuple[dict[str, bool], Any]:
     flag = {"stop": False}
     if threading.current_thread() is not threading.main_thread():
@@ -263,362 +179,6 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> float
         for g in grads:
             g.mul_(coef)
     return total
-
-
-def check_threads(threads: int) -> int:
-    """The torch CPU threads of a run: ``threads`` (0: the cores shared by the ranks of the machine
-    is decided by the caller). Raises ValueError naming ``--threads`` above this machine's cores:
-    more threads than cores never helps, and very many crash the thread pool."""
-    cores = os.cpu_count() or 1
-    if threads > cores:
-        raise ValueError(f"--threads {threads}: this machine has {cores} cores; use at most {cores} (0: all of them)")
-    return threads
-
-
-@dataclass(frozen=True)
-class Place:
-    """Where this process trains: its process group (`GroupContext`), the launch flags, and what
-    follows from them (``active``: wrapped with collectives; ``main``: rank 0; ``dev``)."""
-
-    ctx: GroupContext
-    fsdp: bool
-    tp: int
-
-    @property
-    def active(self) -> bool:
-        return is_active(self.ctx, self.fsdp)
-
-    @property
-    def main(self) -> bool:
-        return self.ctx.rank == 0
-
-    @property
-    def dev(self) -> torch.device:
-        return device(self.ctx)
-
-
-def _check_memory(cfg: RunConfig, optimizer: str, place: Place, corpus: tuple[int, int]) -> None:
-    """`muonclip.app.memory.check_memory` for this process (its device, the ranks that share this
-    machine's memory, the corpus files' ``(total, largest)`` bytes)."""
-    dev = place.dev
-    check_memory(cfg, optimizer, dev, world_size=place.ctx.world_size, fsdp=place.fsdp,
-                 ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if dev.type == "cpu" else 1,
-                 corpus=corpus)
-
-
-def check_inputs(cfg: RunConfig, optimizer: str, run_dir: Path, place: Place, *, resume: bool,
-                 corpus: Corpus | None, warn: bool) -> tuple[Corpus, str]:
-    """Stage 1 of `train_run` (nothing is written): the ranks' agreement on every setting, the
-    config, ``--threads``, the batch split, the memory estimate (corpus included), the corpus,
-    the ranks' agreement on the data. Returns the corpus and its SHA-256 (`corpus_digest`).
-
-    Every rank has the same settings (checked first), but each machine has its own cores, memory
-    and files: every check after that one ends in `muonclip.app.launch.agree`, so that all ranks
-    stop together, rank 0 naming the first failing rank's problem.
-
-    Raises:
-        ValueError, DataError: bad input; under torchrun, on every rank.
-    """
-    ctx = place.ctx
-    check_same_everywhere({**cfg.to_dict(), "optimizer": optimizer, "resume": resume, "fsdp": place.fsdp,
-                           "tp": place.tp, "out": os.path.abspath(run_dir)}, ctx)
-    error: ValueError | None = None
-    try:
-        check_optimizer(optimizer)
-        cfg.validate()
-        check_threads(cfg.threads)
-        check_batch(cfg.batch_size, ctx, place.tp)
-        # the corpus is counted before it is read; a caller's corpus is in memory already
-        _check_memory(cfg, optimizer, place, corpus_size(cfg.data) if corpus is None else (0, 0))
-    except ValueError as e:  # DataError too
-        error = e
-    agree(error, ctx)
-    try:
-        if corpus is None:
-            corpus = load_corpus(cfg.data, cfg.val_fraction)
-        check_fits(corpus, cfg.batch_size, cfg.block_size)
-    except ValueError as e:
-        error = e
-    agree(error, ctx)
-    digest = corpus_digest(corpus.train, corpus.val)
-    check_same_everywhere({"data_sha256": digest}, ctx)
-    if warn and place.main:
-        for warning in corpus_warnings(corpus, steps=cfg.steps, batch_size=cfg.batch_size, block_size=cfg.block_size):
-            print(f"muonclip: warning: {warning}", file=sys.stderr)
-    return corpus, digest
-
-
-@dataclass
-class Opened:
-    """A run folder ready to write (`open_run_folder`): its lock (rank 0), the checkpoint to
-    resume from (None for a new run or a restart), the run's identity with this start's
-    history, what this resume changed, the checkpoint file's contents (already read and
-    checked, for a file checkpoint), whether this is the restart of a run that never
-    checkpointed, and this writer's token (set by `_stamp`, once the state is built)."""
-
-    lock: RunLock | None
-    found: Checkpoint | None
-    identity: RunIdentity
-    changed: dict[str, list[Any]] = field(default_factory=dict)
-    data: dict[str, Any] | None = None
-    restart: bool = False
-    token: str = ""
-
-
-def _inside(run_dir: Path, other: str | Path | None) -> list[str]:
-    """The entry of ``run_dir`` that ``other`` (a TensorBoard folder) is or lies in: the first
-    component of its path inside ``run_dir``, ``"."`` for ``run_dir`` itself, or [] (elsewhere)."""
-    if other is None:
-        return []
-    try:
-        rel = Path(os.path.abspath(other)).relative_to(os.path.abspath(run_dir))
-    except ValueError:
-        return []
-    return [rel.parts[0]] if rel.parts else ["."]
-
-
-def open_run_folder(run_dir: Path, cfg: RunConfig, optimizer: str, place: Place, *, resume: bool,
-                    data_sha256: str, tensorboard: str | Path | None = None) -> Opened:
-    """Stage 2 of `train_run`: check the folder (`muonclip.app.runfolder`), take its lock (rank 0),
-    and on resume read and verify the checkpoint, check its file's contents and what the resume
-    changes (`muonclip.app.resume`), or, for a run without a checkpoint, that it may restart. Nothing
-    in the folder is modified here (the lock file is created if absent); every rank agrees on the
-    outcome. A TensorBoard folder inside ``run_dir`` is recorded in the run's identity.
-
-    Raises:
-        OutputError, CheckpointError, ValueError: on every rank.
-    """
-    ctx = place.ctx
-    allowed = _inside(run_dir, tensorboard)
-    lock: RunLock | None = None
-    error: BaseException | None = None
-    if place.main:
-        try:
-            (check_run_folder if resume else check_new_run_folder)(run_dir, allowed)
-            lock = RunLock(run_dir)
-            (check_run_folder if resume else check_new_run_folder)(run_dir, allowed)  # under the lock, again
-        except OutputError as e:
-            error = e
-            if lock is not None:
-                lock.release()
-                lock = None
-    agree(error, ctx)
-    opened = Opened(lock, None, RunIdentity.new(data_sha256))
-    if resume:
-        try:
-            opened = _check_resume(run_dir, cfg, optimizer, data_sha256, lock)
-        except (CheckpointError, OutputError, ValueError) as e:
-            error = e
-        if error is not None and lock is not None:
-            lock.release()
-        agree(error, ctx)
-    opened.identity.tensorboard = sorted({*opened.identity.tensorboard, *allowed})
-    return opened
-
-
-def _check_resume(run_dir: Path, cfg: RunConfig, optimizer: str, data_sha256: str,
-                  lock: RunLock | None) -> Opened:
-    """Read and verify the checkpoint of ``run_dir`` (and its file's contents) and check that this
-    resume may continue it; without a checkpoint, that the run may restart (`check_restart`)."""
-    record = read_run_config(run_dir)
-    if not (run_dir / "checkpoint.json").exists() and record is not None:
-        where = str(run_dir / "config.json")
-        check_restart(run_dir, record.config)
-        changed = changes(record.config.to_dict(), cfg)
-        check_changes(changed, record.optimizer, optimizer, where)
-        _check_text(record.run.data_sha256, data_sha256, where)
-        history = [*record.run.history, *([{"step": 0, "changed": changed}] if changed else [])]
-        identity = RunIdentity(record.run.id, record.run.data_sha256, history, record.run.tensorboard)
-        return Opened(lock, None, identity, changed, restart=True)
-    found = read_checkpoint(run_dir)
-    verify(found)
-    where = str(found.folder / "checkpoint.json")
-    check_same_run(record.data if record else None, found.optimizer, found.config, found.run.id, where)
-    changed = changes(found.config, cfg)
-    check_changes(changed, found.optimizer, optimizer, where)
-    _check_text(found.run.data_sha256, data_sha256, where)
-    if found.step > cfg.steps:
-        raise ValueError(f"the checkpoint is at step {found.step}, past steps={cfg.steps}; raise --steps")
-    data = None
-    if found.kind == "file":  # every rank reads it: checked here, loaded in build_state
-        data = load_file(found.path)
-        check_contents(data, found)
-    history = [h for h in found.run.history if h["step"] < found.step]
-    if changed:
-        history.append({"step": found.step, "changed": changed})
-    own = record.run.tensorboard if record else []
-    identity = RunIdentity(found.run.id, found.run.data_sha256, history, sorted({*found.run.tensorboard, *own}))
-    return Opened(lock, found, identity, changed, data)
-
-
-def _check_text(saved: str, data_sha256: str, where: str) -> None:
-    if saved != data_sha256:
-        raise ValueError(f"the training text differs from the one {where} was trained on (its SHA-256 is "
-                         f"{saved[:12]}..., this --data gives {data_sha256[:12]}...); a resume needs the same text: "
-                         "restore it, or start a new run in another --out")
-
-
-def _stamp(run_dir: Path, opened: Opened, ctx: GroupContext) -> None:
-    """Rank 0 writes its process id, host and a fresh token into the lock file (for a second
-    writer's message, and as the record of the temporaries this writer names with it); every
-    rank keeps the token in ``opened.token``. Under torchrun every other rank must read the
-    token there (else the ranks do not share the run folder, e.g. no shared file system)."""
-    lock = opened.lock
-    token = new_token() if lock is not None else ""
-    if lock is not None:
-        lock.stamp(token)
-    if ctx.world_size == 1:
-        opened.token = token
-        return
-    token = opened.token = all_gather_text(token, ctx)[0]
-    barrier(ctx)
-    error = None
-    if ctx.rank != 0 and read_lock_token(run_dir) != token:
-        error = OutputError(f"rank {ctx.rank} does not see rank 0's run folder {run_dir} (its {run_dir / '.lock'} "
-                            "is not the one rank 0 wrote): --out must be a folder on a file system every rank shares")
-    try:
-        agree(error, ctx)
-    except BaseException:
-        if lock is not None:
-            lock.release()
-        raise
-
-
-@dataclass
-class State:
-    """The model and optimizer of a run (`build_state`): ``train_model`` (what the forward calls:
-    the DDP wrapper or the model), ``model`` (with its own parameter names), ``opt``, the peak
-    learning rate of each param group (``base_lrs``) and the first step to run (``start``)."""
-
-    train_model: nn.Module
-    model: nn.Module
-    opt: torch.optim.Optimizer
-    base_lrs: list[float]
-    start: int
-
-
-def build_state(cfg: RunConfig, optimizer: str, place: Place, found: Checkpoint | None,
-                data: dict[str, Any] | None = None) -> State:
-    """Stage 3 of `train_run`: the model, wrapped for the launch (`muonclip.app.launch.wrap_model`),
-    its optimizer, and on resume the checkpoint loaded into both, the config's hyperparameters
-    set again over the loaded ones (`muonclip.app.resume.apply_hyperparameters`) and the RNG
-    states restored.
-
-    ``data``: the file checkpoint's contents when already read and checked
-    (`muonclip.app.checkpoints.check_contents`; default None: read and checked here).
-
-    Raises:
-        CheckpointError: the checkpoint does not fit the model (on every rank).
-    """
-    model = build_model(cfg)
-    error = None
-    try:
-        if found is not None:
-            check_shapes(found, model)
-            if found.kind == "file":
-                if data is None:
-                    data = load_file(found.path)
-                    check_contents(data, found)
-                model.load_state_dict(data["model"])  # before wrapping: DDP/FSDP2 take the loaded weights
-    except CheckpointError as e:
-        error = e
-    agree(error, place.ctx)
-    train_model, model = wrap_model(model, place.ctx, place.fsdp, place.tp)
-    opt = build_optimizer(optimizer, model, cfg)
-    built = group_hyperparameters(opt)
-    base_lrs = [g["lr"] for g in opt.param_groups]  # the peaks: a loaded state holds the last scheduled lr
-    if found is None:
-        return State(train_model, model, opt, base_lrs, 0)
-
-    def build_plain() -> tuple[nn.Module, torch.optim.Optimizer]:
-        plain = build_model(cfg)
-        return plain, build_optimizer(optimizer, plain, cfg)
-
-    rng = load_checkpoint(found, model, opt, place.ctx, build=build_plain if place.fsdp else None, file_data=data)
-    apply_hyperparameters(opt, built, cfg)
-    set_rng_state(rng)
-    return State(train_model, model, opt, base_lrs, found.step)
-
-
-class Records:
-    """What a run writes besides checkpoints, on rank 0: ``config.json``, the metrics files, the
-    TensorBoard scalars, the progress bar (every rank: its meters).
-
-    Args:
-        run_dir, cfg, optimizer, place: the run.
-        opened: the opened folder (`open_run_folder`).
-        state: the built model and optimizer (`build_state`).
-        tensorboard: a TensorBoard folder (default None).
-        progress: show the progress bar (default True).
-        label: its label (default: the optimizer's name).
-
-    Raises:
-        OutputError: ``config.json`` or the metrics cannot be written.
-        ValueError: TensorBoard is asked for but not installed.
-    """
-
-    def __init__(self, run_dir: Path, cfg: RunConfig, optimizer: str, place: Place, opened: Opened, state: State,
-                 *, tensorboard: str | Path | None, progress: bool, label: str | None) -> None:
-        self.writer: MetricsWriter | None = None
-        self.tb: Any = None
-        start, resume = state.start, opened.found is not None
-        if place.main:
-            if tensorboard is not None:
-                from ..integrations.tensorboard import TensorBoardWriter
-
-                try:  # a restart drops what the run logged before, as its metrics
-                    self.tb = TensorBoardWriter(tensorboard, purge_step=start + 1 if resume or opened.restart else None)
-                except ImportError as e:
-                    raise ValueError(f"--tensorboard: {e}") from None
-            try:
-                remove_leftovers(run_dir, keep=opened.found.name if opened.found else None)
-                write_config(run_dir, optimizer, cfg.to_dict(), opened.identity.to_dict(), token=opened.token)
-                self.writer = MetricsWriter(run_dir, cfg.n_layer, keep_until=start if resume else None,
-                                            token=opened.token)
-            except OSError as e:
-                raise OutputError(f"--out {run_dir}: cannot write {e.filename or 'a file'} ({e.strerror or e}); "
-                                  "free space or choose another --out") from None
-        model, opt = state.model, state.opt
-        self.rms = UpdateRMS(opt, params=hidden_matrices(model))
-        # one process: per-expert update RMS (3-D expert stacks) and the factors of each clipped MLA head
-        one = not place.active
-        self.experts = ExpertRMS(opt, model) if one and any(p.ndim == 3 for p in model.parameters()) else None
-        self.audit = MLAClipAudit(opt, model) if one else None
-        self.bar = progress_bar(label or optimizer, cfg.steps, start, cfg.batch_size * cfg.block_size,
-                                enabled=progress and place.main)
-
-    def write(self, row: dict[str, Any], last_val_loss: float | None) -> None:
-        """Record one step's row (metrics files, TensorBoard, the progress bar).
-
-        Raises:
-            OutputError: the metrics cannot be written (e.g. a full disk).
-        """
-        if self.writer is not None:
-            try:
-                self.writer.write(row)
-            except OSError as e:
-                raise OutputError(f"--out {self.writer.dir}: cannot write the metrics of step {row['step']} "
-                                  f"({e.strerror or e}); the last checkpoint is intact: free space and continue "
-                                  "with --resume") from None
-        if self.tb is not None:
-            self.tb.write(row)
-        shown = f"loss {row['loss']:.4f}"
-        if last_val_loss is not None:
-            shown += f", val {last_val_loss:.4f}"
-        self.bar.set_postfix_str(shown, refresh=False)
-        self.bar.update(1)
-
-    def sync(self) -> None:
-        """The metrics on disk (before a checkpoint)."""
-        if self.writer is not None:
-            self.writer.sync()
-
-    def close(self) -> None:
-        self.bar.close()
-        if self.writer is not None:
-            self.writer.close()
-        if self.tb is not None:
-            self.tb.close()
 
 
 def train_step(step: int, cfg: RunConfig, optimizer: str, place: Place, state: State, corpus: Corpus,
@@ -733,7 +293,7 @@ def _train(cfg: RunConfig, optimizer: str, run_dir: Path, place: Place, opened: 
     """Stages 3 and 4 of `train_run`, under the folder's lock."""
     state = build_state(cfg, optimizer, place, opened.found, opened.data)
     opened.data = None  # loaded: not kept for the run's length
-    _stamp(run_dir, opened, place.ctx)
+    stamp_lock(run_dir, opened, place.ctx)
     found = opened.found
     extra: dict[str, Any] = {"elapsed": 0.0, "last_val_loss": None, **(found.extra if found else {})}
     val = [(rank_rows(x, place.ctx, place.dev, place.tp), rank_rows(y, place.ctx, place.dev, place.tp)) for x, y in
@@ -782,23 +342,3 @@ def _train(cfg: RunConfig, optimizer: str, run_dir: Path, place: Place, opened: 
     final = extra["last_val_loss"]
     return RunResult(optimizer, run_dir, cfg.steps, float("nan") if final is None else float(final),
                      elapsed0 + time.perf_counter() - t_start)
-
-
-def progress_bar(label: str, total: int, start: int, tokens_per_step: int, *, enabled: bool) -> Any:
-    """A tqdm bar of a run on stderr: tokens done of the run's total, the last losses, tokens/s and
-    the ETA (``disable`` when not ``enabled``; ``update(1)`` per step). On a terminal it redraws in
-    place; in a log file or CI it writes at most every 30 s."""
-    from tqdm import tqdm
-
-    tty = sys.stderr.isatty()
-    return tqdm(total=total, initial=start, desc=label, unit="tok", unit_scale=tokens_per_step, disable=not enabled,
-                file=sys.stderr, dynamic_ncols=tty, mininterval=0.1 if tty else 30.0, leave=True,
-                bar_format="{desc}: {n_fmt}/{total_fmt} [{bar:20}] {percentage:3.0f}% | {postfix} | {rate_fmt} "
-                           "| ETA {remaining}")
-
-
-__all__ = [
-    "Interrupted", "NonFiniteLossError", "Opened", "Place", "Records", "RunResult", "State", "build_state",
-    "check_inputs", "check_threads", "clip_grad_norm", "evaluate", "forward_loss", "lr_factor", "open_run_folder",
-    "progress_bar", "read_max_logits", "train_run", "train_step",
-]

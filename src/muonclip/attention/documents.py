@@ -5,10 +5,10 @@ tokens, ``N`` documents) sees only pairs within a document (rule 4 of
 `muonclip.attention.pairs`). Its exact per-head max is the max over documents of each
 document's own max, each document being an ordinary call on its slice of q and k (the causal
 rule within it): `document_max_logits` computes it so, never the ``(T, T)`` mask of the rule's
-definition, with `muonclip.attention.max_logits.chunked_max_logits` (on a CUDA GPU with Triton,
-`muonclip.attention.triton_max_logits`) per document.
+definition, with `muonclip.attention.chunked_max_logits` (on a CUDA GPU with Triton,
+`muonclip.attention._triton_max_logits`) per document.
 
-`gated_document_max_logits` is the LSE gate (`muonclip.attention.gate`) on such a call: the
+`gated_document_max_logits` is the LSE gate (`muonclip.attention._gate`) on such a call: the
 bound of every head over the whole packed row (each row's LSE covers exactly the keys of its
 document, so ``max_i lse_i`` bounds the max over every document's pairs), then the exact max,
 document by document, of the heads whose bound passes the threshold only. On a GPU, choosing
@@ -23,9 +23,9 @@ import math
 import torch
 from torch import Tensor
 
-from . import triton_max_logits as triton_max
+from . import _triton_max_logits as triton_max
+from ._max_logits import chunked_max_logits
 from .call import AttentionCall
-from .max_logits import chunked_max_logits
 
 
 def _slice(t: Tensor | None, a: int, b: int) -> Tensor | None:
@@ -69,7 +69,7 @@ def document_max_logits(call: AttentionCall, heads: Tensor | None = None) -> Ten
 
 @torch.no_grad()
 def gated_document_max_logits(call: AttentionCall, lse: Tensor, threshold: float) -> tuple[Tensor, Tensor]:
-    """`muonclip.attention.gate.gated_max_logits` for a call with packed documents (module docstring).
+    """`muonclip.attention.gated_max_logits` for a call with packed documents (module docstring).
 
     Args:
         call: an `AttentionCall` with ``cu_seq_lens``.
@@ -80,7 +80,7 @@ def gated_document_max_logits(call: AttentionCall, lse: Tensor, threshold: float
         ``(values, is_bound)``, each ``(Hq,)``: exact maxima where ``is_bound`` is False, else an
         upper bound ``<= threshold``.
     """
-    from .gate import lse_bound  # the gate's bound; gate.py takes documents through this module
+    from ._gate import lse_bound  # the gate's bound; _gate.py takes documents through this module
 
     bound = lse_bound(call, lse)
     is_bound = bound <= threshold  # False for NaN: such a head takes the exact path

@@ -60,7 +60,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .running_max import MaxLogitRecorder
+from ._recorder import MaxLogitRecorder
 
 _active: list[MaxLogitMonitor] = []  # monitors inside their ``with`` block, process-wide
 

@@ -16,8 +16,8 @@ its attention kernel as a `Kernel`, and calls `attend`, which
      themselves (a block mask);
    * the LSE gate (``"gated"``, the default) where every recorder has a threshold, the kernel
      returns its log-sum-exp, and the gate pays (`gate_pays`; never inside ``torch.compile``):
-     `muonclip.attention.gate.gated_max_logits`;
-   * else the exact max (``"chunked"``): `muonclip.attention.gate.exact_max_logits` (one Triton
+     `muonclip.attention.gated_max_logits`;
+   * else the exact max (``"chunked"``): `muonclip.attention.exact_max_logits` (one Triton
      kernel on a GPU, `chunked_max_logits` elsewhere);
 
    always over the pairs of the pair rule (`muonclip.attention.pairs`: allowed by the mask,
@@ -35,19 +35,19 @@ document (`muonclip.attention.documents`).
 **Backends** (`set_max_logit_backend`):
 
 * ``"gated"`` (default): when every recorder fed by the call has a threshold (the clip's tau,
-  which `MuonClip` sets) and the kernel returns its log-sum-exp (`muonclip.attention.lse`: the
+  which `MuonClip` sets) and the kernel returns its log-sum-exp (`muonclip.attention._lse`: the
   CPU flash kernel; on CUDA the cuDNN, memory-efficient and flash kernels), the LSE bounds every
   head's max, and only heads whose bound passes the threshold get their exact max
-  (`muonclip.attention.gate`; on a GPU the gate runs inside the Triton max-logit kernel, per
+  (`muonclip.attention._gate`; on a GPU the gate runs inside the Triton max-logit kernel, per
   block of query rows: no host sync). Clip decisions and gammas are those of the exact path.
   Anywhere else (a recorder without a threshold, a monitor, dropout, a call SDPA runs with its
   math backend, a torch without those kernels, on a GPU a call too small for the gate to pay:
   `gate_pays`, and any call inside ``torch.compile``, where choosing heads by their bound would
   be a data-dependent graph break) it is ``"chunked"``.
 * ``"chunked"``: the kernel, then the exact max of every head: on CPU (or without Triton)
-  `muonclip.attention.max_logits.chunked_max_logits` (bounded memory; never the full
+  `muonclip.attention.chunked_max_logits` (bounded memory; never the full
   ``(B, H, Tq, Tk)`` scores at once), on a CUDA GPU the same computation in one Triton kernel
-  (`muonclip.attention.triton_max_logits`). About one more causal ``Q K^T`` per call.
+  (`muonclip.attention._triton_max_logits`). About one more causal ``Q K^T`` per call.
 * ``"flex"`` (CUDA): eligible SDPA calls (no dropout, no sinks, no mask or a boolean mask, no
   key-side token mask) run FlexAttention, which returns output and row maxima from one fused
   kernel. FlexAttention is compiled with ``dynamic=False``: each new (shape, dtype, mask kind)
@@ -67,13 +67,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import triton_max_logits as triton_max
+from . import _triton_max_logits as triton_max
+from ._gate import exact_max_logits, gated_max_logits
+from ._lse import sdpa_with_lse
+from ._max_logits import flex_attention_with_max, flex_available
+from ._recorder import MaxLogitRecorder
 from .call import AttentionCall
 from .forward_rule import recorders_to_feed, unseen_by_selective_checkpointing
-from .gate import exact_max_logits, gated_max_logits
-from .lse import sdpa_with_lse
-from .max_logits import flex_attention_with_max, flex_available
-from .running_max import MaxLogitRecorder
 from .sinks import attention_with_sinks
 
 BACKENDS = ("gated", "chunked", "flex")
@@ -124,7 +124,7 @@ class Kernel(ABC):
 
 class SDPAKernel(Kernel):
     """``F.scaled_dot_product_attention`` (with sinks: `muonclip.attention.sinks`); the LSE from
-    the op SDPA runs (`muonclip.attention.lse`); row maxima from FlexAttention with the
+    the op SDPA runs (`muonclip.attention._lse`); row maxima from FlexAttention with the
     ``"flex"`` backend on CUDA."""
 
     def run(self, call: AttentionCall, lse: bool) -> tuple[Tensor, Tensor | None]:

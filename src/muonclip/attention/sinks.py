@@ -14,7 +14,7 @@ row's log-sum-exp over the keys (no sink). That is what transformers' eager atte
 sink model computes (the sink concatenated as one more column of the scores, softmax, the column
 dropped). Two ways to get it here, both exact:
 
-* **The kernel's LSE** (CPU, where `muonclip.attention.lse` finds the flash kernel and its
+* **The kernel's LSE** (CPU, where `muonclip.attention._lse` finds the flash kernel and its
   backward op with the expected schemas): one fused SDPA call returns \(o^{\text{SDPA}}\) and
   \(\text{lse}\); the output is multiplied by the per-row factor \(\sigma(\text{lse}_i - a_h)\).
   The kernel's LSE is not differentiable in torch, so the backward is stated here: with
@@ -23,7 +23,7 @@ dropped). Two ways to get it here, both exact:
   the gradient \(\sigma_i g_i\) and the output \(o'\) (the kernel recomputes \(p_{ij}\) from
   the LSE and uses the output only for \(g_i \cdot o_i\)); and
   \(\partial L / \partial a_h = -\sum_{b,i} (g_i \cdot o'_i)(1 - \sigma_i)\). The same LSE feeds
-  the max-logit gate (`muonclip.attention.gate`), since it is the LSE of the q·k scores alone.
+  the max-logit gate (`muonclip.attention._gate`), since it is the LSE of the q·k scores alone.
 * **One more key** (any other device, dropout, a mask that needs a gradient, a torch without the
   ops, inside ``torch.compile``): the sink is a key every query sees, with a zero value and a logit \(a_h\):
   ``q' = [q, a_h / scale]``, ``k' = [k, 0]`` plus the key ``[0, ..., 0, 1]``, ``v'`` plus a zero
@@ -46,8 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._lse import additive_mask, cpu_lse_op, schema_matches, sdpa_choice
 from .call import AttentionCall
-from .lse import additive_mask, cpu_lse_op, schema_matches, sdpa_choice
 
 _FLASH = 1
 _CPU_BACKWARD = ("_scaled_dot_product_flash_attention_for_cpu_backward",

@@ -1,6 +1,15 @@
 """The ground floor: helpers that every layer may import, and that import nothing of muonclip.
 
-* `dtensor` — DTensor geometry: which global indices each rank's local tensor holds, for any
+Public modules (the package itself exports no name):
+
+* `families` — the model-family table's format and its registry (`register_families`).
+* `family_readers` — the readers of the registered table, one function per fact.
+
+Internal:
+
+* `_dtensor` — DTensor geometry: which global indices each rank's local tensor holds, for any
   placement; the rank-local tensor; row shards for per-row scaling (QK-Clip).
-* `triton_support` — whether Triton can run here (a GPU, or its CPU interpreter).
+* `_triton_support` — whether Triton can run here (a GPU, or its CPU interpreter).
 """
+
+__all__: list[str] = []

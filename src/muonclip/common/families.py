@@ -7,7 +7,7 @@ maps in what order, where its head counts are read, which layers store their wei
 called. Those facts name frameworks' classes and attributes, so the core (`muonclip.optim`,
 `muonclip.qkclip`, `muonclip.attention`, `muonclip.ortho`) states none of them: a layer above
 describes its families in a `FamilyTable` and registers it with `register_families` (as
-`muonclip.qkclip.discovery.register_discoverer` registers layer finders). The table of torch's,
+`muonclip.qkclip.register_discoverer` registers layer finders). The table of torch's,
 transformers', peft's and muonclip's own models is `muonclip.integrations.families`, registered
 when ``muonclip`` is imported. `families` merges every registered table (in registration order:
 a family registered earlier wins where two describe one module), and

@@ -1,7 +1,7 @@
 """Reading the registered family table: each fact about a model's modules read by one function.
 
 The records and the registry are `muonclip.common.families`; the readers here are what routing
-(`muonclip.optim.fused`, `muonclip.optim.routing`) and the clip (`muonclip.qkclip`,
+(`muonclip.optim.fused`, `muonclip.optim._routing`) and the clip (`muonclip.qkclip`,
 `muonclip.integrations.hf_layouts`) call:
 
 * `query_heads`, `heads_of` — a module's head counts (`muonclip.common.families.HeadSources`:

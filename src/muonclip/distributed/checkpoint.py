@@ -254,7 +254,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
 def _place_wide_values(osd: dict[str, Any], optimizer: torch.optim.Optimizer, metadata: Metadata) -> None:
     """Ask DCP for the optimizer-wide values (Muon's counters, MuonClip's ``tau``) where the
     checkpoint holds them: in every param group (this version), or in the first parameter's state
-    (earlier versions, `muonclip.optim.state_dicts`), so that both load."""
+    (earlier versions, `muonclip.optim._state_dicts`), so that both load."""
     wide = getattr(optimizer, "_wide_state", None)
     if not callable(wide):
         return

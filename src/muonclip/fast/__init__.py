@@ -4,16 +4,16 @@ Layers on the core (`muonclip.ortho`, `muonclip.optim`), which never imports the
 this package registers them (``import muonclip`` does):
 
 * workspace ``"buffered"`` (`BufferedWorkspace`): Muon's buckets orthogonalised into buffers kept
-  between steps, on CPU; optional CPU chunking (`muonclip.fast.buffered.chunk_size`). The default for CPU
+  between steps, on CPU; optional CPU chunking (`muonclip.fast._buffered.chunk_size`). The default for CPU
   parameters (``Muon(workspace="auto")``), measured faster there; ``workspace="core"`` turns it off.
-* method ``"ns5_sym"`` (`muonclip.fast.symmetric`): the quintic computing only half of its
-  symmetric products (row strips on CPU, the Triton kernel of `muonclip.fast.triton_syrk` on
+* method ``"ns5_sym"`` (`muonclip.fast._symmetric`): the quintic computing only half of its
+  symmetric products (row strips on CPU, the Triton kernel of `muonclip.fast._triton_syrk` on
   CUDA). Opt-in.
-* method ``"ns5_compiled"`` (`muonclip.fast.compiled`): the quintic through ``torch.compile``.
+* method ``"ns5_compiled"`` (`muonclip.fast._compiled`): the quintic through ``torch.compile``.
   Opt-in.
 
 ``on_nonfinite="mask"`` (the sync-free skip) is a wrapper of the optimizer step, in
-`muonclip.optim.masked`.
+`muonclip.optim._nonfinite_mask`.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import torch
 
 from ..optim.workspace import register_workspace
 from ..ortho import ITERATIVE_DTYPES, Method, ns5_schedule, register_method
-from .buffered import BufferedWorkspace
-from .compiled import compiled_newton_schulz
-from .symmetric import symmetric_newton_schulz
+from ._buffered import BufferedWorkspace
+from ._compiled import compiled_newton_schulz
+from ._symmetric import symmetric_newton_schulz
 
 
 def _ns5_sym(V, steps, dtype, eps, coefficients):

@@ -11,9 +11,9 @@ imported, so ``import muonclip`` (and ``import muonclip.integrations``) needs on
 The names are also reachable as attributes of this package (``muonclip.integrations.
 MuonClipTrainerCallback``), imported on first access. The framework-free pieces the callbacks
 share — finding the `muonclip.Muon` under a framework's optimizer wrapper, the update RMS and
-the per-step metrics — are in `muonclip.integrations.stats`.
+the per-step metrics — are in `muonclip.qkclip.step_metrics`.
 
-Importing this package registers `hf_layers` with `muonclip.qkclip.discovery`, so that
+Importing this package registers `hf_layers` with `muonclip.qkclip.register_discoverer`, so that
 `muonclip.MuonClip` finds a transformers model's attention layers, and the family table
 (`muonclip.integrations.families`: every model family's fused projections, head counts, q/k
 norms and adapter names) with `muonclip.common.families`, which `muonclip.param_groups` and
@@ -28,10 +28,10 @@ from typing import Any
 
 from torch import nn
 
-from ..qkclip.discovery import register_discoverer
-from ..qkclip.layouts import AttentionLayer
+from ..qkclip._discovery import register_discoverer
+from ..qkclip._layouts import AttentionLayer
+from ..qkclip.step_metrics import StepMetrics, UpdateRMS, step_metrics, unwrap_optimizer
 from . import families as _families  # noqa: F401  (registers the family table)
-from .stats import StepMetrics, UpdateRMS, step_metrics, unwrap_optimizer
 
 _LAZY = {
     "MuonClipTrainerCallback": ".hf",

@@ -19,7 +19,7 @@ Everything muonclip does with transformers lives in the ``hf*`` modules of this 
   model to the function; every public name of the others is importable from here too.
 
 `muonclip.MuonClip` finds a transformers model's attention layers through `attach`
-(`muonclip.integrations` registers it with `muonclip.qkclip.discovery`). `attach(model)`:
+(`muonclip.integrations` registers it with `muonclip.qkclip._discovery`). `attach(model)`:
 
 1. **Finds the softmax-attention layers, per module** (`muonclip.integrations.hf_layouts`):
    modules whose class calls transformers' attention interface. Token mixers without softmax
@@ -106,9 +106,9 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "muonclip.integrations.hf needs Hugging Face transformers >= 4.56: pip install 'muonclip[hf]'"
     ) from e
 
-from ..attention.running_max import MaxLogitRecorder
-from ..common.dtensor import is_dtensor
-from ..qkclip.layouts import AttentionLayer, Layout, MLALayout
+from ..attention._recorder import MaxLogitRecorder
+from ..common._dtensor import is_dtensor
+from ..qkclip._layouts import AttentionLayer, Layout, MLALayout
 from ..qkclip.tensor_parallel import record_local_heads
 from .hf_attention import (
     ATTN_IMPLEMENTATION,

@@ -14,7 +14,7 @@ stands for a projection's rows. Read from each projection's structure (peft is n
   be trainable: peft's ``bias="all"``).
 * **plain LoRA** (and other additive adapters): ``W0 + s B A`` has no exact row scale through
   ``B`` and ``A`` alone; the projection's rows are the frozen base weight, which the rule of
-  `muonclip.qkclip.writable` refuses with that explanation and the alternatives.
+  `muonclip.qkclip.clip_targets` refuses with that explanation and the alternatives.
 * **modules_to_save** (a ``ModulesToSaveWrapper``): the active trainable copy, a plain layer,
   saved with the adapter.
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from ..qkclip.layouts import Magnitudes
+from ..qkclip._rows import Magnitudes
 from .families import ADAPTER_BASE, ADAPTER_COPIES, DORA_MAGNITUDE, LORA_A
 
 
@@ -69,7 +69,7 @@ def projection_rows(module: nn.Module, layer: str, attr: str) -> tuple[Tensor | 
 
     A DoRA layer gives its active adapter's magnitude vector as `Magnitudes` and the base bias;
     any other layer its ``weight`` and ``bias`` (for a LoRA layer: the base weight, which the
-    rule of `muonclip.qkclip.writable` refuses when frozen).
+    rule of `muonclip.qkclip.clip_targets` refuses when frozen).
 
     Raises:
         ValueError: a DoRA adapter merged, disabled, or with several adapters active.

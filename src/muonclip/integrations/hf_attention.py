@@ -188,7 +188,7 @@ def muonclip_attention_forward(
             is not a product of W_q and W_k). A module without one is computed without recording.
             With `MuonClip` (which sets the recorders' threshold to its tau), heads that provably
             stay at or below tau may be recorded as an upper bound from the kernel's log-sum-exp
-            instead (`muonclip.attention.gate`): the clip's decisions and gammas are those of the
+            instead (`muonclip.attention._gate`): the clip's decisions and gammas are those of the
             exact maxima. A module with a pending ``muonclip_forward_check`` (set by `attach`)
             also runs its check on its first training forward
             (`muonclip.integrations.hf_check`).

@@ -5,7 +5,7 @@ calls ``optimizer.step()`` once per optimizer step, after every micro-batch of g
 accumulation has run its forward pass, so the clip sees the max logits of all of them
 (``scheduler=None`` lets the Trainer build its usual schedule on top of our optimizer). The
 callback adds, on every training log (every ``logging_steps``), the figures of
-`muonclip.integrations.stats` with the prefix ``"muonclip/"``: ``max_logit``,
+`muonclip.qkclip.step_metrics` with the prefix ``"muonclip/"``: ``max_logit``,
 ``clipped_heads``, ``clipped_fraction`` and ``update_rms`` of the last optimizer step, and
 ``max_logit_peak`` since the previous log; per layer with ``per_layer=True``. At the start of
 training it warns when ``TrainingArguments.learning_rate`` / ``weight_decay`` differ from the
@@ -36,8 +36,8 @@ from typing import Any
 
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from ..qkclip.step_metrics import StepMetrics, unwrap_optimizer
 from .hf_trainer import warn_disagreements
-from .stats import StepMetrics, unwrap_optimizer
 
 _NOT_TRAINING_LOGS = ("eval_", "test_", "train_runtime")
 

@@ -60,7 +60,8 @@ from ..common.family_readers import (
     separate_projections,
     stored_transposed,
 )
-from ..qkclip.layouts import GQALayout, Layout, MHALayout, MLALayout, Rows, StridedRows
+from ..qkclip._layouts import GQALayout, Layout, MHALayout, MLALayout
+from ..qkclip._rows import Rows, StridedRows
 from ..qkclip.qknorm import check_no_qk_norm
 from .families import CLAMPS, OUTPUT_NORMS, SELECTION_CHILDREN
 from .hf_adapters import projection_rows, unwrap

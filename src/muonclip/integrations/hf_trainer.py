@@ -36,7 +36,7 @@ from typing import Any
 from torch import nn
 
 from ..optim import Muon, param_groups
-from ..qkclip.muonclip import MuonClip
+from ..qkclip._muonclip import MuonClip
 
 ARGUMENTS = (("learning_rate", "lr"), ("weight_decay", "weight_decay"))
 """``(TrainingArguments field, optimizer keyword)`` pairs that `trainer_optimizer` and the callback compare."""

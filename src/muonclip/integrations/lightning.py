@@ -19,7 +19,7 @@ their forward passes, so the clip sees the max logits of all of them. Lightning'
 save ``optimizer.state_dict()`` (momentum, Adam moments, step counters, ``tau``) and restore
 it on ``fit(ckpt_path=...)``; with ``ModelParallelStrategy`` (FSDP2: shard the model in
 ``configure_model``) through torch's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``,
-which take MuonClip's state dict as it is (`muonclip.optim.state_dicts`). The max-logit
+which take MuonClip's state dict as it is (`muonclip.optim._state_dicts`). The max-logit
 recorders are empty at every step boundary (the clip consumed them), so a run resumed from a
 checkpoint taken at a step boundary continues exactly like an uninterrupted one (given the same
 data order). ``self.optimizers()`` (Lightning's ``LightningOptimizer``) passes on
@@ -27,11 +27,11 @@ data order). ``self.optimizers()`` (Lightning's ``LightningOptimizer``) passes o
 DDP and ``ModelParallelStrategy``, run by the tests.
 
 The callback logs, after every optimizer step, through ``pl_module.log_dict`` (``on_step=True``),
-the figures of `muonclip.integrations.stats` with the prefix ``"muonclip/"``: ``max_logit``,
+the figures of `muonclip.qkclip.step_metrics` with the prefix ``"muonclip/"``: ``max_logit``,
 ``clipped_heads``, ``clipped_fraction`` and ``update_rms`` (per layer with ``per_layer=True``).
 They go to ``trainer.logger`` at its ``log_every_n_steps`` and to ``trainer.callback_metrics``.
 Under FSDP2 each process measures its shard and the update RMS is summed over the optimizer's
-process group (`muonclip.integrations.stats`), so every process logs the whole model's.
+process group (`muonclip.qkclip.step_metrics`), so every process logs the whole model's.
 
 Validation, testing and prediction never count in a clip, with or without this callback, even
 in the middle of an accumulation window: Lightning runs them in eval mode under
@@ -51,7 +51,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "muonclip.integrations.lightning needs PyTorch Lightning: pip install 'muonclip[lightning]'"
     ) from e
 
-from .stats import StepMetrics
+from ..qkclip.step_metrics import StepMetrics
 
 
 class MuonClipLightningCallback(pl.Callback):

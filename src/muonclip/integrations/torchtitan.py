@@ -67,7 +67,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from ..optim import Muon, param_groups
-from ..qkclip.muonclip import MuonClip
+from ..qkclip._muonclip import MuonClip
 from .torchtitan_attention import recording_attention_config
 from .torchtitan_layouts import attention_layers, canonical_name, muon_splits
 from .torchtitan_metrics import MuonClipMetricsProcessor, metrics_config, startup_line

@@ -42,9 +42,9 @@ import torch
 from torch import Tensor
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention, VarlenAttention
 
+from ..attention._recorder import MaxLogitRecorder
 from ..attention.call import AttentionCall
 from ..attention.record import Kernel, attend
-from ..attention.running_max import MaxLogitRecorder
 
 
 def _local(t: Tensor) -> tuple[Tensor, Any]:

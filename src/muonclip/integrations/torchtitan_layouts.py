@@ -42,8 +42,9 @@ from torch import nn
 from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.models.common.attention import FusedQKVLinear, GQAttention, QKVLinear
 
-from ..attention.running_max import MaxLogitRecorder
-from ..qkclip.layouts import AttentionLayer, GQALayout, MHALayout, MLALayout, StridedRows
+from ..attention._recorder import MaxLogitRecorder
+from ..qkclip._layouts import AttentionLayer, GQALayout, MHALayout, MLALayout
+from ..qkclip._rows import StridedRows
 from ..qkclip.tensor_parallel import local_heads
 from .torchtitan_attention import is_recording
 

@@ -48,7 +48,7 @@ from torch.nn.utils.rnn import pad_sequence
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.logging import logger
 
-from ..qkclip.muonclip import MuonClip
+from ..qkclip._muonclip import MuonClip
 from .torchtitan_layouts import attention_modules, refusal
 
 PREFIX = "muonclip/"

@@ -1,5 +1,5 @@
 """Reference models: a small GPT with MHA, GQA/MQA and MLA attention."""
 
-from .gpt import GPT, GPTConfig
+from ._gpt import GPT, GPTConfig
 
 __all__ = ["GPT", "GPTConfig"]

@@ -1,4 +1,4 @@
-"""Tensor parallelism for the reference GPT (`muonclip.models.gpt`), with torch's own plan styles.
+"""Tensor parallelism for the reference GPT (`muonclip.models._gpt`), with torch's own plan styles.
 
 `tensor_parallel` applies ``torch.distributed.tensor.parallel.parallelize_module`` to every
 block, Megatron style: q, k, v and the MLP's ``c_fc`` column-parallel (``ColwiseParallel``:
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..qkclip.tensor_parallel import record_local_heads
-from .gpt import GPT, CausalSelfAttention
+from ._gpt import GPT, CausalSelfAttention
 
 
 def tensor_parallel(model: GPT, tp_mesh: Any) -> GPT:

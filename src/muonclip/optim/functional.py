@@ -7,7 +7,7 @@ buffer M (docs/design.md, "Muon")::
 
     M = dequantize(M8)                       momentum_8bit only: int8 + a scale per block
     M = mu M + G                             momentum_
-    M8 = quantize(M)                         momentum_8bit only (`muonclip.optim.quantized`)
+    M8 = quantize(M)                         momentum_8bit only (`muonclip.optim._quantized`)
     V = G + mu M   (nesterov)   or   V = M   muon_input
     O = orth(V)                              muonclip.orthogonalize, in the compute dtype
     O = normuon(O)                           normuon only: normalize_neurons_, per row
@@ -29,16 +29,16 @@ The three optional lines (each off by default, each a `muonclip.Muon` argument):
   modded-nanogpt's ``mask = (v_chunk * param_chunk) >= 0`` and dion's ``cautious_wd``; the mask
   is taken from W before this step's decay.
 * **8-bit momentum**: M stored as int8 with a float32 absmax scale per block of at most 256
-  elements of a row (`muonclip.optim.quantized`); dequantised for the step, V formed from the
+  elements of a row (`muonclip.optim._quantized`); dequantised for the step, V formed from the
   float32 M, M quantised back.
 
 `muon_step` runs these lines for every Muon weight of a step, with the blocks of equal shape
-batched into one ``orthogonalize`` call (`muonclip.optim.buckets`): that is the step
+batched into one ``orthogonalize`` call (`muonclip.optim._buckets`): that is the step
 `muonclip.Muon` runs, in one process and over several ranks, where the distribution layer
-supplies only the exchanges around the same phases (`muonclip.optim.distribution.Exchange`:
+supplies only the exchanges around the same phases (`muonclip.optim.multiprocess.Exchange`:
 the owner of each matrix, the gather of V before orthogonalisation, the scatter of the result
 after). `muon_update` is `muon_step` on one weight (its momentum a float32 buffer).
-`adamw_update` (`muonclip.optim.adamw`) is the AdamW branch's.
+`adamw_update` (`muonclip.optim._adamw`) is the AdamW branch's.
 
 References:
     K. Jordan et al., "Muon: An optimizer for hidden layers in neural networks" (2024).
@@ -58,13 +58,13 @@ import torch
 from torch import Tensor
 
 from ..ortho import check_method
-from .buckets import Bucket, Chunk, Place, Results, StepStructure, Unit, step_structure
-from .matrices import MatrixSpec
-from .quantized import QuantLayout, dequantize, quantize_
+from ._buckets import Bucket, Chunk, Place, Results, StepStructure, Unit, step_structure
+from ._matrices import MatrixSpec
+from ._quantized import QuantBlocks, dequantize, quantize_
 from .workspace import CoreWorkspace
 
 if TYPE_CHECKING:
-    from .distribution import Exchange
+    from .multiprocess import Exchange
 
 NORMUON_EPS = 1e-8
 """NorMuon's epsilon, added to ``sqrt(v)`` and the floor of the rescale's norm (dion's value)."""
@@ -157,7 +157,7 @@ def muon_update(
             steps, 1e-7, its coefficients).
         dtype: compute dtype of the orthogonalisation; V is rounded into it once (default
             bfloat16).
-        scale: the update scale of the matrix shape (`muonclip.optim.scale.update_scale`;
+        scale: the update scale of the matrix shape (`muonclip.optim.update_scale`;
             default 1.0).
         second_moment: NorMuon's per-row buffer ``(A,)`` or ``(E, A)`` (float32, updated in
             place); None (default): no NorMuon.
@@ -176,9 +176,9 @@ def muon_update(
 
 
 def step_momentum(grad: Tensor, momentum: float, buffer: Tensor | None = None,
-                  quantized: tuple[Tensor, Tensor, QuantLayout] | None = None) -> Tensor:
+                  quantized: tuple[Tensor, Tensor, QuantBlocks] | None = None) -> Tensor:
     """The momentum phase of one weight: ``M = mu M + G`` on its float32 ``buffer``, or, with
-    ``quantized = (int8 codes, scales, layout)`` (8-bit momentum), on ``M`` dequantised into a
+    ``quantized = (int8 codes, scales, blocks)`` (8-bit momentum), on ``M`` dequantised into a
     new float32 tensor, quantised back after the update. Returns the float32 ``M`` of this step
     (what V is formed from)."""
     if quantized is None:
@@ -209,16 +209,16 @@ class MuonWeight(NamedTuple):
     second_moment: Tensor | None = None
     normuon_beta2: float = 0.95
     cautious: bool = False
-    quantized: tuple[Tensor, Tensor, QuantLayout] | None = None
+    quantized: tuple[Tensor, Tensor, QuantBlocks] | None = None
 
 
 def muon_step(weights: Sequence[MuonWeight], structure: StepStructure, exchange: Exchange | None = None) -> int:
     """The Muon update of every weight of a step, the one composition of the phases (module
     docstring), in one process and over several ranks; returns the matrices orthogonalised here.
 
-    ``structure`` (`muonclip.optim.buckets.StepStructure`): the units of work this process
+    ``structure`` (`muonclip.optim._buckets.StepStructure`): the units of work this process
     orthogonalises, their buckets of same-shape blocks, where each weight's result applies.
-    ``exchange`` (`muonclip.optim.distribution.Exchange`; None in one process): the gather of V
+    ``exchange`` (`muonclip.optim.multiprocess.Exchange`; None in one process): the gather of V
     to the owners before orthogonalisation, the scatter of the results after. A weight's momentum
     is updated just before its V is first formed (8-bit: its float32 copy dropped after its last
     block); each bucket is written in chunks (`StepStructure.chunks`) in the compute dtype, each
@@ -315,7 +315,7 @@ def apply_blocks_(param: Tensor, update: Tensor, *, lr: float, weight_decay: flo
     """`apply_update_` for a weight cut into matrix blocks, each with its own scale.
 
     ``ranges``: ``(a, b, scale)`` for the rows ``[a, b)`` along ``axis``
-    (`muonclip.optim.matrices.MatrixSpec.ranges`). ``param`` and ``update`` hold the rows
+    (`muonclip.optim._matrices.MatrixSpec.ranges`). ``param`` and ``update`` hold the rows
     ``[offset, offset + n)`` along ``axis``, ``n = update.shape[axis]`` (all of them unless the
     weight is a shard of a larger one: a row shard, or a column shard of a transposed weight).
     The decay applies to all of ``param`` (``cautious``: elementwise, where ``update`` and

@@ -81,7 +81,7 @@ class WeightSplit:
             ``"router"``, ``"per-head"``, ``"fused? layout unknown"``, ...).
         detail: what the blocks are and where their sizes come from.
         split_sizes: row blocks (None: one matrix).
-        split_groups: interleaved groups of ``split_sizes`` (see `muonclip.optim.matrices`).
+        split_groups: interleaved groups of ``split_sizes`` (see `muonclip.optim._matrices`).
         transposed: stored ``(in, out)`` / ``(E, in, out)``.
         algorithm: ``"adamw"`` to send the weight to AdamW (per-expert biases); None: the
             usual rule (Muon for a matrix).

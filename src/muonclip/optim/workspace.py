@@ -112,7 +112,7 @@ class AutoWorkspace:
 def workspace_for(workspace: Workspace, device: torch.device) -> Workspace:
     """The workspace that runs ``device``'s buckets: ``workspace.for_device(device)`` for a workspace that
     chooses per device (`AutoWorkspace`), else ``workspace`` itself. A step resolves it once, when it
-    builds its buckets (`muonclip.optim.buckets.make_buckets`)."""
+    builds its buckets (`muonclip.optim._buckets.make_buckets`)."""
     choose = getattr(workspace, "for_device", None)
     return workspace if choose is None else choose(device)
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .gram import gram_newton_schulz
-from .newton_schulz import (
+from ._gram import gram_newton_schulz
+from ._newton_schulz import (
     NS5_COEFFICIENTS,
     POLAR_EXPRESS_SAFETY,
     Scratch,
@@ -26,7 +26,7 @@ from .newton_schulz import (
     no_scratch,
     polar_express_coefficients,
 )
-from .svd import svd_polar
+from ._svd import svd_polar
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Method:
             ``(..., A, B)`` batch ``V``, a new tensor of its shape in ``dtype``; with
             ``in_place``, also ``run(..., out=, scratch=)``: the result into ``out``
             (``(batch, A, B)``), ``V`` normalised in place, the temporaries in ``scratch``
-            (`muonclip.ortho.newton_schulz.Scratch`), the same products on the same values.
+            (`muonclip.ortho._newton_schulz.Scratch`), the same products on the same values.
         default_steps: iterations used when ``steps`` is None (0 for direct methods).
         default_dtype: compute dtype used when ``dtype`` is None.
         dtypes: compute dtypes the method accepts.
@@ -174,7 +174,7 @@ def orthogonalize(
     """Approximate the polar factor ``U V^T`` of every matrix in ``V``.
 
     Every method first scales each matrix by a power of two when its entries are so large that
-    the sum of their squares would overflow (`muonclip.ortho.newton_schulz.overflow_scale`; exact,
+    the sum of their squares would overflow (`muonclip.ortho._newton_schulz.overflow_scale`; exact,
     and a no-op otherwise), so any finite input gives a finite result, up to float32's largest
     values.
 
@@ -186,7 +186,7 @@ def orthogonalize(
             per-step coefficients; |sigma - 1| < 0.01 after 6 steps in fp32), ``"svd"`` (exact,
             the reference), ``"gram"`` (ns5's polynomial run on the small Gram matrix, with one
             restart: 0.67x the flops at 384 x 1536, same band as ns5 in bf16; see
-            `muonclip.ortho.gram`), or any name registered with `register_method`
+            `muonclip.ortho._gram`), or any name registered with `register_method`
             (`muonclip.fast` adds ``"ns5_sym"`` and ``"ns5_compiled"``).
         steps: iterations; None picks the method's default (5 for the iterative methods).
         dtype: compute dtype; None picks the method's default (bf16 for the iterations,

@@ -2,13 +2,19 @@
 
 Hugging Face transformers models are found through `muonclip.integrations.hf` (registered with
 `register_discoverer` by `muonclip.integrations`).
+
+Public modules: `binding` (the parameters MuonClip follows), `check` (that the clip acted),
+`clip_targets` (what it may write), `qknorm` (norms that would undo it), `tensor_parallel` (a TP
+rank's heads), `step_metrics` (what the logging callbacks report). Internal, their names exported
+here: `_layouts`, `_rows`, `_clip`, `_discovery`, `_muonclip`.
 """
 
+from ._clip import all_reduce_max_, apply_qk_clip, compute_gamma
+from ._discovery import discover_layers, register_discoverer
+from ._layouts import GQA_POLICIES, AttentionLayer, GQALayout, Layout, MHALayout, MLALayout
+from ._muonclip import MuonClip
+from ._rows import Magnitudes, Rows, StridedRows
 from .check import QKClipIneffectiveError, QKClipIneffectiveWarning
-from .clip import all_reduce_max_, apply_qk_clip, compute_gamma
-from .discovery import discover_layers, register_discoverer
-from .layouts import GQA_POLICIES, AttentionLayer, GQALayout, Layout, MHALayout, MLALayout, Rows, StridedRows
-from .muonclip import MuonClip
 
 __all__ = [
     "GQA_POLICIES",
@@ -17,6 +23,7 @@ __all__ = [
     "Layout",
     "MHALayout",
     "MLALayout",
+    "Magnitudes",
     "MuonClip",
     "QKClipIneffectiveError",
     "QKClipIneffectiveWarning",

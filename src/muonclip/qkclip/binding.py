@@ -7,7 +7,7 @@ Wrappers replace a model's parameters by new tensor objects after the optimizer 
 * ``fully_shard`` (or ``model.load_state_dict(..., assign=True)``, or a module's weight set
   anew) after the optimizer was built replaces them in the model only.
 
-A QK-Clip layout holds the tensors it scales (`muonclip.qkclip.layouts`), so after such a swap it
+A QK-Clip layout holds the tensors it scales (`muonclip.qkclip._layouts`), so after such a swap it
 would scale tensors nobody trains. `ParameterBinding` records, when the optimizer is built, every
 parameter's place in the param groups (group, index) and in the model (the module and the
 attribute that hold it), and `ParameterBinding.follow` looks at both before every step:
@@ -23,7 +23,7 @@ What cannot be followed is refused with the wrapper named and what to do: a repl
 another global shape (FSDP1's flat parameters, DeepSpeed ZeRO-3's partitions: Muon needs whole
 matrices), a tensor the model dropped, a model and an optimizer that hold two different new
 tensors, optimizer state that cannot move to a sharded tensor, a layout that is not a dataclass
-(it cannot be re-pointed). The clip's writing rule (`muonclip.qkclip.writable`) is checked
+(it cannot be re-pointed). The clip's writing rule (`muonclip.qkclip.clip_targets`) is checked
 again on every tensor a layout is re-pointed at.
 """
 
@@ -36,10 +36,10 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ..common.dtensor import is_dtensor
+from ..common._dtensor import is_dtensor
 from ..optim.flat import INSTEAD, flat_kind
-from .layouts import AttentionLayer
-from .writable import check_clip_targets
+from ._layouts import AttentionLayer
+from .clip_targets import check_clip_targets
 
 
 @dataclass

@@ -56,8 +56,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .clip import world_size
-from .layouts import AttentionLayer
+from ._clip import world_size
+from ._layouts import AttentionLayer
 
 ARM_GAMMA = 0.5
 """A head is checked after a clip with gamma at or below this."""

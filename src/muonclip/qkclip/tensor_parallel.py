@@ -10,15 +10,15 @@ placement and tells the recorder (`muonclip.attention.MaxLogitRecorder.shard_hea
 * `MuonClip`'s one packed MAX all-reduce over every rank then gives each head the maximum
   over the ranks that computed it — the data-parallel and context-parallel ranks — while the
   tensor-parallel ranks that hold other heads contribute ``-inf``, the identity of MAX;
-* the clip scales each head's rows where they live (`muonclip.common.dtensor.local_rows`).
+* the clip scales each head's rows where they live (`muonclip.common._dtensor.local_rows`).
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from ..attention.running_max import MaxLogitRecorder
-from ..common.dtensor import is_dtensor, piece_of
+from ..attention._recorder import MaxLogitRecorder
+from ..common._dtensor import is_dtensor, piece_of
 
 
 def local_heads(q_weight: Tensor, rows_per_unit: int, heads_per_unit: int = 1, *,

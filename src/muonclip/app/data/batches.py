@@ -100,6 +100,3 @@ def val_batches(corpus: Corpus, *, n_batches: int, batch_size: int, block_size: 
     return [
         _windows(corpus.val, starts[i * batch_size : (i + 1) * batch_size], block_size) for i in range(n_batches)
     ]
-
-
-__all__ = ["MAX_EPOCHS", "check_fits", "corpus_warnings", "step_seed", "train_batch", "val_batches"]

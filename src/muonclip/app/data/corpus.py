@@ -219,19 +219,3 @@ def load_corpus(path: str | Path | None = None, val_fraction: float = 0.05) -> C
         source=source,
         n_documents=(len(train_parts) + 1) // 2,
     )
-
-
-__all__ = [
-    "CONTROL_SHARE",
-    "Corpus",
-    "DataError",
-    "VOCAB_SIZE",
-    "builtin_corpus_dir",
-    "corpus_size",
-    "decode",
-    "encode",
-    "list_documents",
-    "load_corpus",
-    "read_document",
-    "strip_markdown",
-]

@@ -203,9 +203,3 @@ def clip_audit(runs: dict[str, Path]) -> dict[str, Any]:
         layers[e["layer"]] = layers.get(e["layer"], 0) + 1
     return {"events": len(events), "per_layer": layers, "first": events[:6],
             "max_rule_error": max((k2_rule_error(e) for e in events), default=None)}
-
-
-__all__ = [
-    "budget_to_reach", "clip_audit", "efficiency", "experts", "interpolate", "mean_sd", "stability",
-    "summarize_run", "tokens_to_reach",
-]

@@ -269,7 +269,3 @@ def plot_guards(runs: dict[str, dict[tuple[str, int], Path]], segments: dict[str
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-__all__ = ["COST_NOTICED", "HELD", "guard_figures", "guards_markdown", "guards_reading", "held", "plot_guards",
-           "segment_reading"]

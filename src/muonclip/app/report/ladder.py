@@ -203,6 +203,3 @@ def plot_ladder(results: Sequence[dict[str, Any]], out_dir: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-__all__ = ["WEN_2025", "beyond_text", "ladder_markdown", "ladder_reading", "plot_ladder", "ratio_text", "slope"]

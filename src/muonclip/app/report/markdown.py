@@ -345,11 +345,3 @@ def _jsonable(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return None
     raise TypeError(type(v).__name__)
-
-
-__all__ = [
-    "NAMES", "about", "against_muon", "decimals", "protocol_markdown", "span", "spread_label",
-    "tuned_stability_markdown",
-    "clip_audit_markdown", "efficiency_markdown", "experts_markdown", "reading", "stability_markdown",
-    "write_summary",
-]

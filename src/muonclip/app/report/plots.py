@@ -114,8 +114,3 @@ def plot_stability(runs: dict[tuple[str, int], Path], tau: float, out_dir: Path)
     ax.grid(alpha=0.3)
     paths.append(_save(plt, fig, out_dir / "clip_events.png"))
     return paths
-
-
-__all__ = [
-    "COLORS", "STYLES", "plot_efficiency", "plot_stability",
-]

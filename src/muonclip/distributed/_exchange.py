@@ -1,0 +1,153 @@
+"""The collectives of a distributed Muon step, each batched into one call for all matrices.
+
+Two kinds of collective (docs/design.md, "Distributed Muon"), every one called on every rank of the group, in the same
+order, whatever that rank holds (a rank that owns nothing, or holds an empty shard, still
+sends and receives zero-length pieces):
+
+* `agree_parameters` — one small int64 MAX all-reduce that checks, before any data moves, that every
+  rank has the same parameters (a signature of global shapes, placements and options) and the
+  same set of gradients. On a mismatch every rank raises the same error, so no rank is left
+  waiting in a collective the others never enter.
+* `exchange` — one ``all_to_all_single`` that moves a list of pieces (`Transfer`: source rank,
+  destination rank, shape), all matrices at once. A step uses it twice: each owner receives
+  the pieces of its matrices' V from ranks that hold them (for replicated pieces, from one
+  holder only), and each rank that holds a piece of a matrix receives that piece of the
+  result from the owner. Momentum never leaves its shard except as this transient V.
+
+``comm_dtype`` (default: the momentum dtype, float32) is the wire dtype. bfloat16 halves the
+bytes; with ``orth_dtype=bfloat16`` and the built-in methods (which cast V to bf16 before
+anything else and return bf16 values) it changes nothing in the result.
+
+Tensors may live on any device the backend supports (gloo: CPU; NCCL: CUDA).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..optim.multiprocess import CommStats
+from ._context import GroupContext
+
+
+def signature(parts: Sequence[object]) -> int:
+    """A 62-bit checksum of ``repr(parts)`` that is the same in every process (unlike ``hash``)."""
+    text = repr(tuple(parts)).encode()
+    return (zlib.crc32(text) << 30) ^ zlib.adler32(text)
+
+
+def agree_parameters(ctx: GroupContext, sig: int, has_grad: Sequence[bool], names: Sequence[Callable[[], str]],
+          device: torch.device, stats: CommStats) -> None:
+    """Check that every rank has the same Muon parameters and the same gradients present.
+
+    One all-reduce (MAX) of ``[sig, -sig, g_0..g_n, -g_0..-g_n]`` gives both the max and the
+    min over ranks of each entry. Raises ValueError on every rank if they differ, naming the
+    parameters (``names[i]()``, formatted only then).
+    """
+    flags = torch.tensor([int(b) for b in has_grad], dtype=torch.int64)
+    packed = torch.cat([torch.tensor([sig, -sig], dtype=torch.int64), flags, -flags]).to(device)
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=ctx.group)
+    stats.add("all_reduce", 2 * packed.numel() * 8 * (ctx.world_size - 1) // ctx.world_size)
+    packed = packed.cpu().tolist()
+    if packed[0] != -packed[1]:
+        raise ValueError(
+            "the Muon parameters differ across ranks (number, order, global shapes or options): every rank "
+            "must build the same model and optimizer, or the collectives would pair the wrong tensors"
+        )
+    n = len(has_grad)
+    mixed = [names[i]() for i in range(n) if packed[2 + i] != -packed[2 + n + i]]
+    if mixed:
+        raise ValueError(
+            f"{', '.join(mixed[:5])} has a gradient on some ranks but not on others; every rank must see the "
+            "same set of gradients (zero the unused ones, e.g. loss + 0 * p.sum(), or use DDP's "
+            "find_unused_parameters)"
+        )
+
+
+def fingerprint(t: Tensor) -> Tensor:
+    """An exact int64 checksum of ``t``'s bits (sum of its elements' bit patterns, and of their
+    products with their positions): equal tensors give equal values on any hardware, with no
+    floating-point rounding."""
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    b = t.detach().contiguous().reshape(-1).view(bits).to(torch.int64)
+    pos = torch.arange(1, b.numel() + 1, dtype=torch.int64, device=b.device)
+    return torch.stack([b.sum(), (b * pos).sum()])
+
+
+def agree_replicas(ctx: GroupContext, tensors: Sequence[Tensor], names: Sequence[str], device: torch.device,
+                   stats: CommStats) -> None:
+    """Check that plain (non-DTensor) parameters, which the step treats as replicated, hold the same
+    values on every rank; raise ValueError on every rank otherwise.
+
+    One MAX all-reduce of ``[f, -f]`` per tensor (`fingerprint`). Run when a step's structure is
+    new (the first step, or after a change): a plain tensor that is really a shard (tensor
+    parallelism with local tensors instead of DTensors) would otherwise get another rank's update.
+    """
+    if not tensors:
+        return
+    f = torch.cat([fingerprint(t).to(device) for t in tensors])
+    packed = torch.cat([f, -f])
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=ctx.group)
+    stats.add("all_reduce", 2 * packed.numel() * 8 * (ctx.world_size - 1) // ctx.world_size)
+    hi, lo = packed[: f.numel()].view(-1, 2), -packed[f.numel():].view(-1, 2)
+    bad = [names[i] for i in (hi != lo).any(dim=1).nonzero().flatten().tolist()]
+    if bad:
+        raise ValueError(
+            f"{', '.join(bad[:5])} is a plain tensor with different values on different ranks; Muon treats plain "
+            "tensors as replicated (DDP). A weight sharded by tensor parallelism must be a DTensor "
+            "(parallelize_module, distribute_tensor, DTensor.from_local), so that Muon can assemble whole "
+            "matrices; replicated weights must start equal on every rank (DDP broadcasts them)"
+        )
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One piece that moves: from group rank ``src`` to ``dst``, of ``shape``."""
+
+    src: int
+    dst: int
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        """Elements of the piece."""
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def exchange(ctx: GroupContext, transfers: Sequence[Transfer], payload: Callable[[int], Tensor],
+             comm_dtype: torch.dtype, device: torch.device, stats: CommStats) -> dict[int, Tensor]:
+    """Move every piece of ``transfers`` in ONE ``all_to_all_single``; return ``{j: piece}`` of the
+    transfers whose ``dst`` is this rank (shaped ``transfers[j].shape``, in ``comm_dtype``).
+
+    ``payload(j)`` gives the tensor of transfer j for the transfers this rank sends. Every rank must
+    pass the same ``transfers`` (computed from the plan, identical everywhere); a rank with nothing
+    to send or receive still enters the collective, with zero-length splits.
+    """
+    me, world = ctx.rank, ctx.world_size
+    outgoing = [[j for j, r in enumerate(transfers) if r.src == me and r.dst == dst] for dst in range(world)]
+    incoming = [[j for j, r in enumerate(transfers) if r.dst == me and r.src == src] for src in range(world)]
+    in_splits = [sum(transfers[j].numel for j in js) for js in outgoing]
+    out_splits = [sum(transfers[j].numel for j in js) for js in incoming]
+    send = _cat([payload(j).reshape(-1) for js in outgoing for j in js], comm_dtype, device)
+    recv = torch.empty(sum(out_splits), dtype=comm_dtype, device=device)
+    dist.all_to_all_single(recv, send, out_splits, in_splits, group=ctx.group)
+    stats.add("all_to_all", send.numel() * send.element_size())
+    out: dict[int, Tensor] = {}
+    for js, chunk in zip(incoming, recv.split(out_splits)):
+        for j, piece in zip(js, chunk.split([transfers[j].numel for j in js])):
+            out[j] = piece.view(transfers[j].shape)
+    return out
+
+
+def _cat(parts: list[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
+    if not parts:
+        return torch.empty(0, dtype=dtype, device=device)
+    return torch.cat([p.to(dtype) for p in parts])

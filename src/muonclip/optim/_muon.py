@@ -1,0 +1,652 @@
+"""`Muon`: the Muon optimizer for hidden matrices, with an AdamW branch, in one object.
+
+A thin ``torch.optim.Optimizer`` shell (Keller Jordan's three layers: orthogonaliser, per-matrix
+update, thin class): it keeps the state (each Muon weight's is made here: `momentum_state`,
+`second_moment_state`) and, each step, hands every Muon weight to the update's one step body
+(`muonclip.optim.functional.muon_step`: momentum, V written into same-shape buckets, one
+orthogonalisation per bucket, the update) and the AdamW groups to `muonclip.optim._adamw`. What
+it accepts is checked by `muonclip.optim._validation`; its state dicts, and the conversions to
+and from torch.optim's, are `muonclip.optim._state_dicts`. Over several processes the same body
+runs with the distribution layer's exchanges (`muonclip.optim.multiprocess.Exchange`); a step
+in one process never enters that layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
+from operator import itemgetter
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..common._dtensor import is_dtensor
+from . import _state_dicts as state_dicts
+from . import _state_validation as state_validation
+from . import _torch_state_dicts as torch_state_dicts
+from ._adamw import adamw_step
+from ._buckets import StepStructure, StructureCache, options_key, step_structure
+from ._matrices import MatrixSpec, matrix_spec
+from ._nonfinite_mask import MaskedStep
+from ._precision import AUTO, orth_dtype_choice, orth_dtype_name
+from ._quantized import dequantize, quant_blocks, quantize_, scale_like
+from ._scale import scale_name
+from ._state_dicts import state_dtype
+from ._unrouted import refuse_model, refuse_unrouted
+from ._validation import (
+    GROUP_KEYS,
+    ON_NONFINITE,
+    NonFiniteGradError,
+    check_group,
+    check_hyperparameters,
+    check_step_params,
+    finite_per_tensor,
+    nonfinite_indices,
+    step_numbers,
+)
+from .functional import MuonWeight, muon_step
+from .multiprocess import Engine, Exchange, StepStats, engine_for
+from .workspace import Workspace, make_workspace
+
+_SETTINGS = itemgetter(*(k for k in GROUP_KEYS if k not in ("lr", "weight_decay")))
+"""A group's settings other than lr and weight decay (a step re-validates the group when they change)."""
+
+
+class Muon(torch.optim.Optimizer):
+    r"""Muon (MomentUm Orthogonalized by Newton–Schulz) with an AdamW branch.
+
+    For every parameter in a group with ``algorithm="muon"`` (hidden matrices), one step is
+    (`muonclip.optim.functional.muon_update`)::
+
+        G = grad
+        M = momentum * M + G                    # state "momentum_buffer", float32
+        V = G + momentum * M   if nesterov  else  M
+        O = orth(V)                             # per matrix; see muonclip.orthogonalize
+        W = W * (1 - lr * weight_decay)         # decoupled weight decay, base lr
+        W = W - lr * scale(A, B) * O            # scale: adjust_lr_fn
+
+    Groups with ``algorithm="adamw"`` (embeddings, LM head, norms, biases: see
+    `muonclip.param_groups`) get torch.optim.AdamW's update with ``betas`` and ``adamw_eps``
+    (state "exp_avg", "exp_avg_sq", "step"), all in one ``step()``.
+
+    Matrices of the same shape and orthogonalisation settings, across parameters and groups,
+    are orthogonalised as one batch. A 2-D weight is one matrix; a 3-D weight ``(E, A, B)``
+    (stacked MoE experts) is E matrices; 4-D and higher (convolutions) are ``(out, prod(rest))``.
+    How else a weight is seen as matrices is said per param group, by keys that
+    `muonclip.param_groups` sets from the model (`muonclip.optim._matrices`): ``flatten``
+    (``(out, ...)`` as ``(out, prod(rest))``, for 3-D convolutions), ``split_sizes`` (row
+    blocks orthogonalised separately: fused QKV, fused gate/up, per-head blocks),
+    ``split_groups`` (those blocks interleaved, as in GPT-NeoX's per-head ``[q k v]``) and
+    ``transposed`` (stored ``(in, out)``, like transformers' ``Conv1D``, so scale and splits
+    use the ``(out, in)`` matrix). Each block gets the update scale of its own shape.
+
+    Before anything is updated, every gradient of the step is checked for NaN/inf (one host
+    sync). ``on_nonfinite="raise"`` (default) raises `NonFiniteGradError` naming the parameter
+    and the step; ``"skip"`` skips the whole step for every parameter and counts it in
+    ``steps_skipped``. ``"mask"`` does what ``"skip"`` does without the host sync (for GPUs: the
+    step never waits for the device): the flag stays on the device, the step runs on zeroed
+    gradients and is undone where the flag is set (`muonclip.optim._nonfinite_mask`: a copy of the
+    parameters and the optimizer state per step; a finite step is exactly the default mode's).
+    In that mode ``steps_taken`` counts masked steps too, AdamW's bias-correction step number
+    advances on them, the zeroed gradients stay zeroed, and reading ``steps_skipped`` syncs.
+    Either way no weight and no buffer sees a non-finite value.
+
+    The first ten arguments are torch.optim.Muon's, with torch's meaning (``adjust_lr_fn``'s
+    default excepted, see below), so the class drops in for it; the rest are ours.
+
+    Args:
+        params: parameters or param groups. A group may set any option below, plus
+            ``algorithm`` ("muon" default, or "adamw"), ``param_names`` (used in errors) and
+            the matrix keys above.
+        lr: learning rate (default 1e-3). With ``adjust_lr_fn="match_rms_adamw"`` AdamW's lr
+            carries over.
+        weight_decay: decoupled weight decay, multiplied by the base lr (default 0.1).
+        momentum: Muon momentum coefficient mu in [0, 1) (default 0.95).
+        nesterov: use the Nesterov form ``G + mu M`` (default True).
+        ns_coefficients: the quintic's (a, b, c) for the methods that run it (``"ns5"``,
+            ``"gram"``, ``"ns5_sym"``, ``"ns5_compiled"``; default None: (3.4445, -4.7750,
+            2.0315)); an error with any other method.
+        eps: added to the Frobenius norm before Newton–Schulz (default 1e-7).
+        ns_steps: iterations of the method (default None: the method's default, 5).
+        adjust_lr_fn: the update scale (`muonclip.optim._scale`): ``"match_rms_adamw"`` =
+            0.2 sqrt(max(A, B)) (default; update RMS 0.2, like AdamW's), ``"original"`` or None
+            = sqrt(max(1, A/B)) (torch.optim.Muon's default, Keller Jordan's), ``"unscaled"`` = 1.
+        method: orthogonalisation method, ``"ns5"`` (default), ``"polar_express"``, ``"gram"``,
+            ``"svd"`` or any name in ``muonclip.ortho.METHODS``.
+        orth_dtype: compute dtype of the orthogonalisation (default ``"auto"``: bfloat16 where
+            the parameters' device multiplies it natively — a CUDA GPU of compute capability 8.0
+            or more, a CPU with AMX-BF16 or AVX512-BF16 — and float32 elsewhere, resolved per
+            device when the step builds its buckets, `muonclip.optim._precision`; the method's
+            own default for one without bfloat16, ``"svd"``: float64). A dtype
+            (``torch.bfloat16``, ``torch.float32`` for accuracy, ``torch.float64`` for svd) is
+            used on every device. The two differ by rounding only; the optimizer's repr names
+            the dtype each device gets and why.
+        betas: AdamW branch moment coefficients (default (0.9, 0.95)).
+        adamw_eps: AdamW branch epsilon (default 1e-8); a group key too (``eps`` is always
+            Newton–Schulz's).
+        on_nonfinite: ``"raise"`` (default), ``"skip"`` or ``"mask"`` (sync-free skip); see
+            above.
+        process_group: the group the Muon matrices are shared over (docs/design.md,
+            "Distributed Muon"). None (default) is automatic: the device mesh of DTensor
+            parameters (FSDP2 ``fully_shard``, ``Shard(0)``), else the default group when
+            torch.distributed is initialised with > 1 rank (DDP: parameters replicated), else
+            none (one process). Each matrix is orthogonalised once in the group, whole, on an
+            owner rank chosen by flops, and the result exchanged (`muonclip.distributed`).
+            ``"local"`` turns communication off. ``last_step_stats``
+            (`muonclip.optim.multiprocess.StepStats`) reports this rank's share.
+        comm_dtype: wire dtype of those exchanges (default None: the momentum dtype,
+            float32). ``torch.bfloat16`` halves the bytes; where the orthogonalisation runs in
+            bfloat16 it is lossless for the built-in methods.
+        workspace: where buckets live and how they are orthogonalised
+            (`muonclip.optim.workspace`): ``"auto"`` (default: ``"buffered"`` for CPU parameters,
+            buffers kept between steps, measured faster there, docs/benchmarks.md; ``"core"``
+            elsewhere), ``"core"`` (the pure functions, fresh tensors each step),
+            ``"buffered"``, or a workspace object such as
+            ``muonclip.fast.BufferedWorkspace(chunk="cache")``. Never changes what is computed.
+        normuon: NorMuon (Li et al., arXiv 2510.05491, as microsoft/dion's ``NorMuon``
+            defines it): after orthogonalisation each row i of each matrix (an output neuron)
+            is divided by ``sqrt(v_i) + 1e-8``, where ``v_i = normuon_beta2 v_i + (1 -
+            normuon_beta2) mean_j O_ij^2`` (state ``neuron_second_moment``, float32, zeros at
+            first), and the matrix is rescaled to its Frobenius norm before that, so the update
+            keeps Muon's size and ``adjust_lr_fn`` still sets it (default False). Each matrix
+            that is orthogonalised (a fused split's block, a stack's expert) is normalised
+            alone, over its whole rows, also when the weight is sharded (the owner rank does it).
+        normuon_beta2: NorMuon's EMA coefficient in [0, 1) (default 0.95, dion's and the
+            paper's).
+        cautious_weight_decay: decay only the elements where the update that is subtracted
+            and the weight agree in sign, ``O_ij W_ij >= 0`` (modded-nanogpt's record 43 and
+            dion's ``cautious_wd``, after Chen et al., arXiv 2510.12402; default False).
+        momentum_8bit: keep the momentum as int8 with a float32 absmax scale per block of at
+            most 256 elements of a row (state ``momentum_int8``, ``momentum_scale`` instead of
+            ``momentum_buffer``; about 1 byte per element instead of 4), dequantised for the
+            step (`muonclip.optim._quantized`: the blocks, and why they never cross a row, a
+            matrix of a stack or fused split, or a shard; default False).
+
+    Every number above (``lr``, ``momentum``, ``weight_decay``, ``betas``, ``adamw_eps``,
+    ``eps``, ``ns_coefficients``), given here, in a group (``add_param_group`` too) or in a
+    loaded state dict, must be a number (an int or a float; not a string or a bool), finite and
+    in its range, and small enough that what the step computes from it fits the parameters'
+    dtype (``lr * scale`` of each matrix, ``lr * weight_decay``, AdamW's ``lr / (1 - beta1)``:
+    ``lr=1e39`` overflows float32): a ValueError names the one that is not and the largest value
+    that fits (nan or inf would reach every weight; `muonclip.optim._validation`); so does a
+    ``betas`` that is not two numbers. The flags (``nesterov``, ``normuon``,
+    ``cautious_weight_decay``, ``momentum_8bit``) must be True or False. ``lr`` (and
+    ``weight_decay``) may be a one-element tensor of any shape (``()``, ``(1,)``, ``(1, 1)``),
+    as in torch.optim: the step reads its value each time (on a GPU, one host sync per group
+    and step). Complex parameters are refused when added (TypeError): the orthogonalisation and
+    the update scale are defined for real matrices. Everything after ``lr`` is keyword-only,
+    because torch.optim.Muon's positional order differs: a positional call could silently mean
+    other settings.
+
+    A step is all or nothing: before it changes any parameter, buffer or counter it checks again
+    what the groups hold now (``lr`` and ``weight_decay`` every step, as a scheduler may set
+    them; every other setting when one changed; a parameter on the meta device, which has no
+    data, is refused with a ValueError naming it), so a value set between steps that the step
+    could not run with raises there, and the optimizer is as it was.
+
+    NorMuon, cautious weight decay and 8-bit momentum are per group too (keys ``normuon``,
+    ``normuon_beta2``, ``cautious_weight_decay``, ``momentum_8bit``), all off by default; the
+    whole update with them: `muonclip.optim.functional`.
+
+    State: per parameter ``momentum_buffer`` (Muon; ``momentum_int8`` and ``momentum_scale``
+    with ``momentum_8bit``; plus ``neuron_second_moment`` with ``normuon``) or ``step``,
+    ``exp_avg``, ``exp_avg_sq`` (AdamW); the optimizer-wide ``steps_taken`` (steps applied)
+    and ``steps_skipped`` are attributes, copied into every param group (so a parameter swapped
+    by a wrapper, or a state dict flattened per parameter, keeps them;
+    `muonclip.optim._state_dicts`). ``state_dict()`` writes dtypes (``orth_dtype``) as strings,
+    so any checkpointer can save it; ``orth_dtype="auto"`` is saved as ``"auto"``, so a state
+    loaded on another kind of machine resolves it there. `load_state_dict` also takes torch.optim.Muon's state dict
+    (momentum converted: torch keeps an average, we keep a sum); `torch_state_dict` gives one
+    torch.optim.Muon or torch.optim.AdamW continues; `load_torch_state_dicts` takes torch's
+    Muon + AdamW pair into this one optimizer (docs/migrating.md).
+
+    References:
+        K. Jordan et al., "Muon: An optimizer for hidden layers in neural networks" (2024).
+        J. Liu et al., "Muon is Scalable for LLM Training" (Moonlight), arXiv 2502.16982.
+        Kimi Team, "Kimi K2: Open Agentic Intelligence", arXiv 2507.20534.
+    """
+
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float | Tensor = 1e-3,
+        *,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] | None = None,
+        eps: float = 1e-7,
+        ns_steps: int | None = None,
+        adjust_lr_fn: str | None = "match_rms_adamw",
+        method: str = "ns5",
+        orth_dtype: torch.dtype | str | None = "auto",
+        betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        on_nonfinite: str = "raise",
+        process_group: Any = None,
+        comm_dtype: torch.dtype | None = None,
+        workspace: str | Workspace = "auto",
+        normuon: bool = False,
+        normuon_beta2: float = 0.95,
+        cautious_weight_decay: bool = False,
+        momentum_8bit: bool = False,
+    ) -> None:
+        refuse_model(type(self).__name__, params)
+        if on_nonfinite not in ON_NONFINITE:
+            raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
+        defaults = dict(
+            algorithm="muon",
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_coefficients=tuple(ns_coefficients) if isinstance(ns_coefficients, list) else ns_coefficients,
+            eps=eps,
+            ns_steps=ns_steps,
+            adjust_lr_fn=scale_name(adjust_lr_fn),
+            method=method,
+            orth_dtype=orth_dtype,
+            betas=tuple(betas) if isinstance(betas, list) else betas,
+            adamw_eps=adamw_eps,
+            split_sizes=None,
+            split_groups=1,
+            flatten=False,
+            transposed=False,
+            normuon=normuon,
+            normuon_beta2=normuon_beta2,
+            cautious_weight_decay=cautious_weight_decay,
+            momentum_8bit=momentum_8bit,
+        )
+        check_hyperparameters(defaults)  # even where every group sets its own
+        self.on_nonfinite = on_nonfinite
+        self.process_group = process_group
+        self.comm_dtype = comm_dtype
+        self.workspace = make_workspace(workspace)
+        self.last_step_stats = StepStats()
+        self._checked: dict[int, tuple[Any, ...]] = {}  # per group: what the last full check of a step saw
+        self.steps_taken = 0
+        self.steps_skipped = 0
+        # on_nonfinite="mask": the last step's device flag (True: masked), for what runs after it
+        self.last_masked: Tensor | None = None
+        self._structures = StructureCache()  # the step's structure (buckets, plan), by shapes and options
+        self._mask_copies: list[Tensor] = []  # on_nonfinite="mask": the snapshot, reused between steps
+        super().__init__(params, defaults)  # add_param_group copies the counters into each group
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group after validating it (`muonclip.optim._validation.check_group`); see the class
+        docstring for its keys. A group that fails is not added."""
+        if param_group.get("algorithm", "muon") == "adamw" and "eps" in param_group:
+            raise ValueError("in an algorithm='adamw' group AdamW's epsilon is 'adamw_eps' ('eps' is Newton–Schulz's)")
+        if "adjust_lr_fn" in param_group:
+            param_group["adjust_lr_fn"] = scale_name(param_group["adjust_lr_fn"])
+        refuse_unrouted(type(self).__name__, param_group)
+        super().add_param_group(param_group)
+        try:
+            check_group(self.param_groups[-1])
+        except (ValueError, TypeError):
+            self.param_groups.pop()
+            raise
+        self._record_wide_state()
+
+    def __repr__(self) -> str:
+        """torch's optimizer repr, where a Muon group's ``orth_dtype: auto`` also names the dtype
+        it resolves to on each device of the group's parameters, and why
+        (`muonclip.optim._precision`), e.g. ``orth_dtype: auto -> bfloat16 on cpu (the CPU has
+        AMX-BF16 and AVX512-BF16)``."""
+        lines = [f"{type(self).__name__} ("]
+        for i, group in enumerate(self.param_groups):
+            lines.append(f"Parameter Group {i}")
+            for key in sorted(group):
+                if key == "params":
+                    continue
+                value = group[key]
+                if key == "orth_dtype" and value == AUTO and group["algorithm"] == "muon":
+                    devices = dict.fromkeys(p.device for p in group["params"]) or [torch.device("cpu")]
+                    value = "auto -> " + "; ".join(
+                        f"{orth_dtype_name(choice[0])} on {d} ({choice[1]})"
+                        for d, choice in ((d, orth_dtype_choice(AUTO, group["method"], d)) for d in devices))
+                lines.append(f"    {key}: {value}")
+        return "\n".join(lines) + "\n)"
+
+    # ----------------------------------------------------------------------------------------
+    # the step
+    # ----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Perform one optimisation step (all groups); ``closure`` re-evaluates the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        numbers = self._check_groups()  # before anything changes: a step runs whole or not at all
+        named = [(g, i, p) for g in self.param_groups for i, p in enumerate(g["params"])]
+        live = [(g, i, p) for g, i, p in named if p.grad is not None]
+        for g, i, p in live:
+            if p.grad.is_sparse:
+                raise ValueError(
+                    f"{_name(self, g, i)} has a sparse gradient; Muon and its AdamW branch need dense "
+                    "gradients (build the embedding with sparse=False)"
+                )
+        engine = engine_for([p for _, _, p in named], self.process_group)
+        ctx = None
+        if engine is not None:  # a clear error (no process group, mixed meshes, bad placement) before any collective
+            ctx = engine.context([p for _, _, p in named], lambda k: _name(self, named[k][0], named[k][1]),
+                                 self.process_group)
+        local = engine.local if engine is not None else _same
+        grads = [p.grad for _, _, p in live]
+        finite = finite_per_tensor([local(g) for g in grads])
+        if engine is not None:
+            finite = engine.all_finite(grads, finite)
+        if self.on_nonfinite == "mask":  # sync-free: decided on the device, undone there
+            found = ~finite.all()
+            guard = MaskedStep([p for _, _, p in live], [self.state[p] for _, _, p in live], found, local,
+                               cache=self._mask_copies)
+            self.last_masked = found
+            self._update(engine, ctx, local, numbers)
+            guard.restore()
+            self._count_masked(found)
+            self._record_wide_state()
+            return loss
+        bad = nonfinite_indices(finite)
+        if bad:
+            if self.on_nonfinite == "skip":
+                self._skipped_host += 1
+                self._record_wide_state()
+                return loss
+            names = ", ".join(_name(self, live[k][0], live[k][1]) for k in bad[:5])
+            raise NonFiniteGradError(
+                f"non-finite gradient (NaN or inf, or beyond 2^100) in {names} at step {self.steps_taken + 1}; "
+                "no parameter was updated. Check the loss and the learning rate, clip gradients, "
+                "or pass on_nonfinite='skip' to skip such steps."
+            )
+        self._update(engine, ctx, local, numbers)
+        self._record_wide_state()
+        return loss
+
+    def _check_groups(self) -> dict[int, tuple[float, float]]:
+        """Every group's ``(lr, weight_decay)`` for this step, by ``id(group)``, after checking that
+        the step can run on what the groups hold now (`muonclip.optim._validation.step_numbers`):
+        a group whose other settings (or parameters) changed since the last step is validated
+        whole again (`check_group`, and no parameter on the meta device). Raises ValueError
+        (TypeError for a complex parameter) naming the group and value; nothing has changed then."""
+        numbers, checked = {}, self.__dict__.setdefault("_checked", {})
+        for gi, g in enumerate(self.param_groups):
+            where = f"param group {gi}'s "
+            settings, params = _SETTINGS(g), g["params"]
+            seen = checked.get(id(g))
+            if seen is None or seen[0] is not params or seen[1] != len(params) or seen[2] != settings:
+                limits = check_group(g, where, f"param group {gi}: ")
+                check_step_params(g, f"param group {gi}")
+                seen = (params, len(params), settings, limits)
+                checked[id(g)] = seen
+            numbers[id(g)] = step_numbers(g, seen[3], where)
+        return numbers
+
+    def _update(self, engine: Engine | None, ctx: Any, local: Callable[[Tensor], Tensor],
+                numbers: dict[int, tuple[float, float]]) -> None:
+        """The Muon update of every Muon parameter with a gradient (`muonclip.optim.functional.muon_step`,
+        with the engine's exchanges over several ranks), then the AdamW groups', with each group's
+        checked ``(lr, weight_decay)`` (`_check_groups`); ``steps_taken`` counts it once done."""
+        stats = StepStats()
+        exchange = None
+        muon = [g for g in self.param_groups if g["algorithm"] == "muon"]
+        if engine is not None and ctx.world_size > 1:  # on every rank, even one without grads: it runs collectives
+            stats.world_size = ctx.world_size
+            items = [(g, p, partial(_name, self, g, i))  # the name is only formatted for an error
+                     for g in muon for i, p in enumerate(g["params"])]
+            exchange = engine.exchange(items, ctx, self.comm_dtype, stats)
+        live = [(g, i, p) for g in muon for i, p in enumerate(g["params"]) if p.grad is not None]
+        if live:
+            st = self._structure_of(live, local, exchange)
+            settings = {id(g): (*numbers[id(g)], g["momentum"], g["nesterov"]) for g in muon}  # once per group
+            weights = []
+            for (g, _, p), spec in zip(live, st.specs):
+                buffer, quantized = momentum_state(self.state[p], p, g, spec, local)
+                weights.append(MuonWeight(local(p), local(p.grad), buffer, *settings[id(g)],
+                                          second_moment_state(self.state[p], p, g, spec), g["normuon_beta2"],
+                                          g["cautious_weight_decay"], quantized))
+            stats.matrices = muon_step(weights, st, exchange)
+            stats.ns_flops, stats.total_ns_flops = st.flops, st.total_flops
+        self.last_step_stats = stats
+        for group in self.param_groups:
+            if group["algorithm"] == "adamw":
+                lr, wd = numbers[id(group)]
+                adamw_step(group["params"], self.state, lr=lr, betas=group["betas"], eps=group["adamw_eps"],
+                           weight_decay=wd, new_buffer=_zeros_fp32)
+        self.steps_taken += 1
+
+    def _structure_of(self, live: list[tuple[dict[str, Any], int, Tensor]], local: Callable[[Tensor], Tensor],
+                      exchange: Exchange | None) -> StepStructure:
+        """The step's structure (`muonclip.optim._buckets.StepStructure`), rebuilt only when a shape, a
+        device, a structural option (`muonclip.optim._buckets.STRUCTURAL_OPTIONS`), the workspace or,
+        over several ranks, the layout (`Exchange.key`) changed; a new one over several ranks is
+        planned by the exchange (`Exchange.plan`)."""
+        options: dict[int, tuple] = {}  # per group, once
+        for g, _, _ in live:
+            if id(g) not in options:
+                options[id(g)] = options_key(g)
+        params = [p for _, _, p in live]
+        key = (self.workspace, None if exchange is None else exchange.key(params),
+               tuple((options[id(g)], tuple(p.shape), p.device) for g, _, p in live))
+        st = self._structures.get(key)
+        if st is None:
+            pairs = [(g, p) for g, _, p in live]
+            plan = None
+            if exchange is not None:
+                names = [partial(_name, self, g, i) for g, i, _ in live]
+                plan = exchange.plan(pairs, names, [matrix_spec(p.shape, g) for g, p in pairs])
+            st = step_structure(pairs, [local(p).device for p in params], self.workspace, plan)
+            self._structures.put(key, st)
+        return st
+
+    # ----------------------------------------------------------------------------------------
+    # counters: optimizer-wide, copied into every param group (state_dicts.WIDE_KEYS)
+    # ----------------------------------------------------------------------------------------
+
+    @property
+    def steps_taken(self) -> int:
+        """Steps applied (``"mask"`` mode: masked steps too)."""
+        return self._taken
+
+    @steps_taken.setter
+    def steps_taken(self, value: int) -> None:
+        self._taken = int(value)
+        self._record_wide_state()
+
+    @property
+    def steps_skipped(self) -> int:
+        """Steps skipped for a non-finite gradient (reading it syncs in ``"mask"`` mode, where
+        the count is kept on the device)."""
+        device_count = self.__dict__.get("_masked_count")
+        if device_count is not None:  # fold the device count in (one sync)
+            self._skipped_host += int(device_count)
+            self._masked_count = None
+            self._record_wide_state()
+        return self._skipped_host
+
+    @steps_skipped.setter
+    def steps_skipped(self, value: int) -> None:
+        self._skipped_host = int(value)
+        self._masked_count = None
+        self._record_wide_state()
+
+    def _count_masked(self, found: Tensor) -> None:
+        if self._masked_count is None:
+            self._masked_count = torch.zeros((), dtype=torch.int64, device=found.device)
+        self._masked_count.add_(found)
+
+    def _wide_state(self) -> dict[str, Any]:
+        """The optimizer-wide values every param group carries: ``steps_taken`` and
+        ``steps_skipped`` (``steps_skipped`` without the masked steps not yet read in ``"mask"``
+        mode; `state_dict` reads them)."""
+        return {"steps_taken": self.steps_taken, "steps_skipped": self._skipped_host}
+
+    def _load_wide_state(self, values: dict[str, Any]) -> None:
+        """Set the optimizer-wide values from a loaded state (missing ones: 0)."""
+        self.steps_taken = int(values.get("steps_taken", 0))
+        self.steps_skipped = int(values.get("steps_skipped", 0))
+
+    def _record_wide_state(self) -> None:
+        """Copy `_wide_state` into every param group (once there are groups), so that a state
+        dict, even one flattened per parameter, carries it, and no parameter swap can lose it."""
+        groups = self.__dict__.get("param_groups")
+        if not groups:
+            return
+        values = self._wide_state()
+        for group in groups:
+            group.update(values)
+
+    # ----------------------------------------------------------------------------------------
+    # state
+    # ----------------------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch keeps only defaults/state/param_groups (its hooks are not copied); keep our
+        # settings and counters too (copy.deepcopy and pickle go through here). The cached
+        # structure and copies are not state.
+        kept = {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_")}
+        return {**kept, "_structures": StructureCache(), "_mask_copies": [], "_checked": {}}
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state dict in its saved form (`muonclip.optim._state_dicts.saved_form`:
+        dtypes as strings); every param group holds the optimizer-wide values (``steps_taken``,
+        ``steps_skipped``)."""
+        self.steps_skipped  # noqa: B018  (folds a masked count kept on the device into the groups)
+        self._record_wide_state()
+        return state_dicts.saved_form(super().state_dict())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of this optimizer or of torch.optim.Muon.
+
+        What is recognised and how it is converted: `muonclip.optim._state_dicts`. Every group is
+        validated as the constructor validates its arguments, and every state tensor and counter
+        against its parameter (`muonclip.optim._state_validation`: shape, dtype, finite values,
+        ``exp_avg_sq >= 0``, whole step counts >= 0), before anything is loaded: a ValueError names
+        the group or parameter and the entry, and the optimizer is left as it was. Momentum
+        and AdamW moments stay float32 (float64 for float64 parameters) whatever the parameter
+        dtype. torch's load_state_dict hooks run as for any optimizer: pre-hooks see (and may
+        replace) the dict as given, post-hooks see the loaded state. The dict passed in is not
+        modified.
+        """
+        kept: dict[Any, dict[str, Tensor]] = {}
+        saved_groups: list[dict[str, Any]] = []
+
+        def prepare(opt: Muon, sd: dict[str, Any]) -> dict[str, Any]:  # after every user pre-hook
+            sd = state_dicts.prepare(sd, opt.param_groups, tuple(opt._wide_state()))
+            state_validation.check_loaded_state(sd, opt.param_groups)
+            sd, stashed = state_dicts.split_fp32_state(sd)
+            kept.update(stashed)
+            saved_groups.extend(sd["param_groups"])
+            return sd
+
+        def finish(opt: Muon) -> None:  # before every user post-hook
+            state_dicts.restore_fp32_state(opt.state, opt.param_groups, saved_groups, kept)
+            opt._load_wide_state(dict(opt.param_groups[0]) if opt.param_groups else {})
+            opt._structures.clear()
+            opt._checked = {}
+
+        pre = self.register_load_state_dict_pre_hook(prepare)
+        post = self.register_load_state_dict_post_hook(finish, prepend=True)
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            pre.remove()
+            post.remove()
+
+    def torch_state_dict(self, algorithm: str = "muon") -> dict[str, Any]:
+        """A state dict that torch.optim.Muon (``algorithm="muon"``) or torch.optim.AdamW
+        (``"adamw"``) continues exactly: the groups of that algorithm, in order, parameters
+        numbered from 0 in that order.
+
+        For Muon: torch's momentum convention (``buf = (1 - mu) M``, the average torch keeps),
+        concrete ``ns_steps`` and ``ns_coefficients``. Only groups whose settings torch can
+        express: ``method`` ns5 (or ``ns5_sym``/``ns5_compiled``, the same quintic),
+        ``orth_dtype`` bfloat16 or ``"auto"``, ``adjust_lr_fn`` "original" or "match_rms_adamw", 2-D weights
+        orthogonalised whole; anything else raises a ValueError that names it. For AdamW: the
+        moments, ``step`` as a float32 tensor, ``eps`` = our ``adamw_eps``. Build the torch
+        optimizer with those groups' parameters, in the same groups and order, then
+        ``load_state_dict`` this (docs/migrating.md).
+        """
+        return torch_state_dicts.torch_state_dict(self.state_dict(), self.param_groups, algorithm)
+
+    def load_torch_state_dicts(self, muon: dict[str, Any], adamw: dict[str, Any] | None = None, *,
+                               muon_params: Sequence[Tensor] | None = None,
+                               adamw_params: Sequence[Tensor] | None = None) -> None:
+        """Load torch's pair, a torch.optim.Muon and a torch.optim.AdamW state dict, into this one optimizer.
+
+        Each parameter takes its state from the torch optimizer that held it (Muon's momentum
+        converted to our sum, ``M = buf / (1 - mu)``; AdamW's moments and step as they are) and
+        its group takes the settings of the torch group(s) its parameters come from (they must
+        agree). Parameters are matched by ``muon_params``/``adamw_params`` (the tensors, in the
+        order torch's optimizers were given them) or, without them, by name (torch's groups have
+        ``param_names`` when built from ``model.named_parameters()``; ours from
+        ``muonclip.param_groups(model)``). ``steps_taken`` becomes AdamW's largest step. Raises
+        ValueError for a parameter found in neither dict or in the wrong algorithm's, and for
+        anything `load_state_dict` refuses (docs/migrating.md).
+        """
+        self.load_state_dict(torch_state_dicts.from_torch(self.state_dict(), self.param_groups, muon, adamw,
+                                                    muon_params=muon_params, adamw_params=adamw_params))
+
+
+def momentum_state(state: dict[str, Any], p: Tensor, group: dict[str, Any], spec: MatrixSpec,
+                   local: Callable[[Tensor], Tensor]) -> tuple[Tensor | None, Any]:
+    """A Muon weight's momentum for `muonclip.optim.functional.step_momentum`, created at its first
+    step (zeros) and converted when the group's ``momentum_8bit`` changed since it was made:
+    ``(local float32 buffer, None)``, or ``(None, (local codes, local scales, blocks))``.
+
+    * ``momentum_buffer``: float32 (float64 for float64 weights), the weight's shape (a DTensor
+      for a DTensor weight, so checkpoints reshard).
+    * ``momentum_int8`` + ``momentum_scale`` (``momentum_8bit``): int8 codes, the weight's shape,
+      and float32 scales ``(*leading dims, blocks per row)`` (`muonclip.optim._quantized`); for a
+      DTensor weight both are DTensors with its placements.
+    """
+    if group["momentum_8bit"]:
+        lay = quant_blocks(p.shape, spec)
+        if "momentum_int8" not in state:
+            buffer = state.pop("momentum_buffer", None)
+            q = _zeros_fp32(p).to(torch.int8)
+            state["momentum_scale"] = scale_like(p, lay)
+            state["momentum_int8"] = q
+            if buffer is not None:  # a float32 momentum from before: kept, quantised
+                quantize_(local(buffer), local(q), local(state["momentum_scale"]), lay)
+        return None, (local(state["momentum_int8"]), local(state["momentum_scale"]), lay)
+    if "momentum_buffer" not in state:
+        state["momentum_buffer"] = _zeros_fp32(p)
+        if "momentum_int8" in state:  # an 8-bit momentum from before: kept, dequantised
+            q, s = state.pop("momentum_int8"), state.pop("momentum_scale")
+            local(state["momentum_buffer"]).copy_(dequantize(local(q), local(s), quant_blocks(p.shape, spec),
+                                                             local(s).dtype))
+    return local(state["momentum_buffer"]), None
+
+
+def second_moment_state(state: dict[str, Any], p: Tensor, group: dict[str, Any], spec: MatrixSpec) -> Tensor | None:
+    """NorMuon's ``neuron_second_moment`` of a Muon weight: float32 ``(batch, rows)`` (E experts or
+    1; the rows of the ``(out, in)`` matrix, block after block:
+    `muonclip.optim._matrices.MatrixSpec.block_offset`), zeros at its first step, the whole
+    weight's on every rank (a plain tensor, small, that every rank updates the same way); None
+    without NorMuon."""
+    if not group["normuon"]:
+        return None
+    if "neuron_second_moment" not in state:
+        device = p.device_mesh.device_type if is_dtensor(p) else p.device
+        state["neuron_second_moment"] = torch.zeros(spec.batch, spec.rows, dtype=state_dtype(p), device=device)
+    return state["neuron_second_moment"]
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
+
+
+def _zeros_fp32(p: Tensor) -> Tensor:
+    return torch.zeros_like(p, dtype=state_dtype(p), memory_format=torch.contiguous_format)
+
+
+def _name(opt: Muon, group: dict[str, Any], i: int) -> str:
+    names = group.get("param_names")
+    if names:
+        return f"parameter '{names[i]}'"
+    gi = next(k for k, g in enumerate(opt.param_groups) if g is group)
+    return f"parameter {i} of param group {gi} (shape {tuple(group['params'][i].shape)})"
