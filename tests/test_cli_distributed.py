@@ -250,3 +250,26 @@ def test_interrupted_sharded_save_keeps_the_previous_checkpoint(tmp_path, monkey
     save_checkpoint(tmp_path, model, opt, sharded=True, step=3, meta=meta, previous=first, token=next_writer)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "checkpoint-step3.dcp", "checkpoint.json"]
     assert read_checkpoint(tmp_path).step == 3
+
+
+def test_the_apps_collectives_return_once_gloo_has_let_go_of_their_tensors(tmp_path):
+    """`launch._settled`, under every collective of the app (`all_sum`, `all_max`, `all_gather_text`,
+    so `agree`): when it returns True, nothing but this thread holds the collective's tensors, so gloo's
+    worker thread never needs the GIL after a rank stops (it cannot take it while the interpreter
+    finalises: the rank would abort instead of exiting with its code). One process, one gloo rank."""
+    import torch.distributed as dist
+
+    from muonclip.app import launch
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        for _ in range(20):
+            t, parts = torch.zeros(4), [torch.zeros(2)]
+            # (outside `assert`: pytest's rewriting would keep the work alive for its message)
+            reduced = launch._settled(dist.all_reduce(t, async_op=True), [t], limit=5.0)
+            gathered = launch._settled(dist.all_gather(parts, torch.ones(2), async_op=True), parts, limit=5.0)
+            assert reduced and gathered
+            assert t._use_count() == 1 and parts[0]._use_count() == 1
+            assert parts[0].tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy_process_group()

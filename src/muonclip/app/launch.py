@@ -48,6 +48,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -249,8 +250,25 @@ def _reduce(values: Sequence[float], ctx: GroupContext, op: Any) -> list[float]:
     if ctx.world_size == 1 or not values:
         return [float(v) for v in values]
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device(ctx))
-    dist.all_reduce(t, op=op, group=ctx.group)
+    _settled(dist.all_reduce(t, op=op, group=ctx.group, async_op=True), [t])
     return t.tolist()
+
+
+def _settled(work: Any, tensors: Sequence[Tensor], limit: float = 1.0) -> bool:
+    """Wait for ``work``, then (CPU tensors: gloo) until its worker thread has let go of ``tensors``
+    (at most ``limit`` seconds, sleeping without the GIL). That thread needs the GIL to drop a tensor
+    Python made, and cannot take it once the interpreter is finalising: a process leaving right after
+    a collective (every rank stopping together on an error) would abort ("terminate called without
+    an active exception") instead of exiting with its code. Returns False if ``limit`` ran out first."""
+    work.wait()
+    del work  # the caller passes the only reference
+    held = [t for t in tensors if t.device.type == "cpu"]
+    deadline = time.monotonic() + limit
+    while any(t._use_count() > 1 for t in held):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.0002)
+    return True
 
 
 def all_sum(values: Sequence[float], ctx: GroupContext) -> list[float]:
@@ -307,12 +325,12 @@ def all_gather_text(text: str, ctx: GroupContext) -> list[str]:
     data = torch.tensor(list(text.encode("utf-8")), dtype=torch.int32, device=dev)
     n = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
     sizes = [torch.zeros_like(n) for _ in range(ctx.world_size)]
-    dist.all_gather(sizes, n, group=ctx.group)
+    _settled(dist.all_gather(sizes, n, group=ctx.group, async_op=True), [*sizes, n])
     longest = max(int(s) for s in sizes)
     padded = torch.zeros(longest, dtype=torch.int32, device=dev)
     padded[:data.numel()] = data
     parts = [torch.zeros_like(padded) for _ in range(ctx.world_size)]
-    dist.all_gather(parts, padded, group=ctx.group)
+    _settled(dist.all_gather(parts, padded, group=ctx.group, async_op=True), [*parts, padded])
     return [bytes(p[:int(s)].tolist()).decode("utf-8") for p, s in zip(parts, sizes)]
 
 
