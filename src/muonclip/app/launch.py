@@ -262,7 +262,7 @@ def _settled(work: Any, tensors: Sequence[Tensor], limit: float = 1.0) -> bool:
     an active exception") instead of exiting with its code. Returns False if ``limit`` ran out first."""
     work.wait()
     del work  # the caller passes the only reference
-    held = [t for t in tensors if t.device.type == "cpu"]
+    held = [t for t in tensors if t.device.type == "cpu" and hasattr(t, "_use_count")]  # torch's refcount probe
     deadline = time.monotonic() + limit
     while any(t._use_count() > 1 for t in held):
         if time.monotonic() > deadline:
