@@ -19,6 +19,7 @@ from typing import Any
 from ..metrics import read_rows
 from .figures import mean_sd, summarize_run
 from .markdown import _le, _pm, span, spread_label
+from .plots import pyplot, save_figure
 
 HELD = 3.0
 """An arm holds the logits when its peak raw max logit is at most this many times tau on every seed."""
@@ -231,10 +232,7 @@ def plot_guards(runs: dict[str, dict[tuple[str, int], Path]], segments: dict[str
     (``titles``: segment -> its name; log scale; tau and 3 tau drawn; soft-capping's capped logit
     dashed; a diverged run's last step marked with x). QK-Clip's values at or below tau may be the
     gated capture's upper bounds (`muonclip.app.report`), which its legend says."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     colors = {"muon": "tab:orange", "muonclip": "tab:green", "muon-qknorm": "tab:purple", "muon-softcap": "tab:red",
               "adamw": "tab:blue", "adamw-qknorm": "tab:cyan"}
@@ -264,8 +262,4 @@ def plot_guards(runs: dict[str, dict[tuple[str, int], Path]], segments: dict[str
         ax.set_title(f"{(titles or {}).get(segment, segment)}: Muon's arms at lr {figs['lr_muon']:g}", fontsize=10)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out_dir / "max_logit.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, out_dir / "max_logit.png")

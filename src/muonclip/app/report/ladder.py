@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .markdown import _pm, about, decimals, span
+from .plots import pyplot, save_figure
 
 WEN_2025 = ((130e6, 1.4), (1.2e9, 1.1))
 """(parameters, speed-up over AdamW): Wen et al. 2025's abstract (module docstring)."""
@@ -168,10 +169,7 @@ def plot_ladder(results: Sequence[dict[str, Any]], out_dir: Path) -> Path:
     """``ratio_vs_params.png``: our ratio at each width (the seed means; bars: per-seed min–max;
     a triangle at AdamW's largest budget where it does not reach Muon's loss) against parameters
     (log scale), Wen et al. 2025's two published points beside it, 1x drawn."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7.5, 4.6))
     pts = [(r["params"], _ratio(r["efficiency"])) for r in results]
@@ -198,8 +196,4 @@ def plot_ladder(results: Sequence[dict[str, Any]], out_dir: Path) -> Path:
     ax.set_title("Muon's token advantage against model size")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out_dir / "ratio_vs_params.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, out_dir / "ratio_vs_params.png")

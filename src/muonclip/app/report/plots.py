@@ -14,16 +14,23 @@ COLORS = {"adamw": "tab:blue", "muon": "tab:orange", "muonclip": "tab:green", "n
 STYLES = {"muonclip": "--"}  # MuonClip equals Muon until the clip first fires: dashed, so both lines stay visible
 
 
-def _axes(figsize: tuple[float, float]) -> tuple[Any, Any]:
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend (imported here: matplotlib is the cli extra's)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _axes(figsize: tuple[float, float]) -> tuple[Any, Any]:
+    plt = pyplot()
     return plt, plt.subplots(figsize=figsize)
 
 
-def _save(plt: Any, fig: Any, path: Path) -> Path:
+def save_figure(plt: Any, fig: Any, path: Path) -> Path:
+    """Write ``fig`` to ``path`` (tight layout, 110 dpi), close it, return ``path``."""
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -55,7 +62,7 @@ def plot_efficiency(runs: dict[tuple[str, float, int], Path], eff: dict[str, Any
     ax.set_title(f"Validation loss (mean, band: min–max over {len(eff['seeds'])} seeds)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    paths = [_save(plt, fig, out_dir / "val_loss.png")]
+    paths = [save_figure(plt, fig, out_dir / "val_loss.png")]
 
     plt, (fig, ax) = _axes((6.5, 4.2))
     rows = [t for t in eff["table"] if t["optimizer"] == "adamw"]
@@ -74,7 +81,7 @@ def plot_efficiency(runs: dict[tuple[str, float, int], Path], eff: dict[str, Any
     ax.set_title("Tokens AdamW needs to match Muon (budget-matched)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    paths.append(_save(plt, fig, out_dir / "budget.png"))
+    paths.append(save_figure(plt, fig, out_dir / "budget.png"))
     return paths
 
 
@@ -98,7 +105,7 @@ def plot_stability(runs: dict[tuple[str, int], Path], tau: float, out_dir: Path)
     ax.set_title("Stability segment: max logit per step, before QK-Clip (every seed)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    paths = [_save(plt, fig, out_dir / "max_logit.png")]
+    paths = [save_figure(plt, fig, out_dir / "max_logit.png")]
 
     plt, (fig, ax) = _axes((7.5, 3.4))
     clip_runs = {k: read_rows(d) for k, d in runs.items() if k[0] == "muonclip"}
@@ -112,5 +119,5 @@ def plot_stability(runs: dict[tuple[str, int], Path], tau: float, out_dir: Path)
     ax.set_ylabel("heads clipped (all seeds)")
     ax.set_title("QK-Clip events of MuonClip" + ("" if any_clip else " (none: no head passed tau)"))
     ax.grid(alpha=0.3)
-    paths.append(_save(plt, fig, out_dir / "clip_events.png"))
+    paths.append(save_figure(plt, fig, out_dir / "clip_events.png"))
     return paths
