@@ -13,7 +13,9 @@ barely change; ``wall`` counts wall time.
 
 Reported per set: each tree's median over rounds (and the range of its round medians), and
 the ratio of the second tree to the first, per round (paired: the two processes of a round ran
-back to back), as median, 25th and 75th percentile, min and max.
+back to back), as median, 25th and 75th percentile, min and max; and each tree's minor page
+faults a timed step (``getrusage``: pages the kernel mapped in, e.g. for buffers allocated
+afresh), median over rounds.
 
 Usage: ``python benchmarks/bench_trees.py --tree main=/path/to/main/src --tree mine=src
 [--rounds 10] [--steps 3] [--warmup 1] [--threads 1] [--clock process|wall] [--workspace auto|core]
@@ -37,7 +39,10 @@ SETS = ("gpt", "experts")
 
 
 def worker(args: argparse.Namespace) -> None:
-    """In a fresh process importing one tree: the median step time of each set (seconds)."""
+    """In a fresh process importing one tree: the median step time of each set (seconds), and its
+    minor page faults a timed step."""
+    import resource
+
     import torch
     from bench_ortho import conditioned
     from step_sets import LR, WD, gpt_shapes, make_params
@@ -60,11 +65,13 @@ def worker(args: argparse.Namespace) -> None:
         for _ in range(args.warmup):
             opt.step()
         times = []
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         for _ in range(args.steps):
             t0 = tick()
             opt.step()
             times.append(tick() - t0)
         out[name] = statistics.median(times)
+        out[name + ".faults"] = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / args.steps
     print(json.dumps(out))
 
 
@@ -100,6 +107,7 @@ def main() -> None:
           f"per process; trees {trees}")
     names = list(trees)
     got: dict[str, dict[str, list[float]]] = {s: {n: [] for n in names} for s in SETS}
+    faults: dict[str, dict[str, list[float]]] = {s: {n: [] for n in names} for s in SETS}
     order = random.Random(0)
     for r in range(args.rounds):
         for name in order.sample(names, len(names)):
@@ -113,6 +121,7 @@ def main() -> None:
                 raise RuntimeError(f"tree {name} imported muonclip from {out['file']}")
             for s in SETS:
                 got[s][name].append(out[s])
+                faults[s][name].append(out[s + ".faults"])
         print(f"round {r + 1}: " + "; ".join(f"{s} " + ", ".join(f"{n} {got[s][n][-1] * 1e3:.1f} ms" for n in names)
                                             for s in SETS), flush=True)
     a, b = names
@@ -123,6 +132,10 @@ def main() -> None:
         print(f"| {s} | {statistics.median(got[s][a]) * 1e3:.1f} ({min(got[s][a]) * 1e3:.1f}-"
               f"{max(got[s][a]) * 1e3:.1f}) | {statistics.median(got[s][b]) * 1e3:.1f} "
               f"({min(got[s][b]) * 1e3:.1f}-{max(got[s][b]) * 1e3:.1f}) | {quantiles(ratios)} |")
+    print(f"\n| set | {a}: minor page faults a step (median) | {b} |")
+    print("|---|---|---|")
+    for s in SETS:
+        print(f"| {s} | {statistics.median(faults[s][a]):.0f} | {statistics.median(faults[s][b]):.0f} |")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch
 import muonclip
 from muonclip.fast import BufferedWorkspace
 from muonclip.optim import _buckets as buckets
-from muonclip.optim._buckets import Chunk, chunk_plan, matrix_bytes
+from muonclip.optim._buckets import CALL_TENSORS, Chunk, chunk_plan, matrix_bytes
 from muonclip.optim.workspace import CoreWorkspace
 
 SHAPE = (16, 24)  # every matrix of the test model, so that all share one bucket
@@ -91,7 +91,7 @@ def test_chunked_step_stays_under_the_bound_and_equals_the_whole_bucket(monkeypa
     orthogonalisation call holds at most 4 matrices, except the fused stack's blocks (3 matrices
     each, never cut); the stacks are cut between experts; after three steps the weights equal
     those of the whole-bucket step (bound removed) at round-off tolerance."""
-    bound = 4 * matrix_bytes(*SHAPE, torch.float32)
+    bound = 4 * CALL_TENSORS * matrix_bytes(*SHAPE, torch.float32)
     monkeypatch.setitem(buckets.STEP_CHUNK_BYTES, "cpu", bound)
     capped = Recording(inner())
     got, _ = _run(capped, **options)
@@ -105,7 +105,7 @@ def test_chunked_step_stays_under_the_bound_and_equals_the_whole_bucket(monkeypa
     assert sum(c[0] for c in capped.calls) == 3 * n
     for role, shape, dtype in capped.inputs:
         assert role == "input" and shape[1:] == SHAPE and dtype == torch.float32
-        assert shape[0] * matrix_bytes(*SHAPE, dtype) <= bound or shape[0] == 3  # a fused stack's block alone
+        assert shape[0] * CALL_TENSORS * matrix_bytes(*SHAPE, dtype) <= bound or shape[0] == 3  # a fused block
     assert max(c[0] for c in capped.calls) <= 4
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -121,3 +121,40 @@ def test_cpu_bound_and_chunk_sizes_of_the_benchmark_model():
     assert buckets.chunk_limit(512, 512, torch.float32, cpu) == 4
     assert buckets.chunk_limit(512, 2048, torch.float32, cpu) == 1
     assert buckets.chunk_limit(512, 512, torch.float32, torch.device("meta")) is None
+
+
+class Measured(BufferedWorkspace):
+    """The buffered workspace, recording what its buffers hold when each step ends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[tuple[int, set[str]]] = []
+
+    def release(self) -> None:
+        self.held.append((self.buffers.nbytes(), self.buffers.roles()))
+        super().release()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("wide_first", [False, True], ids=["square-first", "wide-first"])
+def test_kept_buffers_stay_under_the_bound_however_bucket_shapes_mix(monkeypatch, dtype, wide_first):
+    """A square bucket and a wide one in a step: the buffers kept for V, the result, S and P (each
+    grown to its largest call) hold at most the bound together when the step ends, and are freed
+    then. The bound is 6 square matrices' worth: the square bucket runs 6 at a time, the wide one
+    (four times a square's V, the same S) one at a time; with chunks sized on one call's sum
+    (two wide V beside six square S and P) the buffers would hold 7 of 6 square matrices' worth."""
+    monkeypatch.setattr(BufferedWorkspace.__module__ + ".KEEP_BYTES", 0)
+    bound = 6 * CALL_TENSORS * matrix_bytes(16, 16, dtype)
+    monkeypatch.setitem(buckets.STEP_CHUNK_BYTES, "cpu", bound)
+    g = torch.Generator().manual_seed(0)
+    shapes = [(16, 16)] * 12 + [(16, 64)] * 3
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in (shapes[::-1] if wide_first else shapes)]
+    workspace = Measured()
+    opt = muonclip.Muon(params, lr=0.02, orth_dtype=dtype, workspace=workspace)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+        assert len(workspace.buffers) == 0  # freed when the step ended
+    assert [roles for _, roles in workspace.held] == [{"input", "result", "ns.S", "ns.P"}] * 2
+    assert [held for held, _ in workspace.held] == [bound] * 2

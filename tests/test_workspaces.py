@@ -149,30 +149,49 @@ def _step_both(params, twin, opt, ref):
     ref.step()
 
 
-def test_muon_default_backend_equals_the_core_and_keeps_its_buffers(keep_small):
+def test_muon_default_backend_equals_the_core_and_frees_its_buffers_when_a_step_ends(keep_small, monkeypatch):
     """One process on CPU, ``workspace="auto"``: the buffered workspace; every bucket's input and
     result come from the same two buffers and Newton–Schulz's temporaries from buffers of their
-    own, step after step; a deepcopy starts without them; every step equals, bit for bit, a
-    ``workspace="core"`` optimizer's (fresh tensors everywhere).
+    own during a step, all freed when the step ends (nothing kept under the next forward); a
+    deepcopy starts without them; every step equals, bit for bit, a ``workspace="core"``
+    optimizer's (fresh tensors everywhere).
 
     Bit for bit on any machine: both form the same batches and make the same products on the
     same values; only the storage differs."""
+    held = []
+    release = BufferedWorkspace.release
+    monkeypatch.setattr(BufferedWorkspace, "release", lambda self: (held.append(self.buffers.roles()), release(self)))
     shapes = [(32, 32)] * 3 + [(64, 32), (32, 64), (48, 32)]
     params, twin, grouped = _twins(shapes, [((0, 5), {}), ((5, 6), {"split_sizes": [16, 8, 24]})])
     opt = muonclip.Muon(grouped(params), lr=0.02, weight_decay=0.1)
     ref = muonclip.Muon(grouped(twin), lr=0.02, weight_decay=0.1, workspace="core")
     assert isinstance(opt.workspace, AutoWorkspace) and isinstance(ref.workspace, CoreWorkspace)
-    ptrs = None
-    for _ in range(3):
+    for step in range(3):
         _step_both(params, twin, opt, ref)
-        kept = opt.workspace.for_device(torch.device("cpu")).buffers
         # ns5's 5 steps ping-pong between the normalised input and the result: no third X
-        assert kept.roles() == {"input", "result", "ns.S", "ns.P"}
-        assert ptrs is None or kept.pointers() == ptrs
-        ptrs = kept.pointers()
+        assert held[step] == {"input", "result", "ns.S", "ns.P"}
+        assert len(opt.workspace.for_device(torch.device("cpu")).buffers) == 0
+    assert len(held) == 3
     for p, q in zip(params, twin):
         assert torch.equal(p, q)
     assert len(copy.deepcopy(opt).workspace.for_device(torch.device("cpu")).buffers) == 0
+
+
+def test_a_step_that_fails_still_frees_the_buffers(keep_small):
+    """A bucket's orthogonalisation that raises still ends the step: the buffers it filled are freed."""
+
+    class Failing(BufferedWorkspace):
+        def orthogonalize(self, V, *args, **kw):
+            super().orthogonalize(V, *args, **kw)
+            raise RuntimeError("boom")
+
+    workspace = Failing()
+    p = torch.nn.Parameter(torch.randn(32, 32))
+    p.grad = torch.randn(32, 32)
+    opt = muonclip.Muon([p], lr=0.02, workspace=workspace)
+    with pytest.raises(RuntimeError, match="boom"):
+        opt.step()
+    assert len(workspace.buffers) == 0
 
 
 @pytest.mark.parametrize("workspace", ["core", "buffered"])

@@ -3,9 +3,10 @@
 Layers on the core (`muonclip.ortho`, `muonclip.optim`), which never imports them; importing
 this package registers them (``import muonclip`` does):
 
-* workspace ``"buffered"`` (`BufferedWorkspace`): Muon's buckets orthogonalised into buffers kept
-  between steps, on CPU; optional CPU chunking (`muonclip.fast._buffered.chunk_size`). The default for CPU
-  parameters (``Muon(workspace="auto")``), measured faster there; ``workspace="core"`` turns it off.
+* workspace ``"buffered"`` (`BufferedWorkspace`): Muon's buckets orthogonalised into buffers reused
+  by every bucket of a step and freed when it ends, on CPU; optional CPU chunking
+  (`muonclip.fast._buffered.chunk_size`). The default for CPU parameters
+  (``Muon(workspace="auto")``), measured faster there; ``workspace="core"`` turns it off.
 * method ``"ns5_sym"`` (`muonclip.fast._symmetric`): the quintic computing only half of its
   symmetric products (row strips on CPU, the Triton kernel of `muonclip.fast._triton_syrk` on
   CUDA). Opt-in.

@@ -1,4 +1,4 @@
-"""`BufferedWorkspace`: Muon's buckets orthogonalised into buffers kept between steps (CPU).
+"""`BufferedWorkspace`: Muon's buckets orthogonalised into buffers reused through a step (CPU).
 
 A workspace (`muonclip.optim.workspace.Workspace`) decides where a Muon step's bucket of same-shape
 matrices lives and how it is orthogonalised. The core's (`CoreWorkspace`) allocates every tensor
@@ -8,8 +8,10 @@ workspace, for the methods whose iteration takes storage (`muonclip.ortho.Method
 ``"ns5"``, ``"polar_express"``, ``"gram"``) on CPU tensors:
 
 * keeps the bucket's input and result, and the iteration's temporaries (S, P; Gram's R, Z,
-  Q), in `Buffers` held by the workspace object, reused by every bucket and every step
-  (scratch, not state: a copy of the optimizer starts without them);
+  Q), in `Buffers` held by the workspace object, reused by every bucket and chunk of a step
+  and freed when the step ends (`release`, called by `muonclip.Muon`), so that between steps
+  Muon holds its state and nothing else (scratch, not state: a copy of the optimizer starts
+  without them);
 * has the method normalise the bucket in place and alternate the quintic's steps between it
   and the result (`muonclip.ortho._newton_schulz.quintic`'s ``out``), so a call touches two
   matrix-sized buffers besides S and P instead of a new one per step;
@@ -24,10 +26,15 @@ core `muonclip.orthogonalize` unchanged.
 **Kept buffers** (`Buffers`). glibc returns a freed multi-MB block to the OS when it lies at the
 top of the heap, so a computation that allocates the same large temporaries on every call
 faults their pages in again on every call (the kernel zeroes each 4 KiB page). `Buffers.get`
-cuts each temporary from a buffer kept for its role and dtype, grown when too small. Tensors
-under `KEEP_BYTES` are allocated as usual (glibc serves them from its heap without faults, and
-a lookup would cost more than it saves), and so is everything off the CPU (a GPU's caching
-allocator already reuses memory).
+cuts each temporary from a buffer kept for its role and dtype, grown when too small, so the
+calls of one step (one per chunk of each bucket) share one set of pages. Tensors under
+`KEEP_BYTES` are allocated as usual (glibc serves them from its heap without faults, and a
+lookup would cost more than it saves), and so is everything off the CPU (a GPU's caching
+allocator already reuses memory). The step bounds what each role's buffer grows to
+(`muonclip.optim._buckets.STEP_CHUNK_BYTES`: each of V, the result, S and P at most a quarter
+of it), and `release` frees them when the step ends: kept across steps they would sit under
+every forward and backward pass, beside the activations, and raise the training's peak by
+their size.
 
 **Chunks** (`chunk_size`). A GPU takes the whole batch at once. On a CPU without matrix units
 a batch whose working set is far past the L2 caches can run faster in cache-sized chunks; on a
@@ -80,8 +87,16 @@ class Buffers:
         return {role for role, _ in self._store}
 
     def pointers(self) -> dict[tuple[str, torch.dtype], int]:
-        """Where each buffer's storage is (to check that a later step reused it)."""
+        """Where each buffer's storage is (to check that a later call reused it)."""
         return {k: v.data_ptr() for k, v in self._store.items()}
+
+    def nbytes(self) -> int:
+        """The bytes the buffers hold."""
+        return sum(v.nbytes for v in self._store.values())
+
+    def clear(self) -> None:
+        """Free every buffer (the next `get` allocates afresh)."""
+        self._store.clear()
 
     def get(self, role: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device,
             avoid: Tensor | None = None) -> Tensor | None:
@@ -156,7 +171,7 @@ def chunk_size(chunk: int | str | None, batch: int, p: int, q: int, dtype: torch
 
 
 class BufferedWorkspace:
-    """Orthogonalise Muon's buckets into buffers kept between steps (see module docstring).
+    """Orthogonalise Muon's buckets into buffers reused through a step (see module docstring).
 
     Args:
         chunk: matrices per Newton–Schulz run on CPU (default None: the whole batch; an int;
@@ -202,6 +217,10 @@ class BufferedWorkspace:
         for i in range(0, N, k):  # each chunk normalised (in place) just before its steps, still in cache
             m.run(X[i : i + k], steps, dtype, eps, coefficients, out=out[i : i + k], scratch=self.buffers.get)
         return out.view(V.shape).to(V.dtype)
+
+    def release(self) -> None:
+        """Free the kept buffers: the step that used them is over (`muonclip.Muon` calls it)."""
+        self.buffers.clear()
 
     def __repr__(self) -> str:
         return f"BufferedWorkspace(chunk={self.chunk!r})"

@@ -9,13 +9,15 @@ materialised in float32 and concatenated), orthogonalises it with one call, and 
 weight's result back as soon as its last block is done (`Results`).
 
 **Chunks.** A bucket is orthogonalised in runs of at most a bound's worth of matrices (`Chunk`,
-`chunk_plan`): on a CPU, `STEP_CHUNK_BYTES` caps the bytes one run's V, its result and
-Newton–Schulz's two ``m x m`` temporaries take (`matrix_bytes` per matrix), so the step's
-working set, and the buffers a workspace keeps between steps, stay under that bound whatever
-the model's width or depth. A stack of experts is cut between experts where a run is full (in
-one process: each run's experts are applied to their part of the weight as the run ends); a
-slot that cannot be cut (one matrix, a fused block of a stack, a unit of a multi-rank step) is
-never split, so a run is over the bound only when one such slot alone is.
+`chunk_plan`): on a CPU, `STEP_CHUNK_BYTES` caps the bytes of the four tensors of a run (its
+V, its result and Newton–Schulz's two ``m x m`` temporaries: each at most a quarter of the
+bound, `chunk_limit`), so the step's working set, and the buffers a workspace keeps for them
+during the step (one per tensor, grown to the largest run, whatever order the buckets come in),
+stay under that bound whatever the model's width or depth. A stack of experts is cut between
+experts where a run is full (in one process: each run's experts are applied to their part of
+the weight as the run ends); a slot that cannot be cut (one matrix, a fused block of a stack, a
+unit of a multi-rank step) is never split, so a run is over the bound only when one such slot
+alone is.
 
 What a step does that depends only on its weights' shapes, options, devices and (over several
 ranks) placements is its `StepStructure`, built once and cached (`StructureCache`): the units
@@ -57,9 +59,9 @@ def options_key(group: Mapping[str, Any]) -> tuple:
 
 
 STEP_CHUNK_BYTES: dict[str, int] = {"cpu": 16 * 2**20}
-"""The most bytes one orthogonalisation call of a step works on, per device type (`matrix_bytes`
-per matrix: V, its result, the quintic's S and P); a device type not listed takes each bucket
-whole.
+"""The most bytes the tensors of one orthogonalisation call of a step take, per device type (a
+quarter each for V, its result, the quintic's S and P: `chunk_limit`); a device type not listed
+takes each bucket whole.
 
 CPU, 16 MiB: the step's own working set should be small beside the state it saves over AdamW
 (a float32 momentum, 4 bytes per hidden parameter against AdamW's 8: at 25M parameters 97 MiB,
@@ -73,12 +75,14 @@ Read when a step's structure is built (`step_structure`, cached by the optimizer
 applies to the structures built after it; `step_structure`'s ``chunk_bytes`` overrides it.
 """
 
+CALL_TENSORS = 4
+"""The tensors of one orthogonalisation call that the bound shares: V, its result, S and P."""
+
 
 def matrix_bytes(A: int, B: int, dtype: torch.dtype) -> int:
-    """Bytes one ``A x B`` matrix takes in an orthogonalisation call: its V and its result, and the
-    quintic's ``m x m`` temporaries S and P (m the smaller side), in the compute ``dtype``."""
-    m, n = min(A, B), max(A, B)
-    return (2 * m * n + 2 * m * m) * dtype.itemsize
+    """Bytes of one ``A x B`` matrix in ``dtype``: its share of V and of the result, the largest
+    of a call's four tensors (S and P take ``m x m``, m the smaller side)."""
+    return A * B * dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -129,10 +133,17 @@ def chunk_plan(batches: Sequence[int], limit: int | None, splittable: Sequence[b
 def chunk_limit(A: int, B: int, dtype: torch.dtype, device: torch.device,
                 bounds: Mapping[str, int] | None = None) -> int | None:
     """Matrices per orthogonalisation call for ``A x B`` matrices in ``dtype`` on ``device``: the
-    most that fit in the device type's bound (``bounds``, default `STEP_CHUNK_BYTES`), at least 1;
-    None (the whole bucket) for a device type without one."""
+    most whose V fits in a quarter of the device type's bound (``bounds``, default
+    `STEP_CHUNK_BYTES`), at least 1; None (the whole bucket) for a device type without one.
+
+    Each of a call's `CALL_TENSORS` tensors (V, its result, S, P; none larger than V) then takes
+    at most a quarter of the bound, so buffers kept per tensor and grown to the largest call
+    (`muonclip.fast.BufferedWorkspace`) stay under the bound together, however the buckets'
+    shapes mix: a bound on the sum of one call's tensors would not hold for them (a wide
+    bucket's V and a square one's S, each the largest of its kind, can exceed it).
+    """
     bound = (STEP_CHUNK_BYTES if bounds is None else bounds).get(device.type)
-    return None if bound is None else max(1, bound // matrix_bytes(A, B, dtype))
+    return None if bound is None else max(1, bound // (CALL_TENSORS * matrix_bytes(A, B, dtype)))
 
 
 @dataclass
@@ -325,6 +336,14 @@ class StepStructure:
         for bucket in self.buckets:
             for chunk in bucket.chunks or [bucket.whole()]:
                 yield bucket, chunk
+
+    def end_step(self) -> None:
+        """The step is over: ``release()`` of each workspace that ran its buckets, where it has
+        one (`muonclip.optim.workspace.Workspace`: it may free what it kept for the step)."""
+        for workspace in {id(b.workspace): b.workspace for b in self.buckets}.values():
+            release = getattr(workspace, "release", None)
+            if release is not None:
+                release()
 
 
 def step_structure(live: Sequence[tuple[Mapping[str, Any], Tensor]], devices: Sequence[torch.device],

@@ -140,9 +140,9 @@ class Muon(torch.optim.Optimizer):
             bfloat16 it is lossless for the built-in methods.
         workspace: where buckets live and how they are orthogonalised
             (`muonclip.optim.workspace`): ``"auto"`` (default: ``"buffered"`` for CPU parameters,
-            buffers kept between steps, measured faster there, docs/benchmarks.md; ``"core"``
-            elsewhere), ``"core"`` (the pure functions, fresh tensors each step),
-            ``"buffered"``, or a workspace object such as
+            buffers reused through a step and freed when it ends, measured faster there,
+            docs/benchmarks.md; ``"core"`` elsewhere), ``"core"`` (the pure functions, fresh
+            tensors each step), ``"buffered"``, or a workspace object such as
             ``muonclip.fast.BufferedWorkspace(chunk="cache")``. Never changes what is computed.
         normuon: NorMuon (Li et al., arXiv 2510.05491, as microsoft/dion's ``NorMuon``
             defines it): after orthogonalisation each row i of each matrix (an output neuron)
@@ -408,7 +408,10 @@ class Muon(torch.optim.Optimizer):
                 weights.append(MuonWeight(local(p), local(p.grad), buffer, *settings[id(g)],
                                           second_moment_state(self.state[p], p, g, spec), g["normuon_beta2"],
                                           g["cautious_weight_decay"], quantized))
-            stats.matrices = muon_step(weights, st, exchange)
+            try:
+                stats.matrices = muon_step(weights, st, exchange)
+            finally:  # what the workspaces kept for this step's buckets is not kept under the next forward
+                st.end_step()
             stats.ns_flops, stats.total_ns_flops = st.flops, st.total_flops
         self.last_step_stats = stats
         for group in self.param_groups:

@@ -7,12 +7,15 @@ one iteration of each method (`muonclip.ortho`), given their storage, and each i
 against the core's result.
 
 * ``"core"`` (`CoreWorkspace`): a new tensor for every bucket and the pure `muonclip.orthogonalize`.
-* ``"buffered"`` (`muonclip.fast.BufferedWorkspace`, registered by `muonclip.fast`): buffers kept
-  between steps on CPU.
+* ``"buffered"`` (`muonclip.fast.BufferedWorkspace`, registered by `muonclip.fast`): on CPU,
+  buffers reused by every bucket and chunk of a step, released when the step ends.
 * ``"auto"`` (`AutoWorkspace`, Muon's default): per device type, the workspace registered for it
   with ``auto_for`` (``"buffered"`` for CPU), else ``"core"``.
 
-A workspace is any object with the two methods of `Workspace`; `register_workspace` gives one a name.
+A workspace is any object with the two methods of `Workspace`, and optionally ``release()``:
+`muonclip.Muon` calls it when a step is over (also one that raised), so that what the workspace
+kept for the step's buckets does not sit under the next forward and backward passes.
+`register_workspace` gives one a name.
 """
 
 from __future__ import annotations
