@@ -171,6 +171,34 @@ def test_the_overflow_scale_is_one_on_ordinary_inputs():
     assert torch.isfinite(torch.linalg.vector_norm(huge * s))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_overflow_scale_reads_the_largest_magnitude_exactly(dtype):
+    """The scale comes from max |x| of each matrix, read as the larger of max x and -min x: the
+    power of two of the formula in `overflow_scale`'s docstring, computed here from the exact
+    ``vector_norm(ord=inf)``, for every matrix of a batch whose largest magnitude is positive,
+    negative, huge, tiny, zero, or of a matrix holding inf or NaN (as the reference reads them)."""
+    import math
+
+    from muonclip.ortho._newton_schulz import overflow_scale
+
+    big = torch.finfo(dtype).max
+    X = torch.randn(8, 6, 10, generator=torch.Generator().manual_seed(0)).to(dtype)
+    X[1, 2, 3] = -big  # the largest magnitude is a negative entry
+    X[2, 4, 1] = big
+    X[3] *= 1e-30 if dtype != torch.float16 else 1e-4
+    X[4] = 0
+    X[5, 0, 0] = -float("inf")
+    X[6, 5, 9] = float("nan")
+    X[7, 3, 3] = -0.5 * big
+    A, B = X.shape[-2:]
+    E = (math.frexp(big)[1] - 1 - math.ceil(math.log2(A * B))) // 2
+    _, exponent = torch.frexp(torch.linalg.vector_norm(X, ord=math.inf, dim=(-2, -1), keepdim=True))
+    want = torch.ldexp(torch.ones(8, 1, 1, dtype=dtype), (E - exponent).clamp(max=0))
+    got = overflow_scale(X)
+    assert torch.equal(got, want)
+    assert float(got[0]) == float(got[4]) == 1.0 and float(got[1]) < 1.0 and float(got[7]) < 1.0
+
+
 def test_orthogonalize_refuses_nonfinite_input_bad_eps_and_integer_matrices():
     V = torch.randn(8, 12)
     for bad in (float("nan"), float("inf"), -float("inf")):

@@ -81,7 +81,9 @@ def overflow_scale(X: Tensor) -> Tensor:  # X: (batch, A, B)
     A, B = X.shape[-2:]
     maxexp = math.frexp(torch.finfo(X.dtype).max)[1]  # the dtype's largest value is below 2^maxexp
     E = (maxexp - 1 - math.ceil(math.log2(max(1, A * B)))) // 2
-    amax = torch.linalg.vector_norm(X, ord=math.inf, dim=(-2, -1), keepdim=True)
+    # max |x| as the larger of max x and -min x: the same value exactly as vector_norm(ord=inf),
+    # whose CPU kernel is 4 to 8 times slower than these two reductions
+    amax = torch.maximum(X.amax(dim=(-2, -1), keepdim=True), X.amin(dim=(-2, -1), keepdim=True).neg())
     _, exponent = torch.frexp(amax)  # amax < 2^exponent
     return torch.ldexp(torch.ones_like(amax), (E - exponent).clamp(max=0))
 
