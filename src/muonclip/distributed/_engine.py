@@ -58,10 +58,13 @@ class DistributedEngine:
         """The rank-local tensor (`muonclip.common._dtensor.local`)."""
         return local(t)
 
-    def all_finite(self, tensors: Sequence[Tensor], finite: Tensor) -> Tensor:
-        """``finite`` AND-ed (one MIN all-reduce) over the mesh of the DTensors among ``tensors``;
-        unchanged for replicated plain tensors (every rank holds the same values)."""
+    def all_finite(self, tensors: Sequence[Tensor], finite: Tensor, ctx: GroupContext | None = None) -> Tensor:
+        """``finite`` AND-ed (one MIN all-reduce) over the ranks of the step's group ``ctx`` (None:
+        the mesh of the DTensors among ``tensors``) when there are DTensors among them; unchanged
+        for replicated plain tensors (every rank holds the same values)."""
         _, group = locals_and_group(tensors)
+        if group is not None and ctx is not None:
+            group = ctx.group  # the step's own ranks: under pipeline parallelism, the stage's
         if group is None:
             return finite
         flags = finite.to(torch.int32)

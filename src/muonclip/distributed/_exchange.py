@@ -57,7 +57,9 @@ def agree_parameters(ctx: GroupContext, sig: int, has_grad: Sequence[bool], name
     if packed[0] != -packed[1]:
         raise ValueError(
             "the Muon parameters differ across ranks (number, order, global shapes or options): every rank "
-            "must build the same model and optimizer, or the collectives would pair the wrong tensors"
+            "must build the same model and optimizer, or the collectives would pair the wrong tensors. Under "
+            "pipeline parallelism each stage holds other parameters: give each stage's optimizer its own ranks, "
+            "process_group=<the stage's data-parallel group> ('local' for a one-rank stage)"
         )
     n = len(has_grad)
     mixed = [names[i]() for i in range(n) if packed[2 + i] != -packed[2 + n + i]]
@@ -101,7 +103,9 @@ def agree_replicas(ctx: GroupContext, tensors: Sequence[Tensor], names: Sequence
             f"{', '.join(bad[:5])} is a plain tensor with different values on different ranks; Muon treats plain "
             "tensors as replicated (DDP). A weight sharded by tensor parallelism must be a DTensor "
             "(parallelize_module, distribute_tensor, DTensor.from_local), so that Muon can assemble whole "
-            "matrices; replicated weights must start equal on every rank (DDP broadcasts them)"
+            "matrices; replicated weights must start equal on every rank (DDP broadcasts them). Under pipeline "
+            "parallelism other ranks hold other stages: pass process_group=<the stage's data-parallel group> "
+            "('local' for a one-rank stage)"
         )
 
 

@@ -71,6 +71,7 @@ from ..qkclip._muonclip import MuonClip
 from .torchtitan_attention import recording_attention_config
 from .torchtitan_layouts import attention_layers, canonical_name, muon_splits
 from .torchtitan_metrics import MuonClipMetricsProcessor, metrics_config, startup_line
+from .torchtitan_pipeline import pipelining, stage_of
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ADAMW_DEFAULTS = {"betas": (0.9, 0.95), "eps": 1e-8}
@@ -86,20 +87,6 @@ RATE_WARNING = (
     "for the embeddings, the output head and the vectors)"
 )
 """Logged when the Muon rate is the one carried over from torchtitan's AdamW config (`with_muonclip`)."""
-
-
-def pipeline_refusal(what: str) -> str:
-    """The message refusing pipeline parallelism (``what``: what was seen)."""
-    return (f"muonclip.integrations.torchtitan does not support pipeline parallelism ({what}): Muon and QK-Clip "
-            "would reduce over every rank of the mesh, pipeline stages included, whose parameters and attention "
-            "layers differ. Use FSDP2, HSDP and tensor parallelism instead (--parallelism.data_parallel_shard_degree, "
-            "--parallelism.data_parallel_replicate_degree, --parallelism.tensor_parallel_degree) and "
-            "--parallelism.pipeline_parallel_degree 1")
-
-
-def _refuse_pipelining(*args: Any, **kwargs: Any) -> Any:
-    """torchtitan's ``pipelining_fn`` under `with_muonclip`: refused (`pipeline_refusal`)."""
-    raise ValueError(pipeline_refusal("--parallelism.pipeline_parallel_degree > 1"))
 
 
 def _check_config(config: Any) -> None:
@@ -186,36 +173,33 @@ class MuonClipOptimizers(OptimizersContainer):
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
         _check_config(config)
-        if len(model_parts) != 1:
-            raise ValueError(pipeline_refusal(f"got {len(model_parts)} model parts"))
+        self.stage = stage_of(model_parts)
         self.model_parts = model_parts
-        self.optimizers = []
-        self.name = config.name
-        all_params: list[nn.Parameter] = []
+        self.name, self.tau = config.name, config.tau
         kwargs = dict(weight_decay=config.weight_decay, momentum=config.momentum, nesterov=config.nesterov,
                       adjust_lr_fn=config.adjust_lr_fn, method=config.method, orth_dtype=_DTYPES[config.orth_dtype])
-        for part in model_parts:
-            if config.name == "AdamW":
-                named = [(n, p) for n, p in part.named_parameters() if p.requires_grad]
-                groups = [{"params": [p for _, p in named], "param_names": [canonical_name(n) for n, _ in named]}]
-                opt: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=config.lr, **ADAMW_DEFAULTS,
-                                                               weight_decay=config.weight_decay)
-            else:
-                groups = param_groups(part, adamw_lr=config.adamw_lr, adamw_weight_decay=config.adamw_weight_decay,
-                                      split=muon_splits(part, per_head=config.per_head), per_head=config.per_head)
-                for g in groups:
-                    g["param_names"] = [canonical_name(n) for n in g["param_names"]]
-                if config.name == "MuonClip":
-                    opt = MuonClip(part, lr=config.lr, tau=config.tau, groups=groups,
-                                   layers=attention_layers(part, gqa_policy=config.gqa_policy),
-                                   on_ineffective_clip=config.on_ineffective_clip, **kwargs)
-                else:
-                    opt = Muon(groups, lr=config.lr, **kwargs)
-            self.optimizers.append(opt)
-            all_params.extend(p for g in groups for p in g["params"])
+        if self.stage is not None:
+            kwargs["process_group"] = self.stage.group
+        if config.name == "AdamW":
+            named = [(n, p) for part in model_parts for n, p in part.named_parameters() if p.requires_grad]
+            groups = [{"params": [p for _, p in named], "param_names": [canonical_name(n) for n, _ in named]}]
+            opt: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=config.lr, **ADAMW_DEFAULTS,
+                                                           weight_decay=config.weight_decay)
+        else:
+            groups = _param_groups(model_parts, config)
+            layers = [layer for part in model_parts for layer in attention_layers(part, gqa_policy=config.gqa_policy)]
+            if config.name == "MuonClip" and (layers or self.stage is None):
+                model = model_parts[0] if len(model_parts) == 1 else nn.ModuleList(model_parts)
+                opt = MuonClip(model, lr=config.lr, tau=config.tau, groups=groups, layers=layers,
+                               on_ineffective_clip=config.on_ineffective_clip, **kwargs)
+            else:  # Muon, or a pipeline rank whose stages hold no attention layer (nothing to clip)
+                opt = Muon(groups, lr=config.lr, **kwargs)
+        self.optimizers = [opt]
+        all_params = [p for g in groups for p in g["params"]]
         self._validate_params(all_params)
         self._post_init(all_params)
-        self.startup_line = startup_line(config, model_parts, self.optimizers)
+        self.startup_line = startup_line(config, model_parts, self.optimizers,
+                                         stage=None if self.stage is None else self.stage.describe())
         logger.info(self.startup_line)
         self.rate_warning = None
         if config.name != "AdamW" and config.carried_lr is not None and config.lr == config.carried_lr:
@@ -255,6 +239,23 @@ class MuonClipOptimizers(OptimizersContainer):
                 init_optim_state(optim)
 
 
+def _param_groups(model_parts: list[nn.Module], config: MuonClipOptimizers.Config) -> list[dict[str, Any]]:
+    """`muonclip.param_groups` of every model part (with `muon_splits`), names in torchtitan's
+    canonical form, groups with the same options merged across parts (one optimizer per rank)."""
+    merged: dict[tuple, dict[str, Any]] = {}
+    for part in model_parts:
+        for g in param_groups(part, adamw_lr=config.adamw_lr, adamw_weight_decay=config.adamw_weight_decay,
+                              split=muon_splits(part, per_head=config.per_head), per_head=config.per_head):
+            key = tuple(sorted((k, repr(v)) for k, v in g.items() if k not in ("params", "param_names")))
+            names = [canonical_name(n) for n in g["param_names"]]
+            if key in merged:
+                merged[key]["params"].extend(g["params"])
+                merged[key]["param_names"].extend(names)
+            else:
+                merged[key] = {**g, "params": list(g["params"]), "param_names": names}
+    return list(merged.values())
+
+
 def with_muonclip(config: Trainer.Config, *, device_type: str | None = None) -> Trainer.Config:
     """``config`` (a torchtitan ``Trainer.Config``) with MuonClip as its optimizer and a recording attention.
 
@@ -283,7 +284,8 @@ def with_muonclip(config: Trainer.Config, *, device_type: str | None = None) -> 
     fields["metrics"] = metrics_config(config.metrics)
     out = MuonClipTrainerConfig(**fields)
     if out.model_spec is not None:
-        out.model_spec.pipelining_fn = _refuse_pipelining
+        if out.model_spec.pipelining_fn is not None:
+            out.model_spec.pipelining_fn = pipelining(out.model_spec.pipelining_fn)
         from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention, VarlenAttention
 
         for kind in (FlexAttention.Config, VarlenAttention.Config, ScaledDotProductAttention.Config):
@@ -364,4 +366,4 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["ADAMW_DEFAULTS", "MuonClipOptimizers", "MuonClipTrainerConfig", "QUICKSTART_ASSETS", "RATE_WARNING",
-           "llama3_quickstart", "pipeline_refusal", "with_muonclip"]
+           "llama3_quickstart", "with_muonclip"]
