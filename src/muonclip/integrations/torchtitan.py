@@ -187,7 +187,8 @@ class MuonClipOptimizers(OptimizersContainer):
                                                            weight_decay=config.weight_decay)
         else:
             groups = _param_groups(model_parts, config)
-            layers = [layer for part in model_parts for layer in attention_layers(part, gqa_policy=config.gqa_policy)]
+            layers = [layer for part in model_parts for layer in attention_layers(part, gqa_policy=config.gqa_policy)
+                      ] if config.name == "MuonClip" else []
             if config.name == "MuonClip" and (layers or self.stage is None):
                 model = model_parts[0] if len(model_parts) == 1 else nn.ModuleList(model_parts)
                 opt = MuonClip(model, lr=config.lr, tau=config.tau, groups=groups, layers=layers,

@@ -29,8 +29,19 @@ that ``pipelining_fn`` by `pipelining` of it: torchtitan's own, then
   torch's ``step`` does around it (the stages' ``has_backward``, their per-step state cleared).
   A torch with neither form is refused when the pipeline is built.
 
-Refused when the pipeline is built (`check_pipeline`, a ValueError saying what to use instead):
-a torch whose schedules offer neither call (above).
+Refused when the pipeline is built, before anything is split (a ValueError saying what to use
+instead):
+
+* a torch whose schedules offer neither call (above; `check_pipeline`), or whose schedules do
+  not run their shape inference where `muonclip.integrations.pipelining.unrecorded_shape_inference`
+  keeps it out of the clip;
+* a zero-bubble schedule (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV: each backward split
+  into its input and weight gradients) with selective activation checkpointing, torchtitan's
+  default (`check_schedule`): torch's selective checkpointing allows one backward through a
+  checkpointed region, so the weight-gradient half fails ("Trying to backward an extra time"),
+  whatever the optimizer. Full checkpointing (``activation-checkpoint:full``) or none
+  (``activation-checkpoint:none``) run, as does every other schedule with selective
+  checkpointing.
 
 Every attention layer lives on one stage; its recorder keeps the running max of every
 micro-batch's forward until the clip, whatever the schedule's order of forwards and
@@ -134,6 +145,39 @@ def check_pipeline(schedule: Any) -> None:
     )
 
 
+def split_backward(schedule_name: str) -> bool:
+    """Whether torch's schedule ``schedule_name`` splits each backward into its input and weight
+    gradients (the zero-bubble schedules)."""
+    from torch.distributed.pipelining.schedules import (
+        ScheduleDualPipeV,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+        get_schedule_class,
+    )
+
+    return issubclass(get_schedule_class(schedule_name),
+                      (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV))
+
+
+def check_schedule(parallelism: Any, ac_config: Any) -> None:
+    """Refuse a zero-bubble schedule with selective activation checkpointing (module docstring),
+    before torchtitan builds the pipeline. ``parallelism``: torchtitan's ``ParallelismConfig``;
+    ``ac_config``: its activation-checkpointing config (None: none)."""
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    name = parallelism.pipeline_parallel_schedule
+    if parallelism.pipeline_parallel_schedule_csv or not isinstance(ac_config, SelectiveAC.Config):
+        return
+    if split_backward(name):
+        raise ValueError(
+            f"--parallelism.pipeline_parallel_schedule {name} splits each backward into its input and weight "
+            "gradients, and torch's selective activation checkpointing (torchtitan's default) allows one backward "
+            "through a checkpointed region: the weight half would fail at the first step, with any optimizer. Use "
+            "activation-checkpoint:full or activation-checkpoint:none, or a schedule without split backward "
+            "(1F1B, Interleaved1F1B, GPipe, LoopedBFS)"
+        )
+
+
 class MicrobatchSchedule:
     """A torch pipeline schedule called as torchtitan 0.3.0 calls it, on a torch whose ``step``
     takes a whole batch (module docstring).
@@ -211,6 +255,8 @@ def pipelining(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def pipeline(model: nn.Module, *, parallel_dims: Any, **kwargs: Any) -> tuple[Any, list[nn.Module], bool, bool]:
+        if "parallelism" in kwargs:
+            check_schedule(kwargs["parallelism"], kwargs.get("ac_config"))
         schedule, parts, has_first, has_last = fn(model, parallel_dims=parallel_dims, **kwargs)
         stages = schedule_stages(schedule)
         schedule = runnable(unrecorded_shape_inference(schedule))
@@ -246,5 +292,5 @@ def stage_of(model_parts: list[nn.Module]) -> Stage | None:
     return stage
 
 
-__all__ = ["MICROBATCH_ARGS", "MicrobatchSchedule", "Stage", "check_pipeline", "pipelining", "runnable", "stage_group",
-           "stage_of", "stage_ranks"]
+__all__ = ["MICROBATCH_ARGS", "MicrobatchSchedule", "Stage", "check_pipeline", "check_schedule", "pipelining",
+           "runnable", "schedule_stages", "split_backward", "stage_group", "stage_of", "stage_ranks"]
