@@ -22,8 +22,10 @@ $(STAMP): pyproject.toml
 compare: $(STAMP)
 	$(BIN)/muonclip compare
 
+# --dist loadfile: a test file's tests share one worker, so a module's multi-process fixture (torchtitan's,
+# the distributed suites') is launched once, not once per worker that runs one of its tests
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --durations=15
+	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
