@@ -289,7 +289,7 @@ def main() -> None:
                 f"the batch of {BATCH}")
     torch.set_num_threads(args.threads)  # as in each process, for the report's thread count
     dp = args.nproc // args.pp
-    layout = f"FSDP2 over {dp} of " if dp > 1 else ""
+    layout = "FSDP2 over " if dp > 1 else ""
     if args.pp > 1:
         layout = (f"pipeline: {args.pp} stages ({args.schedule}, micro-batches of 1 row)"
                   f"{f' x FSDP2 over {dp}' if dp > 1 else ''}, ")

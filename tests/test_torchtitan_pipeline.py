@@ -25,8 +25,8 @@ deepseek_v3 PP=2 x EP=2, checkpoints across PP=2 and PP=1, and the groups that a
 * a group that misses a rank holding a piece of the stage's weights, and the automatic group (the mesh, which spans
   both stages), are refused with the stage's group named.
 
-One process: torch schedules without torchtitan's micro-batch call or the shape-inference hook, and zero-bubble
-schedules with selective activation checkpointing, are refused before anything is built; forwards inside
+One process: torch schedules without torchtitan's micro-batch call or the shape-inference hook are refused, and
+zero-bubble schedules with selective activation checkpointing before anything is built; forwards inside
 ``unrecorded_forward`` feed no recorder.
 
 Skipped when the torchtitan extra is not installed (CI installs it).

@@ -28,7 +28,9 @@ What ``--config NAME`` gives (`with_muonclip` applied to torchtitan's ``NAME()``
 * every attention's inner attention replaced by a recording one
   (`muonclip.integrations.torchtitan_attention`): `RecordingFlexAttention` on CUDA
   (`RecordingVarlen` for torchtitan's varlen backend), `RecordingSDPA` elsewhere.
-* pipeline parallelism refused (`pipeline_refusal`) when torchtitan would pipeline the model.
+* pipeline parallelism (``--parallelism.pipeline_parallel_degree``): torchtitan's ``pipelining_fn``
+  wrapped by `muonclip.integrations.torchtitan_pipeline.pipelining` (each stage's group on its
+  model parts, a schedule step this torch runs, the refusals).
 * on a machine without CUDA, the CPU/gloo set-up of `muonclip.integrations.torchtitan_cpu`.
 
 The container (`MuonClipOptimizers`) builds one `muonclip.MuonClip` (or `muonclip.Muon`) on
@@ -42,11 +44,12 @@ zero-gradient, zero-lr step; the container runs that step with MuonClip's "nothi
 warning silenced (it is not a training step). It logs a start-up line (optimizer, rates, tau,
 the clipped and the refused attention layers: `muonclip.integrations.torchtitan_metrics.startup_line`).
 
-**Pipeline parallelism is refused.** torchtitan's pipeline gives each rank one model part (a
-stage) or several; Muon's step and QK-Clip's max-logit reduction run over every rank of the
-parameters' mesh, which then spans the stages too, whose parameters and layers differ. The
-container takes one model part, and `with_muonclip` replaces torchtitan's ``pipelining_fn``
-with a refusal that names FSDP2, HSDP and tensor parallelism instead.
+**Pipeline parallelism.** torchtitan's pipeline gives each rank one model part (a stage) or
+several; their parameters' meshes span every stage. The container builds one optimizer over all
+of the rank's parts, with ``process_group=`` the group of the ranks of its stages (the
+`muonclip.integrations.torchtitan_pipeline.Stage` the parts carry): Muon's owners, its checks and
+QK-Clip's max-logit reduction stay within the stage, never across stages (docs/design.md,
+"Pipeline parallelism"). A rank whose stages hold no attention layer steps a `muonclip.Muon`.
 """
 
 from __future__ import annotations
@@ -110,23 +113,31 @@ class MuonClipOptimizers(OptimizersContainer):
     """torchtitan's optimizer container holding a `muonclip.MuonClip`, a `muonclip.Muon` or the AdamW baseline.
 
     Built by torchtitan's trainer as ``config.optimizer.build(model_parts=...)`` after the model
-    is parallelised, on its one model part: `muonclip.param_groups` (with `muon_splits`), its
-    ``param_names`` in torchtitan's canonical form, then ``MuonClip(part, layers=
-    attention_layers(part), groups=...)`` or ``Muon(groups)``; with ``name`` ``"AdamW"``,
-    ``torch.optim.AdamW`` on every parameter with torchtitan's ``default_adamw`` settings
-    (`ADAMW_DEFAULTS`, ``lr``, ``weight_decay``). ``step``, ``zero_grad``, the flat state dict and
+    is parallelised, on its model parts (one; several under pipeline parallelism): one optimizer
+    over all of them, `muonclip.param_groups` of each part (with `muon_splits`), its
+    ``param_names`` in torchtitan's canonical form, then ``MuonClip(part, layers=attention_layers(...),
+    groups=...)`` (a ``ModuleList`` of the parts when there are several) or ``Muon(groups)``, with ``process_group`` the
+    parts' pipeline stage group (`muonclip.integrations.torchtitan_pipeline.stage_of`; the
+    automatic group without a pipeline); with ``name`` ``"AdamW"``, ``torch.optim.AdamW`` on every
+    parameter with torchtitan's ``default_adamw`` settings (`ADAMW_DEFAULTS`, ``lr``,
+    ``weight_decay``). ``step``, ``zero_grad``, the flat state dict and
     the LR schedulers are torchtitan's, over these optimizers. The start-up line
     (`muonclip.integrations.torchtitan_metrics.startup_line`) goes to torchtitan's log and is
     kept in ``startup_line``.
 
     Args:
         config: a `MuonClipOptimizers.Config`.
-        model_parts: the (parallelised) model, as a list of one part.
+        model_parts: the (parallelised) model: one part, or a pipeline rank's parts (tagged with
+            their stage by `muonclip.integrations.torchtitan_pipeline.pipelining`).
+
+    Attributes:
+        stage: the parts' `muonclip.integrations.torchtitan_pipeline.Stage` (None: no pipeline).
+        name, tau: the config's.
 
     Raises:
-        ValueError: several model parts (pipeline parallelism: `pipeline_refusal`), torchtitan's
-            unused optimizer fields set, a bad ``name`` or ``orth_dtype``, or a layer QK-Clip
-            refuses (`muonclip.integrations.torchtitan_layouts.attention_layers`).
+        ValueError: several model parts without their stage, torchtitan's unused optimizer fields
+            set, a bad ``name`` or ``orth_dtype``, or a layer QK-Clip refuses
+            (`muonclip.integrations.torchtitan_layouts.attention_layers`).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -208,7 +219,8 @@ class MuonClipOptimizers(OptimizersContainer):
             logger.warning(self.rate_warning)
 
     def clipping(self) -> list[MuonClip]:
-        """The `muonclip.MuonClip` optimizers (one per model part; none with ``name`` Muon or AdamW)."""
+        """The `muonclip.MuonClip` optimizers (one, over every model part; none with ``name`` Muon or AdamW, or
+        on a pipeline rank whose stages hold no attention layer)."""
         return [o for o in self.optimizers if isinstance(o, MuonClip)]
 
     def record_exact(self, exact: bool) -> None:
@@ -265,9 +277,9 @@ def with_muonclip(config: Trainer.Config, *, device_type: str | None = None) -> 
     torchtitan's ``lr`` and ``weight_decay`` carried over when the original optimizer had
     one param group (the container logs `RATE_WARNING` while ``lr`` is that carried-over AdamW
     rate); whose ``metrics`` is a `muonclip.integrations.torchtitan_metrics.MuonClipMetricsProcessor.Config`
-    (the clip in the run's logs); whose model's ``pipelining_fn`` refuses pipeline parallelism
-    (`pipeline_refusal`); every ``inner_attention`` of the model config is the recording one for
-    ``device_type`` (default: ``"cuda"`` when available, else ``"cpu"``), and on CPU the
+    (the clip in the run's logs); whose model's ``pipelining_fn`` is torchtitan's wrapped by
+    `muonclip.integrations.torchtitan_pipeline.pipelining`; every ``inner_attention`` of the model
+    config is the recording one for ``device_type`` (default: ``"cuda"`` when available, else ``"cpu"``), and on CPU the
     set-up of `muonclip.integrations.torchtitan_cpu.cpu_config` is applied and the
     orthogonalisation runs in float32 (``--optimizer.orth_dtype`` still overrides it).
     """

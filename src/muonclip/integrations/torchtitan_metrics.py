@@ -30,7 +30,11 @@ The console gets one more line after torchtitan's, e.g.::
     clips in 10 steps, peak 52.12  first clip: layers.4.attention at step 51, layers.2.attention at step 54
 
 The numbers are the same on every rank (the maxima are all-reduced before the clip); torchtitan
-writes TensorBoard and W&B from one rank (rank 0 without pipeline parallelism). The start-up
+writes TensorBoard and W&B from one rank (rank 0 without pipeline parallelism, the last stage's
+first rank with it). Under pipeline parallelism each rank's optimizer clips its own stages'
+layers, and on a logged step the processor gathers every stage's figures over torchtitan's
+``"pp"`` group (`ClipLog.report`'s ``gather``, one object all-gather: the only collective the clip
+makes across stages), so every rank logs the layers of the whole model. The start-up
 line naming the optimizer, tau, the clipped and the refused layers is `startup_line`'s, logged
 when the optimizer container is built.
 """
