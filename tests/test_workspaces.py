@@ -198,10 +198,11 @@ def test_a_step_that_fails_still_frees_the_buffers(keep_small):
 @pytest.mark.parametrize("shape, matrix", [((24, 40), (24, 40)), ((3, 24, 40), (24, 40)), ((8, 3, 3, 5), (8, 45))],
                          ids=["matrix", "experts", "conv"])
 @pytest.mark.parametrize("options", [{}, {"normuon": True, "cautious_weight_decay": True}], ids=["plain", "variants"])
-def test_muon_step_is_muon_update_on_one_weight(workspace, shape, matrix, options):
+def test_muon_step_is_muon_update_on_one_weight(workspace, shape, matrix, options, bf16_answer):
     """`Muon.step` on one weight is `muonclip.muon_update` bit for bit: the same step body
     (`muon_step`) on the same values, a matrix, a stack of experts and a convolution (the
-    matrix ``(out, in kh kw)``, as `Muon` sees it), with NorMuon and cautious weight decay too."""
+    matrix ``(out, in kh kw)``, as `Muon` sees it), with NorMuon and cautious weight decay too,
+    under each of ``orth_dtype="auto"``'s answers (both sides read the one default)."""
     torch.manual_seed(0)
     W = torch.nn.Parameter(torch.randn(shape))
     W2, M = W.detach().clone(), torch.zeros(shape)

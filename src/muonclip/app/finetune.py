@@ -54,6 +54,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..common import defaults as D
 from ..optim import Muon, param_groups
 from .config import RunConfig
 from .data import Corpus, DataError, train_batch, val_batches
@@ -139,7 +140,8 @@ def _optimizer(method: str, model: nn.Module, lr: float, cfg: RunConfig) -> torc
         trainable = [p for p in model.parameters() if p.requires_grad]
         return torch.optim.AdamW(
             [{"params": [p for p in trainable if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-             {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+             {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0}],
+            lr=lr, betas=D.BETAS, eps=D.ADAMW_EPS)
     if method in ("muon-full", "lora-muon"):
         return Muon(param_groups(model), lr=lr, weight_decay=cfg.weight_decay,
                     orth_dtype=muon_orth_dtype(cfg))

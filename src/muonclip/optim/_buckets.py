@@ -37,9 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..ortho import METHODS
+from ..ortho import METHODS, resolve_orth_dtype
 from ._matrices import MatrixSpec, matrix_spec
-from ._precision import resolve_orth_dtype
 from .workspace import Workspace, workspace_for
 
 STRUCTURAL_OPTIONS = ("method", "ns_steps", "orth_dtype", "eps", "ns_coefficients", "flatten", "split_sizes",
