@@ -428,7 +428,7 @@ def test_too_many_threads_exit_2_naming_the_option(tmp_path):
                            "--threads", "100000", "--out", str(tmp_path / "run")], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 2, proc.stderr
-    assert f"--threads 100000: this machine has {os.cpu_count()} cores" in proc.stderr
+    assert f"--threads 100000: this machine has {len(os.sched_getaffinity(0))} cores for this process" in proc.stderr
     assert not (tmp_path / "run").exists()
 
 

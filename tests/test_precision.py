@@ -14,13 +14,13 @@ from muonclip.app.config import make_config
 from muonclip.app.model import muon_orth_dtype, orthogonalisation
 from muonclip.app.report.markdown import protocol_markdown
 from muonclip.common import _hardware as hardware
+from muonclip.common._hardware import native_bf16
 from muonclip.models import GPT, GPTConfig
 from muonclip.optim._buckets import make_buckets
 from muonclip.optim._matrices import matrix_spec
-from muonclip.common._hardware import native_bf16
 from muonclip.optim._precision import explain_orth_dtype
-from muonclip.ortho import resolve_orth_dtype
 from muonclip.optim.workspace import CoreWorkspace
+from muonclip.ortho import resolve_orth_dtype
 
 AMX = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"})  # Sapphire Rapids
 AVX512_BF16 = frozenset({"avx2", "avx512f", "avx512_bf16"})  # AMD Zen 4, Intel Cooper Lake

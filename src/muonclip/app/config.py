@@ -121,7 +121,7 @@ class RunConfig:
         tau: QK-Clip threshold on the max logit, also drawn on the plots (default 100, K2's).
         orth_dtype: compute dtype of Muon's orthogonalisation: ``"auto"`` (default: bfloat16
             where the device multiplies it natively, a CPU with AMX-BF16 or AVX512-BF16 or a
-            CUDA GPU of compute capability 8.0+, else float32; `muonclip.optim._precision`; the
+            CUDA GPU of compute capability 8.0+, else float32; `muonclip.ortho._precision`; the
             report names what it picked and why), ``"bfloat16"`` (the paper's) or
             ``"float32"`` (for exact comparisons, e.g. a torchrun run against one process).
 

@@ -118,7 +118,7 @@ class Muon(torch.optim.Optimizer):
         orth_dtype: compute dtype of the orthogonalisation (default ``"auto"``: bfloat16 where
             the parameters' device multiplies it natively — a CUDA GPU of compute capability 8.0
             or more, a CPU with AMX-BF16 or AVX512-BF16 — and float32 elsewhere, resolved per
-            device when the step builds its buckets, `muonclip.optim._precision`; the method's
+            device when the step builds its buckets, `muonclip.ortho._precision`; the method's
             own default for one without bfloat16, ``"svd"``: float64). A dtype
             (``torch.bfloat16``, ``torch.float32`` for accuracy, ``torch.float64`` for svd) is
             used on every device. The two differ by rounding only; the optimizer's repr names
