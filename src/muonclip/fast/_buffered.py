@@ -65,8 +65,7 @@ import torch
 from torch import Tensor
 
 from ..common import defaults as D
-from ..ortho import check_input, check_method, run_method
-from ..ortho._precision import resolve_dtype
+from ..ortho import check_input, check_method, resolve_orth_dtype, run_method
 
 KEEP_BYTES = 128 * 1024  # glibc's default mmap threshold: smaller blocks come from its heap
 
@@ -209,7 +208,7 @@ class BufferedWorkspace:
                 or (torch.is_grad_enabled() and V.requires_grad)):
             return run_method(V, method, steps, dtype, eps=eps, coefficients=coefficients)
         steps = m.default_steps if steps is None else steps
-        dtype = resolve_dtype(dtype, m, V.device)
+        dtype = resolve_orth_dtype(dtype, method, V.device)
         *_, A, B = V.shape
         X = V.reshape(-1, A, B).to(dtype)  # V itself when it is in dtype: ours to overwrite
         out = self.buffers.get("result", X.shape, dtype, X.device) if reuse_result else None

@@ -146,9 +146,8 @@ def muon_update(
 
     The weight is seen as `muonclip.Muon` sees it without group keys: a 2-D ``(A, B)`` weight is
     one matrix, a 3-D ``(E, A, B)`` one a batch of E, one of 4 or more dimensions the matrix
-    ``(out, prod(rest))``. Every default is `muonclip.Muon`'s (`muonclip.common.defaults`), so
-    ``Muon([W], lr=lr)``'s step and ``muon_update(W, G, M, lr=lr)`` are the same update, bit for
-    bit, on any machine.
+    ``(out, prod(rest))``. Every default is `muonclip.Muon`'s (`muonclip.common.defaults`): with
+    the same ``lr``, the same update bit for bit on any machine.
 
     Args:
         param: the weight W (float32, bfloat16 or float64).

@@ -29,7 +29,7 @@ from ._newton_schulz import (
     no_scratch,
     polar_express_coefficients,
 )
-from ._precision import resolve_dtype
+from ._precision import auto_dtype
 from ._svd import svd_polar
 
 
@@ -151,9 +151,14 @@ def check_input(V: Tensor, eps: float) -> None:
 def resolve_orth_dtype(orth_dtype: torch.dtype | str | None, method: str, device: torch.device | str) -> torch.dtype:
     """The dtype ``method`` computes in on ``device`` when asked for ``orth_dtype``: the dtype
     itself, the method's default for None, and for ``"auto"`` bfloat16 where the device multiplies
-    it natively, else float32 (the method's default when it has no bfloat16:
-    `muonclip.ortho._precision`)."""
-    return resolve_dtype(orth_dtype, METHODS[method], device)
+    it natively, else float32 (`muonclip.ortho._precision`; the method's default when it has no
+    bfloat16)."""
+    m = METHODS[method]
+    if orth_dtype is None:
+        return m.default_dtype
+    if orth_dtype != AUTO:
+        return orth_dtype
+    return auto_dtype(device) if torch.bfloat16 in m.dtypes else m.default_dtype
 
 
 def run_method(
@@ -174,7 +179,7 @@ def run_method(
     if V.numel() == 0:
         return V.clone()
     steps = m.default_steps if steps is None else steps
-    return m.run(V, steps, resolve_dtype(dtype, m, V.device), eps, coefficients).to(V.dtype)
+    return m.run(V, steps, resolve_orth_dtype(dtype, method, V.device), eps, coefficients).to(V.dtype)
 
 
 def orthogonalize(

@@ -10,38 +10,22 @@
   bfloat16; an older one (V100 is 7.0): float32;
 * any other device type (MPS, XPU...): float32.
 
-What the device has is read from what it declares, never by timing. A method that cannot compute
-in bfloat16 (``"svd"``) gets its own default dtype (float64). ``None`` is the method's own default
-dtype on every device (bfloat16 for the iterative methods); a dtype is used as it is.
+What the device has is read from what it declares, never by timing. `muonclip.ortho.resolve_orth_dtype`
+applies the rule to a method: one that cannot compute in bfloat16 (``"svd"``) gets its own default
+dtype (float64); ``None`` is the method's own default dtype on every device (bfloat16 for the
+iterative methods); a dtype is used as it is.
 
 Either dtype runs the same algorithm; only the rounding differs (docs/design.md, "Compute dtype").
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 import torch
 
 from ..common._hardware import native_bf16
-from ..common.defaults import AUTO
-
-if TYPE_CHECKING:
-    from . import Method
 
 
 def auto_dtype(device: torch.device | str) -> torch.dtype:
     """``"auto"`` for a method that computes in bfloat16: bfloat16 where ``device`` multiplies it
     natively, else float32."""
     return torch.bfloat16 if native_bf16(device)[0] else torch.float32
-
-
-def resolve_dtype(dtype: Any, method: Method, device: torch.device | str) -> torch.dtype:
-    """The dtype ``method`` computes in on ``device`` when asked for ``dtype``: ``dtype`` itself,
-    the method's default for None, and for ``"auto"`` `auto_dtype` (the method's default when it
-    has no bfloat16)."""
-    if dtype is None:
-        return method.default_dtype
-    if dtype != AUTO:
-        return dtype
-    return auto_dtype(device) if torch.bfloat16 in method.dtypes else method.default_dtype
