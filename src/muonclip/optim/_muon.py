@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..common import defaults as D
 from ..common._dtensor import is_dtensor
 from . import _state_dicts as state_dicts
 from . import _state_validation as state_validation
@@ -29,7 +30,7 @@ from ._adamw import adamw_step
 from ._buckets import StepStructure, StructureCache, options_key, step_structure
 from ._matrices import MatrixSpec, matrix_spec
 from ._nonfinite_mask import MaskedStep
-from ._precision import AUTO, orth_dtype_choice, orth_dtype_name
+from ._precision import orth_dtype_choice, orth_dtype_name
 from ._quantized import dequantize, quant_blocks, quantize_, scale_like
 from ._scale import scale_name
 from ._state_dicts import state_dtype
@@ -117,7 +118,7 @@ class Muon(torch.optim.Optimizer):
         orth_dtype: compute dtype of the orthogonalisation (default ``"auto"``: bfloat16 where
             the parameters' device multiplies it natively — a CUDA GPU of compute capability 8.0
             or more, a CPU with AMX-BF16 or AVX512-BF16 — and float32 elsewhere, resolved per
-            device when the step builds its buckets, `muonclip.optim._precision`; the method's
+            device when the step builds its buckets, `muonclip.ortho._precision`; the method's
             own default for one without bfloat16, ``"svd"``: float64). A dtype
             (``torch.bfloat16``, ``torch.float32`` for accuracy, ``torch.float64`` for svd) is
             used on every device. The two differ by rounding only; the optimizer's repr names
@@ -211,25 +212,25 @@ class Muon(torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        lr: float | Tensor = 1e-3,
+        lr: float | Tensor = D.LR,
         *,
-        weight_decay: float = 0.1,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        ns_coefficients: tuple[float, float, float] | None = None,
-        eps: float = 1e-7,
-        ns_steps: int | None = None,
-        adjust_lr_fn: str | None = "match_rms_adamw",
-        method: str = "ns5",
-        orth_dtype: torch.dtype | str | None = "auto",
-        betas: tuple[float, float] = (0.9, 0.95),
-        adamw_eps: float = 1e-8,
+        weight_decay: float = D.WEIGHT_DECAY,
+        momentum: float = D.MOMENTUM,
+        nesterov: bool = D.NESTEROV,
+        ns_coefficients: tuple[float, float, float] | None = D.NS_COEFFICIENTS,
+        eps: float = D.EPS,
+        ns_steps: int | None = D.NS_STEPS,
+        adjust_lr_fn: str | None = D.ADJUST_LR_FN,
+        method: str = D.METHOD,
+        orth_dtype: torch.dtype | str | None = D.ORTH_DTYPE,
+        betas: tuple[float, float] = D.BETAS,
+        adamw_eps: float = D.ADAMW_EPS,
         on_nonfinite: str = "raise",
         process_group: Any = None,
         comm_dtype: torch.dtype | None = None,
         workspace: str | Workspace = "auto",
         normuon: bool = False,
-        normuon_beta2: float = 0.95,
+        normuon_beta2: float = D.NORMUON_BETA2,
         cautious_weight_decay: bool = False,
         momentum_8bit: bool = False,
     ) -> None:
@@ -302,11 +303,11 @@ class Muon(torch.optim.Optimizer):
                 if key == "params":
                     continue
                 value = group[key]
-                if key == "orth_dtype" and value == AUTO and group["algorithm"] == "muon":
+                if key == "orth_dtype" and value == D.AUTO and group["algorithm"] == "muon":
                     devices = dict.fromkeys(p.device for p in group["params"]) or [torch.device("cpu")]
                     value = "auto -> " + "; ".join(
                         f"{orth_dtype_name(choice[0])} on {d} ({choice[1]})"
-                        for d, choice in ((d, orth_dtype_choice(AUTO, group["method"], d)) for d in devices))
+                        for d, choice in ((d, orth_dtype_choice(D.AUTO, group["method"], d)) for d in devices))
                 lines.append(f"    {key}: {value}")
         return "\n".join(lines) + "\n)"
 

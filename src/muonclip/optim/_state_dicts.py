@@ -32,7 +32,7 @@ are read from there and never put back into the state.
 param groups (``orth_dtype``) are strings such as ``"torch.bfloat16"``, turned back into dtypes
 on load (`from_saved_form`); ``orth_dtype="auto"`` stays ``"auto"``, never the dtype it resolved
 to, so a state saved on one kind of machine and loaded on another resolves it for the machine
-that loads it (`muonclip.optim._precision`); everything else is a tensor, a number, a string, None or a list,
+that loads it (`muonclip.ortho._precision`); everything else is a tensor, a number, a string, None or a list,
 tuple or dict of those, which ``torch.distributed.checkpoint`` (full or sharded, with or without
 ``cpu_offload``), accelerate and Lightning save.
 

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..common.defaults import AUTO
 from ..ortho import METHODS
 from ..ortho._newton_schulz import NS5_COEFFICIENTS
-from ._precision import AUTO
 from ._scale import scale_name
 from ._state_dicts import TORCH_ADAMW_KEYS, TORCH_MUON_KEYS, is_torch_adamw_group, kind, sum_momentum
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..common import defaults as D
 from ..distributed._context import collective_group
 from ..optim import Muon, param_groups
 from ..optim._validation import number
@@ -117,8 +118,8 @@ class MuonClip(Muon):
     def __init__(
         self,
         model: nn.Module,
-        lr: float = 1e-3,
-        tau: float = 100.0,
+        lr: float = D.LR,
+        tau: float = D.TAU,
         *,
         layers: Sequence[AttentionLayer] | None = None,
         groups: Sequence[dict[str, Any]] | None = None,
