@@ -314,9 +314,22 @@ class Muon(torch.optim.Optimizer):
     # the step
     # ----------------------------------------------------------------------------------------
 
-    @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Perform one optimisation step (all groups); ``closure`` re-evaluates the loss."""
+        """Perform one optimisation step (all groups); ``closure`` re-evaluates the loss.
+
+        torch's optimizer step hooks (``torch.optim.optimizer.register_optimizer_step_pre_hook``
+        and ``..._post_hook``, and this optimizer's ``register_step_pre_hook`` /
+        ``register_step_post_hook``) run once around it. torch wraps the ``step`` of each
+        optimizer class it builds in the code that runs them, so the body is `_muon_step`, which
+        a subclass's own ``step`` calls (`muonclip.MuonClip` does) rather than a second wrapped
+        ``step``.
+        """
+        return self._muon_step(closure)
+
+    @torch.no_grad()
+    def _muon_step(self, closure: Callable[[], float] | None) -> float | None:
+        """The step's body (see `step`): checks, the update of every group, the counters."""
+        state_validation.check_counters(self._wide_state(), f"{type(self).__name__}.")  # a pickle bypasses the setters
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -456,7 +469,7 @@ class Muon(torch.optim.Optimizer):
 
     @steps_taken.setter
     def steps_taken(self, value: int) -> None:
-        self._taken = int(value)
+        self._taken = state_validation.counter(value, "steps_taken", f"{type(self).__name__}.")
         self._record_wide_state()
 
     @property
@@ -472,7 +485,7 @@ class Muon(torch.optim.Optimizer):
 
     @steps_skipped.setter
     def steps_skipped(self, value: int) -> None:
-        self._skipped_host = int(value)
+        self._skipped_host = state_validation.counter(value, "steps_skipped", f"{type(self).__name__}.")
         self._masked_count = None
         self._record_wide_state()
 
@@ -489,8 +502,19 @@ class Muon(torch.optim.Optimizer):
 
     def _load_wide_state(self, values: dict[str, Any]) -> None:
         """Set the optimizer-wide values from a loaded state (missing ones: 0)."""
-        self.steps_taken = int(values.get("steps_taken", 0))
-        self.steps_skipped = int(values.get("steps_skipped", 0))
+        self.steps_taken = values.get("steps_taken", 0)
+        self.steps_skipped = values.get("steps_skipped", 0)
+
+    def _kept_for_load(self) -> dict[str, Any]:
+        """What `load_state_dict` puts back when a load fails after torch replaced the state: the
+        objects a load replaces (the state, the param groups, the step check's record) and the
+        counters."""
+        keys = ("state", "param_groups", "_checked", "_taken", "_skipped_host", "_masked_count")
+        return {k: self.__dict__[k] for k in keys if k in self.__dict__}
+
+    def _put_back(self, kept: dict[str, Any]) -> None:
+        """Undo a failed load with what `_kept_for_load` returned."""
+        self.__dict__.update(kept)
 
     def _record_wide_state(self) -> None:
         """Copy `_wide_state` into every param group (once there are groups), so that a state
@@ -518,8 +542,24 @@ class Muon(torch.optim.Optimizer):
         dtypes as strings); every param group holds the optimizer-wide values (``steps_taken``,
         ``steps_skipped``)."""
         self.steps_skipped  # noqa: B018  (folds a masked count kept on the device into the groups)
+        self._whole_state()
         self._record_wide_state()
         return state_dicts.saved_form(super().state_dict())
+
+    def _whole_state(self) -> None:
+        """Make the state whole before it is saved (`muonclip.optim._state_validation`: a state that
+        has taken steps holds every entry's state): an empty entry (a weight looked up in
+        ``state`` that never had a gradient) holds nothing and is dropped; a stepped Muon weight of
+        a group whose ``normuon`` was switched on since its last step gets the zero second moment
+        its next step would create (`second_moment_state`)."""
+        for p in [p for p, entry in self.state.items() if not entry]:
+            del self.state[p]
+        for g in self.param_groups:
+            if g["algorithm"] == "muon" and g["normuon"]:
+                for p in g["params"]:
+                    entry = self.state.get(p)
+                    if entry and "neuron_second_moment" not in entry:
+                        second_moment_state(entry, p, g, matrix_spec(tuple(p.shape), g))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this optimizer or of torch.optim.Muon.
@@ -528,7 +568,11 @@ class Muon(torch.optim.Optimizer):
         validated as the constructor validates its arguments, and every state tensor and counter
         against its parameter (`muonclip.optim._state_validation`: shape, dtype, finite values,
         ``exp_avg_sq >= 0``, whole step counts >= 0), before anything is loaded: a ValueError names
-        the group or parameter and the entry, and the optimizer is left as it was. Momentum
+        the group or parameter and the entry, and the optimizer is left as it was. A state that
+        has taken steps must hold every entry's whole state (a Muon weight's momentum, ...), and
+        no tensor may be on the meta device. A load that fails later (a tensor that cannot be
+        copied to its parameter's device, a post-hook that raises) puts the state, the param
+        groups and the counters back as they were before raising. Momentum
         and AdamW moments stay float32 (float64 for float64 parameters) whatever the parameter
         dtype. torch's load_state_dict hooks run as for any optimizer: pre-hooks see (and may
         replace) the dict as given, post-hooks see the loaded state. The dict passed in is not
@@ -553,8 +597,12 @@ class Muon(torch.optim.Optimizer):
 
         pre = self.register_load_state_dict_pre_hook(prepare)
         post = self.register_load_state_dict_post_hook(finish, prepend=True)
+        kept = self._kept_for_load()
         try:
             super().load_state_dict(state_dict)
+        except BaseException:
+            self._put_back(kept)
+            raise
         finally:
             pre.remove()
             post.remove()

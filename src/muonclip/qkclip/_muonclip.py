@@ -153,10 +153,12 @@ class MuonClip(Muon):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Optimizer update, then QK-Clip with the maxima recorded since the last step."""
+        """Optimizer update, then QK-Clip with the maxima recorded since the last step (torch's step
+        hooks run once around the whole: the update is `muonclip.Muon`'s step body, not its
+        wrapped ``step``)."""
         self._binding.follow(self.param_groups, self.state)  # a wrapper may have replaced parameters
         taken = self.steps_taken  # a skipped step does not count (a masked one does: it runs, undone on the device)
-        loss = super().step(closure)
+        loss = self._muon_step(closure)
         if self.steps_taken == taken:
             for layer in self.layers:
                 layer.recorder.reset()
@@ -286,6 +288,15 @@ class MuonClip(Muon):
         super()._load_wide_state(values)
         if values.get("tau") is not None:
             self.tau = values["tau"]
+
+    def _kept_for_load(self) -> dict[str, Any]:
+        """Muon's, and ``tau`` (`muonclip.Muon.load_state_dict` puts them back when a load fails)."""
+        return {**super()._kept_for_load(), "_tau": self._tau}
+
+    def _put_back(self, kept: dict[str, Any]) -> None:
+        super()._put_back(kept)
+        for layer in self.layers:  # the recorders gate at the clip's tau (see tau)
+            layer.recorder.threshold = self._tau
 
     def state_dict(self) -> dict[str, Any]:
         """`muonclip.Muon.state_dict`, of the parameters the model holds now
