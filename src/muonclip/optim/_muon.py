@@ -45,6 +45,7 @@ from ._validation import (
     nonfinite_indices,
     step_numbers,
 )
+from ._wrappers import run_build_hooks, wrapped_optimizer
 from .functional import MuonWeight, muon_step
 from .multiprocess import Engine, Exchange, StepStats, engine_for
 from .workspace import Workspace, make_workspace
@@ -234,6 +235,7 @@ class Muon(torch.optim.Optimizer):
         momentum_8bit: bool = False,
     ) -> None:
         refuse_model(type(self).__name__, params)
+        run_build_hooks()  # the layers' (muonclip.optim._wrappers): e.g. accelerate's wrapper passing attributes on
         if on_nonfinite not in ON_NONFINITE:
             raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
         defaults = dict(
@@ -464,18 +466,26 @@ class Muon(torch.optim.Optimizer):
 
     @property
     def steps_taken(self) -> int:
-        """Steps applied (``"mask"`` mode: masked steps too)."""
+        """Steps applied (``"mask"`` mode: masked steps too). Setting it takes a whole number >= 0
+        (else a ValueError, and the count is kept)."""
         return self._taken
 
     @steps_taken.setter
     def steps_taken(self, value: int) -> None:
+        inner = wrapped_optimizer(self, Muon)
+        if inner is not None:  # set through a framework's wrapper (muonclip.optim._wrappers)
+            inner.steps_taken = value
+            return
         self._taken = state_validation.counter(value, "steps_taken", f"{type(self).__name__}.")
         self._record_wide_state()
 
     @property
     def steps_skipped(self) -> int:
         """Steps skipped for a non-finite gradient (reading it syncs in ``"mask"`` mode, where
-        the count is kept on the device)."""
+        the count is kept on the device). Setting it takes a whole number >= 0."""
+        inner = wrapped_optimizer(self, Muon)
+        if inner is not None:
+            return inner.steps_skipped
         device_count = self.__dict__.get("_masked_count")
         if device_count is not None:  # fold the device count in (one sync)
             self._skipped_host += int(device_count)
@@ -485,6 +495,10 @@ class Muon(torch.optim.Optimizer):
 
     @steps_skipped.setter
     def steps_skipped(self, value: int) -> None:
+        inner = wrapped_optimizer(self, Muon)
+        if inner is not None:
+            inner.steps_skipped = value
+            return
         self._skipped_host = state_validation.counter(value, "steps_skipped", f"{type(self).__name__}.")
         self._masked_count = None
         self._record_wide_state()
@@ -529,6 +543,18 @@ class Muon(torch.optim.Optimizer):
     # ----------------------------------------------------------------------------------------
     # state
     # ----------------------------------------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        """An attribute this object lacks, from the optimizer it wraps: a framework's wrapper made
+        an instance of this class (Lightning's ``LightningOptimizer``, ``self.optimizers()``;
+        accelerate's ``AcceleratedOptimizer``, `muonclip.integrations.accelerate`) holds the
+        optimizer and none of its attributes, so ``clip_stats()``, ``tau``, ``steps_taken``,
+        ``last_max_logits`` ... read through it are the optimizer's (`muonclip.optim._wrappers`).
+        Anything else: AttributeError."""
+        inner = wrapped_optimizer(self, Muon)
+        if inner is not None:
+            return getattr(inner, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __getstate__(self) -> dict[str, Any]:
         # torch keeps only defaults/state/param_groups (its hooks are not copied); keep our

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from ..distributed._context import collective_group
 from ..optim import Muon, param_groups
 from ..optim._validation import number
+from ..optim._wrappers import wrapped_optimizer
 from ..optim.flat import refuse_flat_model
 from ._clip import all_reduce_max_, apply_qk_clip
 from ._discovery import discover_layers
@@ -74,8 +75,11 @@ class MuonClip(Muon):
     (`muonclip.qkclip.binding`): it trains and clips as if built after the wrapper, or says by
     name why it cannot. A model wrapped in FSDP1 or holding DeepSpeed ZeRO's flat pieces is
     refused (`muonclip.optim.flat`). Lightning's ``LightningOptimizer`` (``self.optimizers()``)
-    passes on every attribute (``clip_stats()``, ``tau``, ``last_max_logits``, ...); under
-    accelerate's wrapper reach them with `muonclip.integrations.unwrap_optimizer`.
+    and accelerate's ``AcceleratedOptimizer`` (what ``Accelerator.prepare`` returns, once
+    accelerate is imported when the optimizer is built: `muonclip.integrations.accelerate`) pass on
+    every attribute (``clip_stats()``, ``tau``, read and set, ``last_max_logits``, ...;
+    `muonclip.optim._wrappers`); `muonclip.integrations.unwrap_optimizer` finds the optimizer under
+    any wrapper.
 
     What the clip writes follows one rule (`muonclip.qkclip.clip_targets`): only trainable, plain
     floating-point tensors in the optimizer's param groups. A layer whose clip would scale a
@@ -185,6 +189,10 @@ class MuonClip(Muon):
         ``masked``: 0-D bool device flag of a masked step (``on_nonfinite="mask"``; default
         None): where set, every gamma is 1, so no weight changes (no host sync).
         """
+        inner = wrapped_optimizer(self, MuonClip)
+        if inner is not None:  # called through a framework's wrapper: the optimizer's own record
+            inner.clip(masked)
+            return
         self._binding.follow(self.param_groups, self.state)
         group = collective_group([p for g in self.param_groups for p in g["params"]], self.process_group)
         if group is not None:
@@ -247,8 +255,8 @@ class MuonClip(Muon):
 
     @tau.setter
     def tau(self, value: float) -> None:
-        inner = self.__dict__.get("_optimizer")
-        if isinstance(inner, MuonClip) and inner is not self:  # set through Lightning's LightningOptimizer
+        inner = wrapped_optimizer(self, MuonClip)
+        if inner is not None:  # set through a framework's wrapper (muonclip.optim._wrappers)
             inner.tau = value
             return
         _check_tau(value)
@@ -268,16 +276,6 @@ class MuonClip(Muon):
         for layer in self.layers:
             layer.recorder.threshold = value
         self._record_wide_state()
-
-    def __getattr__(self, name: str) -> Any:
-        """An attribute this object lacks, from the optimizer it wraps: Lightning's
-        ``LightningOptimizer`` (``self.optimizers()``) is made an instance of this class without
-        its attributes, so ``clip_stats()``, ``tau``, ``last_max_logits``, ``steps_taken`` ...
-        read through it are the optimizer's own. Anything else: AttributeError."""
-        inner = self.__dict__.get("_optimizer")
-        if inner is not None and inner is not self:
-            return getattr(inner, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _wide_state(self) -> dict[str, Any]:
         """Muon's optimizer-wide values and ``tau``: every param group carries them."""
