@@ -178,7 +178,7 @@ class MuonClip(Muon):
                 "MuonClip.step: no attention max logit was recorded since the last step, so QK-Clip did nothing. "
                 "Only training forwards feed the clip: the model in training mode (model.train()) with grad enabled "
                 "(not under torch.no_grad() or torch.inference_mode()). Forwards in eval mode never count.",
-                stacklevel=_outside_frames(),
+                stacklevel=outside_frames(),
             )
         return loss
 
@@ -206,7 +206,7 @@ class MuonClip(Muon):
         if reports and self._clip_check.mode == "raise":
             raise QKClipIneffectiveError("\n".join(reports))
         for msg in reports:
-            warnings.warn(msg, QKClipIneffectiveWarning, stacklevel=_outside_frames())
+            warnings.warn(msg, QKClipIneffectiveWarning, stacklevel=outside_frames())
 
     def clip_stats(self) -> dict[str, float]:
         """Numbers for loggers about the last clip (one host sync when something was recorded).
@@ -311,7 +311,7 @@ class MuonClip(Muon):
         self._clip_check.reset()
 
 
-def _outside_frames() -> int:
+def outside_frames() -> int:
     """``stacklevel`` of the nearest caller outside muonclip and torch (the user's ``opt.step()``,
     past torch's optimizer-hook and no_grad wrappers), for warnings."""
     inside = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
