@@ -183,8 +183,9 @@ class Muon(torch.optim.Optimizer):
     A step is all or nothing: before it changes any parameter, buffer or counter it checks again
     what the groups hold now (``lr`` and ``weight_decay`` every step, as a scheduler may set
     them; every other setting when one changed; a parameter on the meta device, which has no
-    data, is refused with a ValueError naming it), so a value set between steps that the step
-    could not run with raises there, and the optimizer is as it was.
+    data, is refused with a ValueError naming it; the optimizer-wide counters, which their setters
+    check too), so a value set between steps that the step could not run with raises there, and
+    the optimizer is as it was. torch's step hooks (global and per instance) run once per step.
 
     NorMuon, cautious weight decay and 8-bit momentum are per group too (keys ``normuon``,
     ``normuon_beta2``, ``cautious_weight_decay``, ``momentum_8bit``), all off by default; the
@@ -195,7 +196,8 @@ class Muon(torch.optim.Optimizer):
     ``exp_avg``, ``exp_avg_sq`` (AdamW); the optimizer-wide ``steps_taken`` (steps applied)
     and ``steps_skipped`` are attributes, copied into every param group (so a parameter swapped
     by a wrapper, or a state dict flattened per parameter, keeps them;
-    `muonclip.optim._state_dicts`). ``state_dict()`` writes dtypes (``orth_dtype``) as strings,
+    `muonclip.optim._state_dicts`). A state dict that has taken steps holds every entry's whole
+    state (`muonclip.optim._state_validation`). ``state_dict()`` writes dtypes (``orth_dtype``) as strings,
     so any checkpointer can save it; ``orth_dtype="auto"`` is saved as ``"auto"``, so a state
     loaded on another kind of machine resolves it there. `load_state_dict` also takes torch.optim.Muon's state dict
     (momentum converted: torch keeps an average, we keep a sum); `torch_state_dict` gives one
