@@ -333,7 +333,8 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def _muon_step(self, closure: Callable[[], float] | None) -> float | None:
         """The step's body (see `step`): checks, the update of every group, the counters."""
-        state_validation.check_counters(self._wide_state(), f"{type(self).__name__}.")  # a pickle bypasses the setters
+        if self._wide_state() != self.__dict__.get("_wide_stepped"):  # set since the last step, or from a pickle
+            state_validation.check_counters(self._wide_state(), f"{type(self).__name__}.")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -365,13 +366,13 @@ class Muon(torch.optim.Optimizer):
             self._update(engine, ctx, local, numbers)
             guard.restore()
             self._count_masked(found)
-            self._record_wide_state()
+            self._end_step()
             return loss
         bad = nonfinite_indices(finite)
         if bad:
             if self.on_nonfinite == "skip":
                 self._skipped_host += 1
-                self._record_wide_state()
+                self._end_step()
                 return loss
             names = ", ".join(_name(self, live[k][0], live[k][1]) for k in bad[:5])
             raise NonFiniteGradError(
@@ -380,8 +381,15 @@ class Muon(torch.optim.Optimizer):
                 "or pass on_nonfinite='skip' to skip such steps."
             )
         self._update(engine, ctx, local, numbers)
-        self._record_wide_state()
+        self._end_step()
         return loss
+
+    def _end_step(self) -> None:
+        """Copy the optimizer-wide values a step leaves into the groups, and note them: the next
+        step checks them again only if they changed since (a setter checks what it sets; a pickle
+        restores them unchecked)."""
+        self._record_wide_state()
+        self._wide_stepped = self._wide_state()
 
     def _check_groups(self) -> dict[int, tuple[float, float]]:
         """Every group's ``(lr, weight_decay)`` for this step, by ``id(group)``, after checking that
@@ -436,7 +444,7 @@ class Muon(torch.optim.Optimizer):
                 lr, wd = numbers[id(group)]
                 adamw_step(group["params"], self.state, lr=lr, betas=group["betas"], eps=group["adamw_eps"],
                            weight_decay=wd, new_buffer=_zeros_fp32)
-        self.steps_taken += 1
+        self._taken += 1
 
     def _structure_of(self, live: list[tuple[dict[str, Any], int, Tensor]], local: Callable[[Tensor], Tensor],
                       exchange: Exchange | None) -> StepStructure:
@@ -563,7 +571,7 @@ class Muon(torch.optim.Optimizer):
         # settings and counters too (copy.deepcopy and pickle go through here). The cached
         # structure and copies are not state.
         kept = {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_")}
-        return {**kept, "_structures": StructureCache(), "_mask_copies": [], "_checked": {}}
+        return {**kept, "_structures": StructureCache(), "_mask_copies": [], "_checked": {}, "_wide_stepped": None}
 
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state dict in its saved form (`muonclip.optim._state_dicts.saved_form`:
