@@ -56,10 +56,10 @@ from step_sets import LR, WD, gpt_shapes, make_params
 from timing import machine, round_robin, setup_threads
 
 import muonclip
-from muonclip.common._hardware import cpu_bf16_instructions, cpu_matrix_instructions
+from muonclip.common._hardware import cpu_bf16_instructions, cpu_matrix_instructions, native_bf16
 from muonclip.fast import BufferedWorkspace
-from muonclip.optim._precision import native_bf16, orth_dtype_choice, resolve_orth_dtype
-from muonclip.ortho import orthogonalize
+from muonclip.optim._precision import orth_dtype_choice
+from muonclip.ortho import orthogonalize, resolve_orth_dtype
 
 NS5 = (3.4445, -4.7750, 2.0315)
 

@@ -1,12 +1,15 @@
-"""Fixtures shared by the test modules: the `muonclip` command's corpus, FlexAttention on the CPU."""
+"""Fixtures shared by the test modules: the `muonclip` command's corpus, FlexAttention on the CPU,
+both of ``orth_dtype="auto"``'s answers on any CPU."""
 
 from __future__ import annotations
 
 import inspect
 
 import pytest
+import torch
 
 from muonclip.app.data import builtin_corpus_dir, read_document
+from muonclip.common._hardware import CPU_BF16_ENV
 
 
 @pytest.fixture(scope="module")
@@ -15,6 +18,18 @@ def text(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("text") / "macbeth.txt"
     path.write_text(read_document(builtin_corpus_dir() / "tragedies" / "macbeth.md"))
     return str(path)
+
+
+@pytest.fixture(params=["native-bf16", "no-bf16"])
+def bf16_answer(request, monkeypatch) -> torch.dtype:
+    """Runs the test under each answer the CPU probe can give, whatever this CPU is: the CPU
+    multiplies bfloat16 natively (``orth_dtype="auto"`` picks bfloat16, as on a CPU with AMX or
+    AVX512-BF16) and it does not (``"auto"`` picks float32, as on an AVX2-only CPU), through
+    ``MUONCLIP_CPU_BF16`` (`muonclip.common._hardware`), which processes the test starts inherit.
+    Returns the dtype ``"auto"`` picks on the CPU under this answer."""
+    native = request.param == "native-bf16"
+    monkeypatch.setenv(CPU_BF16_ENV, "1" if native else "0")
+    return torch.bfloat16 if native else torch.float32
 
 
 @pytest.fixture

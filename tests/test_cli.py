@@ -15,6 +15,7 @@ from muonclip.app.config import make_config
 from muonclip.app.main import main
 from muonclip.app.metrics import read_rows
 from muonclip.app.model import orthogonalisation
+from muonclip.common._hardware import CPU_BF16_ENV
 
 TINY = ["--preset", "tiny", "--quiet", "--threads", "1"]
 
@@ -121,18 +122,21 @@ def test_compare_end_to_end_writes_a_real_report(tmp_path, text, capsys):
     assert len(csv_lines) == 7 and csv_lines[0].startswith("step,tokens,loss,val_loss,lr,max_logit,max_logit_0")
 
 
-def test_train_interrupt_then_resume_matches_straight_run(tmp_path, text, monkeypatch, capsys):
+def test_train_interrupt_then_resume_matches_straight_run(tmp_path, text, monkeypatch, capsys, bf16_answer):
     """Bit for bit on any machine, for the reasons of test_checkpoint.test_resume_is_bit_identical: exact
     copies in the checkpoint, the same ops on the same values with the same kernels and --threads 1
-    after it."""
+    after it; under each answer of the CPU probe (the checkpoint holds "auto", resolved again on resume)."""
     args = ["train", *TINY, "--data", text, "--optimizer", "muonclip", "--steps", "6", "--tau", "0.05"]
     assert main([*args, "--out", str(tmp_path / "straight")]) == 0
-    assert f"; orthogonalisation in {orthogonalisation(make_config('tiny'))}; run folder" in capsys.readouterr().out
+    orth = orthogonalisation(make_config('tiny'))
+    assert orth.startswith(f"{str(bf16_answer).removeprefix('torch.')} on cpu (auto: MUONCLIP_CPU_BF16=")
+    assert f"; orthogonalisation in {orth}; run folder" in capsys.readouterr().out
 
     at_training_forward(monkeypatch, 3, lambda model, loss: signal.raise_signal(signal.SIGINT))  # Ctrl-C, step 3
     assert main([*args, "--out", str(tmp_path / "run")]) == 130
     assert "interrupted after step 3" in capsys.readouterr().err
     monkeypatch.undo()
+    monkeypatch.setenv(CPU_BF16_ENV, "1" if bf16_answer is torch.bfloat16 else "0")  # undone with the rest
     assert main(["train", "--out", str(tmp_path / "run"), "--resume", "--quiet"]) == 0
     a = final_file(tmp_path / "straight")
     b = final_file(tmp_path / "run")
@@ -428,7 +432,7 @@ def test_too_many_threads_exit_2_naming_the_option(tmp_path):
                            "--threads", "100000", "--out", str(tmp_path / "run")], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 2, proc.stderr
-    assert f"--threads 100000: this machine has {os.cpu_count()} cores" in proc.stderr
+    assert f"--threads 100000: this machine has {len(os.sched_getaffinity(0))} cores for this process" in proc.stderr
     assert not (tmp_path / "run").exists()
 
 

@@ -24,7 +24,7 @@ from muonclip.app.main import main
 extra = shlex.split(os.environ.get("MUONCLIP_TEST_RANK" + os.environ["RANK"], ""))
 cores = os.environ.get("MUONCLIP_TEST_CORES" + os.environ["RANK"])
 if cores:
-    os.cpu_count = lambda: int(cores)
+    os.sched_getaffinity = lambda pid: set(range(int(cores)))
 sys.exit(main(sys.argv[1:] + extra))
 """
 
@@ -113,7 +113,7 @@ def test_a_check_that_fails_on_one_rank_only_stops_every_rank(tmp_path, text):
         _, err = proc.communicate(timeout=240)
     finally:
         stop(proc)
-    assert "muonclip: error: rank 1: --threads 2: this machine has 1 cores" in err, err
+    assert "muonclip: error: rank 1: --threads 2: this machine has 1 cores for this process" in err, err
     assert "exitcode  : 2" in err and "exitcode  : 1" not in err and "exitcode  : 4" not in err
     assert not out.exists()
 

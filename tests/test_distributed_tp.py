@@ -26,6 +26,12 @@ from muonclip.qkclip import MuonClip
 WORLD = 4
 OPT = dict(lr=0.02, weight_decay=0.1, orth_dtype=torch.float32)
 REL = 1e-5
+# AdamW divides each entry by its own gradient RMS, so an entry whose gradient is a near-cancelling sum
+# carries the reduction-order rounding of a sharded model into its update unscaled: on CPUs whose float32
+# kernels are AVX2 (ATEN_CPU_CAPABILITY=avx2 with MKL and oneDNN held to AVX2), one process at 2 threads
+# against 1 moves the embedding by up to 8.7e-6 of the largest movement, and 4 TP ranks by 1.3e-5; Muon's
+# matrices stay within REL (as in tests/test_torchtitan.py).
+ADAMW_REL = 1e-4
 STEPS = 3
 TAU = 0.8
 GQA = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
@@ -36,9 +42,18 @@ LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_lay
              num_key_value_heads=4, head_dim=4, max_position_embeddings=32, tie_word_embeddings=False)
 
 
-def _rel(a: dict, b: dict, start: dict) -> float:
+def _rel(a: dict, b: dict, start: dict, keys=None) -> float:
+    """max |a - b| over ``keys`` (default all) relative to the largest movement of any weight."""
     move = max((b[k].double() - start[k].double()).abs().max().item() for k in b)
-    return _max_diff(a, b) / move
+    return _max_diff({k: a[k] for k in keys or a}, {k: b[k] for k in keys or b}) / move
+
+
+def _like_one_process(got: dict, want: dict, start: dict, model, what: str) -> None:
+    """Muon's weights within REL of one process, AdamW's (embedding, head, norms) within ADAMW_REL."""
+    muon = [n for g in param_groups(model) if g["algorithm"] == "muon" for n in g["param_names"]]
+    rel, rel_all = _rel(got, want, start, muon), _rel(got, want, start)
+    print(f"{what}: max diff / max movement = {rel:.2g} (Muon weights), {rel_all:.2g} (all)")
+    assert muon and rel <= REL and rel_all <= ADAMW_REL
 
 
 # ------------------------------------------------------------------------------------------
@@ -471,14 +486,13 @@ def _assert_same_clips(log, ref):
 
 def test_fsdp2_x_tp_muonclip_matches_one_process_and_clips_the_same_heads(ranks):
     """FSDP2 x TP on a 2x2 mesh (GQA: heads split over TP ranks, q/k/v strided-sharded by FSDP2): the same
-    params (REL) and, every step, the same heads clipped with the same factors as one process; NS once per
+    params (`_like_one_process`) and, every step, the same heads clipped with the same factors as one process; NS once per
     matrix per step over the mesh, on whole shapes only."""
     _, rk = ranks
     start, model, _, ref = _reference_model(GQA, STEPS, clip=True)
     want = _params(model)
     for r in rk:
-        print(f"FSDP2 x TP + MuonClip: max diff / max movement = {_rel(r['fsdp_tp']['params'], want, start):.2g}")
-        assert _rel(r["fsdp_tp"]["params"], want, start) <= REL
+        _like_one_process(r["fsdp_tp"]["params"], want, start, model, "FSDP2 x TP + MuonClip")
         _assert_same_clips(r["fsdp_tp"]["log"], ref)
     matrices = [tuple(p.shape) for g in param_groups(model) if g["algorithm"] == "muon" for p in g["params"]]
     assert sum(sum(c[0] for c in r["fsdp_tp"]["calls"]) for r in rk) == STEPS * len(matrices)
@@ -488,12 +502,11 @@ def test_fsdp2_x_tp_muonclip_matches_one_process_and_clips_the_same_heads(ranks)
 
 
 def test_hsdp_matches_one_process(ranks):
-    """HSDP (replicate x shard, 2x2), 4 data-parallel ranks: the same params as one process (REL)."""
+    """HSDP (replicate x shard, 2x2), 4 data-parallel ranks: the same params as one process (`_like_one_process`)."""
     _, rk = ranks
     start, model, _, _ = _reference_model(GQA, STEPS, clip=False, scale_qk=False)
     for r in rk:
-        print(f"HSDP: max diff / max movement = {_rel(r['hsdp']['params'], _params(model), start):.2g}")
-        assert _rel(r["hsdp"]["params"], _params(model), start) <= REL
+        _like_one_process(r["hsdp"]["params"], _params(model), start, model, "HSDP")
 
 
 def test_tp_mla_muonclip_records_its_own_heads_and_clips_like_one_process(ranks):
@@ -503,8 +516,7 @@ def test_tp_mla_muonclip_records_its_own_heads_and_clips_like_one_process(ranks)
     start, model, _, ref = _reference_model(MLA, STEPS, clip=True)
     for i, r in enumerate(rk):
         assert r["tp_mla"]["heads"] == [i]
-        print(f"TP MLA + MuonClip: max diff / max movement = {_rel(r['tp_mla']['params'], _params(model), start):.2g}")
-        assert _rel(r["tp_mla"]["params"], _params(model), start) <= REL
+        _like_one_process(r["tp_mla"]["params"], _params(model), start, model, "TP MLA + MuonClip")
         _assert_same_clips(r["tp_mla"]["log"], ref)
 
 
@@ -534,7 +546,8 @@ def _load_one_process(out_dir):
 def test_hf_llama_with_its_own_tp_plan_matches_one_process_and_clips_the_same_heads(ranks):
     """A Hugging Face Llama (GQA, 8 query / 4 key heads) loaded on 4 ranks with transformers' own TP plan
     (``DistributedConfig(tp_plan="auto")``: q/k/v/gate/up colwise ``Shard(0)``, o/down rowwise ``Shard(1)``,
-    embedding and LM head sharded on the vocabulary): Muon gives the same params as one process (REL), each
+    embedding and LM head sharded on the vocabulary): Muon gives the same params as one process
+    (`_like_one_process`), each
     matrix orthogonalised once per step over the 4 ranks, whole; with
     MuonClip (layers found by `muonclip.integrations.hf`, the "muonclip" attention function) rank r's recorders
     hold heads 2r, 2r+1 only, and every step the same heads are clipped with the same factors as one process."""
@@ -561,9 +574,7 @@ def test_hf_llama_with_its_own_tp_plan_matches_one_process_and_clips_the_same_he
         assert placements["model.layers.0.self_attn.q_proj.weight"] == (Shard(0),)
         assert placements["model.layers.0.self_attn.o_proj.weight"] == (Shard(1),)
         assert placements["model.embed_tokens.weight"] == placements["lm_head.weight"] == (Shard(0),)
-        print(f"HF Llama TP + Muon: max diff / max movement = {_rel(r['hf_muon'], want, start):.2g}")
-        assert _rel(r["hf_muon"], want, start) <= REL
+        _like_one_process(r["hf_muon"], want, start, model, "HF Llama TP + Muon")
         assert r["hf_clip"]["heads"] == [[2 * i, 2 * i + 1]] * LLAMA["num_hidden_layers"]
-        print(f"HF Llama TP + MuonClip: max diff / max movement = {_rel(r['hf_clip']['params'], want_clip, start):.2g}")
-        assert _rel(r["hf_clip"]["params"], want_clip, start) <= REL
+        _like_one_process(r["hf_clip"]["params"], want_clip, start, model, "HF Llama TP + MuonClip")
         _assert_same_clips(r["hf_clip"]["log"], ref)

@@ -11,12 +11,17 @@ is the largest of the layer; a 4-D mask whose masked cross-document pair is the 
 every fill value (bool, ``-inf``, ``finfo.min``, ``-1e9``, bfloat16's ``finfo.min`` in float32).
 Families: Llama, Qwen2 (q/k biases), Mistral (sliding window), GPT-OSS (sinks, sliding window); both
 max-logit backends. Tiny models built from configs.
+
+A right-padded batch given *without* its mask cannot be told from real tokens: its pads feed the clip
+(shown here against the same reference), and a training forward of such a batch warns, once; nothing
+warns for an unpadded batch, a masked one, a packed one, or a forward that does not feed the clip.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -37,7 +42,7 @@ from transformers import (  # noqa: E402
 
 from muonclip import MuonClip  # noqa: E402
 from muonclip.attention import set_max_logit_backend  # noqa: E402
-from muonclip.integrations.hf import real_tokens  # noqa: E402
+from muonclip.integrations.hf import UnmaskedPaddingWarning, real_tokens  # noqa: E402
 
 V, PAD, EOS = 96, 1, 2
 SIZES = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -281,3 +286,85 @@ def test_padding_is_left_out_under_gradient_checkpointing(reentrant):
     if reentrant:
         base.enable_input_require_grads()
     assert_same_step(base, tau, ref, [batch], docs)
+
+
+# ------------------------------------------------------------------------------------------------
+# a padded batch given without its attention mask
+
+
+def no_warning(fn):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fn()
+    assert not [w for w in seen if issubclass(w.category, UnmaskedPaddingWarning)], [str(w.message) for w in seen]
+
+
+def test_a_right_padded_batch_without_its_mask_feeds_the_clip_and_warns_once():
+    """A hand-written loop's batch: rows right-padded, labels -100 on the pads, no attention_mask. The
+    loss is the masked batch's (a causal model's real tokens never see the pads after them), but the
+    pads' queries see the real keys and the clip records them: a head goes above its real maximum. On
+    the old code nothing said so."""
+    base = build("qwen2")
+    docs = documents()
+    ids, am = padded(docs, "right")
+    labels = ids.masked_fill(am == 0, -100)
+    ref = unpadded_max(base, docs)
+    tau = tau_between(ref)
+    adversarial_pad(base, {"input_ids": ids, "attention_mask": am}, ref, tau)
+    masked, unmasked = copy.deepcopy(base), copy.deepcopy(base)
+    opt = MuonClip(unmasked, lr=0.0, weight_decay=0.0, tau=tau)
+    with pytest.warns(UnmaskedPaddingWarning, match=r"Qwen2ForCausalLM: a training batch without attention_mask "
+                                                    r"whose rows 1, 2 \(of 3\) end in padding .* Pass attention_mask"):
+        loss = unmasked(input_ids=ids, labels=labels).loss
+    loss.backward()
+    opt.step()
+    gain = max(float((m - ref[i]).max()) for i, m in enumerate(opt.last_max_logits.values()))
+    assert gain > 0.05, "the pads' queries must be what the clip recorded"
+    no_warning(lambda: unmasked(input_ids=ids, labels=labels))  # once per model
+    MuonClip(masked, lr=0.0, weight_decay=0.0, tau=tau)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnmaskedPaddingWarning)
+        want = masked(input_ids=ids, attention_mask=am, labels=labels).loss
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+
+
+def right_padded_with(docs, pad: int):
+    t = max(len(d) for d in docs)
+    ids = torch.full((len(docs), t), pad)
+    for i, d in enumerate(docs):
+        ids[i, :len(d)] = d
+    lengths = torch.tensor([len(d) for d in docs])
+    real = torch.arange(t)[None] < lengths[:, None]
+    return ids, real.long(), ids.masked_fill(~real, -100)
+
+
+@pytest.mark.parametrize(("pad_token_id", "pad", "labelled"), [(PAD, PAD, False), (EOS, EOS, False), (None, EOS, True)],
+                         ids=["own pad token", "pad is eos", "no pad id, labels"])
+def test_the_warning_reads_the_pad_token_or_the_labels_and_spares_real_batches(pad_token_id, pad, labelled):
+    """Padding is a trailing run of the config's pad token (twice, when it is also eos; once when it is
+    its own token), or the last tokens repeated with labels -100 (a config without pad_token_id, as
+    Llama's). Nothing warns for: rows of one length (the pad id inside them, or a single eos at their
+    end when eos pads), the padded batch with its mask, in eval mode or under no_grad, a padding-free
+    packed row with trailing pads, a model that was not attached."""
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**{**SIZES, "pad_token_id": pad_token_id})).train()
+    plain = copy.deepcopy(model)
+    MuonClip(model, lr=0.0, tau=100.0)
+    docs = documents()
+    ids, am, labels = right_padded_with(docs, pad)
+    kw = {"labels": labels} if labelled else {}
+    no_warning(lambda: plain(input_ids=ids, **kw))
+    same = torch.stack([d[:6] for d in docs])
+    same[0, 2], same[1, -1] = pad, EOS  # the pad id inside a row; a row that ends with its eos
+    no_warning(lambda: model(input_ids=same, labels=same))
+    no_warning(lambda: model(input_ids=ids, attention_mask=am, **kw))
+    model.eval()
+    no_warning(lambda: model(input_ids=ids, **kw))
+    model.train()
+    with torch.no_grad():
+        no_warning(lambda: model(input_ids=ids, **kw))
+    packed = torch.cat([*docs, torch.full((3,), pad)])[None]
+    positions = torch.cat([torch.arange(len(d)) for d in docs] + [torch.zeros(3, dtype=torch.long)])[None]
+    no_warning(lambda: model(input_ids=packed, position_ids=positions))
+    with pytest.warns(UnmaskedPaddingWarning, match=r"rows 1, 2 \(of 3\) end in padding"):
+        model(input_ids=ids, **kw)

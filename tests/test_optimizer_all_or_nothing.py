@@ -271,22 +271,24 @@ def test_load_state_dict_checks_8bit_and_normuon_state():
         opt.load_state_dict(sd)
 
 
+def clip_opt(steps):
+    """A MuonClip (tau 100) on a one-layer GPT after ``steps`` steps."""
+    from muonclip.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    opt = muonclip.MuonClip(model, lr=0.02)
+    for s in range(steps):
+        x = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(s))
+        model(x, x)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
 def test_muonclip_tau_in_a_loaded_state_is_checked_before_the_load():
     """On the old code a bad tau raised only in the post-hook, after torch had loaded every tensor
     of the (other) state: the optimizer was left with that state."""
-    from muonclip.models import GPT, GPTConfig
-
-    def clip_opt(steps):
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16))
-        opt = muonclip.MuonClip(model, lr=0.02)
-        for s in range(steps):
-            x = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(s))
-            model(x, x)[1].backward()
-            opt.step()
-            opt.zero_grad()
-        return opt
-
     sd = copy.deepcopy(clip_opt(2).state_dict())
     opt = clip_opt(1)
     before = copy.deepcopy(opt.state_dict())
@@ -308,3 +310,177 @@ def test_a_valid_state_dict_still_loads_and_continues_bit_identically():
         mixed_loss(m, 7).backward()
         o.step()
     assert same_tree(weights(model), weights(twin_model)) and same_tree(opt.state_dict(), twin.state_dict())
+
+
+# ------------------------------------------------------------------------------------------------
+# load_state_dict: every tensor holds values, a state that has taken steps is whole, and a load
+# that fails late puts everything back
+
+
+META = {  # (algorithm, key): a known buffer of each algorithm, and a key this version does not know
+    "muon momentum_buffer": ("muon", "momentum_buffer"),
+    "adamw exp_avg": ("adamw", "exp_avg"),
+    "unknown key": ("muon", "extra_buffer"),
+}
+
+
+@pytest.mark.parametrize("case", list(META))
+def test_a_state_tensor_on_the_meta_device_is_refused_before_anything_changes(case):
+    """On the old code torch's loader replaced the optimizer's state, then failed copying the meta
+    tensor (NotImplementedError "Cannot copy out of meta tensor"): the optimizer was left with the
+    new state stripped of every momentum and moment."""
+    algorithm, key = META[case]
+    _, src = trained()
+    sd = copy.deepcopy(src.state_dict())
+    pid, _ = _first(sd, algorithm, src)
+    _set(sd, pid, key, torch.empty_like(sd["state"][pid].get(key, torch.zeros(3)), device="meta"))
+    model, opt = trained(seed=1)
+    before_w, before = weights(model), copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=rf"the state of parameter '\w+': {key} is on the meta device: it holds no "
+                                         r"values to load"):
+        opt.load_state_dict(sd)
+    assert same_tree(opt.state_dict(), before) and same_tree(weights(model), before_w)
+    opt.zero_grad()
+    mixed_loss(model, 3).backward()
+    opt.step()  # still usable
+    assert opt.steps_taken == 3
+
+
+def test_muonclip_refuses_a_meta_momentum_and_keeps_its_state_and_tau():
+    sd = copy.deepcopy(clip_opt(3).state_dict())
+    counters(sd)["tau"] = 7.0
+    pid = next(p for p, entry in sd["state"].items() if "momentum_buffer" in entry)
+    sd["state"][pid]["momentum_buffer"] = sd["state"][pid]["momentum_buffer"].to("meta")
+    opt = clip_opt(1)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=r"momentum_buffer is on the meta device"):
+        opt.load_state_dict(sd)
+    assert same_tree(opt.state_dict(), before) and opt.steps_taken == 1 and opt.tau == 100.0
+
+
+def test_a_load_that_fails_after_torch_replaced_the_state_puts_everything_back():
+    """A failure after torch's loader has replaced the state (here a load post-hook that raises; a
+    copy to a device that runs out of memory is another): the state, the param groups, the counters
+    and tau (the recorders' threshold too) are back as they were. On the old code the optimizer kept
+    the new state, steps_taken 3 and tau 7."""
+    sd = copy.deepcopy(clip_opt(3).state_dict())
+    counters(sd)["tau"] = 7.0
+    opt = clip_opt(1)
+    before = copy.deepcopy(opt.state_dict())
+
+    def fails(o):
+        raise RuntimeError("a post-hook failed")
+
+    opt.register_load_state_dict_post_hook(fails)
+    with pytest.raises(RuntimeError, match="a post-hook failed"):
+        opt.load_state_dict(sd)
+    assert same_tree(opt.state_dict(), before) and opt.steps_taken == 1 and opt.tau == 100.0
+    assert all(layer.recorder.threshold == 100.0 for layer in opt.layers)
+
+
+WHOLE = {  # (optimizer options, algorithm, keys removed from one entry, what the message says is missing)
+    "muon momentum": ({}, "muon", ["momentum_buffer"], r"its Muon momentum \(momentum_buffer, or momentum_int8 "
+                                                         r"and momentum_scale with momentum_8bit\) is missing"),
+    "8-bit codes and scales": ({"momentum_8bit": True}, "muon", ["momentum_int8", "momentum_scale"],
+                               r"its Muon momentum .* is missing"),
+    "normuon second moment": ({"normuon": True}, "muon", ["neuron_second_moment"],
+                              r"neuron_second_moment \(NorMuon's second moment; the group has normuon=True\) is "
+                              r"missing"),
+    "adamw moments": ({}, "adamw", ["step", "exp_avg", "exp_avg_sq"],
+                      r"its AdamW state \(step, exp_avg and exp_avg_sq\) is missing"),
+}
+
+
+@pytest.mark.parametrize("case", list(WHOLE))
+def test_a_state_that_has_taken_steps_must_hold_every_entrys_state(case):
+    """On the old code an entry without its momentum (or moments) loaded and the step made it anew,
+    zeros: the resumed run silently no longer continued the saved one. A weight that has had no
+    gradient has no entry at all, and that still loads."""
+    kw, algorithm, keys, match = WHOLE[case]
+    _, src = trained(**kw)
+    sd = copy.deepcopy(src.state_dict())
+    pid, _ = _first(sd, algorithm, src)
+    for key in keys:
+        del sd["state"][pid][key]
+    model, opt = trained(seed=1, **kw)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=r"the state of parameter '\w+': " + match + r", though the state dict "
+                                         r"has taken 2 steps: loading it would restart that state from zero"):
+        opt.load_state_dict(sd)
+    assert same_tree(opt.state_dict(), before)
+    del sd["state"][pid]  # no entry: the weight had no gradient yet
+    opt.load_state_dict(sd)
+    assert opt.steps_taken == 2
+
+
+def test_every_real_state_still_loads_and_continues_bit_identically():
+    """Nothing a real optimizer saves is refused by the rule above: a fresh optimizer's state dict
+    (no step, nothing required); after steps, a weight that never had a gradient (no entry), one
+    only looked up in ``opt.state`` (an empty entry, not saved), NorMuon switched on since the last
+    step (the zero second moment the next step would make, saved)."""
+    model, fresh = build()
+    _, opt = trained(seed=1)
+    opt.load_state_dict(fresh.state_dict())
+    assert opt.steps_taken == 0 and not opt.state
+
+    model, opt = build()
+    for s in range(2):
+        opt.zero_grad()
+        mixed_loss(model, s).backward()
+        model.lin.weight.grad = None  # a Muon weight without a gradient (a frozen or unused layer)
+        opt.step()
+    assert model.lin.weight not in opt.state
+    opt.state[model.lin.weight]  # noqa: B018  (a lookup: torch's state is a defaultdict)
+    for g in opt.param_groups:
+        if g["algorithm"] == "muon":
+            g["normuon"] = True
+    sd = opt.state_dict()
+    assert all(entry for entry in sd["state"].values())
+    twin_model = copy.deepcopy(model)
+    twin = muonclip.Muon(muonclip.param_groups(twin_model), lr=0.02)
+    twin.load_state_dict(sd)
+    for m, o in ((model, opt), (twin_model, twin)):
+        o.zero_grad()
+        mixed_loss(m, 7).backward()
+        o.step()
+    assert same_tree(weights(model), weights(twin_model)) and same_tree(opt.state_dict(), twin.state_dict())
+
+
+# ------------------------------------------------------------------------------------------------
+# the counters between steps
+
+
+@pytest.mark.parametrize("value", [-1, 2.5, math.nan, math.inf, "3", True, None, 2**63])
+def test_a_counter_set_out_of_range_is_refused_and_the_old_value_kept(value):
+    """On the old code ``opt.steps_taken = -1`` was kept and the next step ran (steps_taken 0 after
+    it), 2.5 became 2 and "3" 3; nan, inf and None raised int()'s errors."""
+    model, opt = trained()
+    for key in ("steps_taken", "steps_skipped"):
+        with pytest.raises(ValueError, match=rf"Muon\.{key} must be a whole number >= 0, got "):
+            setattr(opt, key, value)
+    assert opt.steps_taken == 2 and opt.steps_skipped == 0
+    assert all(g["steps_taken"] == 2 and g["steps_skipped"] == 0 for g in opt.param_groups)
+    opt.steps_taken = torch.tensor(5)  # a whole number in any form is taken
+    assert opt.steps_taken == 5 and isinstance(opt.steps_taken, int)
+
+
+def test_the_step_refuses_counters_that_bypassed_the_setters_before_anything_changes():
+    """An optimizer restored from a pickle (``torch.save(opt)``) gets its counters through
+    ``__setstate__``, not the setters: the step checks them (and MuonClip's tau) again first."""
+    model, opt = trained()
+    opt.zero_grad()
+    mixed_loss(model, 5).backward()
+    before_w, before = weights(model), copy.deepcopy(opt.state_dict())
+    for attr, value, match in (("_taken", -1, r"Muon\.steps_taken must be a whole number >= 0, got -1"),
+                               ("_skipped_host", 1.5, r"Muon\.steps_skipped must be a whole number >= 0, got 1.5")):
+        kept = opt.__dict__[attr]
+        opt.__dict__[attr] = value  # as an edited pickle restores it
+        with pytest.raises(ValueError, match=match):
+            opt.step()
+        opt.__dict__[attr] = kept
+        assert same_tree(weights(model), before_w) and same_tree(opt.state_dict(), before)
+    clip = clip_opt(1)
+    clip.__dict__["_tau"] = math.nan
+    with pytest.raises(ValueError, match=r"MuonClip\.tau must be a finite number > 0, got nan"):
+        clip.step()
+    assert clip.steps_taken == 1

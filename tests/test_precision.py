@@ -14,11 +14,13 @@ from muonclip.app.config import make_config
 from muonclip.app.model import muon_orth_dtype, orthogonalisation
 from muonclip.app.report.markdown import protocol_markdown
 from muonclip.common import _hardware as hardware
+from muonclip.common._hardware import native_bf16
 from muonclip.models import GPT, GPTConfig
 from muonclip.optim._buckets import make_buckets
 from muonclip.optim._matrices import matrix_spec
-from muonclip.optim._precision import explain_orth_dtype, native_bf16, resolve_orth_dtype
+from muonclip.optim._precision import explain_orth_dtype
 from muonclip.optim.workspace import CoreWorkspace
+from muonclip.ortho import resolve_orth_dtype
 
 AMX = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"})  # Sapphire Rapids
 AVX512_BF16 = frozenset({"avx2", "avx512f", "avx512_bf16"})  # AMD Zen 4, Intel Cooper Lake
@@ -29,6 +31,7 @@ ARM_BF16 = frozenset({"fp", "asimd", "sve", "bf16", "i8mm"})  # Arm Neoverse V1 
 
 def cpu(monkeypatch, flags: frozenset[str]) -> None:
     monkeypatch.setattr(hardware, "cpu_flags", lambda: flags)
+    monkeypatch.delenv(hardware.CPU_BF16_ENV, raising=False)  # the flags decide, whatever the suite was run with
 
 
 def gpu(monkeypatch, capability: tuple[int, int], name: str) -> None:
@@ -84,7 +87,7 @@ def test_explicit_orth_dtype_overrides_on_every_kind(monkeypatch, flags):
         assert resolve_orth_dtype(dtype, "ns5", "cpu") is dtype
         assert resolve_orth_dtype(dtype, "ns5", "cuda:0") is dtype
         assert explain_orth_dtype(dtype, "ns5", "cpu") == f"{str(dtype)[6:]} on cpu (set by orth_dtype)"
-    assert resolve_orth_dtype(None, "ns5", "cpu") is None  # the method's default, as before
+    assert resolve_orth_dtype(None, "ns5", "cpu") is torch.bfloat16  # the method's own default, on every kind
 
 
 def test_detection_runs_once_and_never_times(monkeypatch):

@@ -156,6 +156,9 @@ def _pt_cases(data):
     home = ("optim", "param_groups", 0) if "steps_taken" in groups[0] else ("optim", "state", groups[0]["params"][0])
     adamw_state = next(pid for g in data["optim"]["param_groups"] if g["algorithm"] == "adamw"
                        for pid in g["params"] if pid in data["optim"]["state"])
+    muon_state = next(pid for g in data["optim"]["param_groups"] if g["algorithm"] == "muon"
+                      for pid in g["params"] if pid in data["optim"]["state"])
+    momentum = data["optim"]["state"][muon_state]["momentum_buffer"]
     name = next(iter(data["model"]))
     t = data["model"][name]
 
@@ -192,6 +195,10 @@ def _pt_cases(data):
         (put("optim", "state", adamw_state, "exp_avg_sq"), -torch.ones(3), "exp_avg_sq"),
         (put("optim", "state", adamw_state, "step"), -1, "step"),
         (put("optim", "state", adamw_state), "abc", "optim"),
+        # on the old code: a momentum removed resumed with exit 0 (restarted from zero, silently); one on the
+        # meta device was a traceback
+        (drop("optim", "state", muon_state, "momentum_buffer"), None, "momentum_buffer"),
+        (put("optim", "state", muon_state, "momentum_buffer"), momentum.to("meta"), "momentum_buffer"),
         (put("rng", "torch"), torch.zeros(3), "rng.torch"),
         (put("rng", "torch"), torch.zeros(3, dtype=torch.uint8), "rng.torch"),
         (put("rng", "torch"), torch.zeros(5056, dtype=torch.uint8), "rng.torch"),  # not an mt19937 state

@@ -185,6 +185,33 @@ def test_torch_muon_and_adamw_pair_into_one_muon(by_name, monkeypatch):
         assert ((p - q).norm() / (p - start[n]).norm()).item() <= TOL, n
 
 
+def test_torch_pair_into_a_normuon_muon_starts_its_second_moment_as_a_first_step_would():
+    """torch.optim.Muon has no NorMuon: taken into a NorMuon group, its momentum continues and the
+    second moment starts from zeros, as a group switched to NorMuon between steps starts it (the
+    state holds it, so the load is whole: `muonclip.optim._state_validation`)."""
+    torch.manual_seed(0)
+    model = Tiny()
+    muon, adamw, _ = _torch_pair(model, True)
+
+    def step_both():
+        muon.step()
+        adamw.step()
+
+    run(list(model.parameters()), type("Pair", (), {"step": staticmethod(step_both)}), 2)
+    a_model, b_model = copy.deepcopy(model), copy.deepcopy(model)
+    opt_a, opt_b = _ours(a_model), _ours(b_model)
+    opt_a.load_torch_state_dicts(muon.state_dict(), adamw.state_dict())
+    for g in opt_b.param_groups:
+        g["normuon"] = g["algorithm"] == "muon"
+    opt_b.load_torch_state_dicts(muon.state_dict(), adamw.state_dict())
+    for g in opt_a.param_groups:  # switched on after the load: its next step makes the zeros
+        g["normuon"] = g["algorithm"] == "muon"
+    run(list(a_model.parameters()), opt_a, 2, start=2)
+    run(list(b_model.parameters()), opt_b, 2, start=2)
+    assert all(torch.equal(p, q) for p, q in zip(a_model.parameters(), b_model.parameters()))
+    assert any(g["normuon"] for g in opt_b.param_groups)
+
+
 def _mapped(params, src_model, dst_model):
     """``params`` of ``src_model`` as the same-named parameters of ``dst_model``."""
     names = {id(p): n for n, p in src_model.named_parameters()}

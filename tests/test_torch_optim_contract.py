@@ -192,6 +192,55 @@ def test_step_hooks_run_around_each_step(cls, dtype):
     assert seen[-1] == ("pre", 2)
 
 
+@pytest.mark.parametrize("first", ["Muon", "MuonClip"])
+def test_every_step_hook_runs_once_per_step_in_either_construction_order(monkeypatch, first):
+    """torch wraps the ``step`` of each optimizer class the first time one is built (the code that
+    runs the step hooks). On the old code MuonClip.step called Muon's wrapped step, so once a plain
+    Muon had been built in the process (before or after MuonClip) every global and per-instance
+    hook ran twice per MuonClip step. Each class's step is unwrapped here first, so the order of
+    construction is this test's."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    from muonclip.models import GPT, GPTConfig
+
+    for cls in (muonclip.Muon, muonclip.MuonClip):
+        if getattr(cls.__dict__.get("step"), "hooked", False):
+            monkeypatch.setattr(cls, "step", cls.__dict__["step"].__wrapped__)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    params, _ = make("muonclip", torch.float32)
+
+    def build(name):
+        return muonclip.Muon(params, lr=0.02) if name == "Muon" else muonclip.MuonClip(model, lr=0.02)
+
+    built = {first: build(first)}
+    second = "MuonClip" if first == "Muon" else "Muon"
+    built[second] = build(second)
+    counts: dict[tuple[str, str], int] = {}
+
+    def counter(where):
+        def hook(opt, args, kwargs):
+            key = (type(opt).__name__, where)
+            counts[key] = counts.get(key, 0) + 1
+        return hook
+
+    handles = [register_optimizer_step_pre_hook(counter("global pre")),
+               register_optimizer_step_post_hook(counter("global post"))]
+    for opt in built.values():
+        handles += [opt.register_step_pre_hook(counter("pre")), opt.register_step_post_hook(counter("post"))]
+    try:
+        for s in range(2):
+            x = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(s))
+            model(x, x)[1].backward()
+            built["MuonClip"].step()
+            grads(params, s)
+            built["Muon"].step()
+    finally:
+        for h in handles:
+            h.remove()
+    assert counts == {(name, where): 2 for name in built for where in ("global pre", "global post", "pre", "post")}
+
+
 @both
 @pytest.mark.parametrize("kwargs", [dict(lr=-1.0), dict(momentum=-0.5), dict(weight_decay=-1.0),
                                     dict(adjust_lr_fn="arbitrary"), dict(lr=torch.tensor([0.1, 0.2]))],

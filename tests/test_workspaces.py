@@ -39,18 +39,19 @@ def test_buffered_equals_the_core_and_reuses_its_buffers(keep_small, method, sha
 
     Bit for bit on any machine: the same bmm/baddbmm calls on the same operands in the same
     layouts; only the storage they write differs."""
-    V = conditioned(shape).to(torch.bfloat16)
-    want = orthogonalize(V, method)
+    V, bf16 = conditioned(shape).to(torch.bfloat16), torch.bfloat16  # a bucket in its compute dtype
+    want = orthogonalize(V, method, dtype=bf16)
     workspace = BufferedWorkspace()
-    got = workspace.orthogonalize(V.clone(), method, reuse_result=True)
+    got = workspace.orthogonalize(V.clone(), method, dtype=bf16, reuse_result=True)
     assert torch.equal(got, want)
     roles = workspace.buffers.roles()
     assert {"result", "ns.S" if method != "gram" or shape[-1] == shape[-2] else "ns.R"} <= roles
     ptrs = workspace.buffers.pointers()
     result_ptr = got.data_ptr()
-    again = workspace.orthogonalize(V.clone(), method, reuse_result=True)
+    again = workspace.orthogonalize(V.clone(), method, dtype=bf16, reuse_result=True)
     assert torch.equal(again, want) and again.data_ptr() == result_ptr
-    assert torch.equal(workspace.orthogonalize(V[:2].clone(), method), orthogonalize(V[:2], method))
+    assert torch.equal(workspace.orthogonalize(V[:2].clone(), method, dtype=bf16),
+                       orthogonalize(V[:2], method, dtype=bf16))
     assert workspace.buffers.pointers() == ptrs
 
 
@@ -62,14 +63,14 @@ def test_buffered_may_overwrite_only_its_input(method):
     V32 = conditioned((7, 24, 72)).float()
     V = V32.to(torch.bfloat16)
     keep, keep32 = V.clone(), V32.clone()
-    workspace = BufferedWorkspace()
-    want = orthogonalize(V, method)
-    assert torch.equal(workspace.orthogonalize(V32, method, dtype=torch.bfloat16).bfloat16(),
-                       orthogonalize(V32, method, dtype=torch.bfloat16).bfloat16())
+    workspace, bf16 = BufferedWorkspace(), torch.bfloat16
+    want = orthogonalize(V, method, dtype=bf16)
+    assert torch.equal(workspace.orthogonalize(V32, method, dtype=bf16).bfloat16(),
+                       orthogonalize(V32, method, dtype=bf16).bfloat16())
     assert torch.equal(V32, keep32)
-    a = workspace.orthogonalize(V, method)
+    a = workspace.orthogonalize(V, method, dtype=bf16)
     assert torch.equal(a, want) and not torch.equal(V, keep)
-    b = workspace.orthogonalize(keep.clone(), method)
+    b = workspace.orthogonalize(keep.clone(), method, dtype=bf16)
     assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
 
 
@@ -198,10 +199,11 @@ def test_a_step_that_fails_still_frees_the_buffers(keep_small):
 @pytest.mark.parametrize("shape, matrix", [((24, 40), (24, 40)), ((3, 24, 40), (24, 40)), ((8, 3, 3, 5), (8, 45))],
                          ids=["matrix", "experts", "conv"])
 @pytest.mark.parametrize("options", [{}, {"normuon": True, "cautious_weight_decay": True}], ids=["plain", "variants"])
-def test_muon_step_is_muon_update_on_one_weight(workspace, shape, matrix, options):
+def test_muon_step_is_muon_update_on_one_weight(workspace, shape, matrix, options, bf16_answer):
     """`Muon.step` on one weight is `muonclip.muon_update` bit for bit: the same step body
     (`muon_step`) on the same values, a matrix, a stack of experts and a convolution (the
-    matrix ``(out, in kh kw)``, as `Muon` sees it), with NorMuon and cautious weight decay too."""
+    matrix ``(out, in kh kw)``, as `Muon` sees it), with NorMuon and cautious weight decay too,
+    under each of ``orth_dtype="auto"``'s answers (both sides read the one default)."""
     torch.manual_seed(0)
     W = torch.nn.Parameter(torch.randn(shape))
     W2, M = W.detach().clone(), torch.zeros(shape)

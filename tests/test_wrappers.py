@@ -332,6 +332,39 @@ def test_clip_stats_and_tau_through_accelerate_and_lightning_wrappers(accelerato
     assert opt.tau == 2.5 and lightning.tau == 2.5 and "_tau" not in lightning.__dict__
     assert all(layer.recorder.threshold == 2.5 for layer in opt.layers)
     assert all(g["tau"] == 2.5 for g in opt.param_groups)
+    plain = Muon(param_groups(gpt()), **OPT)
+    assert LightningOptimizer(plain).steps_taken == 0  # before: AttributeError (only MuonClip passed them on)
+
+
+def test_accelerate_prepare_returns_a_wrapper_that_passes_the_attributes_on(accelerator):
+    """What ``Accelerator.prepare`` returns: on the old code ``clip_stats()``, ``tau`` and
+    ``steps_taken`` were AttributeErrors on it (only `unwrap_optimizer` reached them). Now it is a
+    MuonClip that reads them from the optimizer and sets tau and the counters on it, with
+    accelerate's own step; a wrapper of any other optimizer is as accelerate makes it."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    model = gpt()
+    model, opt = accelerator.prepare(model, MuonClip(model, tau=TAU, **OPT))
+    inner = unwrap_optimizer(opt)
+    assert isinstance(opt, AcceleratedOptimizer) and isinstance(opt, MuonClip) and inner is not opt
+    assert math.isnan(opt.clip_stats()["max_logit"]) and opt.steps_taken == 0
+    ref = gpt()
+    ref_log = train(ref, MuonClip(ref, tau=TAU, **OPT), [batch(s) for s in range(2)])
+    log = train(model, opt, [batch(s) for s in range(2)])  # accelerate's step
+    assert clipped_heads(log) == clipped_heads(ref_log) > 0 and max_diff(params(model), params(ref)) == 0.0
+    stats = opt.clip_stats()
+    assert stats == inner.clip_stats() and stats["clipped_heads"] > 0
+    assert opt.steps_taken == 2 and opt.steps_skipped == 0 and opt.last_max_logits is inner.last_max_logits
+    assert [layer.name for layer in opt.layers] == [layer.name for layer in inner.layers]
+    opt.tau = 2.5  # sets the optimizer's (and its recorders')
+    assert inner.tau == opt.tau == 2.5 and "_tau" not in opt.__dict__
+    assert all(layer.recorder.threshold == 2.5 for layer in inner.layers)
+    with pytest.raises(ValueError, match="tau must be a finite number > 0"):
+        opt.tau = -1.0
+    opt.steps_taken = 5
+    assert inner.steps_taken == 5 and "_taken" not in opt.__dict__
+    other = accelerator.prepare(torch.optim.SGD(gpt().parameters(), lr=0.1))
+    assert type(other) is AcceleratedOptimizer and not hasattr(other, "clip_stats")
 
 
 def test_clip_stats_is_defined_before_the_first_step():

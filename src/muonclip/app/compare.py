@@ -42,7 +42,6 @@ far below it), so its run there would be Muon's step for step; it runs only wher
 from __future__ import annotations
 
 import dataclasses
-import os
 import platform
 import sys
 import time
@@ -53,6 +52,7 @@ from typing import Any
 import torch
 
 from .config import OPTIMIZERS, TUNED_PRESETS, RunConfig, check_optimizer, make_config
+from .cores import usable_cores
 from .data import Corpus, check_fits, corpus_size, corpus_warnings, load_corpus
 from .memory import check_memory
 from .model import build_model, orthogonalisation
@@ -141,7 +141,7 @@ def prepare(cfg: RunConfig, out_dir: Path, runs: Sequence[tuple[RunConfig, str]]
     Raises:
         DataError, OutputError, ValueError: bad input; nothing written.
     """
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     jobs = cores if jobs is None else jobs
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
@@ -382,7 +382,7 @@ def _context(cfg: RunConfig, corpus: Any, optimizers: Sequence[str], n_params: i
     lines += [
         f"data: {corpus.source} ({corpus.train.numel() / 1e6:.2f}M train bytes, {corpus.val.numel() / 1e6:.2f}M "
         f"validation bytes; byte tokens; validation on {cfg.eval_batches} batches every {cfg.eval_every} steps)",
-        f"machine: {cpu_name()} ({platform.machine()}), {os.cpu_count()} cores, {jobs} runs at a time with "
+        f"machine: {cpu_name()} ({platform.machine()}), {usable_cores()} cores, {jobs} runs at a time with "
         f"{cfg.threads} thread(s) each; torch {torch.__version__}; Muon's orthogonalisation in "
         f"{orthogonalisation(cfg)}; wall time of the whole comparison {wall:.0f} s. "
         "Every run is seeded, so the same figures come back on the same CPU kind and torch version; another CPU "

@@ -40,6 +40,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, get_args, get_origin, get_type_hints
 
+from ..common import defaults as D
+
 OPTIMIZERS = ("adamw", "muon", "muonclip", "normuon", "muon_cautious", "muon_8bit")
 MUON_VARIANTS = {"muon": {}, "normuon": {"normuon": True}, "muon_cautious": {"cautious_weight_decay": True},
                  "muon_8bit": {"momentum_8bit": True}}
@@ -50,7 +52,7 @@ TUNED_PRESETS = ("default", "guards")
 (docs/compare.md: ``guards`` has the ``default`` preset's); the others' are not tuned (``ladder``
 tunes its own at each size)."""
 ATTENTIONS = ("mha", "mla")
-ORTH_DTYPES = ("auto", "bfloat16", "float32")
+ORTH_DTYPES = (D.AUTO, "bfloat16", "float32")
 SEED_LIMIT = 2**62  # seeds are 0 <= seed < SEED_LIMIT: torch.manual_seed takes 64-bit values, compare adds offsets
 INT_LIMIT = 2**62
 """The largest value of any whole-number setting (steps, sizes, counts): step counters and tensor
@@ -59,8 +61,6 @@ sizes are 64-bit. Sizes are bounded far below this by the memory estimate
 FLOAT32_MAX = 3.4028234663852886e38
 """The largest float32: the weights' dtype, so every coefficient a step computes from a setting
 (a learning rate times its update scale, weight decay or AdamW's bias correction) must fit it."""
-ADAMW_BETA1 = 0.9
-"""AdamW's beta1 in every run (torch.optim.AdamW and Muon's AdamW branch, betas (0.9, 0.95))."""
 
 
 def _model(default: Any, *, shape: bool = True) -> Any:
@@ -121,7 +121,7 @@ class RunConfig:
         tau: QK-Clip threshold on the max logit, also drawn on the plots (default 100, K2's).
         orth_dtype: compute dtype of Muon's orthogonalisation: ``"auto"`` (default: bfloat16
             where the device multiplies it natively, a CPU with AMX-BF16 or AVX512-BF16 or a
-            CUDA GPU of compute capability 8.0+, else float32; `muonclip.optim._precision`; the
+            CUDA GPU of compute capability 8.0+, else float32; `muonclip.ortho._precision`; the
             report names what it picked and why), ``"bfloat16"`` (the paper's) or
             ``"float32"`` (for exact comparisons, e.g. a torchrun run against one process).
 
@@ -175,7 +175,7 @@ class RunConfig:
     lr_normuon: float = 0.04
     lr_muon_cautious: float = 0.02828
     lr_muon_8bit: float = 0.02828
-    weight_decay: float = 0.1
+    weight_decay: float = D.WEIGHT_DECAY
     grad_clip: float = 1.0
     warmup_steps: int = 20
     warmup_adamw: int | None = 200
@@ -185,8 +185,8 @@ class RunConfig:
     warmup_muon_cautious: int | None = 20
     warmup_muon_8bit: int | None = 20
     min_lr_ratio: float = 0.1
-    tau: float = 100.0
-    orth_dtype: str = "auto"
+    tau: float = D.TAU
+    orth_dtype: str = D.ORTH_DTYPE
     seeds: int = 3
     budgets: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0)
     lr_adamw_budgets: tuple[float, ...] = (0.03394, 0.03394, 0.03394, 0.03394)
@@ -322,7 +322,7 @@ class RunConfig:
         for algorithm, rates in (("muon", [*muon, ("stability_lr", self.stability_lr)]), ("adamw", adamw)):
             for name, lr in rates:
                 group = {"algorithm": algorithm, "lr": lr, "weight_decay": self.weight_decay,
-                         "betas": (ADAMW_BETA1, 0.95), "adamw_eps": 1e-8}
+                         "betas": D.BETAS, "adamw_eps": D.ADAMW_EPS}
                 try:
                     check_step_scalars(group, limits)
                 except ValueError as e:

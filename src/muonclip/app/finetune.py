@@ -41,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import platform
 import statistics
 import sys
@@ -54,8 +53,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..common import defaults as D
 from ..optim import Muon, param_groups
 from .config import RunConfig
+from .cores import usable_cores
 from .data import Corpus, DataError, train_batch, val_batches
 from .data.corpus import SEPARATOR, builtin_corpus_dir, encode, list_documents, read_document
 from .model import build_model, muon_orth_dtype, orthogonalisation
@@ -139,7 +140,8 @@ def _optimizer(method: str, model: nn.Module, lr: float, cfg: RunConfig) -> torc
         trainable = [p for p in model.parameters() if p.requires_grad]
         return torch.optim.AdamW(
             [{"params": [p for p in trainable if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-             {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+             {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0}],
+            lr=lr, betas=D.BETAS, eps=D.ADAMW_EPS)
     if method in ("muon-full", "lora-muon"):
         return Muon(param_groups(model), lr=lr, weight_decay=cfg.weight_decay,
                     orth_dtype=muon_orth_dtype(cfg))
@@ -239,7 +241,7 @@ def compare_finetune(cfg: RunConfig, out_dir: str | Path, *, progress: bool = Tr
     if cfg.n_expert or cfg.attention != "mha":
         raise ValueError("the finetune preset uses the default dense MHA model (n_expert=0, attention=mha)")
     check_threads(cfg.threads)
-    threads = cfg.threads or (os.cpu_count() or 1)
+    threads = cfg.threads or usable_cores()
     if inspect_folder(out_dir).kind == "run" or (out_dir.exists() and any(out_dir.iterdir())):
         raise OutputError(f"--out {out_dir} is not empty; choose a new folder so nothing is overwritten")
     check_writable(out_dir)
@@ -299,7 +301,7 @@ def compare_finetune(cfg: RunConfig, out_dir: str | Path, *, progress: bool = Tr
         f"{target.source}; weight decay {cfg.weight_decay:g} on matrices; LoRA rank {LORA_RANK}, alpha "
         f"{2 * LORA_RANK} on {', '.join(LORA_TARGETS)}; rates tuned on seed {protocol.seeds[0]} (5-point grid, "
         f"ratio {GRID_RATIO:g}, bracketed); seeds {', '.join(map(str, protocol.seeds))}",
-        f"machine: {platform.machine()} CPU, {os.cpu_count()} cores, {threads} thread(s); torch {torch.__version__}; "
+        f"machine: {platform.machine()} CPU, {usable_cores()} cores, {threads} thread(s); torch {torch.__version__}; "
         f"Muon's orthogonalisation in {orthogonalisation(cfg)}; wall time {wall:.0f} s",
     ]
     data = {"config": cfg.to_dict(), "protocol": dataclasses.asdict(protocol), "before": before, "rows": rows,

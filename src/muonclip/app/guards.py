@@ -51,7 +51,6 @@ Output: ``<out>/<segment>/<arm>-s<seed>/`` (one `muonclip train` run folder each
 from __future__ import annotations
 
 import dataclasses
-import os
 import platform
 import statistics
 import time
@@ -65,6 +64,7 @@ from ..distributed._context import SINGLE
 from ..optim import NonFiniteGradError
 from .checkpoints import CheckpointError, read_checkpoint
 from .config import RunConfig
+from .cores import usable_cores
 from .data import Corpus, train_batch
 from .runner import RunSpec, run_all
 from .train import Place, build_state, clip_grad_norm, forward_loss, read_max_logits
@@ -343,7 +343,7 @@ def context(cfg: RunConfig, corpus: Corpus, jobs: int, wall: float, tuned: bool)
         "recording none); the ratio to plain Muon's step in the same round, median over the rounds",
         f"data: {corpus.source} ({corpus.train.numel() / 1e6:.2f}M train bytes, {corpus.val.numel() / 1e6:.2f}M "
         f"validation bytes; byte tokens; validation on {cfg.eval_batches} batches every {cfg.eval_every} steps)",
-        f"machine: {cpu_name()} ({platform.machine()}), {os.cpu_count()} cores, {jobs} runs at a time with "
+        f"machine: {cpu_name()} ({platform.machine()}), {usable_cores()} cores, {jobs} runs at a time with "
         f"{cfg.threads} thread(s) each; torch {torch.__version__}; wall time {wall:.0f} s. Every run is seeded: "
         "the same figures come back on the same CPU kind and torch version",
     ]

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import platform
 import time
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ from typing import Any
 import torch
 
 from .config import RunConfig, model_config
+from .cores import usable_cores
 from .data import Corpus
 from .runfolder import OutputError
 from .runner import run_all
@@ -308,7 +308,7 @@ def context(cfg: RunConfig, ladder: list[Rung], results: list[dict[str, Any]], c
         f"finished: {len(results)} of {len(ladder)} rungs"
         + (f" ({resumed} read from this folder, where a stopped ladder of the same settings left them)" if resumed
            else ""),
-        f"machine: {cpu_name()} ({platform.machine()}), {os.cpu_count()} cores, {jobs} runs at a time with "
+        f"machine: {cpu_name()} ({platform.machine()}), {usable_cores()} cores, {jobs} runs at a time with "
         f"{cfg.threads} thread(s) each; torch {torch.__version__}; wall time so far {wall:.0f} s"
         + (" (over every session of this folder; a stopped session's time after its last finished rung not counted)"
            if resumed else ""),

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..common import defaults as D
 from ..optim import param_groups
-from ..optim._precision import AUTO, explain_orth_dtype
+from ..optim._precision import explain_orth_dtype
 from .config import MUON_VARIANTS, RunConfig, check_optimizer, model_config
 
 
@@ -22,7 +23,7 @@ def build_model(cfg: RunConfig) -> nn.Module:
 def build_optimizer(name: str, model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
     """The optimizer of a run.
 
-    * ``adamw``: ``torch.optim.AdamW(lr=lr_adamw, betas=(0.9, 0.95))``, weight decay on
+    * ``adamw``: ``torch.optim.AdamW(lr=lr_adamw)`` with Muon's AdamW branch's betas and eps, weight decay on
       tensors with ndim >= 2 only.
     * ``muon``: ``muonclip.Muon`` over `muonclip.param_groups` — hidden matrices at
       ``lr_muon``, embeddings/head/norms by its AdamW branch at ``lr_adamw``.
@@ -36,7 +37,7 @@ def build_optimizer(name: str, model: nn.Module, cfg: RunConfig) -> torch.optim.
         no_decay = [p for p in model.parameters() if p.ndim < 2]
         return torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr_adamw, betas=(0.9, 0.95),
+            lr=cfg.lr_adamw, betas=D.BETAS, eps=D.ADAMW_EPS,
         )
     groups = param_groups(model, adamw_lr=cfg.lr_adamw)
     orth_dtype = muon_orth_dtype(cfg)
@@ -53,7 +54,7 @@ def build_optimizer(name: str, model: nn.Module, cfg: RunConfig) -> torch.optim.
 
 def muon_orth_dtype(cfg: RunConfig) -> torch.dtype | str:
     """``cfg.orth_dtype`` as Muon's ``orth_dtype`` argument: ``"auto"``, or the torch dtype named."""
-    return cfg.orth_dtype if cfg.orth_dtype == AUTO else getattr(torch, cfg.orth_dtype)
+    return cfg.orth_dtype if cfg.orth_dtype == D.AUTO else getattr(torch, cfg.orth_dtype)
 
 
 def orthogonalisation(cfg: RunConfig, device: torch.device | str = "cpu") -> str:

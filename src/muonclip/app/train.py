@@ -49,7 +49,6 @@ Stops:
 from __future__ import annotations
 
 import math
-import os
 import signal
 import sys
 import threading
@@ -65,6 +64,7 @@ from torch import Tensor, nn
 from ..optim import NonFiniteGradError
 from .checkpoints import Checkpoint, save_checkpoint
 from .config import RunConfig
+from .cores import usable_cores
 from .data import Corpus, train_batch, val_batches
 from .launch import all_mean, all_sum, current_group, mode, rank_rows
 from .train_records import Records, read_max_logits
@@ -274,7 +274,7 @@ def train_run(cfg: RunConfig, optimizer: str, run_dir: str | Path, *, resume: bo
     run_dir = Path(run_dir)
     place = Place(current_group(fsdp, tp), fsdp, tp)
     corpus, digest = check_inputs(cfg, optimizer, run_dir, place, resume=resume, corpus=corpus, warn=warn)
-    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // place.ctx.world_size))
+    torch.set_num_threads(cfg.threads or max(1, usable_cores() // place.ctx.world_size))
     opened = open_run_folder(run_dir, cfg, optimizer, place, resume=resume, data_sha256=digest,
                              tensorboard=tensorboard)
     if opened.restart and place.main:

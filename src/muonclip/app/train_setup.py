@@ -43,6 +43,7 @@ from .checkpoints import (
     verify,
 )
 from .config import RunConfig, check_optimizer
+from .cores import usable_cores
 from .data import Corpus, check_fits, corpus_size, corpus_warnings, load_corpus
 from .launch import (
     agree,
@@ -76,11 +77,13 @@ from .runfolder import (
 
 def check_threads(threads: int) -> int:
     """The torch CPU threads of a run: ``threads`` (0: the cores shared by the ranks of the machine
-    is decided by the caller). Raises ValueError naming ``--threads`` above this machine's cores:
-    more threads than cores never helps, and very many crash the thread pool."""
-    cores = os.cpu_count() or 1
+    is decided by the caller). Raises ValueError naming ``--threads`` above the cores this process
+    may use (`muonclip.app.cores.usable_cores`): more threads than cores never helps, and very many
+    crash the thread pool."""
+    cores = usable_cores()
     if threads > cores:
-        raise ValueError(f"--threads {threads}: this machine has {cores} cores; use at most {cores} (0: all of them)")
+        raise ValueError(f"--threads {threads}: this machine has {cores} cores for this process; use at most "
+                         f"{cores} (0: all of them)")
     return threads
 
 

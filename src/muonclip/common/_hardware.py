@@ -9,18 +9,31 @@ Read once from what the hardware declares, never by timing products:
   "AVX512F", "AVX2")``;
 * a CUDA device: its compute capability (``torch.cuda.get_device_capability``).
 
-Used by `muonclip.optim._precision` (the compute dtype ``orth_dtype="auto"`` picks) and by the
-benchmarks, which name the instructions in every row they measure.
+`native_bf16` answers the one question the compute dtype ``"auto"`` asks (`muonclip.ortho`); the
+benchmarks name the instructions in every row they measure.
+
+**Overriding the CPU's answer.** The environment variable ``MUONCLIP_CPU_BF16`` (`CPU_BF16_ENV`)
+makes `native_bf16` answer for every CPU device as told: ``1`` "native bfloat16" (``"auto"``
+picks bfloat16), ``0`` "no bfloat16" (``"auto"`` picks float32); unset or empty, the CPU's own
+flags decide. It is read at each call, so a test (or a process it starts) can run both of
+``"auto"``'s decisions on any machine (``tests/conftest.py``: the ``bf16_answer`` fixture).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Iterable
 
 import torch
 
 CPUINFO = "/proc/cpuinfo"
+
+CPU_BF16_ENV = "MUONCLIP_CPU_BF16"
+"""The environment variable that overrides the CPU's bfloat16 answer (module docstring)."""
+
+CUDA_BF16_CAPABILITY = (8, 0)
+"""The first CUDA compute capability with bfloat16 tensor cores (Ampere)."""
 
 CPU_INSTRUCTIONS = (
     ("AMX-BF16", "amx_bf16"),
@@ -107,3 +120,40 @@ def cuda_capability(device: torch.device) -> tuple[tuple[int, int], str]:
     when it has none); read once per device."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _cuda_capability(index)
+
+
+def cpu_bf16_override() -> bool | None:
+    """``MUONCLIP_CPU_BF16`` read now: True (``1``), False (``0``) or None (unset or empty).
+
+    Raises:
+        ValueError: any other value, naming the variable and the values it takes.
+    """
+    value = os.environ.get(CPU_BF16_ENV, "").strip()
+    if value in ("", "1", "0"):
+        return None if value == "" else value == "1"
+    raise ValueError(f"{CPU_BF16_ENV}={value!r}: set it to 1 (the CPU multiplies bfloat16 natively), 0 (it does "
+                     "not) or leave it unset (the CPU's own flags decide)")
+
+
+def native_bf16(device: torch.device | str) -> tuple[bool, str]:
+    """Whether ``device`` multiplies bfloat16 natively, and why (a phrase naming what was found).
+
+    A CPU: one of `BF16_CPU_INSTRUCTIONS` (or `CPU_BF16_ENV`'s answer, when set); a CUDA device:
+    compute capability 8.0 or more; any other device type: no.
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        override = cpu_bf16_override()
+        if override is not None:
+            return override, f"{CPU_BF16_ENV}={int(override)} says the CPU {'has' if override else 'has no'} " \
+                              "bfloat16 matrix instructions"
+        found = cpu_bf16_instructions()
+        if found:
+            return True, f"the CPU has {' and '.join(found)}"
+        return False, "the CPU has no bfloat16 matrix instructions (AMX-BF16, AVX512-BF16): bfloat16 is emulated"
+    if device.type == "cuda":
+        (major, minor), name = cuda_capability(device)
+        if (major, minor) >= CUDA_BF16_CAPABILITY:
+            return True, f"{name} (compute capability {major}.{minor}) has bfloat16 tensor cores"
+        return False, f"{name} (compute capability {major}.{minor}) has no bfloat16 tensor cores (8.0 and later)"
+    return False, f"bfloat16 products are not known to be native on {device.type}"

@@ -64,7 +64,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..ortho import check_input, check_method, run_method
+from ..common import defaults as D
+from ..ortho import check_input, check_method, resolve_orth_dtype, run_method
 
 KEEP_BYTES = 128 * 1024  # glibc's default mmap threshold: smaller blocks come from its heap
 
@@ -192,8 +193,9 @@ class BufferedWorkspace:
         """A tensor for ``role`` (e.g. a bucket's input), cut from a kept buffer on CPU."""
         return self.buffers.empty(role, shape, dtype, device)
 
-    def orthogonalize(self, V: Tensor, method: str, steps: int | None = None, dtype: torch.dtype | None = None, *,
-                      eps: float = 1e-7, coefficients: Sequence[float] | None = None,
+    def orthogonalize(self, V: Tensor, method: str, steps: int | None = D.NS_STEPS,
+                      dtype: torch.dtype | str | None = D.ORTH_DTYPE, *, eps: float = D.EPS,
+                      coefficients: Sequence[float] | None = D.NS_COEFFICIENTS,
                       reuse_result: bool = False) -> Tensor:
         """`muonclip.orthogonalize` of the batch ``V``, which this call may overwrite.
 
@@ -206,7 +208,7 @@ class BufferedWorkspace:
                 or (torch.is_grad_enabled() and V.requires_grad)):
             return run_method(V, method, steps, dtype, eps=eps, coefficients=coefficients)
         steps = m.default_steps if steps is None else steps
-        dtype = dtype or m.default_dtype
+        dtype = resolve_orth_dtype(dtype, method, V.device)
         *_, A, B = V.shape
         X = V.reshape(-1, A, B).to(dtype)  # V itself when it is in dtype: ours to overwrite
         out = self.buffers.get("result", X.shape, dtype, X.device) if reuse_result else None

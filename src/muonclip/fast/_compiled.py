@@ -23,7 +23,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from ..common import defaults as D
 from ..ortho._newton_schulz import newton_schulz
+from ..ortho._precision import auto_dtype
 
 _COMPILED: list[Callable[..., Tensor]] = []
 
@@ -32,12 +34,13 @@ def compiled_newton_schulz(
     V: Tensor,  # (..., A, B)
     coefficients: Sequence[tuple[float, float, float]],
     *,
-    dtype: torch.dtype = torch.bfloat16,
-    eps: float = 1e-7,
+    dtype: torch.dtype | str = D.ORTH_DTYPE,
+    eps: float = D.EPS,
     norm_scale: float = 1.0,
 ) -> Tensor:
     """`newton_schulz` through ``torch.compile`` (compiled lazily on the first call)."""
     if not _COMPILED:
         _COMPILED.append(torch.compile(newton_schulz, fullgraph=True, dynamic=False))
     coeffs = [tuple(float(x) for x in c) for c in coefficients]
+    dtype = auto_dtype(V.device) if dtype == D.AUTO else dtype
     return _COMPILED[0](V, coeffs, dtype=dtype, eps=eps, norm_scale=norm_scale)

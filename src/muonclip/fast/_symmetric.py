@@ -27,7 +27,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..common import defaults as D
 from ..ortho._newton_schulz import normalized, quintic
+from ..ortho._precision import auto_dtype
 from ._triton_syrk import syrk, triangle_fraction, usable
 
 SYM_BLOCKS = 2
@@ -78,14 +80,15 @@ def symmetric_newton_schulz(
     V: Tensor,  # (..., A, B)
     coefficients: Sequence[tuple[float, float, float]],
     *,
-    dtype: torch.dtype = torch.bfloat16,
-    eps: float = 1e-7,
+    dtype: torch.dtype | str = D.ORTH_DTYPE,
+    eps: float = D.EPS,
     norm_scale: float = 1.0,
     blocks: int = SYM_BLOCKS,
 ) -> Tensor:
     """`muonclip.ortho.newton_schulz` with the symmetric products of `sym_gram`
     (``method="ns5_sym"``): the same arguments and result (a new tensor of ``V``'s shape, in
     ``dtype``); ``blocks`` row strips per symmetric product (default 2)."""
+    dtype = auto_dtype(V.device) if dtype == D.AUTO else dtype
     return symmetric_quintic(normalized(V, dtype, eps, norm_scale), coefficients, blocks).reshape(V.shape)
 
 

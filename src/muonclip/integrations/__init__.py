@@ -14,10 +14,12 @@ share — finding the `muonclip.Muon` under a framework's optimizer wrapper, the
 the per-step metrics — are in `muonclip.qkclip.step_metrics`.
 
 Importing this package registers `hf_layers` with `muonclip.qkclip.register_discoverer`, so that
-`muonclip.MuonClip` finds a transformers model's attention layers, and the family table
+`muonclip.MuonClip` finds a transformers model's attention layers, the family table
 (`muonclip.integrations.families`: every model family's fused projections, head counts, q/k
 norms and adapter names) with `muonclip.common.families`, which `muonclip.param_groups` and
-the clip read (``import muonclip`` does both).
+the clip read, and `accelerate_wrappers` as a build hook of `muonclip.Muon`
+(`muonclip.optim._wrappers`), so that accelerate's optimizer wrapper passes a muonclip
+optimizer's attributes on (``import muonclip`` does all three).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 
 from torch import nn
 
+from ..optim._wrappers import register_build_hook
 from ..qkclip._discovery import register_discoverer
 from ..qkclip._layouts import AttentionLayer
 from ..qkclip.step_metrics import StepMetrics, UpdateRMS, step_metrics, unwrap_optimizer
@@ -63,7 +66,20 @@ def hf_layers(model: nn.Module) -> list[AttentionLayer] | None:
 
 register_discoverer(hf_layers)
 
+
+def accelerate_wrappers() -> None:
+    """Build hook of `muonclip.Muon`: once accelerate is imported, its ``AcceleratedOptimizer`` passes
+    a muonclip optimizer's attributes on (`muonclip.integrations.accelerate.install`); accelerate
+    is never imported here."""
+    if "accelerate.optimizer" in sys.modules:
+        from .accelerate import install
+
+        install()
+
+
+register_build_hook(accelerate_wrappers)
+
 __all__ = [
     "MuonClipLightningCallback", "MuonClipTrainerCallback", "StepMetrics", "TensorBoardWriter", "UpdateRMS",
-    "hf_layers", "step_metrics", "unwrap_optimizer",
+    "accelerate_wrappers", "hf_layers", "step_metrics", "unwrap_optimizer",
 ]

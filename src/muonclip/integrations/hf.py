@@ -15,6 +15,7 @@ Everything muonclip does with transformers lives in the ``hf*`` modules of this 
 * `muonclip.integrations.hf_trainer` — `trainer_optimizer`: the Trainer's (and TRL's)
   ``optimizer_cls_and_kwargs`` for `muonclip.MuonClip` / `muonclip.Muon`.
 * `muonclip.integrations.hf_adapters` — peft adapters on q/k: which tensor QK-Clip scales.
+* `muonclip.integrations.hf_padding` — the warning for a padded batch given without its mask.
 * this module — `attach` / `detach`: finding a model's attention layers and switching the
   model to the function; every public name of the others is importable from here too.
 
@@ -56,7 +57,10 @@ tokenizers that pad with ``eos`` or ``bos`` use it inside documents. A one-token
 the pad token alone is taken for padding (it carries no pair but itself). The keyword reaches the
 attention function only where the family's layers pass the model's keywords on (as they must for
 flash-attention's packed batches): StableLM and Nemotron at transformers 5.24 do not, so their
-padding-free pads are still recorded.
+padding-free pads are still recorded. A padded batch given *without* its mask (rows of one
+length, no restarting positions) has nothing that says which tokens are padding: its pads feed
+the clip, and a training forward whose rows end in padding warns once per model
+(`muonclip.integrations.hf_padding`).
 
 Refused before any step, with the cause named, by ``attach`` (so by ``MuonClip(model)``), and
 before the model is switched: a model whose attention does not go through transformers'
@@ -126,6 +130,8 @@ from .hf_attention import (
 from .hf_callback import MuonClipTrainerCallback
 from .hf_check import AttentionMismatchError, ForwardCheck
 from .hf_layouts import attention_modules, layout_of, mixers_without_attention
+from .hf_padding import WARNED_ATTR as PADDING_WARNED_ATTR
+from .hf_padding import UnmaskedPaddingWarning, warn_unmasked_padding
 from .hf_trainer import TrainerArgumentsWarning, trainer_optimizer
 
 PACKING_HOOK_ATTR = "muonclip_packing_hook"
@@ -283,6 +289,8 @@ def _batch_pre_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> t
       down as the keyword `muonclip.integrations.hf_attention.TOKENS_KWARG` (transformers hands
       a model's keyword arguments to its attention function), so padding queries never feed the
       clip. A batch with a 2-D mask needs nothing: the call's mask says which queries are padding.
+    * Any other training batch without a mask whose rows end in padding warns, once per model
+      (`muonclip.integrations.hf_padding.warn_unmasked_padding`).
     """
     signature = inspect.signature(module.forward)
     try:
@@ -301,6 +309,8 @@ def _batch_pre_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> t
             "transformers builds no document mask then, so documents would attend to each other. Pass the packed "
             "batch without past_key_values, or pad it and pass an attention_mask."
         )
+    if not packed:
+        warn_unmasked_padding(module, bound)
     if not packed or ("use_cache" not in signature.parameters and not var_keyword):
         return None
     kwargs = dict(kwargs)
@@ -464,7 +474,7 @@ def detach(model: nn.Module, attn_implementation: str | None = None) -> None:
         check = getattr(module, CHECK_ATTR, None)
         if check is not None:
             check.close()
-        for attr in (RECORDER_ATTR, CHECK_ATTR, LAYER_ATTR, TEXT_ATTR):
+        for attr in (RECORDER_ATTR, CHECK_ATTR, LAYER_ATTR, TEXT_ATTR, PADDING_WARNED_ATTR):
             if hasattr(module, attr):
                 delattr(module, attr)
     for m in model.modules():
@@ -480,6 +490,7 @@ def detach(model: nn.Module, attn_implementation: str | None = None) -> None:
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "KEYWORDS", "OFF_ONLY", "RECORDER_ATTR", "AttachReport", "AttentionMismatchError",
-    "ForwardCheck", "MuonClipTrainerCallback", "TrainerArgumentsWarning", "attach", "attach_report", "detach",
+    "ForwardCheck", "MuonClipTrainerCallback", "TrainerArgumentsWarning", "UnmaskedPaddingWarning", "attach",
+    "attach_report", "detach",
     "muonclip_attention_forward", "real_tokens", "register", "trainer_optimizer",
 ]

@@ -69,6 +69,7 @@ from torchtitan.components.optimizer.utils import init_optim_state
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from ..common import defaults as D
 from ..optim import Muon, param_groups
 from ..qkclip._muonclip import MuonClip
 from .torchtitan_attention import recording_attention_config
@@ -76,8 +77,8 @@ from .torchtitan_layouts import attention_layers, canonical_name, muon_splits
 from .torchtitan_metrics import MuonClipMetricsProcessor, metrics_config, startup_line
 from .torchtitan_pipeline import pipelining, stage_of
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ADAMW_DEFAULTS = {"betas": (0.9, 0.95), "eps": 1e-8}
+_DTYPES = {"auto": D.AUTO, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ADAMW_DEFAULTS = {"betas": D.BETAS, "eps": D.ADAMW_EPS}
 """torchtitan's ``default_adamw`` settings besides lr and weight decay (``--optimizer.name AdamW``)."""
 
 
@@ -156,26 +157,27 @@ class MuonClipOptimizers(OptimizersContainer):
         baseline: torch's AdamW on every parameter with torchtitan's ``default_adamw`` settings)."""
         lr: float = 0.02
         """Learning rate of the Muon and AdamW groups (torchtitan's LR schedule scales it)."""
-        weight_decay: float = 0.1
+        weight_decay: float = D.WEIGHT_DECAY
         """Decoupled weight decay (Muon and the embedding/head AdamW group; vectors get none)."""
         adamw_lr: float | None = None
         """Learning rate of the AdamW groups (None: ``lr``, right with ``adjust_lr_fn`` match_rms_adamw)."""
         adamw_weight_decay: float | None = None
         """Weight decay of the embedding/head AdamW group (None: ``weight_decay``)."""
-        momentum: float = 0.95
+        momentum: float = D.MOMENTUM
         """Muon's momentum."""
-        nesterov: bool = True
+        nesterov: bool = D.NESTEROV
         """Nesterov momentum for Muon."""
-        adjust_lr_fn: Literal["match_rms_adamw", "original", "unscaled"] = "match_rms_adamw"
+        adjust_lr_fn: Literal["match_rms_adamw", "original", "unscaled"] = D.ADJUST_LR_FN
         """Muon's update scale: Moonlight/K2's ``0.2 * sqrt(max(rows, cols))`` (AdamW's RMS),
         Keller Jordan's ``sqrt(max(1, rows/cols))``, or none."""
-        method: str = "ns5"
+        method: str = D.METHOD
         """Orthogonalisation method (``muonclip.ortho``: ns5, polar_express, ...)."""
-        orth_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-        """dtype of the orthogonalisation (float32 for bit-level comparisons on CPU)."""
+        orth_dtype: Literal["auto", "float32", "bfloat16", "float16"] = D.ORTH_DTYPE
+        """dtype of the orthogonalisation: ``auto`` (bfloat16 where the device multiplies it
+        natively, else float32; `muonclip.Muon`'s default), or one dtype on every device."""
         per_head: bool = False
         """Orthogonalise each attention head's rows of q, k, v and of MLA's up-projections alone."""
-        tau: float = 100.0
+        tau: float = D.TAU
         """QK-Clip threshold on the max logit (MuonClip only; K2 uses 100, small models 30-50)."""
         gqa_policy: Literal["per_head", "balanced", "group"] = "per_head"
         """How grouped-query attention is clipped (`muonclip.qkclip.GQALayout`)."""

@@ -37,9 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..ortho import METHODS
+from ..ortho import METHODS, resolve_orth_dtype
 from ._matrices import MatrixSpec, matrix_spec
-from ._precision import resolve_orth_dtype
 from .workspace import Workspace, workspace_for
 
 STRUCTURAL_OPTIONS = ("method", "ns_steps", "orth_dtype", "eps", "ns_coefficients", "flatten", "split_sizes",
@@ -154,7 +153,7 @@ class Bucket:
         A, B: the shape of each matrix.
         device, method, steps, dtype, eps, coefficients: where and how it is orthogonalised
             (a param group's ``method``, ``ns_steps``, ``orth_dtype`` resolved for the device
-            (`muonclip.optim._precision`), ``eps``, ``ns_coefficients``).
+            (`muonclip.ortho.resolve_orth_dtype`), ``eps``, ``ns_coefficients``).
         workspace: the workspace its tensors come from and that orthogonalises it
             (`muonclip.optim.workspace.Workspace`, the one for ``device``).
         entries: ``(item, block)`` of each slot, in order.

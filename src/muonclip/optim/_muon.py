@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..common import defaults as D
 from ..common._dtensor import is_dtensor
 from . import _state_dicts as state_dicts
 from . import _state_validation as state_validation
@@ -29,7 +30,7 @@ from ._adamw import adamw_step
 from ._buckets import StepStructure, StructureCache, options_key, step_structure
 from ._matrices import MatrixSpec, matrix_spec
 from ._nonfinite_mask import MaskedStep
-from ._precision import AUTO, orth_dtype_choice, orth_dtype_name
+from ._precision import orth_dtype_choice, orth_dtype_name
 from ._quantized import dequantize, quant_blocks, quantize_, scale_like
 from ._scale import scale_name
 from ._state_dicts import state_dtype
@@ -45,6 +46,7 @@ from ._validation import (
     nonfinite_indices,
     step_numbers,
 )
+from ._wrappers import run_build_hooks, wrapped_optimizer
 from .functional import MuonWeight, muon_step
 from .multiprocess import Engine, Exchange, StepStats, engine_for
 from .workspace import Workspace, make_workspace
@@ -117,7 +119,7 @@ class Muon(torch.optim.Optimizer):
         orth_dtype: compute dtype of the orthogonalisation (default ``"auto"``: bfloat16 where
             the parameters' device multiplies it natively — a CUDA GPU of compute capability 8.0
             or more, a CPU with AMX-BF16 or AVX512-BF16 — and float32 elsewhere, resolved per
-            device when the step builds its buckets, `muonclip.optim._precision`; the method's
+            device when the step builds its buckets, `muonclip.ortho._precision`; the method's
             own default for one without bfloat16, ``"svd"``: float64). A dtype
             (``torch.bfloat16``, ``torch.float32`` for accuracy, ``torch.float64`` for svd) is
             used on every device. The two differ by rounding only; the optimizer's repr names
@@ -186,8 +188,9 @@ class Muon(torch.optim.Optimizer):
     A step is all or nothing: before it changes any parameter, buffer or counter it checks again
     what the groups hold now (``lr`` and ``weight_decay`` every step, as a scheduler may set
     them; every other setting when one changed; a parameter on the meta device, which has no
-    data, is refused with a ValueError naming it), so a value set between steps that the step
-    could not run with raises there, and the optimizer is as it was.
+    data, is refused with a ValueError naming it; the optimizer-wide counters, which their setters
+    check too), so a value set between steps that the step could not run with raises there, and
+    the optimizer is as it was. torch's step hooks (global and per instance) run once per step.
 
     NorMuon, cautious weight decay and 8-bit momentum are per group too (keys ``normuon``,
     ``normuon_beta2``, ``cautious_weight_decay``, ``momentum_8bit``), all off by default; the
@@ -198,7 +201,8 @@ class Muon(torch.optim.Optimizer):
     ``exp_avg``, ``exp_avg_sq`` (AdamW); the optimizer-wide ``steps_taken`` (steps applied)
     and ``steps_skipped`` are attributes, copied into every param group (so a parameter swapped
     by a wrapper, or a state dict flattened per parameter, keeps them;
-    `muonclip.optim._state_dicts`). ``state_dict()`` writes dtypes (``orth_dtype``) as strings,
+    `muonclip.optim._state_dicts`). A state dict that has taken steps holds every entry's whole
+    state (`muonclip.optim._state_validation`). ``state_dict()`` writes dtypes (``orth_dtype``) as strings,
     so any checkpointer can save it; ``orth_dtype="auto"`` is saved as ``"auto"``, so a state
     loaded on another kind of machine resolves it there. `load_state_dict` also takes torch.optim.Muon's state dict
     (momentum converted: torch keeps an average, we keep a sum); `torch_state_dict` gives one
@@ -215,29 +219,30 @@ class Muon(torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        lr: float | Tensor = 1e-3,
+        lr: float | Tensor = D.LR,
         *,
-        weight_decay: float = 0.1,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        ns_coefficients: tuple[float, float, float] | None = None,
-        eps: float = 1e-7,
-        ns_steps: int | None = None,
-        adjust_lr_fn: str | None = "match_rms_adamw",
-        method: str = "ns5",
-        orth_dtype: torch.dtype | str | None = "auto",
-        betas: tuple[float, float] = (0.9, 0.95),
-        adamw_eps: float = 1e-8,
+        weight_decay: float = D.WEIGHT_DECAY,
+        momentum: float = D.MOMENTUM,
+        nesterov: bool = D.NESTEROV,
+        ns_coefficients: tuple[float, float, float] | None = D.NS_COEFFICIENTS,
+        eps: float = D.EPS,
+        ns_steps: int | None = D.NS_STEPS,
+        adjust_lr_fn: str | None = D.ADJUST_LR_FN,
+        method: str = D.METHOD,
+        orth_dtype: torch.dtype | str | None = D.ORTH_DTYPE,
+        betas: tuple[float, float] = D.BETAS,
+        adamw_eps: float = D.ADAMW_EPS,
         on_nonfinite: str = "raise",
         process_group: Any = None,
         comm_dtype: torch.dtype | None = None,
         workspace: str | Workspace = "auto",
         normuon: bool = False,
-        normuon_beta2: float = 0.95,
+        normuon_beta2: float = D.NORMUON_BETA2,
         cautious_weight_decay: bool = False,
         momentum_8bit: bool = False,
     ) -> None:
         refuse_model(type(self).__name__, params)
+        run_build_hooks()  # the layers' (muonclip.optim._wrappers): e.g. accelerate's wrapper passing attributes on
         if on_nonfinite not in ON_NONFINITE:
             raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
         defaults = dict(
@@ -306,11 +311,11 @@ class Muon(torch.optim.Optimizer):
                 if key == "params":
                     continue
                 value = group[key]
-                if key == "orth_dtype" and value == AUTO and group["algorithm"] == "muon":
+                if key == "orth_dtype" and value == D.AUTO and group["algorithm"] == "muon":
                     devices = dict.fromkeys(p.device for p in group["params"]) or [torch.device("cpu")]
                     value = "auto -> " + "; ".join(
                         f"{orth_dtype_name(choice[0])} on {d} ({choice[1]})"
-                        for d, choice in ((d, orth_dtype_choice(AUTO, group["method"], d)) for d in devices))
+                        for d, choice in ((d, orth_dtype_choice(D.AUTO, group["method"], d)) for d in devices))
                 lines.append(f"    {key}: {value}")
         return "\n".join(lines) + "\n)"
 
@@ -318,9 +323,23 @@ class Muon(torch.optim.Optimizer):
     # the step
     # ----------------------------------------------------------------------------------------
 
-    @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Perform one optimisation step (all groups); ``closure`` re-evaluates the loss."""
+        """Perform one optimisation step (all groups); ``closure`` re-evaluates the loss.
+
+        torch's optimizer step hooks (``torch.optim.optimizer.register_optimizer_step_pre_hook``
+        and ``..._post_hook``, and this optimizer's ``register_step_pre_hook`` /
+        ``register_step_post_hook``) run once around it. torch wraps the ``step`` of each
+        optimizer class it builds in the code that runs them, so the body is `_muon_step`, which
+        a subclass's own ``step`` calls (`muonclip.MuonClip` does) rather than a second wrapped
+        ``step``.
+        """
+        return self._muon_step(closure)
+
+    @torch.no_grad()
+    def _muon_step(self, closure: Callable[[], float] | None) -> float | None:
+        """The step's body (see `step`): checks, the update of every group, the counters."""
+        if self._wide_state() != self.__dict__.get("_wide_stepped"):  # set since the last step, or from a pickle
+            state_validation.check_counters(self._wide_state(), f"{type(self).__name__}.")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -352,13 +371,13 @@ class Muon(torch.optim.Optimizer):
             self._update(engine, ctx, local, numbers)
             guard.restore()
             self._count_masked(found)
-            self._record_wide_state()
+            self._end_step()
             return loss
         bad = nonfinite_indices(finite)
         if bad:
             if self.on_nonfinite == "skip":
                 self._skipped_host += 1
-                self._record_wide_state()
+                self._end_step()
                 return loss
             names = ", ".join(_name(self, live[k][0], live[k][1]) for k in bad[:5])
             raise NonFiniteGradError(
@@ -367,8 +386,15 @@ class Muon(torch.optim.Optimizer):
                 "or pass on_nonfinite='skip' to skip such steps."
             )
         self._update(engine, ctx, local, numbers)
-        self._record_wide_state()
+        self._end_step()
         return loss
+
+    def _end_step(self) -> None:
+        """Copy the optimizer-wide values a step leaves into the groups, and note them: the next
+        step checks them again only if they changed since (a setter checks what it sets; a pickle
+        restores them unchecked)."""
+        self._record_wide_state()
+        self._wide_stepped = self._wide_state()
 
     def _check_groups(self) -> dict[int, tuple[float, float]]:
         """Every group's ``(lr, weight_decay)`` for this step, by ``id(group)``, after checking that
@@ -423,7 +449,7 @@ class Muon(torch.optim.Optimizer):
                 lr, wd = numbers[id(group)]
                 adamw_step(group["params"], self.state, lr=lr, betas=group["betas"], eps=group["adamw_eps"],
                            weight_decay=wd, new_buffer=_zeros_fp32)
-        self.steps_taken += 1
+        self._taken += 1
 
     def _structure_of(self, live: list[tuple[dict[str, Any], int, Tensor]], local: Callable[[Tensor], Tensor],
                       exchange: Exchange | None) -> StepStructure:
@@ -455,18 +481,26 @@ class Muon(torch.optim.Optimizer):
 
     @property
     def steps_taken(self) -> int:
-        """Steps applied (``"mask"`` mode: masked steps too)."""
+        """Steps applied (``"mask"`` mode: masked steps too). Setting it takes a whole number >= 0
+        (else a ValueError, and the count is kept)."""
         return self._taken
 
     @steps_taken.setter
     def steps_taken(self, value: int) -> None:
-        self._taken = int(value)
+        inner = wrapped_optimizer(self, Muon)
+        if inner is not None:  # set through a framework's wrapper (muonclip.optim._wrappers)
+            inner.steps_taken = value
+            return
+        self._taken = state_validation.counter(value, "steps_taken", f"{type(self).__name__}.")
         self._record_wide_state()
 
     @property
     def steps_skipped(self) -> int:
         """Steps skipped for a non-finite gradient (reading it syncs in ``"mask"`` mode, where
-        the count is kept on the device)."""
+        the count is kept on the device). Setting it takes a whole number >= 0."""
+        inner = wrapped_optimizer(self, Muon)
+        if inner is not None:
+            return inner.steps_skipped
         device_count = self.__dict__.get("_masked_count")
         if device_count is not None:  # fold the device count in (one sync)
             self._skipped_host += int(device_count)
@@ -476,7 +510,11 @@ class Muon(torch.optim.Optimizer):
 
     @steps_skipped.setter
     def steps_skipped(self, value: int) -> None:
-        self._skipped_host = int(value)
+        inner = wrapped_optimizer(self, Muon)
+        if inner is not None:
+            inner.steps_skipped = value
+            return
+        self._skipped_host = state_validation.counter(value, "steps_skipped", f"{type(self).__name__}.")
         self._masked_count = None
         self._record_wide_state()
 
@@ -493,8 +531,19 @@ class Muon(torch.optim.Optimizer):
 
     def _load_wide_state(self, values: dict[str, Any]) -> None:
         """Set the optimizer-wide values from a loaded state (missing ones: 0)."""
-        self.steps_taken = int(values.get("steps_taken", 0))
-        self.steps_skipped = int(values.get("steps_skipped", 0))
+        self.steps_taken = values.get("steps_taken", 0)
+        self.steps_skipped = values.get("steps_skipped", 0)
+
+    def _kept_for_load(self) -> dict[str, Any]:
+        """What `load_state_dict` puts back when a load fails after torch replaced the state: the
+        objects a load replaces (the state, the param groups, the step check's record) and the
+        counters."""
+        keys = ("state", "param_groups", "_checked", "_taken", "_skipped_host", "_masked_count")
+        return {k: self.__dict__[k] for k in keys if k in self.__dict__}
+
+    def _put_back(self, kept: dict[str, Any]) -> None:
+        """Undo a failed load with what `_kept_for_load` returned."""
+        self.__dict__.update(kept)
 
     def _record_wide_state(self) -> None:
         """Copy `_wide_state` into every param group (once there are groups), so that a state
@@ -510,20 +559,48 @@ class Muon(torch.optim.Optimizer):
     # state
     # ----------------------------------------------------------------------------------------
 
+    def __getattr__(self, name: str) -> Any:
+        """An attribute this object lacks, from the optimizer it wraps: a framework's wrapper made
+        an instance of this class (Lightning's ``LightningOptimizer``, ``self.optimizers()``;
+        accelerate's ``AcceleratedOptimizer``, `muonclip.integrations.accelerate`) holds the
+        optimizer and none of its attributes, so ``clip_stats()``, ``tau``, ``steps_taken``,
+        ``last_max_logits`` ... read through it are the optimizer's (`muonclip.optim._wrappers`).
+        Anything else: AttributeError."""
+        inner = wrapped_optimizer(self, Muon)
+        if inner is not None:
+            return getattr(inner, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def __getstate__(self) -> dict[str, Any]:
         # torch keeps only defaults/state/param_groups (its hooks are not copied); keep our
         # settings and counters too (copy.deepcopy and pickle go through here). The cached
         # structure and copies are not state.
         kept = {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_")}
-        return {**kept, "_structures": StructureCache(), "_mask_copies": [], "_checked": {}}
+        return {**kept, "_structures": StructureCache(), "_mask_copies": [], "_checked": {}, "_wide_stepped": None}
 
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state dict in its saved form (`muonclip.optim._state_dicts.saved_form`:
         dtypes as strings); every param group holds the optimizer-wide values (``steps_taken``,
         ``steps_skipped``)."""
         self.steps_skipped  # noqa: B018  (folds a masked count kept on the device into the groups)
+        self._whole_state()
         self._record_wide_state()
         return state_dicts.saved_form(super().state_dict())
+
+    def _whole_state(self) -> None:
+        """Make the state whole before it is saved (`muonclip.optim._state_validation`: a state that
+        has taken steps holds every entry's state): an empty entry (a weight looked up in
+        ``state`` that never had a gradient) holds nothing and is dropped; a stepped Muon weight of
+        a group whose ``normuon`` was switched on since its last step gets the zero second moment
+        its next step would create (`second_moment_state`)."""
+        for p in [p for p, entry in self.state.items() if not entry]:
+            del self.state[p]
+        for g in self.param_groups:
+            if g["algorithm"] == "muon" and g["normuon"]:
+                for p in g["params"]:
+                    entry = self.state.get(p)
+                    if entry and "neuron_second_moment" not in entry:
+                        second_moment_state(entry, p, g, matrix_spec(tuple(p.shape), g))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this optimizer or of torch.optim.Muon.
@@ -532,7 +609,11 @@ class Muon(torch.optim.Optimizer):
         validated as the constructor validates its arguments, and every state tensor and counter
         against its parameter (`muonclip.optim._state_validation`: shape, dtype, finite values,
         ``exp_avg_sq >= 0``, whole step counts >= 0), before anything is loaded: a ValueError names
-        the group or parameter and the entry, and the optimizer is left as it was. Momentum
+        the group or parameter and the entry, and the optimizer is left as it was. A state that
+        has taken steps must hold every entry's whole state (a Muon weight's momentum, ...), and
+        no tensor may be on the meta device. A load that fails later (a tensor that cannot be
+        copied to its parameter's device, a post-hook that raises) puts the state, the param
+        groups and the counters back as they were before raising. Momentum
         and AdamW moments stay float32 (float64 for float64 parameters) whatever the parameter
         dtype. torch's load_state_dict hooks run as for any optimizer: pre-hooks see (and may
         replace) the dict as given, post-hooks see the loaded state. The dict passed in is not
@@ -557,8 +638,12 @@ class Muon(torch.optim.Optimizer):
 
         pre = self.register_load_state_dict_pre_hook(prepare)
         post = self.register_load_state_dict_post_hook(finish, prepend=True)
+        kept = self._kept_for_load()
         try:
             super().load_state_dict(state_dict)
+        except BaseException:
+            self._put_back(kept)
+            raise
         finally:
             pre.remove()
             post.remove()

@@ -48,8 +48,9 @@ from typing import Any
 
 from torch import nn
 
+from ..common.defaults import AUTO, METHOD
 from ..common.family_readers import adapter_role, copied_name, output_layer, stored_transposed
-from ._precision import AUTO, explain_orth_dtype
+from ._precision import explain_orth_dtype
 from .flat import refuse_flat_model
 from .fused import WeightSplit, weight_splits
 
@@ -108,7 +109,7 @@ class ParamGroups(list):
         """Where the Muon weights are orthogonalised in which dtype and why: a group's own
         ``orth_dtype``/``method``, else Muon's defaults (``"auto"``, ``"ns5"``;
         `muonclip.optim._precision`)."""
-        seen = dict.fromkeys((g.get("orth_dtype", AUTO), g.get("method", "ns5"), p.device)
+        seen = dict.fromkeys((g.get("orth_dtype", AUTO), g.get("method", METHOD), p.device)
                              for g in self if g["algorithm"] == "muon" for p in g["params"])
         default = "" if all("orth_dtype" in g for g in self if g["algorithm"] == "muon") else \
             " (Muon's default orth_dtype='auto'; orth_dtype=torch.float32 or torch.bfloat16 sets it)"

@@ -32,7 +32,7 @@ are read from there and never put back into the state.
 param groups (``orth_dtype``) are strings such as ``"torch.bfloat16"``, turned back into dtypes
 on load (`from_saved_form`); ``orth_dtype="auto"`` stays ``"auto"``, never the dtype it resolved
 to, so a state saved on one kind of machine and loaded on another resolves it for the machine
-that loads it (`muonclip.optim._precision`); everything else is a tensor, a number, a string, None or a list,
+that loads it (`muonclip.ortho._precision`); everything else is a tensor, a number, a string, None or a list,
 tuple or dict of those, which ``torch.distributed.checkpoint`` (full or sharded, with or without
 ``cpu_offload``), accelerate and Lightning save.
 
@@ -176,7 +176,8 @@ def prepare(state_dict: Mapping[str, Any], groups: Sequence[dict[str, Any]],
     group validated against the optimizer's ``groups``; a new dict (the one passed in, and its
     tensors, are not modified). The optimizer-wide values ``wide_keys`` it holds (`wide_values`,
     wherever this or an earlier version kept them) are put in every group, and taken out of the
-    per-parameter state; a torch.optim.Muon state dict has none."""
+    per-parameter state (an entry that held nothing else is dropped); a torch.optim.Muon state
+    dict has none."""
     source = kind(state_dict)
     saved = [from_saved_form(g) for g in state_dict["param_groups"]]
     if len(saved) != len(groups):
@@ -204,10 +205,12 @@ def prepare(state_dict: Mapping[str, Any], groups: Sequence[dict[str, Any]],
         for key in wide_keys:
             g.pop(key, None)
         g.update(wide)
-    for entry in state.values():
-        if isinstance(entry, dict):
+    for pid, entry in list(state.items()):
+        if isinstance(entry, dict) and any(key in entry for key in wide_keys):
             for key in wide_keys:
                 entry.pop(key, None)
+            if not entry:  # an earlier version's entry that held only the counters is no state
+                del state[pid]
     for i, (g, own) in enumerate(zip(new_groups, groups)):
         if len(g["params"]) != len(own["params"]):
             raise ValueError(f"param group {i} of the state dict has {len(g['params'])} parameters, this "

@@ -15,19 +15,32 @@ was. Per parameter, by its group's ``algorithm``:
   ``exp_avg_sq >= 0``), all three or none (`check_adamw_entry`, which also serves for
   torch.optim.AdamW's state).
 
-Every floating tensor must be finite. The optimizer-wide counters (`check_counters`:
-``steps_taken``, ``steps_skipped``, whole numbers >= 0; `muonclip.MuonClip`'s ``tau``, a finite
-number > 0) are checked wherever the state dict keeps them: in an entry or in a param group.
-Keys this version does not know are left alone.
+**A state that has taken steps is whole.** A parameter's entry is created, whole, at its first
+step with a gradient (a weight that never had one has no entry; `muonclip.Muon.state_dict`
+writes no empty one). So when the state dict's ``steps_taken`` is above 0, every entry present
+must hold its algorithm's state: a Muon weight's momentum (``momentum_buffer``, or
+``momentum_int8`` with ``momentum_scale``: the group's ``momentum_8bit`` may have changed since),
+its ``neuron_second_moment`` when the group has ``normuon``; an AdamW weight's ``step``,
+``exp_avg`` and ``exp_avg_sq``. Loading an entry without them would restart that state from
+zero without a word (a resumed run no longer continues the saved one). With ``steps_taken`` 0
+(a fresh optimizer's state dict, torch.optim.Muon's) nothing is required.
+
+Every floating tensor must be finite. Every tensor of the state, under any key (also one this
+version does not know, which is otherwise left alone), must hold values: a tensor on the meta
+device has none (torch's loader would fail copying it, after replacing the optimizer's state).
+The optimizer-wide counters (`check_counters`: ``steps_taken``, ``steps_skipped``, whole numbers
+>= 0; `muonclip.MuonClip`'s ``tau``, a finite number > 0) are checked wherever the state dict
+keeps them: in an entry or in a param group; `muonclip.Muon`'s step checks its own the same way
+(`check_counters`), and its setters (`counter`).
 
 Values are read from the tensors held here: for a sharded (DTensor) state, the local shard's
-(each rank checks its own); tensors on the meta device have none, and only their shapes are
-checked.
+(each rank checks its own).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from numbers import Integral
 from typing import Any
 
 import torch
@@ -49,27 +62,34 @@ def _label(group: Mapping[str, Any], gi: int, i: int, p: Tensor) -> str:
 
 
 def _whole(value: Any) -> int | None:
-    """``value`` as an int when it is a whole number (an int, not a bool, or a one-element real
-    tensor holding a whole value), else None."""
+    """``value`` as an int when it is a whole number (an integer, not a bool, numpy's too, or a
+    one-element real tensor holding a whole value), else None."""
     if isinstance(value, Tensor):
         if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool or value.device.type == "meta":
             return None
         v = value.item()
         return int(v) if float(v).is_integer() else None
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, Integral):
         return None
-    return value
+    return int(value)
+
+
+def counter(value: Any, key: str, where: str = "") -> int:
+    """``value`` as the optimizer-wide step count ``key`` (``steps_taken``, ``steps_skipped``): a
+    whole number in [0, 2^62]; else a ValueError (``where`` + ``key`` + what was given)."""
+    v = _whole(value)
+    if v is None or not 0 <= v <= COUNTER_LIMIT:
+        raise ValueError(f"{where}{key} must be a whole number >= 0, got {value!r:.100}")
+    return v
 
 
 def check_counters(values: Mapping[str, Any], where: str = "") -> None:
     """Raise a ValueError naming the first optimizer-wide value of ``values`` that is present and
-    out of range: ``steps_taken``, ``steps_skipped`` (whole numbers in [0, 2^62]), ``tau`` (None, or
-    a finite number > 0)."""
+    out of range: ``steps_taken``, ``steps_skipped`` (whole numbers in [0, 2^62], `counter`), ``tau``
+    (None, or a finite number > 0)."""
     for key in ("steps_taken", "steps_skipped"):
         if key in values:
-            v = _whole(values[key])
-            if v is None or not 0 <= v <= COUNTER_LIMIT:
-                raise ValueError(f"{where}{key} must be a whole number >= 0, got {values[key]!r:.100}")
+            counter(values[key], key, where)
     if values.get("tau") is not None:
         tau = values["tau"]
         if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not (0.0 < float(tau) < float("inf")):
@@ -94,11 +114,15 @@ def check_tensor(t: Any, key: str, shape: Sequence[int], where: str, *, kind: st
     if kind == "int8":
         if t.dtype != torch.int8:
             raise ValueError(f"{where}{key} must be int8 codes, got dtype {t.dtype}")
+        if _values(t) is None:
+            raise ValueError(_meta_message(where, key))
         return
     if not t.is_floating_point():
         raise ValueError(f"{where}{key} must be a real floating-point tensor, got dtype {t.dtype}")
     local = _values(t)
-    if local is None or local.numel() == 0:
+    if local is None:
+        raise ValueError(_meta_message(where, key))
+    if local.numel() == 0:
         return
     lo, hi = (float(v) for v in torch.aminmax(local.detach()))  # NaN and inf propagate to an end
     if not (abs(lo) < float("inf") and abs(hi) < float("inf")):  # False for NaN too
@@ -107,11 +131,26 @@ def check_tensor(t: Any, key: str, shape: Sequence[int], where: str, *, kind: st
         raise ValueError(f"{where}{key} holds a negative value ({lo:g}); it is a second moment, >= 0")
 
 
-def check_adamw_entry(entry: Mapping[str, Any], p: Tensor, where: str) -> None:
+def _meta_message(where: str, key: str) -> str:
+    return (f"{where}{key} is on the meta device: it holds no values to load (a state dict made from an optimizer "
+            "of a model built on the meta device, or read with map_location='meta'). Load the state dict as saved, "
+            "with its tensors")
+
+
+def _missing(where: str, what: str, taken: int) -> str:
+    return (f"{where}{what} is missing, though the state dict has taken {taken} steps: loading it would restart "
+            "that state from zero, and the run would no longer continue the saved one. Load the whole state dict "
+            "the optimizer saved (a weight that has had no gradient yet has no entry at all)")
+
+
+def check_adamw_entry(entry: Mapping[str, Any], p: Tensor, where: str, taken: int = 0) -> None:
     """Raise a ValueError unless ``entry`` is an AdamW state of parameter ``p`` (module
-    docstring): ``step``, ``exp_avg``, ``exp_avg_sq``, or none of them (no step yet)."""
+    docstring): ``step``, ``exp_avg``, ``exp_avg_sq``, or none of them (no step yet) when the
+    state dict has taken no step (``taken``, its ``steps_taken``)."""
     keys = [k for k in ("step", "exp_avg", "exp_avg_sq") if k in entry]
     if not keys:
+        if taken > 0:
+            raise ValueError(_missing(where, "its AdamW state (step, exp_avg and exp_avg_sq)", taken))
         return
     if len(keys) != 3:
         missing = sorted({"step", "exp_avg", "exp_avg_sq"} - set(keys))
@@ -123,9 +162,18 @@ def check_adamw_entry(entry: Mapping[str, Any], p: Tensor, where: str) -> None:
     check_tensor(entry["exp_avg_sq"], "exp_avg_sq", p.shape, where, nonnegative=True)
 
 
-def check_muon_entry(entry: Mapping[str, Any], p: Tensor, group: Mapping[str, Any], where: str) -> None:
+def check_muon_entry(entry: Mapping[str, Any], p: Tensor, group: Mapping[str, Any], where: str,
+                     taken: int = 0) -> None:
     """Raise a ValueError unless the Muon state ``entry`` of parameter ``p`` in ``group`` fits it
-    (module docstring); entries the step would create are optional."""
+    (module docstring); entries the step would create are optional while the state dict has
+    taken no step (``taken``, its ``steps_taken``), required after."""
+    if taken > 0:
+        if "momentum_buffer" not in entry and "momentum_int8" not in entry and "momentum_scale" not in entry:
+            raise ValueError(_missing(where, "its Muon momentum (momentum_buffer, or momentum_int8 and "
+                                             "momentum_scale with momentum_8bit)", taken))
+        if group.get("normuon") and "neuron_second_moment" not in entry:
+            raise ValueError(_missing(where, "neuron_second_moment (NorMuon's second moment; the group has "
+                                             "normuon=True)", taken))
     if "momentum_buffer" in entry:
         check_tensor(entry["momentum_buffer"], "momentum_buffer", p.shape, where)
     spec = None
@@ -148,18 +196,25 @@ def check_loaded_state(state_dict: Mapping[str, Any], groups: Sequence[Mapping[s
     will be loaded into: the saved ids of ``state_dict["param_groups"]`` matched, in order, to the
     parameters of the optimizer's ``groups``. Raises a ValueError naming the parameter and entry."""
     state = state_dict["state"]
+    labels: dict[Any, str] = {}
     for gi, (saved, own) in enumerate(zip(state_dict["param_groups"], groups)):
         check_counters(saved, f"param group {gi} of the state dict: ")
+        taken = _whole(saved.get("steps_taken", 0)) or 0
         merged = {**own, **{k: v for k, v in saved.items() if k not in ("params", "param_names")}}
         for i, (pid, p) in enumerate(zip(saved["params"], own["params"])):
             if pid not in state:
                 continue
             entry = state[pid]
-            where = f"the state of {_label(own, gi, i, p)}: "
+            where = labels[pid] = f"the state of {_label(own, gi, i, p)}: "
             if not isinstance(entry, Mapping):
                 raise ValueError(f"{where}must be a dict of its buffers, got {entry!r:.100}")
             check_counters(entry, where)
             if merged["algorithm"] == "muon":
-                check_muon_entry(entry, p, merged, where)
+                check_muon_entry(entry, p, merged, where, taken)
             else:
-                check_adamw_entry(entry, p, where)
+                check_adamw_entry(entry, p, where, taken)
+    for pid, entry in state.items():  # every tensor, under any key, of any entry: values to load
+        for key, value in entry.items() if isinstance(entry, Mapping) else ():
+            if isinstance(value, Tensor) and _values(value) is None:
+                where = labels.get(pid, f"the state entry {pid!r:.40} (of no parameter of this optimizer): ")
+                raise ValueError(_meta_message(where, str(key)))

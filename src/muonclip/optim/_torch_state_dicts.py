@@ -17,11 +17,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..common.defaults import AUTO
 from ..ortho import METHODS
 from ..ortho._newton_schulz import NS5_COEFFICIENTS
-from ._precision import AUTO
+from ._matrices import matrix_spec
 from ._scale import scale_name
-from ._state_dicts import TORCH_ADAMW_KEYS, TORCH_MUON_KEYS, is_torch_adamw_group, kind, sum_momentum
+from ._state_dicts import TORCH_ADAMW_KEYS, TORCH_MUON_KEYS, is_torch_adamw_group, kind, state_dtype, sum_momentum
 
 TORCH_ADAMW_GROUP = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
                      "differentiable": False, "fused": None, "decoupled_weight_decay": True}
@@ -194,6 +195,10 @@ def from_torch(own_state_dict: Mapping[str, Any], groups: Sequence[Mapping[str, 
         entry = sd["state"].get(pid, {})
         if algorithm == "muon" and "momentum_buffer" in entry:
             state[index_of[p]] = {"momentum_buffer": sum_momentum(entry["momentum_buffer"], tg["momentum"])}
+            group = groups[group_of[p]]
+            if group["normuon"]:  # torch has no NorMuon: its second moment starts here, as at a first step
+                spec = matrix_spec(tuple(p.shape), group)
+                state[index_of[p]]["neuron_second_moment"] = torch.zeros(spec.batch, spec.rows, dtype=state_dtype(p))
         elif algorithm == "adamw" and "step" in entry:
             step = int(entry["step"])
             steps = max(steps, step)

@@ -47,9 +47,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..common.defaults import AUTO
 from ..ortho import check_method
 from ._matrices import matrix_spec
-from ._precision import AUTO
 from ._scale import scale_name
 
 ALGORITHMS = ("muon", "adamw")

@@ -57,10 +57,12 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor
 
+from ..common import defaults as D
 from ..ortho import check_method
 from ._buckets import Bucket, Chunk, Place, Results, StepStructure, Unit, step_structure
 from ._matrices import MatrixSpec
 from ._quantized import QuantBlocks, dequantize, quantize_
+from ._scale import scale_name
 from .workspace import CoreWorkspace
 
 if TYPE_CHECKING:
@@ -125,17 +127,18 @@ def muon_update(
     momentum_buffer: Tensor,
     *,
     lr: float,
-    weight_decay: float = 0.1,
-    momentum: float = 0.95,
-    nesterov: bool = True,
-    method: str = "ns5",
-    steps: int | None = None,
-    dtype: torch.dtype = torch.bfloat16,
-    eps: float = 1e-7,
-    coefficients: Sequence[float] | None = None,
-    scale: float = 1.0,
+    weight_decay: float = D.WEIGHT_DECAY,
+    momentum: float = D.MOMENTUM,
+    nesterov: bool = D.NESTEROV,
+    method: str = D.METHOD,
+    steps: int | None = D.NS_STEPS,
+    dtype: torch.dtype | str | None = D.ORTH_DTYPE,
+    eps: float = D.EPS,
+    coefficients: Sequence[float] | None = D.NS_COEFFICIENTS,
+    adjust_lr_fn: str | None = D.ADJUST_LR_FN,
+    scale: float | None = None,
     second_moment: Tensor | None = None,
-    normuon_beta2: float = 0.95,
+    normuon_beta2: float = D.NORMUON_BETA2,
     cautious: bool = False,
 ) -> None:
     """One Muon step of one weight, in place: `muon_step` (the body `muonclip.Muon` runs) on a
@@ -143,7 +146,8 @@ def muon_update(
 
     The weight is seen as `muonclip.Muon` sees it without group keys: a 2-D ``(A, B)`` weight is
     one matrix, a 3-D ``(E, A, B)`` one a batch of E, one of 4 or more dimensions the matrix
-    ``(out, prod(rest))``.
+    ``(out, prod(rest))``. Every default is `muonclip.Muon`'s (`muonclip.common.defaults`): with
+    the same ``lr``, the same update bit for bit on any machine.
 
     Args:
         param: the weight W (float32, bfloat16 or float64).
@@ -156,9 +160,11 @@ def muon_update(
         method, steps, eps, coefficients: of `muonclip.orthogonalize` (defaults: ns5, its 5
             steps, 1e-7, its coefficients).
         dtype: compute dtype of the orthogonalisation; V is rounded into it once (default
-            bfloat16).
-        scale: the update scale of the matrix shape (`muonclip.optim.update_scale`;
-            default 1.0).
+            ``"auto"``: bfloat16 where ``param``'s device multiplies it natively, else float32;
+            `muonclip.Muon`'s ``orth_dtype``).
+        adjust_lr_fn: the update scale rule for the matrix shape (`muonclip.optim.update_scale`;
+            default ``"match_rms_adamw"``, 0.2 sqrt(max(A, B))).
+        scale: the update scale as a number, instead of ``adjust_lr_fn``'s (default None).
         second_moment: NorMuon's per-row buffer ``(A,)`` or ``(E, A)`` (float32, updated in
             place); None (default): no NorMuon.
         normuon_beta2: NorMuon's EMA coefficient (default 0.95).
@@ -166,10 +172,12 @@ def muon_update(
     """
     check_method(method, steps, dtype, coefficients)
     group = {"method": method, "ns_steps": steps, "orth_dtype": dtype, "eps": eps, "ns_coefficients": coefficients,
-             "flatten": False, "split_sizes": None, "split_groups": 1, "transposed": False, "adjust_lr_fn": "unscaled"}
+             "flatten": False, "split_sizes": None, "split_groups": 1, "transposed": False,
+             "adjust_lr_fn": scale_name(adjust_lr_fn)}
     st = step_structure([(group, param)], [param.device], CoreWorkspace())
     spec = st.specs[0]
-    st.places[0] = (spec.axis, ((0, spec.rows, scale),), 0)  # the scale given, for all rows
+    if scale is not None:
+        st.places[0] = (spec.axis, ((0, spec.rows, scale),), 0)  # the scale given, for all rows
     moment = None if second_moment is None else second_moment.view(spec.batch, spec.rows)
     muon_step([MuonWeight(param, grad, momentum_buffer, lr, weight_decay, momentum, nesterov, moment, normuon_beta2,
                           cautious)], st)

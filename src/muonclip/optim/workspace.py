@@ -26,6 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from ..common import defaults as D
 from ..ortho import run_method
 
 
@@ -38,8 +39,9 @@ class Workspace(Protocol):
         `orthogonalize` and not read again)."""
         ...
 
-    def orthogonalize(self, V: Tensor, method: str, steps: int | None = None, dtype: torch.dtype | None = None, *,
-                      eps: float = 1e-7, coefficients: Sequence[float] | None = None,
+    def orthogonalize(self, V: Tensor, method: str, steps: int | None = D.NS_STEPS,
+                      dtype: torch.dtype | str | None = D.ORTH_DTYPE, *, eps: float = D.EPS,
+                      coefficients: Sequence[float] | None = D.NS_COEFFICIENTS,
                       reuse_result: bool = False) -> Tensor:
         """`muonclip.orthogonalize` of the batch ``V`` (which it may overwrite), in ``V``'s dtype.
         ``reuse_result``: the result may be overwritten by the next call (the caller has used
@@ -56,8 +58,9 @@ class CoreWorkspace:
         """A new uninitialised tensor (``role`` is ignored)."""
         return torch.empty(tuple(shape), dtype=dtype, device=device)
 
-    def orthogonalize(self, V: Tensor, method: str, steps: int | None = None, dtype: torch.dtype | None = None, *,
-                      eps: float = 1e-7, coefficients: Sequence[float] | None = None,
+    def orthogonalize(self, V: Tensor, method: str, steps: int | None = D.NS_STEPS,
+                      dtype: torch.dtype | str | None = D.ORTH_DTYPE, *, eps: float = D.EPS,
+                      coefficients: Sequence[float] | None = D.NS_COEFFICIENTS,
                       reuse_result: bool = False) -> Tensor:
         """`muonclip.orthogonalize` (``V`` is not written; ``reuse_result`` is ignored), as
         `muonclip.ortho.run_method`: the step has checked its gradients, no pass over V for it."""
@@ -101,8 +104,9 @@ class AutoWorkspace:
         """``empty`` of ``device``'s workspace."""
         return self.for_device(device).empty(role, shape, dtype, device)
 
-    def orthogonalize(self, V: Tensor, method: str, steps: int | None = None, dtype: torch.dtype | None = None, *,
-                      eps: float = 1e-7, coefficients: Sequence[float] | None = None,
+    def orthogonalize(self, V: Tensor, method: str, steps: int | None = D.NS_STEPS,
+                      dtype: torch.dtype | str | None = D.ORTH_DTYPE, *, eps: float = D.EPS,
+                      coefficients: Sequence[float] | None = D.NS_COEFFICIENTS,
                       reuse_result: bool = False) -> Tensor:
         """``orthogonalize`` of ``V.device``'s workspace."""
         return self.for_device(V.device).orthogonalize(V, method, steps, dtype, eps=eps, coefficients=coefficients,

@@ -5,6 +5,8 @@ input never written): `newton_schulz` (``"ns5"``, ``"polar_express"``), `gram_ne
 (``"gram"``) and `svd_polar` (``"svd"``, the exact reference every method is tested against).
 `orthogonalize` dispatches to a method by name through the registry `METHODS`;
 `register_method` adds one (`muonclip.fast` registers ``"ns5_sym"`` and ``"ns5_compiled"``).
+Their defaults are every caller's (`muonclip.common.defaults`); the compute dtype's,
+``"auto"``, is resolved per device by `resolve_orth_dtype` (`muonclip.ortho._precision`).
 See docs/design.md, "Orthogonalisation".
 """
 
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..common.defaults import AUTO, EPS, METHOD, NS_COEFFICIENTS, NS_STEPS, ORTH_DTYPE
 from ._gram import gram_newton_schulz
 from ._newton_schulz import (
     NS5_COEFFICIENTS,
@@ -26,6 +29,7 @@ from ._newton_schulz import (
     no_scratch,
     polar_express_coefficients,
 )
+from ._precision import auto_dtype
 from ._svd import svd_polar
 
 
@@ -40,7 +44,8 @@ class Method:
             (``(batch, A, B)``), ``V`` normalised in place, the temporaries in ``scratch``
             (`muonclip.ortho._newton_schulz.Scratch`), the same products on the same values.
         default_steps: iterations used when ``steps`` is None (0 for direct methods).
-        default_dtype: compute dtype used when ``dtype`` is None.
+        default_dtype: compute dtype used when ``dtype`` is None (and for ``"auto"`` when the
+            method has no bfloat16).
         dtypes: compute dtypes the method accepts.
         takes_coefficients: whether ``coefficients`` (the quintic's (a, b, c)) applies
             (default False: passing them is an error).
@@ -101,17 +106,19 @@ def register_method(name: str, method: Method) -> None:
     METHODS[name] = method
 
 
-def check_method(
-    method: str, steps: int | None, dtype: torch.dtype | None, coefficients: Sequence[float] | None = None
-) -> Method:
-    """Validate a (method, steps, dtype, coefficients) choice and return the method; raise ValueError if bad."""
+def check_method(method: str, steps: int | None, dtype: torch.dtype | str | None,
+                 coefficients: Sequence[float] | None = NS_COEFFICIENTS) -> Method:
+    """Validate a (method, steps, dtype, coefficients) choice and return the method; raise ValueError if bad.
+
+    ``dtype`` is a dtype the method computes in, None (its default) or ``"auto"``."""
     if method not in METHODS:
         raise ValueError(f"unknown orthogonalisation method {method!r}; choose one of {sorted(METHODS)}")
     m = METHODS[method]
     if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1 or steps >= 100):
         raise ValueError(f"steps must be an int in [1, 100) or None for the default, got {steps!r}")
-    if dtype is not None and dtype not in m.dtypes:
-        raise ValueError(f"method {method!r} computes in one of {m.dtypes}, got dtype={dtype}")
+    if dtype is not None and dtype != AUTO and dtype not in m.dtypes:
+        raise ValueError(f"method {method!r} computes in one of {m.dtypes}, 'auto' or None (its default), "
+                         f"got dtype={dtype!r}")
     if coefficients is not None:
         if not m.takes_coefficients:
             takers = sorted(k for k, v in METHODS.items() if v.takes_coefficients)
@@ -141,14 +148,27 @@ def check_input(V: Tensor, eps: float) -> None:
         raise ValueError(f"eps must be a finite number > 0 (it keeps a zero matrix from dividing by zero), got {eps!r}")
 
 
+def resolve_orth_dtype(orth_dtype: torch.dtype | str | None, method: str, device: torch.device | str) -> torch.dtype:
+    """The dtype ``method`` computes in on ``device`` when asked for ``orth_dtype``: the dtype
+    itself, the method's default for None, and for ``"auto"`` bfloat16 where the device multiplies
+    it natively, else float32 (`muonclip.ortho._precision`; the method's default when it has no
+    bfloat16)."""
+    m = METHODS[method]
+    if orth_dtype is None:
+        return m.default_dtype
+    if orth_dtype != AUTO:
+        return orth_dtype
+    return auto_dtype(device) if torch.bfloat16 in m.dtypes else m.default_dtype
+
+
 def run_method(
     V: Tensor,
-    method: str = "ns5",
-    steps: int | None = None,
-    dtype: torch.dtype | None = None,
+    method: str = METHOD,
+    steps: int | None = NS_STEPS,
+    dtype: torch.dtype | str | None = ORTH_DTYPE,
     *,
-    eps: float = 1e-7,
-    coefficients: Sequence[float] | None = None,
+    eps: float = EPS,
+    coefficients: Sequence[float] | None = NS_COEFFICIENTS,
 ) -> Tensor:
     """`orthogonalize` without the look at ``V``'s values: the same arguments, checks (`check_method`,
     `check_input`) and result, for a caller that guarantees finite input (``muonclip.Muon``'s step
@@ -159,17 +179,17 @@ def run_method(
     if V.numel() == 0:
         return V.clone()
     steps = m.default_steps if steps is None else steps
-    return m.run(V, steps, dtype or m.default_dtype, eps, coefficients).to(V.dtype)
+    return m.run(V, steps, resolve_orth_dtype(dtype, method, V.device), eps, coefficients).to(V.dtype)
 
 
 def orthogonalize(
     V: Tensor,
-    method: str = "ns5",
-    steps: int | None = None,
-    dtype: torch.dtype | None = None,
+    method: str = METHOD,
+    steps: int | None = NS_STEPS,
+    dtype: torch.dtype | str | None = ORTH_DTYPE,
     *,
-    eps: float = 1e-7,
-    coefficients: Sequence[float] | None = None,
+    eps: float = EPS,
+    coefficients: Sequence[float] | None = NS_COEFFICIENTS,
 ) -> Tensor:
     """Approximate the polar factor ``U V^T`` of every matrix in ``V``.
 
@@ -189,8 +209,10 @@ def orthogonalize(
             `muonclip.ortho._gram`), or any name registered with `register_method`
             (`muonclip.fast` adds ``"ns5_sym"`` and ``"ns5_compiled"``).
         steps: iterations; None picks the method's default (5 for the iterative methods).
-        dtype: compute dtype; None picks the method's default (bf16 for the iterations,
-            float64 for svd).
+        dtype: compute dtype: ``"auto"`` (default, `muonclip.Muon`'s too): bfloat16 where
+            ``V``'s device multiplies it natively, else float32 (float64 for svd); None: the
+            method's own default on every device (bfloat16 for the iterations, float64 for
+            svd); or a dtype the method computes in.
         eps: added to the Frobenius norm before normalising, a finite number > 0 (default 1e-7),
             so a zero matrix gives zeros, never NaN.
         coefficients: the quintic's (a, b, c) for the methods that run it (ns5, gram and the
@@ -217,5 +239,5 @@ def orthogonalize(
 
 __all__ = [
     "METHODS", "Method", "check_input", "check_method", "newton_schulz", "ns5_schedule", "orthogonalize",
-    "polar_express_coefficients", "register_method", "run_method", "svd_polar",
+    "polar_express_coefficients", "register_method", "resolve_orth_dtype", "run_method", "svd_polar",
 ]

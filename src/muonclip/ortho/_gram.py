@@ -47,7 +47,9 @@ from collections.abc import Collection, Sequence
 import torch
 from torch import Tensor
 
+from ..common.defaults import AUTO, EPS, ORTH_DTYPE
 from ._newton_schulz import Scratch, gram, no_scratch, normalized, quintic, small_side
+from ._precision import auto_dtype
 
 GRAM_MIN_ASPECT = 1.5
 
@@ -113,8 +115,8 @@ def gram_newton_schulz(
     V: Tensor,  # (..., A, B)
     coefficients: Sequence[tuple[float, float, float]],
     *,
-    dtype: torch.dtype = torch.bfloat16,
-    eps: float = 1e-7,
+    dtype: torch.dtype | str = ORTH_DTYPE,
+    eps: float = EPS,
     norm_scale: float = 1.0,
     restarts: Collection[int] | None = None,
     min_aspect: float = GRAM_MIN_ASPECT,
@@ -131,8 +133,8 @@ def gram_newton_schulz(
     Args:
         V: matrices of shape ``(..., A, B)``; leading dimensions are a batch.
         coefficients: one (a, b, c) per step.
-        dtype: compute dtype (default bf16; float32 and float64 also work. float16 works but
-            is very slow on CPUs without native fp16 matmul).
+        dtype: compute dtype (default ``"auto"``, as `muonclip.ortho.newton_schulz`; float64 also
+            works, and float16, very slowly on CPUs without native fp16 matmul).
         eps: added to the Frobenius norm before the division (default 1e-7).
         norm_scale: the Frobenius norm is multiplied by this first (default 1.0).
         restarts: step indices before which X and R are recomputed (default None:
@@ -144,6 +146,7 @@ def gram_newton_schulz(
     Returns:
         The result, of ``V``'s shape, in ``dtype`` (in ``out`` when given).
     """
+    dtype = auto_dtype(V.device) if dtype == AUTO else dtype
     X = normalized(V, dtype, eps, norm_scale, inplace=out is not None)
     if uses_gram(*V.shape[-2:], min_aspect):
         return gram_iteration(X, coefficients, restarts, out=out, scratch=scratch).reshape(V.shape)

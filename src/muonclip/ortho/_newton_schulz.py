@@ -21,6 +21,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from ..common.defaults import AUTO, EPS, ORTH_DTYPE
+from ._precision import auto_dtype
+
 NS5_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
 
 # Polar Express coefficients for degree-5 polynomials, as published (before the bf16 safety
@@ -173,8 +176,8 @@ def newton_schulz(
     V: Tensor,  # (..., A, B)
     coefficients: Sequence[tuple[float, float, float]],
     *,
-    dtype: torch.dtype = torch.bfloat16,
-    eps: float = 1e-7,
+    dtype: torch.dtype | str = ORTH_DTYPE,
+    eps: float = EPS,
     norm_scale: float = 1.0,
     out: Tensor | None = None,
     scratch: Scratch = no_scratch,
@@ -189,7 +192,8 @@ def newton_schulz(
     Args:
         V: matrices of shape ``(..., A, B)``; leading dimensions are a batch.
         coefficients: one (a, b, c) per step.
-        dtype: compute dtype (default bf16).
+        dtype: compute dtype (default ``"auto"``: bfloat16 where ``V``'s device multiplies it
+            natively, else float32; `muonclip.ortho._precision`).
         eps: added to the Frobenius norm before the division (default 1e-7).
         norm_scale: the Frobenius norm is multiplied by this first (default 1.0; Polar Express
             uses 1.01).
@@ -200,5 +204,6 @@ def newton_schulz(
     Returns:
         The result, of ``V``'s shape, in ``dtype`` (in ``out`` when given).
     """
+    dtype = auto_dtype(V.device) if dtype == AUTO else dtype
     X = normalized(V, dtype, eps, norm_scale, inplace=out is not None)
     return quintic(X, coefficients, out=out, scratch=scratch).reshape(V.shape)

@@ -12,9 +12,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..common import defaults as D
 from ..distributed._context import collective_group
 from ..optim import Muon, param_groups
 from ..optim._validation import number
+from ..optim._wrappers import wrapped_optimizer
 from ..optim.flat import refuse_flat_model
 from ._clip import all_reduce_max_, apply_qk_clip
 from ._discovery import discover_layers
@@ -74,8 +76,11 @@ class MuonClip(Muon):
     (`muonclip.qkclip.binding`): it trains and clips as if built after the wrapper, or says by
     name why it cannot. A model wrapped in FSDP1 or holding DeepSpeed ZeRO's flat pieces is
     refused (`muonclip.optim.flat`). Lightning's ``LightningOptimizer`` (``self.optimizers()``)
-    passes on every attribute (``clip_stats()``, ``tau``, ``last_max_logits``, ...); under
-    accelerate's wrapper reach them with `muonclip.integrations.unwrap_optimizer`.
+    and accelerate's ``AcceleratedOptimizer`` (what ``Accelerator.prepare`` returns, once
+    accelerate is imported when the optimizer is built: `muonclip.integrations.accelerate`) pass on
+    every attribute (``clip_stats()``, ``tau``, read and set, ``last_max_logits``, ...;
+    `muonclip.optim._wrappers`); `muonclip.integrations.unwrap_optimizer` finds the optimizer under
+    any wrapper.
 
     What the clip writes follows one rule (`muonclip.qkclip.clip_targets`): only trainable, plain
     floating-point tensors in the optimizer's param groups. A layer whose clip would scale a
@@ -117,8 +122,8 @@ class MuonClip(Muon):
     def __init__(
         self,
         model: nn.Module,
-        lr: float = 1e-3,
-        tau: float = 100.0,
+        lr: float = D.LR,
+        tau: float = D.TAU,
         *,
         layers: Sequence[AttentionLayer] | None = None,
         groups: Sequence[dict[str, Any]] | None = None,
@@ -153,10 +158,12 @@ class MuonClip(Muon):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Optimizer update, then QK-Clip with the maxima recorded since the last step."""
+        """Optimizer update, then QK-Clip with the maxima recorded since the last step (torch's step
+        hooks run once around the whole: the update is `muonclip.Muon`'s step body, not its
+        wrapped ``step``)."""
         self._binding.follow(self.param_groups, self.state)  # a wrapper may have replaced parameters
         taken = self.steps_taken  # a skipped step does not count (a masked one does: it runs, undone on the device)
-        loss = super().step(closure)
+        loss = self._muon_step(closure)
         if self.steps_taken == taken:
             for layer in self.layers:
                 layer.recorder.reset()
@@ -172,7 +179,7 @@ class MuonClip(Muon):
                 "MuonClip.step: no attention max logit was recorded since the last step, so QK-Clip did nothing. "
                 "Only training forwards feed the clip: the model in training mode (model.train()) with grad enabled "
                 "(not under torch.no_grad() or torch.inference_mode()). Forwards in eval mode never count.",
-                stacklevel=_outside_frames(),
+                stacklevel=outside_frames(),
             )
         return loss
 
@@ -183,6 +190,10 @@ class MuonClip(Muon):
         ``masked``: 0-D bool device flag of a masked step (``on_nonfinite="mask"``; default
         None): where set, every gamma is 1, so no weight changes (no host sync).
         """
+        inner = wrapped_optimizer(self, MuonClip)
+        if inner is not None:  # called through a framework's wrapper: the optimizer's own record
+            inner.clip(masked)
+            return
         self._binding.follow(self.param_groups, self.state)
         group = collective_group([p for g in self.param_groups for p in g["params"]], self.process_group)
         if group is not None:
@@ -196,7 +207,7 @@ class MuonClip(Muon):
         if reports and self._clip_check.mode == "raise":
             raise QKClipIneffectiveError("\n".join(reports))
         for msg in reports:
-            warnings.warn(msg, QKClipIneffectiveWarning, stacklevel=_outside_frames())
+            warnings.warn(msg, QKClipIneffectiveWarning, stacklevel=outside_frames())
 
     def clip_stats(self) -> dict[str, float]:
         """Numbers for loggers about the last clip (one host sync when something was recorded).
@@ -245,8 +256,8 @@ class MuonClip(Muon):
 
     @tau.setter
     def tau(self, value: float) -> None:
-        inner = self.__dict__.get("_optimizer")
-        if isinstance(inner, MuonClip) and inner is not self:  # set through Lightning's LightningOptimizer
+        inner = wrapped_optimizer(self, MuonClip)
+        if inner is not None:  # set through a framework's wrapper (muonclip.optim._wrappers)
             inner.tau = value
             return
         _check_tau(value)
@@ -267,16 +278,6 @@ class MuonClip(Muon):
             layer.recorder.threshold = value
         self._record_wide_state()
 
-    def __getattr__(self, name: str) -> Any:
-        """An attribute this object lacks, from the optimizer it wraps: Lightning's
-        ``LightningOptimizer`` (``self.optimizers()``) is made an instance of this class without
-        its attributes, so ``clip_stats()``, ``tau``, ``last_max_logits``, ``steps_taken`` ...
-        read through it are the optimizer's own. Anything else: AttributeError."""
-        inner = self.__dict__.get("_optimizer")
-        if inner is not None and inner is not self:
-            return getattr(inner, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
     def _wide_state(self) -> dict[str, Any]:
         """Muon's optimizer-wide values and ``tau``: every param group carries them."""
         return {**super()._wide_state(), "tau": self.tau}
@@ -286,6 +287,15 @@ class MuonClip(Muon):
         super()._load_wide_state(values)
         if values.get("tau") is not None:
             self.tau = values["tau"]
+
+    def _kept_for_load(self) -> dict[str, Any]:
+        """Muon's, and ``tau`` (`muonclip.Muon.load_state_dict` puts them back when a load fails)."""
+        return {**super()._kept_for_load(), "_tau": self._tau}
+
+    def _put_back(self, kept: dict[str, Any]) -> None:
+        super()._put_back(kept)
+        for layer in self.layers:  # the recorders gate at the clip's tau (see tau)
+            layer.recorder.threshold = self._tau
 
     def state_dict(self) -> dict[str, Any]:
         """`muonclip.Muon.state_dict`, of the parameters the model holds now
@@ -302,7 +312,7 @@ class MuonClip(Muon):
         self._clip_check.reset()
 
 
-def _outside_frames() -> int:
+def outside_frames() -> int:
     """``stacklevel`` of the nearest caller outside muonclip and torch (the user's ``opt.step()``,
     past torch's optimizer-hook and no_grad wrappers), for warnings."""
     inside = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))

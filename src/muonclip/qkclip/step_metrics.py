@@ -45,6 +45,7 @@ from torch import Tensor
 from ..common._dtensor import local, replicas
 from ..distributed._context import collective_group
 from ..optim import Muon
+from ..optim._wrappers import wrapped_optimizer
 
 
 def unwrap_optimizer(optimizer: Any) -> Muon | None:
@@ -52,13 +53,14 @@ def unwrap_optimizer(optimizer: Any) -> Muon | None:
 
     Follows the wrapped-optimizer links (``.optimizer``; Lightning's ``._optimizer``) a few
     levels deep: accelerate's ``AcceleratedOptimizer`` (what ``Accelerator.prepare`` returns,
-    also inside the HF Trainer), Lightning's ``LightningOptimizer`` (``self.optimizers()``; a
-    class made to pass ``isinstance`` checks, whose own attributes are not the optimizer's), and
-    the optimizer itself. Use it for what a wrapper does not pass on, e.g.
-    ``unwrap_optimizer(opt).clip_stats()`` or ``.tau`` after ``accelerator.prepare``.
+    also inside the HF Trainer), Lightning's ``LightningOptimizer`` (``self.optimizers()``), both
+    made instances of the optimizer's class (`muonclip.optim._wrappers`) whose own attributes are
+    not the optimizer's, another framework's wrapper, and the optimizer itself. Such wrappers
+    pass the optimizer's attributes on; use it for the optimizer object itself, or under a
+    wrapper that does not.
     """
     for _ in range(8):
-        inner = optimizer.__dict__.get("_optimizer") if hasattr(optimizer, "__dict__") else None
+        inner = wrapped_optimizer(optimizer, Muon)
         if inner is None and not isinstance(optimizer, Muon):
             inner = getattr(optimizer, "optimizer", None)
         if inner is None or inner is optimizer:
