@@ -31,7 +31,7 @@ test: $(STAMP)
 # earlier): ATen, oneDNN and MKL held to AVX2, and orth_dtype="auto"'s probe answering "no bfloat16".
 test-avx2: $(STAMP)
 	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 MUONCLIP_CPU_BF16=0 \
-		$(BIN)/python -m pytest -n 2 --durations=15
+		$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
