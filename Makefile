@@ -22,14 +22,16 @@ $(STAMP): pyproject.toml
 compare: $(STAMP)
 	$(BIN)/muonclip compare
 
+# --dist loadfile: a test file's tests share one worker, so a module's multi-process fixture (torchtitan's,
+# the distributed suites') is launched once, not once per worker that runs one of its tests
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --durations=15
+	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15
 
 # The suite as a CPU without AVX-512 and without bfloat16 instructions runs it (AMD EPYC Zen 3 and
 # earlier): ATen, oneDNN and MKL held to AVX2, and orth_dtype="auto"'s probe answering "no bfloat16".
 test-avx2: $(STAMP)
 	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 MUONCLIP_CPU_BF16=0 \
-		$(BIN)/python -m pytest -n 2 --durations=15
+		$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

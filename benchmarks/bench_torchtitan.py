@@ -22,7 +22,15 @@ AdamW is torchtitan's default container (``default_adamw``); DistMuon is torchti
 (``optimizer_name="DistMuon"``), which refuses CPU processes ("DistMuon requires one CUDA device
 per process"): the script tries it and prints the refusal.
 
+``--pp N``: the same under torchtitan's pipeline (N stages of ``--schedule``; FSDP2 over the
+``nproc / N`` ranks of each stage), built by its ``pipelining_fn`` as
+`muonclip.integrations.torchtitan` sets it up, each optimizer's model its own pipeline; a step is
+the schedule's step over every row as a micro-batch of one row (torchtitan's call,
+``step(arg_mbs=..., target_mbs=..., loss_kwargs=...)``), then the optimizer step. Each rank times
+its own stages' optimizer step; the slowest rank's counts.
+
     python benchmarks/bench_torchtitan.py [--steps 10] [--width 128] [--layers 4] [--device cuda --nproc 1]
+    python benchmarks/bench_torchtitan.py --pp 2 --optimizers AdamW,Muon,MuonClip
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from timing import CLOCKS, machine
 
 SEQ, VOCAB, BATCH = 64, 512, 4
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all", "all_to_all_single",
-               "reduce_scatter_tensor", "broadcast", "send", "isend")
+               "reduce_scatter_tensor", "broadcast", "send")  # not isend: the pipeline's P2POp must get torch's own
 
 
 def _config(args, name: str, world: int):
@@ -74,8 +82,16 @@ def _config(args, name: str, world: int):
                                                             scaling="llama"),
                                     attn_backend="flex"))
     cfg = with_muonclip(base, device_type=args.device)
-    cfg.parallelism.data_parallel_shard_degree = world
+    cfg.parallelism.data_parallel_shard_degree = world // args.pp
     cfg.training.seq_len = SEQ
+    if args.pp > 1:
+        from torchtitan.components.loss import CrossEntropyLoss
+
+        cfg.parallelism.pipeline_parallel_degree = args.pp
+        cfg.parallelism.pipeline_parallel_schedule = args.schedule
+        cfg.parallelism.pipeline_parallel_microbatch_size = 1
+        cfg.training.local_batch_size = BATCH * args.pp // world
+        cfg.loss = CrossEntropyLoss.Config()
     if name == "AdamW":
         cfg.optimizer = default_adamw(lr=1e-3, implementation="foreach")
     elif name == "DistMuon":  # torchtitan's Kimi recipe, reduced: every hidden matrix Owned (whole) on one rank
@@ -117,6 +133,29 @@ def _build(cfg, world: int, device: str):
     return model
 
 
+def _build_pipeline(cfg, world: int, device: str):
+    """``(schedule, model parts, has first stage, has last stage)`` as torchtitan's trainer builds them."""
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+
+    model_config = cfg.model_spec.model
+    model_config.update_from_config(config=cfg)
+    with torch.device("meta"):
+        model = model_config.build()
+    dist_utils.set_spmd_backend(cfg.parallelism.spmd_backend)
+    pipe = cfg.model_spec.pipelining_fn(
+        model, parallel_dims=ParallelDims.from_config(cfg.parallelism, world), training=cfg.training,
+        parallelism=cfg.parallelism, compile_config=cfg.compile, ac_config=cfg.activation_checkpoint, dump_folder="",
+        device=torch.device(device), model_config=model_config, parallelize_fn=cfg.model_spec.parallelize_fn,
+        loss_fn=cfg.loss.build(compile_config=cfg.compile))
+    for m in pipe[1]:
+        m.to_empty(device=device)
+        with torch.no_grad():
+            m.init_weights(buffer_device=None)
+        m.train()
+    return pipe
+
+
 class _Bytes:
     """Counts the bytes of every tensor handed to torch.distributed's collectives while active."""
 
@@ -148,14 +187,23 @@ def _batch(s: int, rank: int, world: int, device: str) -> torch.Tensor:
 
 
 def _step(model, opt, x, device, counter=None, tick=time.perf_counter) -> tuple[float, float]:
-    """One whole step (forward, backward, optimizer step): its seconds and the optimizer step's, by ``tick``."""
+    """One whole step (forward, backward, optimizer step): its seconds and the optimizer step's, by ``tick``.
+    ``model``: a module, or a pipeline (`_build_pipeline`) whose schedule runs every row as a micro-batch."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     dist.barrier()
     sync()
     t0 = tick()
-    out_ = model(x[:, :-1])
-    loss = F.cross_entropy(out_.flatten(0, 1).float(), x[:, 1:].flatten(), reduction="sum") / (BATCH * SEQ)
-    loss.backward()
+    if isinstance(model, tuple):
+        schedule, _, first, last = model
+        xs, ys = x[:, :-1].split(1), x[:, 1:].split(1)
+        schedule.step(arg_mbs=[(xm,) for xm in xs] if first else None, kwarg_mbs=[{} for _ in xs],
+                      target_mbs=list(ys) if last else None, losses=[] if last else None,
+                      loss_kwargs={"global_valid_tokens": torch.tensor(BATCH * SEQ, device=x.device)},
+                      return_outputs=False)
+    else:
+        out_ = model(x[:, :-1])
+        loss = F.cross_entropy(out_.flatten(0, 1).float(), x[:, 1:].flatten(), reduction="sum") / (BATCH * SEQ)
+        loss.backward()
     sync()
     if counter is not None:
         counter.n, counter.active = 0, True
@@ -184,9 +232,9 @@ def _worker(rank, world, port, args, out):
         for name in args.optimizers.split(","):
             cfg = _config(args, name, world)
             torch.manual_seed(0)
-            model = _build(cfg, world, device)
+            model = _build(cfg, world, device) if args.pp == 1 else _build_pipeline(cfg, world, device)
             try:
-                runs[name] = (model, cfg.optimizer.build(model_parts=[model]))
+                runs[name] = (model, cfg.optimizer.build(model_parts=[model] if args.pp == 1 else model[1]))
             except Exception as e:  # DistMuon on CPU
                 errors[name] = f"{type(e).__name__}: {e}"
         counter = _Bytes()
@@ -200,7 +248,8 @@ def _worker(rank, world, port, args, out):
             random.Random(r).shuffle(order)  # the same order on every rank
             for name in order:
                 model, opt = runs[name]
-                step, opt_s = _step(model, opt, _batch(r, rank, world, device), args.device, counter,
+                dp = world // args.pp  # torchtitan's meshes put the pipeline outermost
+                step, opt_s = _step(model, opt, _batch(r, rank % dp, dp, device), args.device, counter,
                                     CLOCKS[args.clock])
                 if r >= args.warmup:
                     times[name].append(step)
@@ -226,6 +275,8 @@ def main() -> None:
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--nproc", type=int, default=2, help="processes (FSDP2 over them; 1: no FSDP2)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (FSDP2 over nproc / pp ranks per stage)")
+    p.add_argument("--schedule", default="1F1B", help="torchtitan's pipeline schedule with --pp > 1 (default 1F1B)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process on CPU")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per process, NCCL")
     p.add_argument("--optimizers", default="AdamW,DistMuon,Muon,MuonClip", help="comma-separated")
@@ -233,9 +284,17 @@ def main() -> None:
                    help="wall clock, or each process's CPU time (less sensitive to other jobs on a shared machine; "
                         "leaves out time a rank waits in a collective without spinning)")
     args = p.parse_args()
+    if args.pp < 1 or args.nproc % args.pp or (BATCH * args.pp) % args.nproc:
+        p.error(f"--pp {args.pp} must divide --nproc {args.nproc}, and the {args.nproc // args.pp} ranks of a stage "
+                f"the batch of {BATCH}")
     torch.set_num_threads(args.threads)  # as in each process, for the report's thread count
+    dp = args.nproc // args.pp
+    layout = "FSDP2 over " if dp > 1 else ""
+    if args.pp > 1:
+        layout = (f"pipeline: {args.pp} stages ({args.schedule}, micro-batches of 1 row)"
+                  f"{f' x FSDP2 over {dp}' if dp > 1 else ''}, ")
     print(f"torchtitan llama3, width {args.width}, {args.layers} layers, GQA 8/4 heads, seq {SEQ}, batch {BATCH}; "
-          f"{'FSDP2 over ' if args.nproc > 1 else ''}{args.nproc} {'NCCL' if args.device == 'cuda' else 'gloo'} "
+          f"{layout}{args.nproc} {'NCCL' if args.device == 'cuda' else 'gloo'} "
           f"process(es); {machine()}; {args.clock} clock; {datetime.date.today()}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -26,17 +26,18 @@ def run(args: list[str], timeout: int = 300) -> str:
     return out.stdout
 
 
-def torchrun(script: str, *args: str) -> str:
+def torchrun(script: str, *args: str, nproc: int = 2) -> str:
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with the gloo backend is not available in this build")
-    return run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(EXAMPLES / script), *args])
+    return run(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(EXAMPLES / script),
+                *args])
 
 
 def test_every_example_has_a_smoke_test():
     tested = {"plain_pytorch.py", "hf_trainer_llama.py", "lightning_gpt.py", "torchrun_ddp.py", "torchrun_fsdp.py",
-              "torchrun_fsdp_tp.py"}
+              "torchrun_fsdp_tp.py", "torchrun_pipeline.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -75,4 +76,18 @@ def test_torchrun(script, tag):
     assert [r[0] for r in rows] == ["1", "2"], out
     assert sum(int(r[1]) for r in rows) > 0, out
     m = re.search(rf"max \|W_{tag} - W_single_process\| = ([\d.e+-]+)", out)
+    assert m and float(m.group(1)) <= 1e-3, out
+
+
+def test_torchrun_pipeline():
+    """Two stages of two FSDP2 ranks (4 processes), 1F1B: both stages clip heads (each with its own layers' maxima)
+    and the gathered weights equal one process trained on the same micro-batches."""
+    out = torchrun("torchrun_pipeline.py", "--dp", "2", "--schedule", "1F1B", "--steps", "2", "--batch-size", "2",
+                   "--block-size", "16", "--tau", "0.03", "--check", nproc=4)
+    rows = re.findall(r"step (\d) \| loss\(last stage\) [\d.]+ \| max logit [\d.]+ \| clipped heads (\d+) "
+                      r"\(stage 0: (\d+), stage 1: (\d+)\)", out)
+    assert [r[0] for r in rows] == ["1", "2"], out
+    assert all(int(r[1]) == int(r[2]) + int(r[3]) for r in rows) and int(rows[0][2]) > 0 and int(rows[0][3]) > 0, out
+    assert "2 stages x 2 ranks, 1F1B, 2 micro-batches" in out
+    m = re.search(r"max \|W_pipeline - W_single_process\| = ([\d.e+-]+)", out)
     assert m and float(m.group(1)) <= 1e-3, out

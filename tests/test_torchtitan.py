@@ -17,8 +17,8 @@ Two launches, one per mesh shape (the suite's time budget): 2 ranks (FSDP2) and 
 * DCP through torchtitan's flat optimizer state dict: resuming on 2 ranks is bit-identical to not
   stopping; the 2-rank checkpoint loaded on 4 ranks (FSDP2 x TP) continues like one process.
 
-* One process: pipeline parallelism and torchtitan's unused optimizer fields refused (the latter not on
-  the command line); a Muon rate carried over from torchtitan's AdamW config is logged with what was
+* One process: model parts without their pipeline stage and torchtitan's unused optimizer fields refused (the
+  latter not on the command line); a Muon rate carried over from torchtitan's AdamW config is logged with what was
   measured, a chosen one is not.
 
 Skipped when the torchtitan extra is not installed (CI installs it).
@@ -389,21 +389,17 @@ def test_the_command_line_selects_our_optimizer_and_its_fields():
         ConfigManager().parse_args(["--module", "muonclip.integrations.torchtitan", "--config", "no_such_config"])
 
 
-def test_pipeline_parallelism_and_torchtitans_unused_optimizer_fields_are_refused():
-    """Pipeline parallelism is refused when torchtitan would pipeline the model (its ``pipelining_fn``) and by
-    the container given several model parts, naming what to use; torchtitan's own optimizer fields, which the
-    container does not use, are not on the command line and are refused when set in Python."""
+def test_model_parts_without_their_stage_and_torchtitans_unused_optimizer_fields_are_refused():
+    """Several model parts are a pipeline's: the container refuses them without the stage the pipelining function
+    tags them with (tests/test_torchtitan_pipeline.py trains pipelines); torchtitan's own optimizer fields, which
+    the container does not use, are not on the command line and are refused when set in Python."""
     from torchtitan.config import ConfigManager
 
     from muonclip.integrations.torchtitan import MuonClipOptimizers
 
-    cfg = ConfigManager().parse_args(["--module", "muonclip.integrations.torchtitan", "--config", "llama3_debugmodel",
-                                      "--parallelism.pipeline_parallel_degree", "2"])
-    with pytest.raises(ValueError, match=r"pipeline parallelism.*--parallelism.data_parallel_shard_degree"):
-        cfg.model_spec.pipelining_fn(None, parallel_dims=None)
     cfg = H.trainer_config(H.tiny_llama())
     parts = [H.build(cfg, 1, "", parallel=False) for _ in range(2)]
-    with pytest.raises(ValueError, match=r"pipeline parallelism \(got 2 model parts\)"):
+    with pytest.raises(ValueError, match=r"got 2 model parts without their pipeline stage.*with_muonclip"):
         cfg.optimizer.build(model_parts=parts)
     for field, value in (("param_groups", [object()]), ("implementation", "foreach"),
                          ("optimizer_factory_kwargs_by_name", {"AdamW": {}})):

@@ -8,6 +8,9 @@
   step; TensorBoard's event file holds the same figures under ``muonclip/`` (max logit, clipped heads and
   layers, each layer's first clip) at the same steps; a step with clipped heads is one whose max logit
   passes tau. One launch for both.
+* The same command pipelined over its 2 ranks (``--parallelism.pipeline_parallel_degree 2``, torchtitan's default
+  Interleaved1F1B: two stages per rank): the log and TensorBoard, written by the last stage's rank, cover the layers
+  of every stage, exact (each layer's max logit and clipped heads logged; their max and sum are the totals).
 * The AdamW baseline command builds torchtitan's default AdamW on the same model.
 * In one process (`ClipLog` and `MuonClipOptimizers.record_exact`, what the metrics processor calls): a
   logged step's max logit equals the exact maxima of the chunked backend on the same weights and batch,
@@ -47,23 +50,38 @@ def _scalars(log_dir):
     return read_scalars(log_dir)
 
 
+def _run(assets, tmp, *extra):
+    """The documented MuonClip command, launched as printed with torchrun on 2 gloo ranks, small (4 steps of 64
+    tokens, 2 rows per rank, logged at steps 1, 2 and 4), with ``extra`` arguments; its output folder and log."""
+    cmd = commands(assets)["MuonClip"].split()
+    assert cmd[0] == "torchrun"
+    cmd = [sys.executable, "-m", "torch.distributed.run", *cmd[1:], "--training.steps", "4", "--training.seq_len",
+           "64", "--training.local_batch_size", "2", "--metrics.log_freq", "2", "--optimizer.tau", str(TAU),
+           "--dump_folder", str(tmp / "out"), "--metrics.disable_color_printing", *extra]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=400)
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-4000:]
+    return tmp / "out", log
+
+
 @pytest.fixture(scope="module")
 def quickstart(tmp_path_factory):
     """The assets (1 play) and one 2-rank run of the documented MuonClip command, small."""
     tmp = tmp_path_factory.mktemp("quickstart")
     assets = tmp / "assets"
     assert main(["torchtitan-assets", str(assets), "--plays", "1", "--vocab-size", "512"]) == 0
-    cmd = commands(assets)["MuonClip"].split()
-    assert cmd[0] == "torchrun"
-    cmd = [sys.executable, "-m", "torch.distributed.run", *cmd[1:], "--training.steps", "4", "--training.seq_len",
-           "64", "--training.local_batch_size", "2", "--metrics.log_freq", "2", "--optimizer.tau", str(TAU),
-           "--dump_folder", str(tmp / "out"), "--metrics.disable_color_printing"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=400)
-    log = run.stdout + run.stderr
-    assert run.returncode == 0, log[-4000:]
-    return assets, tmp / "out", log
+    return (assets, *_run(assets, tmp))
+
+
+@pytest.fixture(scope="module")
+def pipelined(quickstart, tmp_path_factory):
+    """The same command pipelined over its 2 ranks with torchtitan's default schedule (Interleaved1F1B: 4 stages,
+    two per rank), each layer's figures logged."""
+    assets, _, _ = quickstart
+    return _run(assets, tmp_path_factory.mktemp("pipelined"), "--parallelism.pipeline_parallel_degree", "2",
+                "--metrics.clip_per_layer")
 
 
 def test_the_assets_are_a_tokenizer_and_a_dataset_torchtitan_reads(quickstart, tmp_path):
@@ -120,6 +138,32 @@ def test_the_quick_start_log_and_tensorboard_show_the_clip(quickstart):
     assert sum(first == 1.0 for [(_, first)] in firsts.values()) == lines[1][2]
     # torchtitan's own line is still there, with the loss
     assert re.search(r"step:\s+4\s+loss:\s+[\d.]+", log)
+
+
+def test_a_pipelined_run_logs_the_clip_of_every_stage_from_the_last_stage(pipelined):
+    """torchtitan writes TensorBoard from the last stage's first rank (rank 1 here), whose stages hold layers 1, 2
+    and 5; the figures cover the six layers of both ranks' stages, the same on both ranks' console lines, exact
+    (the maxima are those of the layers, the clipped heads their sum, the clip acts where the max passes tau)."""
+    out, log = pipelined
+    starts = sorted(ln.split("; ")[-1] for ln in log.splitlines() if "QK-Clip tau" in ln)
+    assert starts == ["pipeline stages 0, 2 of 4 (rank 0)", "pipeline stages 1, 3 of 4 (rank 1)"]
+    assert [ln for ln in log.splitlines() if "QK-Clip tau" in ln and "layers.0.attention, layers.3.attention" in ln]
+    lines = _line_figures(log)  # both ranks' lines: the same figures
+    assert sorted(lines) == [1, 2, 4]
+    assert all(log.count(f"muonclip step: {s:2} ") == 2 for s in lines)  # one line per rank
+    tb = _scalars(next((out / "tb").iterdir()))
+    layers = [f"layers.{i}.attention" for i in range(6)]
+    for step, (top, heads, n_layers) in lines.items():
+        got = {k: dict(v)[step] for k, v in tb.items() if k.startswith("muonclip/") and step in dict(v)}
+        per_layer = [got[f"muonclip/max_logit/{n}"] for n in layers]
+        clipped = [got[f"muonclip/clipped_heads/{n}"] for n in layers]
+        assert got["muonclip/max_logit"] == max(per_layer) == pytest.approx(top, abs=0.006)
+        assert got["muonclip/clipped_heads"] == sum(clipped) == heads
+        assert got["muonclip/clipped_layers"] == sum(c > 0 for c in clipped) == n_layers
+        assert all((c > 0) == (m > TAU) for c, m in zip(clipped, per_layer))
+    firsts = {k.split("/", 2)[2] for k in tb if k.startswith("muonclip/first_clip_step/")}
+    assert {"layers.0.attention", "layers.3.attention", "layers.4.attention"} <= firsts <= set(layers)
+    assert re.search(r"step:\s+4\s+loss:\s+[\d.]+", log)  # the last stage's loss
 
 
 def test_the_adamw_baseline_command_builds_torchtitans_default_adamw(quickstart):

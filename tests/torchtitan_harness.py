@@ -181,3 +181,131 @@ def reference_start(cfg, seed=0):
                 m.wq.weight.view(m.n_heads, -1, m.wq.weight.shape[1]).mul_(torch.linspace(0.5, 40.0, m.n_heads)[:, None, None])
                 m.wkv_b.weight.mul_(6.0)
     return canonical_params(model)
+
+
+# ------------------------------------------------------------------------------------------
+# pipeline parallelism: the stages as torchtitan's trainer builds them, trained as it trains them
+# ------------------------------------------------------------------------------------------
+
+
+def pipeline_config(cfg, *, pp=2, schedule="1F1B", rows=4, microbatch=1, ac=True):
+    """``cfg`` pipelined: ``pp`` ranks, torchtitan's ``schedule``, ``rows`` rows per data-parallel rank in
+    micro-batches of ``microbatch`` rows; torchtitan's plain cross-entropy (summed, over the global token count);
+    ``ac=False``: no activation checkpointing."""
+    from torchtitan.components.loss import CrossEntropyLoss
+
+    cfg.parallelism.pipeline_parallel_degree = pp
+    cfg.parallelism.pipeline_parallel_schedule = schedule
+    cfg.parallelism.pipeline_parallel_microbatch_size = microbatch
+    cfg.training.local_batch_size = rows
+    cfg.loss = CrossEntropyLoss.Config()
+    if not ac:
+        cfg.activation_checkpoint = None
+    return cfg
+
+
+class Pipeline:
+    """What torchtitan's ``pipelining_fn`` returns on this rank (schedule, model parts, first/last stage)."""
+
+    def __init__(self, schedule, parts, first, last):
+        self.schedule, self.parts, self.first, self.last = schedule, parts, first, last
+
+
+def build_pipeline(cfg, world, folder=""):
+    """The model as torchtitan's Trainer builds it under pipeline parallelism (meta init, ``pipelining_fn``:
+    split, parallelise each part, the schedule; then each part's weights initialised)."""
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+
+    model_config = cfg.model_spec.model
+    model_config.update_from_config(config=cfg)
+    with torch.device("meta"):
+        model = model_config.build()
+    dims = ParallelDims.from_config(cfg.parallelism, world)
+    dist_utils.set_spmd_backend(cfg.parallelism.spmd_backend)  # as the trainer does (its loss reads it)
+    schedule, parts, first, last = cfg.model_spec.pipelining_fn(
+        model, parallel_dims=dims, training=cfg.training, parallelism=cfg.parallelism, compile_config=cfg.compile,
+        ac_config=cfg.activation_checkpoint, dump_folder=folder, device=torch.device("cpu"), model_config=model_config,
+        parallelize_fn=cfg.model_spec.parallelize_fn, loss_fn=cfg.loss.build(compile_config=cfg.compile))
+    for m in parts:
+        m.to_empty(device="cpu")
+        with torch.no_grad():
+            m.init_weights(buffer_device=None)
+        m.train()
+    return Pipeline(schedule, parts, first, last)
+
+
+def train_pipeline(pipe, opt, steps, *, part=0, parts=1, start=0, log=None, microbatch=1):
+    """`train` through the pipeline, as torchtitan's trainer steps it: this data-parallel part's rows in
+    micro-batches of ``microbatch`` rows, ``schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=..., losses=...,
+    loss_kwargs={"global_valid_tokens": ...})``, then the optimizer. ``log`` gets, per step, this rank's layers'
+    max logits and clipped heads."""
+    for s in range(start, start + steps):
+        x, y = batch(s)
+        tokens = torch.tensor(y.numel())
+        n = x.shape[0] // parts
+        xs, ys = x[part * n:(part + 1) * n].split(microbatch), y[part * n:(part + 1) * n].split(microbatch)
+        losses = [] if pipe.last else None
+        pipe.schedule.step(arg_mbs=[(xm,) for xm in xs] if pipe.first else None, kwarg_mbs=[{} for _ in xs],
+                           target_mbs=list(ys) if pipe.last else None, losses=losses,
+                           loss_kwargs={"global_valid_tokens": tokens}, return_outputs=False)
+        opt.step()
+        opt.zero_grad()
+        if log is not None:
+            log.append({k: (v.clone(), o.last_clipped[k].clone()) for o in opt.clipping()
+                        for k, v in o.last_max_logits.items()})
+
+
+def save_start(cfg, params: dict[str, torch.Tensor], path) -> None:
+    """``params`` (canonical names) as a DCP checkpoint of the model, in torchtitan's checkpoint keys
+    (``ModelWrapper``: the fused wqkv saved as wq, wk, wv), written by one process."""
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.components.checkpointer.base import ModelWrapper
+
+    model = build(cfg, 1, "", parallel=False)
+    load_params(model, params)
+    dcp.save({"model": ModelWrapper(model).state_dict()}, checkpoint_id=str(path), no_dist=True)
+
+
+def load_model(parts, path) -> None:
+    """The model weights of a DCP checkpoint into ``parts`` (torchtitan's ``ModelWrapper``: any split, any mesh)."""
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.components.checkpointer.base import ModelWrapper
+
+    wrapper = ModelWrapper(parts)
+    state = {"model": wrapper.state_dict()}
+    dcp.load(state, checkpoint_id=str(path))
+    wrapper.load_state_dict(state["model"])
+
+
+def save(path, parts, opt) -> None:
+    """Model and optimizer (torchtitan's flat state dict) to DCP, as its checkpointer writes them."""
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.components.checkpointer.base import ModelWrapper
+
+    dcp.save({"model": ModelWrapper(parts).state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=str(path))
+
+
+def load(path, parts, opt) -> None:
+    """Model and optimizer from DCP into ``parts`` and ``opt`` (any split, any mesh)."""
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.components.checkpointer.base import ModelWrapper
+
+    wrapper = ModelWrapper(parts)
+    state = {"model": wrapper.state_dict(), "optimizer": opt.state_dict()}
+    dcp.load(state, checkpoint_id=str(path))
+    wrapper.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+
+
+def merged(results: list[dict]) -> dict:
+    """One run's figures over the ranks of a pipeline: every stage's parameters, and per step every stage's
+    layers' (max logits, clipped heads)."""
+    params: dict = {}
+    for r in results:
+        params.update(r["params"])
+    log = [{} for _ in results[0]["log"]]
+    for r in results:
+        for step, got in zip(log, r["log"]):
+            step.update(got)
+    return {"params": params, "log": log}

@@ -13,7 +13,7 @@ from ._max_logits import DEFAULT_CHUNK_ELEMENTS, chunked_max_logits
 from ._recorder import MaxLogitRecorder
 from ._sdpa import scaled_dot_product_attention
 from .call import AttentionCall
-from .forward_rule import MaxLogitMonitor, is_training_forward
+from .forward_rule import MaxLogitMonitor, is_training_forward, unrecorded_forward
 from .pairs import MASKED_AT
 from .record import get_max_logit_backend, set_max_logit_backend
 from .sinks import sink_attention
@@ -34,4 +34,5 @@ __all__ = [
     "sdpa_with_lse",
     "set_max_logit_backend",
     "sink_attention",
+    "unrecorded_forward",
 ]

@@ -47,6 +47,14 @@ torchtitan recorders; each is told the module's mode by its ``training`` argumen
 the layers after a dropout see other inputs than in the forward: then the gradients and the
 maxima describe two different passes.)
 
+**Forwards that are not data** (`unrecorded_forward`): a block inside which no attention call
+feeds anything, neither the clip nor a monitor, whatever the mode. torch's pipeline schedules
+(``torch.distributed.pipelining``) run each stage once, before the first step and after each
+switch between training and evaluation, on tensors of the right shapes and no defined values
+(uninitialised memory), in training mode with grad enabled, to learn the shapes its stages
+exchange: such a forward would record garbage, NaN or huge maxima, into the step's clip.
+`muonclip.integrations.pipelining.unrecorded_shape_inference` runs that pass in this block.
+
 **Monitoring.** `MaxLogitMonitor` reads the max logits of any forward (an evaluation pass, a
 generation) for logging, into recorders of its own; the clip's recorders are never touched.
 """
@@ -63,6 +71,7 @@ from torch import Tensor
 from ._recorder import MaxLogitRecorder
 
 _active: list[MaxLogitMonitor] = []  # monitors inside their ``with`` block, process-wide
+_unrecorded = [0]  # depth of `unrecorded_forward` blocks, process-wide
 
 
 def is_training_forward(training: bool) -> bool:
@@ -72,16 +81,27 @@ def is_training_forward(training: bool) -> bool:
         training: the calling module's ``module.training``.
 
     Returns:
-        ``training and torch.is_grad_enabled()``.
+        ``training and torch.is_grad_enabled()``, and not inside `unrecorded_forward`.
     """
-    return bool(training) and torch.is_grad_enabled()
+    return bool(training) and torch.is_grad_enabled() and not _unrecorded[0]
+
+
+@contextlib.contextmanager
+def unrecorded_forward() -> Iterator[None]:
+    """Attention calls inside the block feed no recorder: not the clip's, not a monitor's (module
+    docstring, "Forwards that are not data"). Process-wide while the block runs; blocks nest."""
+    _unrecorded[0] += 1
+    try:
+        yield
+    finally:
+        _unrecorded[0] -= 1
 
 
 def recorders_to_feed(recorder: MaxLogitRecorder | None, training: bool) -> list[MaxLogitRecorder]:
     """Every recorder one attention call of the layer owning ``recorder`` folds its maxima into:
     the layer's own (the clip's) on a training forward, and that of each active
     `MaxLogitMonitor` watching the layer. Empty: the call need not compute its maxima."""
-    if recorder is None:
+    if recorder is None or _unrecorded[0]:
         return []
     out = [recorder] if is_training_forward(training) else []
     for monitor in _active:

@@ -7,7 +7,8 @@
   ``fully_shard``, tensor parallel, FSDP2 x TP, HSDP, expert parallel), or, for plain tensors,
   the default group when ``torch.distributed`` is initialised with more than one rank (DDP:
   parameters and gradients are replicated), or no group at all (world size 1, the trivial case
-  of the same step);
+  of the same step); or the group the optimizer was given: under pipeline parallelism the
+  stage's own ranks (`stage_context`), since the mesh then spans stages whose parameters differ;
 * the layout of each parameter: for every rank of the group, the global indices its local
   tensor holds (`GroupContext.pieces`, computed by `muonclip.common._dtensor`).
 
@@ -111,9 +112,10 @@ def collective_group(params: Sequence[Tensor], process_group: Any = None) -> Any
     QK-Clip's max-logit reduction, the logging callbacks' reductions); None: no collective.
 
     The rule of `resolve_group`, without its checks: ``"local"`` is None; a ``ProcessGroup`` is
-    itself; None (automatic) is the group spanning the DTensor parameters' device mesh, else the
-    default group when ``torch.distributed`` is initialised with more than one rank. A group of
-    one rank is None.
+    itself (a pipeline stage's ranks: the clip's max-logit reduction and the logging sums stay
+    within the stage); None (automatic) is the group spanning the DTensor parameters' device
+    mesh, else the default group when ``torch.distributed`` is initialised with more than one
+    rank. A group of one rank is None.
     """
     if process_group == LOCAL:
         return None
@@ -139,12 +141,15 @@ def resolve_group(params: Sequence[Tensor], name_of: Callable[[int], str], proce
         process_group: ``None`` (default, automatic: every rank of the DTensors' mesh, else the
             default group when torch.distributed is initialised with world size > 1, else
             none), ``"local"`` (no communication: each process optimises on its own; not allowed
-            with sharded DTensors), or a ``ProcessGroup`` for plain replicated tensors.
+            with sharded DTensors), or a ``ProcessGroup``: for plain tensors, the ranks that
+            replicate them; with DTensors, a group that holds every rank of this rank's copy of
+            each parameter's mesh (a pipeline stage's ranks: `stage_context`).
 
     Raises:
         RuntimeError: a DTensor parameter is seen while torch.distributed is not initialised.
-        ValueError: parameters on different meshes, a ``Partial`` placement, or a local shard
-            whose shape is not the one its placements give.
+        ValueError: parameters on different meshes, a ``Partial`` placement, a local shard
+            whose shape is not the one its placements give, or a given group that misses ranks
+            holding pieces of this rank's parameters.
     """
     first = None
     for i, p in enumerate(params):
@@ -176,7 +181,7 @@ def resolve_group(params: Sequence[Tensor], name_of: Callable[[int], str], proce
             return SINGLE
         group = mesh_group(mesh)
         if process_group is not None and process_group is not group:
-            raise ValueError("process_group differs from the device mesh group of the DTensor parameters")
+            return stage_context(params, name_of, process_group)
         ranks = dist.get_process_group_ranks(group)
         where = {int(g): tuple(int(c) for c in torch.nonzero(mesh.mesh == g)[0].tolist()) for g in mesh.mesh.flatten()}
         return GroupContext(group, dist.get_rank(group), len(ranks), tuple(mesh.shape), tuple(where[g] for g in ranks),
@@ -192,6 +197,46 @@ def resolve_group(params: Sequence[Tensor], name_of: Callable[[int], str], proce
         return SINGLE
     return GroupContext(group, dist.get_rank(group), world, (world,), tuple((r,) for r in range(world)),
                         tuple(dist.get_process_group_ranks(group)))
+
+
+def stage_context(params: Sequence[Tensor], name_of: Callable[[int], str], group: Any) -> GroupContext:
+    """The context of a step over ``group``, a part of the DTensor parameters' root mesh: under
+    pipeline parallelism the ranks of one stage (its data, context, tensor and expert-parallel
+    ranks), while the mesh spans the other stages too, whose coordinates hold different
+    parameters, not replicas (docs/design.md, "Pipeline parallelism").
+
+    Each parameter's pieces come from its mesh's rank layout (`mesh_grid`), restricted to the
+    group's ranks: copies of the parameter's mesh inside the group are replicas of it; copies
+    outside are never looked at. The group must hold every rank of this rank's copy (the ranks
+    holding the other pieces of this rank's parameters).
+
+    Raises:
+        ValueError: this rank is not in ``group``, or ``group`` misses a rank holding a piece of
+            one of this rank's parameters.
+    """
+    ranks = tuple(int(r) for r in dist.get_process_group_ranks(group))
+    me = dist.get_rank()
+    if me not in ranks:
+        raise ValueError(f"process_group holds the ranks {list(ranks)} but not this rank ({me}): give each rank "
+                         "the group of its own pipeline stage")
+    for i, p in enumerate(params):
+        if not is_dtensor(p):
+            continue
+        _, where = mesh_grid(p.device_mesh)
+        copy = where[me][0]
+        holders = sorted(g for g, c in where.items() if c[0] == copy)
+        outside = [g for g in holders if g not in ranks]
+        if outside:
+            raise ValueError(
+                f"{name_of(i)} is split over the ranks {holders} (device mesh {p.device_mesh}) but process_group "
+                f"holds {list(ranks)}: the pieces on {outside} would be missing from its whole matrix. Give the "
+                "group of every rank of the stage (its data, context, tensor and expert-parallel ranks), or leave "
+                "process_group=None without pipeline parallelism"
+            )
+    world = len(ranks)
+    if world == 1:
+        return SINGLE
+    return GroupContext(group, dist.get_rank(group), world, (world,), tuple((r,) for r in range(world)), ranks)
 
 
 def _check_local_shape(p: Tensor, name: str) -> None:

@@ -14,7 +14,10 @@ only what moves between ranks, as the body's `muonclip.optim.multiprocess.Exchan
    flops (`plan.assign_owners`), the same on every rank with no communication; what moves where
    follows. A second all-reduce checks that plain (non-DTensor) parameters hold the same values
    everywhere (`exchange.agree_replicas`: a shard passed as a plain tensor is refused, never
-   taken for a replica).
+   taken for a replica), and a third that DTensor pieces several ranks hold (the copies of a
+   submesh, ``Replicate`` dimensions) hold the same values (`exchange.agree_copies`: the ranks
+   of another pipeline stage, which a mesh spanning the stages lays out as copies, are refused,
+   never taken for replicas).
 3. **Gather** (`StepExchange.gather`, before orthogonalisation): owners get whole V: row-sharded
    ones by one all-to-all (`exchange.exchange`) of the pieces each rank formed from what it
    holds (momentum stays sharded); units held whole by their owner are written straight into
@@ -42,7 +45,7 @@ from ..optim._state_dicts import state_dtype
 from ..optim.functional import MuonWeight
 from ..optim.multiprocess import StepStats, register_engine
 from ._context import GroupContext, locals_and_group, resolve_group
-from ._exchange import Transfer, agree_parameters, agree_replicas, exchange, signature
+from ._exchange import Transfer, agree_copies, agree_parameters, agree_replicas, exchange, signature
 from ._plan import assign_owners
 
 
@@ -58,10 +61,13 @@ class DistributedEngine:
         """The rank-local tensor (`muonclip.common._dtensor.local`)."""
         return local(t)
 
-    def all_finite(self, tensors: Sequence[Tensor], finite: Tensor) -> Tensor:
-        """``finite`` AND-ed (one MIN all-reduce) over the mesh of the DTensors among ``tensors``;
-        unchanged for replicated plain tensors (every rank holds the same values)."""
+    def all_finite(self, tensors: Sequence[Tensor], finite: Tensor, ctx: GroupContext | None = None) -> Tensor:
+        """``finite`` AND-ed (one MIN all-reduce) over the ranks of the step's group ``ctx`` (None:
+        the mesh of the DTensors among ``tensors``) when there are DTensors among them; unchanged
+        for replicated plain tensors (every rank holds the same values)."""
         _, group = locals_and_group(tensors)
+        if group is not None and ctx is not None:
+            group = ctx.group  # the step's own ranks: under pipeline parallelism, the stage's
         if group is None:
             return finite
         flags = finite.to(torch.int32)
@@ -102,8 +108,11 @@ class StepExchange:
         shard taken for one): one all-reduce of their fingerprints."""
         routes = _build(live, names, specs, self.ctx)
         plain = [k for k, (_, p) in enumerate(live) if not is_dtensor(p)]
-        agree_replicas(self.ctx, [live[k][1] for k in plain], [names[k]() for k in plain], local(live[0][1]).device,
-                       self.stats.comm)
+        device = local(live[0][1]).device
+        agree_replicas(self.ctx, [live[k][1] for k in plain], [names[k]() for k in plain], device, self.stats.comm)
+        shared = [k for k, (_, p) in enumerate(live) if is_dtensor(p) and _repeated(routes.all_pieces[k])]
+        agree_copies(self.ctx, [live[k][1] for k in shared], [routes.all_pieces[k] for k in shared],
+                     [names[k] for k in shared], device, self.stats.comm)
         return routes
 
     def gather(self, routes: Routes, weights: Sequence[MuonWeight], v_of: Callable[[int], Tensor]) -> dict[int, Tensor]:
@@ -185,6 +194,7 @@ class Routes:
         scatter, scatter_unit, scatter_piece: the pieces of results that move from owners.
         mine: per weight ``(unit, transfer)``: where this rank's piece of the result comes from
             (transfer None: a unit this rank owns; unit None: this rank holds nothing).
+        all_pieces: per weight, every group rank's piece.
     """
 
     units: list[Unit]
@@ -203,6 +213,13 @@ class Routes:
     scatter_unit: list[int]
     scatter_piece: list[Piece]
     mine: list[tuple[int | None, int | None]]
+    all_pieces: list[list[Piece]]
+
+
+def _repeated(pieces: Sequence[Piece]) -> bool:
+    """Whether some non-empty piece is held by more than one rank (the same answer on every rank)."""
+    held = [pc for pc in pieces if not is_empty(pc)]
+    return len(set(held)) < len(held)
 
 
 def _experts(spec: MatrixSpec, piece: Piece) -> slice:
@@ -291,7 +308,7 @@ def _build(live: Sequence[tuple[dict[str, Any], Tensor]], names: Sequence[Callab
     return Routes(units, plan.owned(me), places, plan.flops[me], sum(plan.flops), plan.owners,
                   [pc for _, pc, _, _, _ in found], [shape for _, _, shape, _, _ in found],
                   [all_pieces[k][me] for k in range(len(live))], gather, gather_unit, sources, scatter, scatter_unit,
-                  scatter_piece, mine)
+                  scatter_piece, mine, all_pieces)
 
 
 def _check_whole_rows(p: Tensor, spec: MatrixSpec, pieces: Sequence[Piece], name: Callable[[], str]) -> None:

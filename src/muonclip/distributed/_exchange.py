@@ -1,6 +1,6 @@
 """The collectives of a distributed Muon step, each batched into one call for all matrices.
 
-Two kinds of collective (docs/design.md, "Distributed Muon"), every one called on every rank of the group, in the same
+Three kinds of collective (docs/design.md, "Distributed Muon"), every one called on every rank of the group, in the same
 order, whatever that rank holds (a rank that owns nothing, or holds an empty shard, still
 sends and receives zero-length pieces):
 
@@ -8,6 +8,8 @@ sends and receives zero-length pieces):
   rank has the same parameters (a signature of global shapes, placements and options) and the
   same set of gradients. On a mismatch every rank raises the same error, so no rank is left
   waiting in a collective the others never enter.
+* `agree_replicas` and `agree_copies` — when a step's structure is new: plain tensors hold the
+  same values on every rank, and DTensor pieces that several ranks hold the same values on each.
 * `exchange` — one ``all_to_all_single`` that moves a list of pieces (`Transfer`: source rank,
   destination rank, shape), all matrices at once. A step uses it twice: each owner receives
   the pieces of its matrices' V from ranks that hold them (for replicated pieces, from one
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..common._dtensor import Piece, is_empty, local
 from ..optim.multiprocess import CommStats
 from ._context import GroupContext
 
@@ -57,7 +60,9 @@ def agree_parameters(ctx: GroupContext, sig: int, has_grad: Sequence[bool], name
     if packed[0] != -packed[1]:
         raise ValueError(
             "the Muon parameters differ across ranks (number, order, global shapes or options): every rank "
-            "must build the same model and optimizer, or the collectives would pair the wrong tensors"
+            "must build the same model and optimizer, or the collectives would pair the wrong tensors. Under "
+            "pipeline parallelism each stage holds other parameters: give each stage's optimizer its own ranks, "
+            "process_group=<the stage's data-parallel group> ('local' for a one-rank stage)"
         )
     n = len(has_grad)
     mixed = [names[i]() for i in range(n) if packed[2 + i] != -packed[2 + n + i]]
@@ -101,8 +106,45 @@ def agree_replicas(ctx: GroupContext, tensors: Sequence[Tensor], names: Sequence
             f"{', '.join(bad[:5])} is a plain tensor with different values on different ranks; Muon treats plain "
             "tensors as replicated (DDP). A weight sharded by tensor parallelism must be a DTensor "
             "(parallelize_module, distribute_tensor, DTensor.from_local), so that Muon can assemble whole "
-            "matrices; replicated weights must start equal on every rank (DDP broadcasts them)"
+            "matrices; replicated weights must start equal on every rank (DDP broadcasts them). Under pipeline "
+            "parallelism other ranks hold other stages: pass process_group=<the stage's data-parallel group> "
+            "('local' for a one-rank stage)"
         )
+
+
+def agree_copies(ctx: GroupContext, tensors: Sequence[Tensor], pieces: Sequence[Sequence[Piece]],
+                 names: Sequence[Callable[[], str]], device: torch.device, stats: CommStats) -> None:
+    """Check that DTensor parameters whose pieces several ranks hold (the copies of a submesh, a
+    ``Replicate`` dimension; ``pieces[k][r]`` is group rank r's piece of ``tensors[k]``) hold the
+    same values wherever a piece repeats; raise ValueError on every rank otherwise.
+
+    One ``all_gather`` of every rank's `fingerprint` of each tensor's local piece, run when a
+    step's structure is new. The step gathers V from one holder of a piece and sends the result
+    to every holder: under pipeline parallelism a mesh that spans the stages lays out the other
+    stages' ranks as copies of this stage's parameters, and their values differ. Nothing is sent
+    when ``tensors`` is empty.
+    """
+    if not tensors:
+        return
+    mine = torch.stack([fingerprint(local(t)) for t in tensors]).to(device)
+    every = [torch.empty_like(mine) for _ in range(ctx.world_size)]
+    dist.all_gather(every, mine, group=ctx.group)
+    stats.add("all_gather", mine.numel() * 8 * (ctx.world_size - 1))
+    for k in range(len(tensors)):
+        first: dict[Piece, int] = {}
+        for r, pc in enumerate(pieces[k]):
+            if is_empty(pc):
+                continue
+            seen = first.setdefault(pc, r)
+            if seen != r and not torch.equal(every[r][k], every[seen][k]):
+                raise ValueError(
+                    f"{names[k]()} holds different values on ranks {ctx.ranks[seen]} and {ctx.ranks[r]}, which its "
+                    f"device mesh {getattr(tensors[k], 'device_mesh', None)} lays out as holding the same piece "
+                    "(copies of a submesh, or a Replicate dimension), so Muon would take one for the other. Under "
+                    "pipeline parallelism the mesh spans the stages, whose parameters differ: give each stage's "
+                    "optimizer its own ranks, process_group=<the stage's data/tensor-parallel group>. Otherwise "
+                    "replicated pieces must start equal (distribute_tensor, fully_shard and DCP make them so)"
+                )
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,9 @@ What ``--config NAME`` gives (`with_muonclip` applied to torchtitan's ``NAME()``
 * every attention's inner attention replaced by a recording one
   (`muonclip.integrations.torchtitan_attention`): `RecordingFlexAttention` on CUDA
   (`RecordingVarlen` for torchtitan's varlen backend), `RecordingSDPA` elsewhere.
-* pipeline parallelism refused (`pipeline_refusal`) when torchtitan would pipeline the model.
+* pipeline parallelism (``--parallelism.pipeline_parallel_degree``): torchtitan's ``pipelining_fn``
+  wrapped by `muonclip.integrations.torchtitan_pipeline.pipelining` (each stage's group on its
+  model parts, a schedule step this torch runs, the refusals).
 * on a machine without CUDA, the CPU/gloo set-up of `muonclip.integrations.torchtitan_cpu`.
 
 The container (`MuonClipOptimizers`) builds one `muonclip.MuonClip` (or `muonclip.Muon`) on
@@ -42,11 +44,12 @@ zero-gradient, zero-lr step; the container runs that step with MuonClip's "nothi
 warning silenced (it is not a training step). It logs a start-up line (optimizer, rates, tau,
 the clipped and the refused attention layers: `muonclip.integrations.torchtitan_metrics.startup_line`).
 
-**Pipeline parallelism is refused.** torchtitan's pipeline gives each rank one model part (a
-stage) or several; Muon's step and QK-Clip's max-logit reduction run over every rank of the
-parameters' mesh, which then spans the stages too, whose parameters and layers differ. The
-container takes one model part, and `with_muonclip` replaces torchtitan's ``pipelining_fn``
-with a refusal that names FSDP2, HSDP and tensor parallelism instead.
+**Pipeline parallelism.** torchtitan's pipeline gives each rank one model part (a stage) or
+several; their parameters' meshes span every stage. The container builds one optimizer over all
+of the rank's parts, with ``process_group=`` the group of the ranks of its stages (the
+`muonclip.integrations.torchtitan_pipeline.Stage` the parts carry): Muon's owners, its checks and
+QK-Clip's max-logit reduction stay within the stage, never across stages (docs/design.md,
+"Pipeline parallelism"). A rank whose stages hold no attention layer steps a `muonclip.Muon`.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ from ..qkclip._muonclip import MuonClip
 from .torchtitan_attention import recording_attention_config
 from .torchtitan_layouts import attention_layers, canonical_name, muon_splits
 from .torchtitan_metrics import MuonClipMetricsProcessor, metrics_config, startup_line
+from .torchtitan_pipeline import pipelining, stage_of
 
 _DTYPES = {"auto": D.AUTO, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ADAMW_DEFAULTS = {"betas": D.BETAS, "eps": D.ADAMW_EPS}
@@ -87,20 +91,6 @@ RATE_WARNING = (
     "for the embeddings, the output head and the vectors)"
 )
 """Logged when the Muon rate is the one carried over from torchtitan's AdamW config (`with_muonclip`)."""
-
-
-def pipeline_refusal(what: str) -> str:
-    """The message refusing pipeline parallelism (``what``: what was seen)."""
-    return (f"muonclip.integrations.torchtitan does not support pipeline parallelism ({what}): Muon and QK-Clip "
-            "would reduce over every rank of the mesh, pipeline stages included, whose parameters and attention "
-            "layers differ. Use FSDP2, HSDP and tensor parallelism instead (--parallelism.data_parallel_shard_degree, "
-            "--parallelism.data_parallel_replicate_degree, --parallelism.tensor_parallel_degree) and "
-            "--parallelism.pipeline_parallel_degree 1")
-
-
-def _refuse_pipelining(*args: Any, **kwargs: Any) -> Any:
-    """torchtitan's ``pipelining_fn`` under `with_muonclip`: refused (`pipeline_refusal`)."""
-    raise ValueError(pipeline_refusal("--parallelism.pipeline_parallel_degree > 1"))
 
 
 def _check_config(config: Any) -> None:
@@ -124,23 +114,31 @@ class MuonClipOptimizers(OptimizersContainer):
     """torchtitan's optimizer container holding a `muonclip.MuonClip`, a `muonclip.Muon` or the AdamW baseline.
 
     Built by torchtitan's trainer as ``config.optimizer.build(model_parts=...)`` after the model
-    is parallelised, on its one model part: `muonclip.param_groups` (with `muon_splits`), its
-    ``param_names`` in torchtitan's canonical form, then ``MuonClip(part, layers=
-    attention_layers(part), groups=...)`` or ``Muon(groups)``; with ``name`` ``"AdamW"``,
-    ``torch.optim.AdamW`` on every parameter with torchtitan's ``default_adamw`` settings
-    (`ADAMW_DEFAULTS`, ``lr``, ``weight_decay``). ``step``, ``zero_grad``, the flat state dict and
+    is parallelised, on its model parts (one; several under pipeline parallelism): one optimizer
+    over all of them, `muonclip.param_groups` of each part (with `muon_splits`), its
+    ``param_names`` in torchtitan's canonical form, then ``MuonClip(part, layers=attention_layers(...),
+    groups=...)`` (a ``ModuleList`` of the parts when there are several) or ``Muon(groups)``, with ``process_group`` the
+    parts' pipeline stage group (`muonclip.integrations.torchtitan_pipeline.stage_of`; the
+    automatic group without a pipeline); with ``name`` ``"AdamW"``, ``torch.optim.AdamW`` on every
+    parameter with torchtitan's ``default_adamw`` settings (`ADAMW_DEFAULTS`, ``lr``,
+    ``weight_decay``). ``step``, ``zero_grad``, the flat state dict and
     the LR schedulers are torchtitan's, over these optimizers. The start-up line
     (`muonclip.integrations.torchtitan_metrics.startup_line`) goes to torchtitan's log and is
     kept in ``startup_line``.
 
     Args:
         config: a `MuonClipOptimizers.Config`.
-        model_parts: the (parallelised) model, as a list of one part.
+        model_parts: the (parallelised) model: one part, or a pipeline rank's parts (tagged with
+            their stage by `muonclip.integrations.torchtitan_pipeline.pipelining`).
+
+    Attributes:
+        stage: the parts' `muonclip.integrations.torchtitan_pipeline.Stage` (None: no pipeline).
+        name, tau: the config's.
 
     Raises:
-        ValueError: several model parts (pipeline parallelism: `pipeline_refusal`), torchtitan's
-            unused optimizer fields set, a bad ``name`` or ``orth_dtype``, or a layer QK-Clip
-            refuses (`muonclip.integrations.torchtitan_layouts.attention_layers`).
+        ValueError: several model parts without their stage, torchtitan's unused optimizer fields
+            set, a bad ``name`` or ``orth_dtype``, or a layer QK-Clip refuses
+            (`muonclip.integrations.torchtitan_layouts.attention_layers`).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -188,36 +186,34 @@ class MuonClipOptimizers(OptimizersContainer):
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
         _check_config(config)
-        if len(model_parts) != 1:
-            raise ValueError(pipeline_refusal(f"got {len(model_parts)} model parts"))
+        self.stage = stage_of(model_parts)
         self.model_parts = model_parts
-        self.optimizers = []
-        self.name = config.name
-        all_params: list[nn.Parameter] = []
+        self.name, self.tau = config.name, config.tau
         kwargs = dict(weight_decay=config.weight_decay, momentum=config.momentum, nesterov=config.nesterov,
                       adjust_lr_fn=config.adjust_lr_fn, method=config.method, orth_dtype=_DTYPES[config.orth_dtype])
-        for part in model_parts:
-            if config.name == "AdamW":
-                named = [(n, p) for n, p in part.named_parameters() if p.requires_grad]
-                groups = [{"params": [p for _, p in named], "param_names": [canonical_name(n) for n, _ in named]}]
-                opt: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=config.lr, **ADAMW_DEFAULTS,
-                                                               weight_decay=config.weight_decay)
-            else:
-                groups = param_groups(part, adamw_lr=config.adamw_lr, adamw_weight_decay=config.adamw_weight_decay,
-                                      split=muon_splits(part, per_head=config.per_head), per_head=config.per_head)
-                for g in groups:
-                    g["param_names"] = [canonical_name(n) for n in g["param_names"]]
-                if config.name == "MuonClip":
-                    opt = MuonClip(part, lr=config.lr, tau=config.tau, groups=groups,
-                                   layers=attention_layers(part, gqa_policy=config.gqa_policy),
-                                   on_ineffective_clip=config.on_ineffective_clip, **kwargs)
-                else:
-                    opt = Muon(groups, lr=config.lr, **kwargs)
-            self.optimizers.append(opt)
-            all_params.extend(p for g in groups for p in g["params"])
+        if self.stage is not None:
+            kwargs["process_group"] = self.stage.group
+        if config.name == "AdamW":
+            named = [(n, p) for part in model_parts for n, p in part.named_parameters() if p.requires_grad]
+            groups = [{"params": [p for _, p in named], "param_names": [canonical_name(n) for n, _ in named]}]
+            opt: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=config.lr, **ADAMW_DEFAULTS,
+                                                           weight_decay=config.weight_decay)
+        else:
+            groups = _param_groups(model_parts, config)
+            layers = [layer for part in model_parts for layer in attention_layers(part, gqa_policy=config.gqa_policy)
+                      ] if config.name == "MuonClip" else []
+            if config.name == "MuonClip" and (layers or self.stage is None):
+                model = model_parts[0] if len(model_parts) == 1 else nn.ModuleList(model_parts)
+                opt = MuonClip(model, lr=config.lr, tau=config.tau, groups=groups, layers=layers,
+                               on_ineffective_clip=config.on_ineffective_clip, **kwargs)
+            else:  # Muon, or a pipeline rank whose stages hold no attention layer (nothing to clip)
+                opt = Muon(groups, lr=config.lr, **kwargs)
+        self.optimizers = [opt]
+        all_params = [p for g in groups for p in g["params"]]
         self._validate_params(all_params)
         self._post_init(all_params)
-        self.startup_line = startup_line(config, model_parts, self.optimizers)
+        self.startup_line = startup_line(config, model_parts, self.optimizers,
+                                         stage=None if self.stage is None else self.stage.describe())
         logger.info(self.startup_line)
         self.rate_warning = None
         if config.name != "AdamW" and config.carried_lr is not None and config.lr == config.carried_lr:
@@ -225,7 +221,8 @@ class MuonClipOptimizers(OptimizersContainer):
             logger.warning(self.rate_warning)
 
     def clipping(self) -> list[MuonClip]:
-        """The `muonclip.MuonClip` optimizers (one per model part; none with ``name`` Muon or AdamW)."""
+        """The `muonclip.MuonClip` optimizers (one, over every model part; none with ``name`` Muon or AdamW, or
+        on a pipeline rank whose stages hold no attention layer)."""
         return [o for o in self.optimizers if isinstance(o, MuonClip)]
 
     def record_exact(self, exact: bool) -> None:
@@ -257,6 +254,23 @@ class MuonClipOptimizers(OptimizersContainer):
                 init_optim_state(optim)
 
 
+def _param_groups(model_parts: list[nn.Module], config: MuonClipOptimizers.Config) -> list[dict[str, Any]]:
+    """`muonclip.param_groups` of every model part (with `muon_splits`), names in torchtitan's
+    canonical form, groups with the same options merged across parts (one optimizer per rank)."""
+    merged: dict[tuple, dict[str, Any]] = {}
+    for part in model_parts:
+        for g in param_groups(part, adamw_lr=config.adamw_lr, adamw_weight_decay=config.adamw_weight_decay,
+                              split=muon_splits(part, per_head=config.per_head), per_head=config.per_head):
+            key = tuple(sorted((k, repr(v)) for k, v in g.items() if k not in ("params", "param_names")))
+            names = [canonical_name(n) for n in g["param_names"]]
+            if key in merged:
+                merged[key]["params"].extend(g["params"])
+                merged[key]["param_names"].extend(names)
+            else:
+                merged[key] = {**g, "params": list(g["params"]), "param_names": names}
+    return list(merged.values())
+
+
 def with_muonclip(config: Trainer.Config, *, device_type: str | None = None) -> Trainer.Config:
     """``config`` (a torchtitan ``Trainer.Config``) with MuonClip as its optimizer and a recording attention.
 
@@ -265,9 +279,9 @@ def with_muonclip(config: Trainer.Config, *, device_type: str | None = None) -> 
     torchtitan's ``lr`` and ``weight_decay`` carried over when the original optimizer had
     one param group (the container logs `RATE_WARNING` while ``lr`` is that carried-over AdamW
     rate); whose ``metrics`` is a `muonclip.integrations.torchtitan_metrics.MuonClipMetricsProcessor.Config`
-    (the clip in the run's logs); whose model's ``pipelining_fn`` refuses pipeline parallelism
-    (`pipeline_refusal`); every ``inner_attention`` of the model config is the recording one for
-    ``device_type`` (default: ``"cuda"`` when available, else ``"cpu"``), and on CPU the
+    (the clip in the run's logs); whose model's ``pipelining_fn`` is torchtitan's wrapped by
+    `muonclip.integrations.torchtitan_pipeline.pipelining`; every ``inner_attention`` of the model
+    config is the recording one for ``device_type`` (default: ``"cuda"`` when available, else ``"cpu"``), and on CPU the
     set-up of `muonclip.integrations.torchtitan_cpu.cpu_config` is applied and the
     orthogonalisation runs in float32 (``--optimizer.orth_dtype`` still overrides it).
     """
@@ -285,7 +299,8 @@ def with_muonclip(config: Trainer.Config, *, device_type: str | None = None) -> 
     fields["metrics"] = metrics_config(config.metrics)
     out = MuonClipTrainerConfig(**fields)
     if out.model_spec is not None:
-        out.model_spec.pipelining_fn = _refuse_pipelining
+        if out.model_spec.pipelining_fn is not None:
+            out.model_spec.pipelining_fn = pipelining(out.model_spec.pipelining_fn)
         from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention, VarlenAttention
 
         for kind in (FlexAttention.Config, VarlenAttention.Config, ScaledDotProductAttention.Config):
@@ -366,4 +381,4 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["ADAMW_DEFAULTS", "MuonClipOptimizers", "MuonClipTrainerConfig", "QUICKSTART_ASSETS", "RATE_WARNING",
-           "llama3_quickstart", "pipeline_refusal", "with_muonclip"]
+           "llama3_quickstart", "with_muonclip"]

@@ -30,7 +30,11 @@ The console gets one more line after torchtitan's, e.g.::
     clips in 10 steps, peak 52.12  first clip: layers.4.attention at step 51, layers.2.attention at step 54
 
 The numbers are the same on every rank (the maxima are all-reduced before the clip); torchtitan
-writes TensorBoard and W&B from one rank (rank 0 without pipeline parallelism). The start-up
+writes TensorBoard and W&B from one rank (rank 0 without pipeline parallelism, the last stage's
+first rank with it). Under pipeline parallelism each rank's optimizer clips its own stages'
+layers, and on a logged step the processor gathers every stage's figures over torchtitan's
+``"pp"`` group (`ClipLog.report`'s ``gather``, one object all-gather: the only collective the clip
+makes across stages), so every rank logs the layers of the whole model. The start-up
 line naming the optimizer, tau, the clipped and the refused layers is `startup_line`'s, logged
 when the optimizer container is built.
 """
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,15 +74,24 @@ def layer_names(names: list[str]) -> str:
     return ", ".join(names)
 
 
-def startup_line(config: Any, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> str:
+def startup_line(config: Any, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                 stage: str | None = None) -> str:
     """One line for the log at start-up: the optimizer and its rates, and for QK-Clip its tau and
-    which attention layers it clips and which it refuses (with why).
+    which attention layers it clips and which it refuses (with why); under pipeline parallelism
+    the layers of this rank's stages, and which stages on which ranks (``stage``).
 
     Args:
         config: the `MuonClipOptimizers.Config` the container was built from.
         model_parts: the container's model parts.
-        optimizers: the container's optimizers (one per part).
+        optimizers: the container's optimizers.
+        stage: this rank's pipeline stages (`muonclip.integrations.torchtitan_pipeline.Stage.describe`;
+            default None: no pipeline).
     """
+    line = _startup_line(config, model_parts, optimizers)
+    return line if stage is None else f"{line}; {stage}"
+
+
+def _startup_line(config: Any, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> str:
     found = [(n, m) for part in model_parts for n, m in attention_modules(part)]
     if config.name == "AdamW":
         n = sum(len(g["params"]) for o in optimizers for g in o.param_groups)
@@ -114,7 +128,9 @@ class ClipLog:
     sync), and reports them on the logged steps (module docstring).
 
     Call `observe` after each optimizer step (any time before the next one), `report` after the
-    step of a logged step (it observes that step first; one host read).
+    step of a logged step (it observes that step first; one host read). Under pipeline
+    parallelism each rank follows its own stages' layers and `report` gathers every stage's
+    figures (``gather``), so every rank reports the whole model.
 
     Args:
         per_layer: also report each layer's max logit and clipped heads (default False).
@@ -165,54 +181,75 @@ class ClipLog:
             if st is None:
                 dev = v.device
                 st = self._state[i] = {"names": names, "clips": torch.zeros(len(names), dtype=torch.int64, device=dev),
-                                       "steps": torch.zeros((), dtype=torch.int64, device=dev),
-                                       "peak": torch.full((), -math.inf, device=dev),
+                                       "clipped": {}, "peak": torch.full((), -math.inf, device=dev),
                                        "first": torch.full((len(names),), -1, dtype=torch.int64, device=dev)}
             st["clips"] += per_layer
-            st["steps"] += (per_layer.sum() > 0).to(torch.int64)
+            st["clipped"][step] = per_layer.sum() > 0
             st["peak"] = torch.maximum(st["peak"], v.masked_fill(~c, -math.inf).amax())
             st["first"] = torch.where((st["first"] < 0) & (per_layer > 0), step, st["first"])
 
-    def report(self, optimizers: list[MuonClip], step: int, tau: float) -> ClipReport | None:
-        """The figures of step ``step`` (just taken) and of the steps since the last report; None
-        when no optimizer recorded anything in this step."""
-        self.observe(optimizers, step)
-        since, self._since = self._since, None
+    def figures(self, optimizers: list[MuonClip]) -> dict[str, Any]:
+        """This process's figures since the last call, from its optimizers' last clips and what
+        `observe` followed (one host read); what `report` gathers across pipeline stages:
+        ``{"layers": {name: (max logit, exact max logit, clipped heads, first clip step or -1,
+        head clips since the last report)}, "clipped": {step: whether a head clipped}, "peak":
+        float}``. The counts since the last report start again."""
         rows, meta = [], []
         for i, opt in enumerate(optimizers):
             got, st = self._stacked(opt), self._state.get(i)
             if got is None or st is None:
                 continue
             names, v, b, c = got
-            exact = v.masked_fill(b, -math.inf)
-            per = c.sum(dim=1)
-            rows.append(torch.cat([torch.stack([v.amax(), exact.amax(), per.sum(), (per > 0).sum(), st["clips"].sum(),
-                                                st["steps"], st["peak"]]).float(),
-                                   st["first"].float(), v.amax(dim=1), per.float()]).cpu())
-            meta.append(names)
+            steps = sorted(st["clipped"])
+            flags = [st["clipped"][s] for s in steps]
+            rows.append(torch.cat([st["peak"].float().view(1), st["first"].float(), v.amax(dim=1),
+                                   v.masked_fill(b, -math.inf).amax(dim=1), c.sum(dim=1).float(), st["clips"].float(),
+                                   torch.stack(flags).float() if flags else v.new_zeros(0)]).cpu())
+            meta.append((names, steps))
             st["clips"].zero_()
-            st["steps"].zero_()
+            st["clipped"] = {}
             st["peak"].fill_(-math.inf)
-        if not rows:
-            return None
-        top = bound_top = -math.inf
-        heads = layers = clips = steps = 0
+        out: dict[str, Any] = {"layers": {}, "clipped": {}, "peak": -math.inf}
+        for row, (names, steps) in zip(rows, meta):  # one host read above: every row went to the CPU at once
+            vals, n = row.tolist(), len(names)
+            out["peak"] = max(out["peak"], vals[0])
+            cols = [vals[1 + k * n: 1 + (k + 1) * n] for k in range(5)]
+            for j, name in enumerate(names):
+                first, top, exact, now, since = (col[j] for col in cols)
+                out["layers"][name] = (top, exact, int(now), int(first), int(since))
+            for s, flag in zip(steps, vals[1 + 5 * n:]):
+                out["clipped"][s] = out["clipped"].get(s, False) or flag > 0
+        return out
+
+    def report(self, optimizers: list[MuonClip], step: int, tau: float,
+               gather: Callable[[dict[str, Any]], list[dict[str, Any]]] | None = None) -> ClipReport | None:
+        """The figures of step ``step`` (just taken) and of the steps since the last report; None
+        when no optimizer recorded anything in this step. ``gather`` (under pipeline parallelism:
+        every rank of the pipeline calls it) takes this process's `figures` and returns every
+        stage's: the report covers their layers."""
+        self.observe(optimizers, step)
+        since, self._since = self._since, None
+        mine = self.figures(optimizers)
+        found = [mine] if gather is None else gather(mine)
+        layers: dict[str, tuple[float, float, int, int, int]] = {}
+        clipped: dict[int, bool] = {}
         peak = -math.inf
-        firsts: dict[str, int] = {}
-        per_layer: dict[str, tuple[float, int]] = {}
-        for row, names in zip(rows, meta):  # one host read above: every row went to the CPU at once
-            vals = row.tolist()
-            n = len(names)
-            m, e, h, lay, cl, stp, pk = vals[:7]
-            top, bound_top = max(top, e), max(bound_top, m)
-            heads, layers, clips, steps, peak = heads + int(h), layers + int(lay), clips + int(cl), steps + int(stp), \
-                max(peak, pk)
-            for name, f, mx, ch in zip(names, vals[7:7 + n], vals[7 + n:7 + 2 * n], vals[7 + 2 * n:]):
-                if f >= 0:
-                    firsts[name] = int(f)
-                per_layer[name] = (mx, int(ch))
+        for f in found:
+            layers.update(f["layers"])
+            for s, flag in f["clipped"].items():
+                clipped[s] = clipped.get(s, False) or flag
+            peak = max(peak, f["peak"])
+        if not layers:
+            return None
+        top = max(e for _, e, _, _, _ in layers.values())
+        bound_top = max(m for m, _, _, _, _ in layers.values())
+        heads = sum(h for _, _, h, _, _ in layers.values())
+        n_layers = sum(h > 0 for _, _, h, _, _ in layers.values())
+        clips = sum(c for _, _, _, _, c in layers.values())
+        steps = sum(clipped.values())
+        firsts = {n: f for n, (_, _, _, f, _) in layers.items() if f >= 0}
         out: dict[str, float] = {PREFIX + "tau": float(tau), PREFIX + "clipped_heads": float(heads),
-                                 PREFIX + "clipped_layers": float(layers), PREFIX + "head_clips": float(clips),
+                                 PREFIX + "clipped_layers": float(n_layers), PREFIX + "head_clips": float(clips),
                                  PREFIX + "clipped_steps": float(steps),
                                  PREFIX + "layers_ever_clipped": float(len(firsts))}
         if bound_top > top:  # the largest value is an LSE bound (an unannounced step): labelled as such
@@ -228,10 +265,11 @@ class ClipLog:
             out[f"{PREFIX}first_clip_step/{n}"] = float(s)
         self._first_reported |= set(new)
         if self.per_layer:
-            for n, (mx, ch) in per_layer.items():
+            for n, (mx, _, ch, _, _) in layers.items():
                 out[f"{PREFIX}max_logit/{n}"] = mx
                 out[f"{PREFIX}clipped_heads/{n}"] = float(ch)
-        line = f"muonclip step: {step:2}  max logit: {shown} (tau {tau:g})  clipped: {heads} heads in {layers} layers"
+        line = (f"muonclip step: {step:2}  max logit: {shown} (tau {tau:g})  clipped: {heads} heads in {n_layers} "
+                "layers")
         if since is not None and since < step:
             line += f"  since step {since}: " + (f"{clips} head clips in {steps} steps, peak {peak:.2f}" if clips else
                                                   "no clip")
@@ -272,10 +310,30 @@ class MuonClipMetricsProcessor(MetricsProcessor):
             self.optimizers.record_exact(logged)
         return logged
 
+    def _pipeline_gather(self) -> Callable[[dict[str, Any]], list[dict[str, Any]]] | None:
+        """Under pipeline parallelism, every pipeline rank's `ClipLog.figures` (one object
+        all-gather over torchtitan's ``"pp"`` group, on logged steps only); else None."""
+        dims = getattr(self, "parallel_dims", None)
+        if dims is None or not dims.pp_enabled:
+            return None
+        import torch.distributed as dist
+
+        group = dims.get_mesh("pp").get_group()
+
+        def gather(mine: dict[str, Any]) -> list[dict[str, Any]]:
+            found: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(found, mine, group=group)
+            return found
+
+        return gather
+
     def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
             extra_metrics: dict[str, Any] | None = None) -> None:
         optimizers = self._clipping()
-        report = self.clip_log.report(optimizers, step, optimizers[0].tau) if optimizers else None
+        report = None
+        if getattr(self.optimizers, "name", None) == "MuonClip":  # on every pipeline rank, clipping or not
+            tau = optimizers[0].tau if optimizers else self.optimizers.tau
+            report = self.clip_log.report(optimizers, step, tau, gather=self._pipeline_gather())
         if report is not None:
             extra_metrics = {**(extra_metrics or {}), **report.metrics}
         MetricsProcessor.log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)

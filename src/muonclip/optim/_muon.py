@@ -135,7 +135,11 @@ class Muon(torch.optim.Optimizer):
             torch.distributed is initialised with > 1 rank (DDP: parameters replicated), else
             none (one process). Each matrix is orthogonalised once in the group, whole, on an
             owner rank chosen by flops, and the result exchanged (`muonclip.distributed`).
-            ``"local"`` turns communication off. ``last_step_stats``
+            ``"local"`` turns communication off. A ``ProcessGroup`` is the group itself: under
+            pipeline parallelism, the ranks of this rank's stage (its data, tensor and
+            expert-parallel ranks; ``"local"`` when a stage is one rank), since a stage's
+            parameters are not replicated on the other stages' ranks, which the mesh or the
+            default group would include (docs/design.md, "Pipeline parallelism"). ``last_step_stats``
             (`muonclip.optim.multiprocess.StepStats`) reports this rank's share.
         comm_dtype: wire dtype of those exchanges (default None: the momentum dtype,
             float32). ``torch.bfloat16`` halves the bytes; where the orthogonalisation runs in
@@ -358,7 +362,7 @@ class Muon(torch.optim.Optimizer):
         grads = [p.grad for _, _, p in live]
         finite = finite_per_tensor([local(g) for g in grads])
         if engine is not None:
-            finite = engine.all_finite(grads, finite)
+            finite = engine.all_finite(grads, finite, ctx)
         if self.on_nonfinite == "mask":  # sync-free: decided on the device, undone there
             found = ~finite.all()
             guard = MaskedStep([p for _, _, p in live], [self.state[p] for _, _, p in live], found, local,

@@ -118,8 +118,9 @@ class Engine(Protocol):
         """The rank-local part of ``t`` (an alias: writes go through)."""
         ...
 
-    def all_finite(self, tensors: Sequence[Tensor], finite: Tensor) -> Tensor:
-        """``finite`` (per tensor, computed on local parts) AND-ed over the ranks that share them."""
+    def all_finite(self, tensors: Sequence[Tensor], finite: Tensor, ctx: Any = None) -> Tensor:
+        """``finite`` (per tensor, computed on local parts) AND-ed over the ranks that share them,
+        within the group of ``ctx`` (the step's `context`)."""
         ...
 
     def exchange(self, items: Sequence[tuple[dict[str, Any], Tensor, Callable[[], str]]], ctx: Any,
