@@ -45,6 +45,7 @@ from ._validation import (
     nonfinite_indices,
     step_numbers,
 )
+from .flat import flat_driver
 from .functional import MuonWeight, muon_step
 from .multiprocess import Engine, Exchange, StepStats, engine_for
 from .workspace import Workspace, make_workspace
@@ -316,7 +317,11 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Perform one optimisation step (all groups); ``closure`` re-evaluates the loss."""
+        """Perform one optimisation step (all groups); ``closure`` re-evaluates the loss. Stepped by
+        a wrapper on flat partitions (DeepSpeed ZeRO), the step is its `muonclip.optim.flat.FlatDriver`'s."""
+        driver = flat_driver(self)
+        if driver is not None:
+            return driver.step(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
