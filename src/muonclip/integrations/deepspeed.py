@@ -49,7 +49,7 @@ from ..distributed._engine import StepExchange
 from ..optim._adamw import adamw_step
 from ..optim._buckets import options_key, step_structure
 from ..optim._matrices import matrix_spec
-from ..optim._validation import NonFiniteGradError
+from ..optim._validation import NonFiniteGradError, check_group, step_numbers
 from ..optim.flat import register_flat_driver
 from ..optim.functional import MuonWeight, muon_step
 from ..optim.multiprocess import StepStats
@@ -172,6 +172,7 @@ class DeepSpeedDriver:
                                               mesh_shape=(part.world,))
                          for part in self.parts}
         self.structures: dict[Any, Any] = {}
+        self.checked: dict[int, tuple[Any, Any]] = {}
 
     def active(self) -> bool:
         """Always, once attached: DeepSpeed keeps its partitions in the param groups."""
@@ -187,15 +188,28 @@ class DeepSpeedDriver:
         if closure is not None:
             raise ValueError("DeepSpeed calls the optimizer's step() without a closure; a closure cannot run here")
         opt = self.opt
-        numbers = opt._check_groups()
         todo = [(g, self.by_flat[id(p)]) for g in opt.param_groups for p in g["params"] if id(p) in self.by_flat]
-        for group, part in todo:
-            self._step_part(group, part, numbers[id(group)])
+        numbers = [self._numbers(group, part) for group, part in todo]  # every group checked before any changes
+        for (group, part), lr_wd in zip(todo, numbers):
+            self._step_part(group, part, lr_wd)
         if todo and todo[-1][1].index == self.parts[-1].index:
             if hasattr(opt, "layers"):
                 self.clip()
             opt.steps_taken += 1
         return None
+
+    def _numbers(self, group: dict[str, Any], part: Part) -> tuple[float, float]:
+        """The group's checked ``(lr, weight_decay)`` for this step (`muonclip.optim._validation`), the
+        group validated whole, on its weights' shapes, when its settings changed."""
+        where = f"param group {part.index}'s "
+        settings = tuple((k, repr(v)) for k, v in sorted(group.items()) if k not in ("params", "lr", "weight_decay"))
+        seen = self.checked.get(part.index)
+        if seen is None or seen[0] != settings:
+            limits = check_group(dict(group, params=[m.meta for m in part.members],
+                                      param_names=[m.name for m in part.members]), where, f"param group {part.index}: ")
+            seen = (settings, limits)
+            self.checked[part.index] = seen
+        return step_numbers(group, seen[1], where)
 
     def _step_part(self, group: dict[str, Any], part: Part, numbers: tuple[float, float]) -> None:
         flat = part.flat

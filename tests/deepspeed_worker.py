@@ -1,0 +1,120 @@
+"""The cases `tests/test_deepspeed.py` runs under DeepSpeed (gloo, 2 CPU ranks, one start-up for all)
+and the one-process references they are compared with.
+
+A case trains the reference GPT with GQA (3 query heads of 8 rows over 1 key head, so heads and
+matrices straddle partition boundaries) for `STEPS` steps on the same global batches (each rank
+its half), with `muonclip.Muon` or `muonclip.MuonClip` passed to ``deepspeed.initialize``, and
+returns every weight (DeepSpeed's float32 master, gathered), the low-precision copy the model
+computes with, and the heads clipped at each step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import muonclip
+from muonclip.models import GPT, GPTConfig
+
+CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=3, n_kv_head=1, n_embd=24)
+OPT = dict(lr=0.02, weight_decay=0.1, orth_dtype=torch.float32)
+TAU = 0.033
+STEPS = 3
+BATCH = 4
+
+
+def model(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**CFG))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randint(0, CFG["vocab_size"], (BATCH, CFG["block_size"] + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def optimizer(kind: str, m: torch.nn.Module, **kw):
+    if kind == "muonclip":
+        return muonclip.MuonClip(m, tau=TAU, **OPT, **kw)
+    return muonclip.Muon(muonclip.param_groups(m), **OPT, **kw)
+
+
+def reference(kind: str, steps: int = STEPS, clip_norm: float = 0.0) -> dict:
+    """One plain process on the whole global batches: the weights and the heads clipped per step."""
+    m = model()
+    opt = optimizer(kind, m, process_group="local")
+    clipped = []
+    for s in range(steps):
+        x, y = batch(s)
+        _, loss = m(x, y)
+        loss.backward()
+        if clip_norm:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), clip_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        clipped.append({k: v.clone() for k, v in getattr(opt, "last_clipped", {}).items()})
+    return {"weights": {n: p.detach().clone() for n, p in m.named_parameters()}, "clipped": clipped}
+
+
+def ds_config(stage: int, dtype: str = "fp32", clipping: float | None = 0.0, **zero) -> dict:
+    cfg = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // 2,
+           "zero_optimization": {"stage": stage, **zero}, "zero_allow_untested_optimizer": True,
+           "steps_per_print": 10**9}
+    if clipping is not None:
+        cfg["gradient_clipping"] = clipping
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    return cfg
+
+
+def full_weights(engine) -> tuple[dict, dict]:
+    """Every weight: DeepSpeed's float32 master (gathered) and the copy the model computes with."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    master, live = {}, {}
+    stage = engine.zero_optimization_stage()
+    for n, p in engine.module.named_parameters():
+        master[n] = (safe_get_full_fp32_param(p) if stage > 0 else p.detach()).float().clone()
+        if stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([p]):
+                live[n] = p.detach().clone()
+        else:
+            live[n] = p.detach().clone()
+    return master, live
+
+
+def run_case(rank: int, world: int, kind: str, cfg: dict, steps: int = STEPS) -> dict:
+    """One DeepSpeed run of ``kind`` on ``cfg``; the weights and the heads clipped per step."""
+    import deepspeed
+
+    m = model()
+    opt = optimizer(kind, m)
+    engine, _, _, _ = deepspeed.initialize(model=m, optimizer=opt, config=cfg)
+    n = BATCH // world
+    clipped = []
+    for s in range(steps):
+        x, y = batch(s)
+        if engine.bfloat16_enabled() or engine.fp16_enabled():
+            pass  # the model casts its own embeddings' output
+        _, loss = engine(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n])
+        engine.backward(loss)
+        engine.step()
+        clipped.append({k: v.clone() for k, v in getattr(opt, "last_clipped", {}).items()})
+    master, live = full_weights(engine)
+    return {"weights": master, "live": live, "clipped": clipped, "steps_taken": opt.steps_taken}
+
+
+def run_cases(rank: int, world: int, cases: dict, out: str) -> None:
+    """Every case in turn, in one start-up; rank 0 saves ``{name: result or the error}`` to ``out``."""
+    results = {}
+    for name, (kind, cfg) in cases.items():
+        try:
+            results[name] = run_case(rank, world, kind, cfg)
+        except Exception as e:  # noqa: BLE001  (the test reports it; every rank meets the same error)
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+    if rank == 0:
+        torch.save(results, out)
