@@ -34,6 +34,8 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def optimizer(kind: str, m: torch.nn.Module, **kw):
+    if kind == "muon-normuon":
+        return muonclip.Muon(muonclip.param_groups(m), normuon=True, **OPT, **kw)
     if kind == "muonclip":
         return muonclip.MuonClip(m, tau=TAU, **OPT, **kw)
     return muonclip.Muon(muonclip.param_groups(m), **OPT, **kw)
@@ -98,8 +100,6 @@ def run_case(rank: int, world: int, kind: str, cfg: dict, steps: int = STEPS) ->
     clipped = []
     for s in range(steps):
         x, y = batch(s)
-        if engine.bfloat16_enabled() or engine.fp16_enabled():
-            pass  # the model casts its own embeddings' output
         _, loss = engine(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n])
         engine.backward(loss)
         engine.step()
@@ -108,13 +108,52 @@ def run_case(rank: int, world: int, kind: str, cfg: dict, steps: int = STEPS) ->
     return {"weights": master, "live": live, "clipped": clipped, "steps_taken": opt.steps_taken}
 
 
-def run_cases(rank: int, world: int, cases: dict, out: str) -> None:
-    """Every case in turn, in one start-up; rank 0 saves ``{name: result or the error}`` to ``out``."""
-    results = {}
+def run_resume(rank: int, world: int, kind: str, cfg: dict, folder: str) -> dict:
+    """Two steps, ``engine.save_checkpoint``, one step more; then a fresh engine that loads the
+    checkpoint and takes that step: both weights, optimizer counters and tau."""
+    import deepspeed
+
+    n = BATCH // world
+    out = {}
+    for phase in ("straight", "resumed"):
+        m = model(seed=1 if phase == "resumed" else 0)  # the resumed run starts elsewhere: the load must restore
+        opt = optimizer(kind, m)
+        if phase == "resumed" and kind == "muonclip":
+            opt.tau = 7.0
+        engine, _, _, _ = deepspeed.initialize(model=m, optimizer=opt, config=cfg)
+        start = 0
+        if phase == "straight":
+            for s in range(2):
+                x, y = batch(s)
+                _, loss = engine(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n])
+                engine.backward(loss)
+                engine.step()
+            engine.save_checkpoint(folder, tag="t2")
+        else:
+            engine.load_checkpoint(folder, tag="t2")
+        start = 2
+        x, y = batch(start)
+        _, loss = engine(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n])
+        engine.backward(loss)
+        engine.step()
+        master, live = full_weights(engine)
+        out[phase] = {"weights": master, "live": live, "steps_taken": opt.steps_taken,
+                      "tau": getattr(opt, "tau", None)}
+    return out
+
+
+def run_all(rank: int, world: int, cases: dict, resumes: dict, folder: str, out: str) -> None:
+    """`run_cases`, then every resume case; rank 0 saves ``{"cases": ..., "resumes": ...}`` to ``out``."""
+    results, resumed = {}, {}
     for name, (kind, cfg) in cases.items():
         try:
             results[name] = run_case(rank, world, kind, cfg)
         except Exception as e:  # noqa: BLE001  (the test reports it; every rank meets the same error)
             results[name] = {"error": f"{type(e).__name__}: {e}"}
+    for name, (kind, cfg) in resumes.items():
+        try:
+            resumed[name] = run_resume(rank, world, kind, cfg, f"{folder}/{name}")
+        except Exception as e:  # noqa: BLE001
+            resumed[name] = {"error": f"{type(e).__name__}: {e}"}
     if rank == 0:
-        torch.save(results, out)
+        torch.save({"cases": results, "resumes": resumed}, out)

@@ -50,7 +50,7 @@ from ..optim._adamw import adamw_step
 from ..optim._buckets import options_key, step_structure
 from ..optim._matrices import matrix_spec
 from ..optim._validation import NonFiniteGradError, check_group, step_numbers
-from ..optim.flat import register_flat_driver
+from ..optim.flat import mark_partition, register_flat_driver
 from ..optim.functional import MuonWeight, muon_step
 from ..optim.multiprocess import StepStats
 from ..qkclip._layouts import AttentionLayer
@@ -105,9 +105,7 @@ def refuse_unsupported(wrapper: Any, opt: Any) -> None:
     SuperOffload, MoE expert groups, and, of `muonclip.Muon`'s options, ``on_nonfinite="mask"``,
     ``normuon`` and ``momentum_8bit``.
     """
-    kind = type(wrapper).__name__
-    stage = {"DeepSpeedZeroOptimizer": "ZeRO-2" if getattr(wrapper, "partition_gradients", False) else "ZeRO-1",
-             "BF16_Optimizer": "ZeRO-1 (bf16)"}.get(kind, "ZeRO-3")
+    kind, stage = type(wrapper).__name__, _stage(wrapper)
     checks = [
         (getattr(wrapper, "cpu_offload", False) or getattr(wrapper, "offload_optimizer", False),
          "offload_optimizer", "keep the optimizer on the device (remove zero_optimization.offload_optimizer)"),
@@ -123,21 +121,36 @@ def refuse_unsupported(wrapper: Any, opt: Any) -> None:
         (getattr(opt, "on_nonfinite", "raise") == "mask", "on_nonfinite='mask'",
          "use on_nonfinite='raise' or 'skip' (DeepSpeed skips fp16 overflow steps itself)"),
     ]
-    for g in opt.param_groups:
-        checks.append((g.get("normuon", False), "normuon", "set normuon=False"))
-        checks.append((g.get("momentum_8bit", False), "momentum_8bit", "set momentum_8bit=False"))
-    for bad, what, instead in checks:
-        if bad:
-            raise ValueError(
-                f"DeepSpeed {stage} with {what}: muonclip cannot step it exactly (every Muon matrix must be "
-                f"orthogonalised whole, once, from the float32 master elements its partitions hold). {instead}"
-            )
+    for g in (opt.defaults, *opt.param_groups):
+        checks += _group_checks(g)
+    _refuse(stage, checks)
     for layer in getattr(opt, "layers", ()):
         if not dataclasses.is_dataclass(layer.layout):
             raise ValueError(
                 f"DeepSpeed {stage}: attention layer '{layer.name}' has a layout ({type(layer.layout).__name__}) "
                 "that is not a dataclass; QK-Clip on DeepSpeed's partitions computes its row factors on stand-ins, "
                 "which only a dataclass layout (MHALayout, GQALayout, MLALayout) can be pointed at"
+            )
+
+
+def _stage(wrapper: Any) -> str:
+    kind = type(wrapper).__name__
+    return {"DeepSpeedZeroOptimizer": "ZeRO-2" if getattr(wrapper, "partition_gradients", False) else "ZeRO-1",
+            "BF16_Optimizer": "ZeRO-1 (bf16)"}.get(kind, "ZeRO-3")
+
+
+def _group_checks(group: Any) -> list[tuple[bool, str, str]]:
+    """A param group's options muonclip does not run on DeepSpeed's partitions."""
+    return [(bool(group.get("normuon", False)), "normuon", "set normuon=False"),
+            (bool(group.get("momentum_8bit", False)), "momentum_8bit", "set momentum_8bit=False")]
+
+
+def _refuse(stage: str, checks: list[tuple[bool, str, str]]) -> None:
+    for bad, what, instead in checks:
+        if bad:
+            raise ValueError(
+                f"DeepSpeed {stage} with {what}: muonclip cannot step it exactly (every Muon matrix must be "
+                f"orthogonalised whole, once, from the float32 master elements its partitions hold). {instead}"
             )
 
 
@@ -165,6 +178,8 @@ class DeepSpeedDriver:
         self.opt, self.wrapper = opt, wrapper
         self.kind, self.parts = zero_parts(wrapper)
         self.by_flat = {id(part.flat): part for part in self.parts}
+        for part in self.parts:
+            mark_partition(part.flat)
         self.member_of: dict[int, tuple[Part, Member]] = {
             id(m.param): (part, m) for part in self.parts for m in part.members}
         self.contexts = {part.index: _Context(part.group, part.rank, part.world,
@@ -205,6 +220,7 @@ class DeepSpeedDriver:
         settings = tuple((k, repr(v)) for k, v in sorted(group.items()) if k not in ("params", "lr", "weight_decay"))
         seen = self.checked.get(part.index)
         if seen is None or seen[0] != settings:
+            _refuse(_stage(self.wrapper), _group_checks(group))
             limits = check_group(dict(group, params=[m.meta for m in part.members],
                                       param_names=[m.name for m in part.members]), where, f"param group {part.index}: ")
             seen = (settings, limits)

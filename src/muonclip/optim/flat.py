@@ -124,6 +124,18 @@ class FlatDriver(Protocol):
 
 
 _FINDERS: list[Callable[[Any], FlatDriver | None]] = []
+_PARTITION = "_muonclip_flat_partition"
+
+
+def mark_partition(t: Tensor) -> None:
+    """Mark ``t`` as a wrapper's flat partition of several weights that a `FlatDriver` steps (and
+    checks, on the weights' own shapes): the core's checks of a Muon group then pass over it."""
+    setattr(t, _PARTITION, True)
+
+
+def is_partition(t: Tensor) -> bool:
+    """True for a tensor `mark_partition` marked."""
+    return bool(getattr(t, _PARTITION, False))
 
 
 def register_flat_driver(find: Callable[[Any], FlatDriver | None]) -> None:
@@ -142,5 +154,5 @@ def flat_driver(optimizer: Any) -> FlatDriver | None:
     return None
 
 
-__all__ = ["DEEPSPEED", "INSTEAD", "FlatDriver", "FlatParameterError", "flat_driver", "flat_kind", "refuse_flat",
-           "refuse_flat_model", "register_flat_driver"]
+__all__ = ["DEEPSPEED", "INSTEAD", "FlatDriver", "FlatParameterError", "flat_driver", "flat_kind", "is_partition",
+           "mark_partition", "refuse_flat", "refuse_flat_model", "register_flat_driver"]

@@ -1,0 +1,133 @@
+"""MuonClip and Muon as DeepSpeed's optimizer, ZeRO stages 0-3, against one plain process.
+
+One launch of 2 gloo ranks on the CPU (``DS_ACCELERATOR=cpu``; `deepspeed_harness`) runs every
+case of `deepspeed_worker` in turn; the tests below read its results (docs/integrations.md,
+"DeepSpeed"). The reference is one process on the same global batches with the same initial
+weights (`deepspeed_worker.reference`), Newton–Schulz in float32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+
+import deepspeed_harness  # noqa: E402
+import deepspeed_worker as W  # noqa: E402
+
+TOL = 1e-5  # of the largest weight movement
+STAGES = (0, 1, 2, 3)
+CASES = {
+    **{f"{k}-{s}": (k, W.ds_config(s)) for k in ("muon", "muonclip") for s in STAGES},
+    # DeepSpeed's default gradient_clipping is 1.0: the one process clips the gradient norm to 1.0 too
+    "muonclip-0-default-clipping": ("muonclip", W.ds_config(0, clipping=None)),
+    "muonclip-2-default-clipping": ("muonclip", W.ds_config(2, clipping=None)),
+    **{f"muonclip-{s}-bf16": ("muonclip", W.ds_config(s, "bf16")) for s in (1, 2, 3)},
+    "muonclip-2-fp16": ("muonclip", W.ds_config(2, "fp16")),
+    "refused-offload": ("muonclip", {**W.ds_config(2, offload_optimizer={"device": "cpu"}),
+                                                       "zero_force_ds_cpu_optimizer": False}),
+    "refused-normuon": ("muon-normuon", W.ds_config(1)),
+}
+RESUMES = {f"muonclip-{s}": ("muonclip", W.ds_config(s)) for s in (1, 2, 3)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("deepspeed")
+    out = folder / "results.pt"
+    deepspeed_harness.launch(W.run_all, CASES, RESUMES, str(folder), str(out), limit_s=600)
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {"muon": W.reference("muon"), "muonclip": W.reference("muonclip"),
+            "muonclip-clipnorm": W.reference("muonclip", clip_norm=1.0)}
+
+
+def _movement(ref: dict) -> float:
+    start = W.model()
+    return max((ref["weights"][n] - p.detach()).abs().max().item() for n, p in start.named_parameters())
+
+
+def _error(got: dict, ref: dict) -> float:
+    return max((got["weights"][n] - ref["weights"][n]).abs().max().item() for n in ref["weights"])
+
+
+def _same_clips(got: dict, ref: dict) -> bool:
+    return len(got["clipped"]) == len(ref["clipped"]) and all(
+        a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(got["clipped"], ref["clipped"]))
+
+
+def _case(runs, name):
+    got = runs["cases"][name]
+    assert "error" not in got, got.get("error")
+    return got
+
+
+@pytest.mark.parametrize("kind", ["muon", "muonclip"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_zero_stage_equals_one_process(runs, references, kind, stage):
+    """Float32: ZeRO-``stage`` on 2 ranks ends within 1e-5 of the largest movement of one process,
+    clipping the same heads at every step; the model computes with the master weights."""
+    got, ref = _case(runs, f"{kind}-{stage}"), references[kind]
+    assert _error(got, ref) <= TOL * _movement(ref)
+    assert got["steps_taken"] == W.STEPS
+    for n, w in got["weights"].items():
+        assert torch.equal(got["live"][n], w), n
+    if kind == "muonclip":
+        assert _same_clips(got, ref)
+        clipped = [sum(int(v.sum()) for v in step.values()) for step in ref["clipped"]]
+        assert all(0 < c < 6 for c in clipped), clipped  # some heads clip, some do not, at every step
+
+
+@pytest.mark.parametrize("stage", (0, 2))
+def test_default_gradient_clipping_is_deepspeeds_norm_clip(runs, references, stage):
+    """Stage 0's 5e-3 was DeepSpeed's default ``gradient_clipping`` (1.0), a global-norm clip of the
+    gradients before the step: one process that clips its gradient norm to 1.0 is matched exactly,
+    and the one that does not is not."""
+    got = _case(runs, f"muonclip-{stage}-default-clipping")
+    clipped, plain = references["muonclip-clipnorm"], references["muonclip"]
+    assert _error(got, clipped) <= TOL * _movement(clipped)
+    assert _error(got, plain) > 100 * TOL * _movement(plain)
+    assert _same_clips(got, clipped)
+
+
+@pytest.mark.parametrize("name", ["muonclip-1-bf16", "muonclip-2-bf16", "muonclip-3-bf16", "muonclip-2-fp16"])
+def test_mixed_precision_master_weights(runs, references, name):
+    """bf16 / fp16 (loss scaling): the weights the model computes with are DeepSpeed's float32 master
+    weights rounded, bit for bit, after the clip scaled the master; the same heads clip as in float32;
+    and every bf16 stage takes the same steps (the algorithm is the same on the same gradients)."""
+    got = _case(runs, name)
+    dtype = torch.bfloat16 if "bf16" in name else torch.float16
+    for n, w in got["weights"].items():
+        assert got["live"][n].dtype == dtype
+        assert torch.equal(got["live"][n], w.to(dtype)), n
+    ref = references["muonclip"]
+    assert _same_clips(got, ref)
+    assert _error(got, ref) <= 0.25 * _movement(ref)  # low-precision gradients, the same run
+    if "bf16" in name:
+        other = _case(runs, "muonclip-2-bf16")
+        assert _error(got, other) <= TOL * _movement(ref)
+
+
+def test_refused_at_first_step_naming_deepspeed(runs):
+    """What cannot be exact is refused, naming DeepSpeed, the option and what to do instead."""
+    off = runs["cases"]["refused-offload"]["error"]
+    assert "DeepSpeed ZeRO-2 with offload_optimizer" in off and "remove zero_optimization.offload_optimizer" in off
+    assert "DeepSpeed ZeRO-1 with normuon" in runs["cases"]["refused-normuon"]["error"]
+
+
+@pytest.mark.parametrize("stage", (1, 2, 3))
+def test_checkpoint_resumes_bit_identically(runs, stage):
+    """``engine.save_checkpoint`` / ``load_checkpoint``: the resumed step equals the straight one bit
+    for bit (weights, momentum, AdamW moments, step counters, tau)."""
+    got = runs["resumes"][f"muonclip-{stage}"]
+    assert "error" not in got, got.get("error")
+    a, b = got["straight"], got["resumed"]
+    for n in a["weights"]:
+        assert torch.equal(a["weights"][n], b["weights"][n]), n
+        assert torch.equal(a["live"][n], b["live"][n]), n
+    assert a["steps_taken"] == b["steps_taken"] == 3
+    assert a["tau"] == b["tau"] == W.TAU
