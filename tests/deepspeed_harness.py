@@ -41,7 +41,7 @@ def build_lock() -> Iterator[None]:
     with open(EXTENSIONS / ".muonclip-build.lock", "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
-            for stale in EXTENSIONS.glob("*/*/lock"):
+            for stale in EXTENSIONS.rglob("lock"):
                 stale.unlink(missing_ok=True)
             yield
         finally:

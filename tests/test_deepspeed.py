@@ -131,3 +131,16 @@ def test_checkpoint_resumes_bit_identically(runs, stage):
         assert torch.equal(a["live"][n], b["live"][n]), n
     assert a["steps_taken"] == b["steps_taken"] == 3
     assert a["tau"] == b["tau"] == W.TAU
+
+
+def test_stale_build_lock_is_cleared():
+    """A lock file a killed build left in the extensions folder does not make the next start wait forever."""
+    import subprocess
+    import sys
+
+    deepspeed_harness.extensions_ready()
+    stale = next(deepspeed_harness.EXTENSIONS.rglob("deepspeed_shm_comm.so")).parent / "lock"
+    stale.write_text("")
+    code = "import sys; sys.path.insert(0, 'tests'); import deepspeed_harness as h; h.extensions_ready()"
+    subprocess.run([sys.executable, "-c", code], cwd=deepspeed_harness.ROOT, timeout=120, check=True)
+    assert not stale.exists()
