@@ -125,14 +125,16 @@ def main() -> None:
                 res[impl] = torch.load(out)
                 r = res[impl]
                 label = "muonclip.Muon" if impl == "muonclip" else "DeepSpeed Muon"
-                print(f"{stage:>5} {label:>14} {1e3 * r['time']:>9.1f} {r['bytes'] / 2**20:>9.2f} {r['rss_mib']:>13.0f}")
+                print(f"{stage:>5} {label:>14} {1e3 * r['time']:>9.1f} {r['bytes'] / 2**20:>9.2f} "
+                      f"{r['rss_mib']:>13.0f}")
             a, b = res["muonclip"]["delta"], res["deepspeed"]["delta"]
             names = [k for k in a if a[k].ndim == 2 and ("attn" in k or "mlp" in k)]
             cos = [torch.nn.functional.cosine_similarity(a[k].flatten(), b[k].flatten(), dim=0).item() for k in names]
             rel = [((a[k] - b[k]).norm() / b[k].norm()).item() for k in names]
             print(f"      first update on {len(names)} attention/MLP matrices: cosine min {min(cos):.5f}, "
                   f"relative difference max {max(rel):.4f}")
-            print(f"      step time ratio (ours / DeepSpeed's): {res['muonclip']['time'] / res['deepspeed']['time']:.2f}")
+            ratio = res["muonclip"]["time"] / res["deepspeed"]["time"]
+            print(f"      step time ratio (ours / DeepSpeed's): {ratio:.2f}")
 
 
 if __name__ == "__main__":
