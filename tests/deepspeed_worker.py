@@ -150,6 +150,16 @@ def run_all(rank: int, world: int, cases: dict, resumes: dict, folder: str, out:
             results[name] = run_case(rank, world, kind, cfg)
         except Exception as e:  # noqa: BLE001  (the test reports it; every rank meets the same error)
             results[name] = {"error": f"{type(e).__name__}: {e}"}
+    from doc_recipes import recipe
+
+    n = BATCH // world
+    batches = [tuple(t[rank * n:(rank + 1) * n] for t in batch(s)) for s in range(STEPS)]
+    try:
+        engine, opt = recipe("deepspeed")["train"](model(), batches, ds_config(2), tau=TAU, **OPT)
+        master, live = full_weights(engine)
+        results["recipe-2"] = {"weights": master, "live": live, "steps_taken": opt.steps_taken, "clipped": []}
+    except Exception as e:  # noqa: BLE001
+        results["recipe-2"] = {"error": f"{type(e).__name__}: {e}"}
     for name, (kind, cfg) in resumes.items():
         try:
             resumed[name] = run_resume(rank, world, kind, cfg, f"{folder}/{name}")

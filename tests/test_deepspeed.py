@@ -144,3 +144,9 @@ def test_stale_build_lock_is_cleared():
     code = "import sys; sys.path.insert(0, 'tests'); import deepspeed_harness as h; h.extensions_ready()"
     subprocess.run([sys.executable, "-c", code], cwd=deepspeed_harness.ROOT, timeout=120, check=True)
     assert not stale.exists()
+
+
+def test_the_docs_recipe_trains_as_one_process(runs, references):
+    """docs/integrations.md's DeepSpeed recipe, run as it stands (ZeRO-2, MuonClip), equals one process."""
+    got, ref = _case(runs, "recipe-2"), references["muonclip"]
+    assert _error(got, ref) <= TOL * _movement(ref)
