@@ -142,8 +142,65 @@ def run_resume(rank: int, world: int, kind: str, cfg: dict, folder: str) -> dict
     return out
 
 
-def run_all(rank: int, world: int, cases: dict, resumes: dict, folder: str, out: str) -> None:
-    """`run_cases`, then every resume case; rank 0 saves ``{"cases": ..., "resumes": ...}`` to ``out``."""
+def run_nonfinite(rank: int, world: int, kind: str, cfg: dict, on_nonfinite: str) -> dict:
+    """One good step, then a step whose gradient is NaN in one element of the last param group's
+    last weight only (the groups before it are clean): the error (if any), whether any master
+    weight changed in that step, and the optimizer's counters."""
+    import deepspeed
+
+    m = model()
+    opt = optimizer(kind, m, on_nonfinite=on_nonfinite)
+    poisoned = opt.param_groups[-1]["params"][-1]
+    engine, _, _, _ = deepspeed.initialize(model=m, optimizer=opt, config=cfg)
+    n = BATCH // world
+    error, before = None, None
+    for s in range(2):
+        x, y = batch(s)
+        hook = poisoned.register_hook(lambda g: g.flatten().index_fill(0, torch.tensor([0]), float("nan"))
+                                      .view_as(g)) if s == 1 else None
+        _, loss = engine(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n])
+        engine.backward(loss)
+        if hook is not None:
+            hook.remove()
+            before = full_weights(engine)[0]
+        try:
+            engine.step()
+        except Exception as e:  # noqa: BLE001  (every rank meets the same verdict)
+            error = f"{type(e).__name__}: {e}"
+    after = full_weights(engine)[0]
+    return {"error": None, "raised": error, "changed": sorted(k for k in after if not torch.equal(after[k], before[k])),
+            "steps_taken": opt.steps_taken, "steps_skipped": opt.steps_skipped}
+
+
+def run_unattached(rank: int, world: int) -> dict:
+    """ZeRO-2: the optimizer stepped directly (not from DeepSpeed's ZeRO optimizer) while its
+    groups hold DeepSpeed's partitions: the error; then `attach` and one step through the engine."""
+    import deepspeed
+
+    from muonclip.integrations.deepspeed import attach
+
+    m = model()
+    opt = optimizer("muon", m)
+    engine, _, _, _ = deepspeed.initialize(model=m, optimizer=opt, config=ds_config(2))
+    n = BATCH // world
+    x, y = batch(0)
+    _, loss = engine(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n])
+    engine.backward(loss)
+    try:
+        opt.step()
+        error = None
+    except ValueError as e:
+        error = str(e)
+    driver = attach(engine)
+    engine.step()
+    return {"raised": error, "attached": type(driver).__name__, "same": attach(engine) is driver,
+            "steps_taken": opt.steps_taken}
+
+
+def run_all(rank: int, world: int, cases: dict, resumes: dict, folder: str, out: str,
+            nonfinite: dict | None = None) -> None:
+    """`run_case` for every case, the docs' recipe, every resume case and every `run_nonfinite`
+    case; rank 0 saves ``{"cases": ..., "resumes": ..., "nonfinite": ...}`` to ``out``."""
     results, resumed = {}, {}
     for name, (kind, cfg) in cases.items():
         try:
@@ -165,5 +222,15 @@ def run_all(rank: int, world: int, cases: dict, resumes: dict, folder: str, out:
             resumed[name] = run_resume(rank, world, kind, cfg, f"{folder}/{name}")
         except Exception as e:  # noqa: BLE001
             resumed[name] = {"error": f"{type(e).__name__}: {e}"}
+    bad = {}
+    for name, (kind, cfg, mode) in (nonfinite or {}).items():
+        try:
+            bad[name] = run_nonfinite(rank, world, kind, cfg, mode)
+        except Exception as e:  # noqa: BLE001
+            bad[name] = {"error": f"{type(e).__name__}: {e}"}
+    try:
+        bad["unattached"] = run_unattached(rank, world)
+    except Exception as e:  # noqa: BLE001
+        bad["unattached"] = {"error": f"{type(e).__name__}: {e}"}
     if rank == 0:
-        torch.save({"cases": results, "resumes": resumed}, out)
+        torch.save({"cases": results, "resumes": resumed, "nonfinite": bad}, out)

@@ -30,13 +30,16 @@ CASES = {
     "refused-normuon": ("muon-normuon", W.ds_config(1)),
 }
 RESUMES = {f"muonclip-{s}": ("muonclip", W.ds_config(s)) for s in (1, 2, 3)}
+# compute_grad_norm false: DeepSpeed's own overflow check (its gradient norm) is off, the NaN reaches the optimizer
+NONFINITE = {f"{kind}-{s}-{mode}": (kind, W.ds_config(s, compute_grad_norm=False), mode)
+             for s in (1, 2) for kind, mode in (("muonclip", "raise"), ("muon", "skip"))}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("deepspeed")
     out = folder / "results.pt"
-    deepspeed_harness.launch(W.run_all, CASES, RESUMES, str(folder), str(out), limit_s=600)
+    deepspeed_harness.launch(W.run_all, CASES, RESUMES, str(folder), str(out), NONFINITE, limit_s=600)
     return torch.load(out, weights_only=False)
 
 
@@ -119,18 +122,46 @@ def test_refused_at_first_step_naming_deepspeed(runs):
     assert "DeepSpeed ZeRO-1 with normuon" in runs["cases"]["refused-normuon"]["error"]
 
 
-@pytest.mark.parametrize("stage", (1, 2, 3))
-def test_checkpoint_resumes_bit_identically(runs, stage):
+@pytest.mark.parametrize("name", sorted(RESUMES))
+def test_checkpoint_resumes_bit_identically(runs, name):
     """``engine.save_checkpoint`` / ``load_checkpoint``: the resumed step equals the straight one bit
-    for bit (weights, momentum, AdamW moments, step counters, tau)."""
-    got = runs["resumes"][f"muonclip-{stage}"]
+    for bit (weights, momentum, AdamW moments, step counters, tau), MuonClip at ZeRO-1, 2, 3 and Muon
+    (whose load binds to DeepSpeed before its group checks) at ZeRO-2."""
+    got = runs["resumes"][name]
     assert "error" not in got, got.get("error")
     a, b = got["straight"], got["resumed"]
     for n in a["weights"]:
         assert torch.equal(a["weights"][n], b["weights"][n]), n
         assert torch.equal(a["live"][n], b["live"][n]), n
     assert a["steps_taken"] == b["steps_taken"] == 3
-    assert a["tau"] == b["tau"] == W.TAU
+    assert a["tau"] == b["tau"] == (W.TAU if name.startswith("muonclip") else None)
+
+
+@pytest.mark.parametrize("name", sorted(NONFINITE))
+def test_nonfinite_gradient_changes_no_group(runs, name):
+    """ZeRO-1/2 hand the optimizer one param group per call; a NaN in the last group's gradient is
+    found before the first group steps: ``"raise"`` raises naming that group and ``"skip"`` skips
+    the whole step, and no weight of any group changes in that step."""
+    got = runs["nonfinite"][name]
+    assert got["error"] is None, got["error"]
+    assert got["changed"] == []
+    assert got["steps_taken"] == 1
+    if name.endswith("raise"):
+        assert got["raised"] is not None and got["raised"].startswith("NonFiniteGradError"), got["raised"]
+        assert "param group(s) 2 " in got["raised"] and "no weight was updated" in got["raised"]
+        assert got["steps_skipped"] == 0
+    else:
+        assert got["raised"] is None and got["steps_skipped"] == 1
+
+
+def test_partitions_stepped_outside_deepspeed_are_refused(runs):
+    """The optimizer's groups hold DeepSpeed's flat partitions but the step does not come from
+    DeepSpeed's ZeRO optimizer: a ValueError naming DeepSpeed and `attach`, never a step that takes
+    a partition for a weight; `attach(engine)` then binds it (once) and the engine steps it."""
+    got = runs["nonfinite"]["unattached"]
+    assert "error" not in got, got.get("error")
+    assert "DeepSpeed ZeRO's partition" in got["raised"] and "attach(engine)" in got["raised"], got["raised"]
+    assert got["attached"] == "DeepSpeedDriver" and got["same"] and got["steps_taken"] == 1
 
 
 def test_stale_build_lock_is_cleared():

@@ -49,52 +49,133 @@ from ..distributed._engine import StepExchange
 from ..optim._adamw import adamw_step
 from ..optim._buckets import options_key, step_structure
 from ..optim._matrices import matrix_spec
-from ..optim._validation import NonFiniteGradError, check_group, step_numbers
+from ..optim._validation import NonFiniteGradError, check_group, finite_per_tensor, nonfinite_indices, step_numbers
 from ..optim.flat import mark_partition, register_flat_driver
 from ..optim.functional import MuonWeight, muon_step
 from ..optim.multiprocess import StepStats
 from ..qkclip._layouts import AttentionLayer
 from ..qkclip._rows import Magnitudes, Rows, StridedRows
-from .deepspeed_zero import Member, Part, zero_parts
+from .deepspeed_zero import Member, Part, pending_gradients, zero_parts
 
 _ATTR = "_deepspeed_driver"
-_WRAPPERS = ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3", "BF16_Optimizer")
+_LOW_PRECISION_STAGE_0 = ("FP16_Optimizer", "FP16_UnfusedOptimizer")
+_UNFOUND = (
+    "Step it through DeepSpeed's engine (engine.step(), which calls the optimizer from DeepSpeed's ZeRO "
+    "optimizer), or attach it to the engine first: muonclip.integrations.deepspeed.attach(engine) "
+    "(docs/integrations.md, \"DeepSpeed\")"
+)
 
 
-def _caller_holding(opt: Any) -> Any:
-    """The nearest caller object (``self`` of a frame up the stack) that holds ``opt`` as ``.optimizer``."""
-    frame = sys._getframe(2)
-    for _ in range(40):
-        if frame is None:
-            return None
+def _classes() -> tuple[type, type, type]:
+    """DeepSpeed's optimizer-wrapper base, its ZeRO optimizers' base and its engine class."""
+    from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer, ZeROOptimizer
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    return DeepSpeedOptimizer, ZeROOptimizer, DeepSpeedEngine
+
+
+def _holder(opt: Any) -> Any:
+    """The nearest DeepSpeed object up the call stack that drives ``opt``: an optimizer wrapper
+    (ZeRO's, or stage 0's fp16 one) that holds it as ``.optimizer``, else the wrapper of an engine
+    whose ``basic_optimizer`` it is (the engine itself at stage 0), else None."""
+    wrapper_t, _, engine_t = _classes()
+    frame = sys._getframe(1)
+    while frame is not None:
         owner = frame.f_locals.get("self")
-        if owner is not None and owner is not opt and getattr(owner, "optimizer", None) is opt:
+        if isinstance(owner, wrapper_t) and getattr(owner, "optimizer", None) is opt:
             return owner
+        if isinstance(owner, engine_t) and getattr(owner, "basic_optimizer", None) is opt:
+            return owner.optimizer if isinstance(owner.optimizer, wrapper_t) else owner
         frame = frame.f_back
+    return None
+
+
+def _partition_in_muon_group(opt: Any) -> Tensor | None:
+    """A tensor in one of ``opt``'s Muon groups that can only be a flattening wrapper's partition:
+    1-D and not a parameter of a model (DeepSpeed ZeRO's float32 master partitions), else None."""
+    for g in opt.param_groups:
+        if g.get("algorithm", "muon") == "muon":
+            for p in g["params"]:
+                if p.ndim < 2 and not isinstance(p, torch.nn.Parameter):
+                    return p
     return None
 
 
 def find_driver(opt: Any) -> DeepSpeedDriver | None:
     """The `DeepSpeedDriver` of ``opt`` (a `muonclip.Muon`): the one attached, else one attached now
-    when a DeepSpeed ZeRO optimizer is calling it, else None. Cheap when DeepSpeed is not imported."""
+    when a DeepSpeed ZeRO optimizer drives it (`attach`), else None (not under DeepSpeed, or
+    DeepSpeed's stage 0 in float32, which hands the optimizer the model's own parameters).
+
+    Raises ValueError, never steps a partition as a weight: for stage 0 in fp16/bf16 (DeepSpeed's
+    ``FP16_Optimizer``), for a DeepSpeed wrapper muonclip does not know, and when ``opt``'s Muon
+    groups hold flat partitions but no DeepSpeed ZeRO optimizer is driving the call. Cheap when
+    DeepSpeed is not imported."""
     driver = opt.__dict__.get(_ATTR)
-    if driver is not None or "deepspeed" not in sys.modules:
+    if driver is not None or "deepspeed.runtime.engine" not in sys.modules:
         return driver
-    wrapper = _caller_holding(opt)
-    if wrapper is None or not type(wrapper).__module__.startswith("deepspeed."):
+    holder = _holder(opt)
+    if holder is not None and type(holder).__name__ in _LOW_PRECISION_STAGE_0:
+        raise _low_precision_stage_0(opt, holder)
+    if holder is not None and isinstance(holder, _classes()[0]):
+        return attach_to(opt, holder)
+    flat = _partition_in_muon_group(opt)
+    if flat is not None:
+        raise ValueError(
+            f"{type(opt).__name__}'s Muon param group holds a flat tensor of shape {tuple(flat.shape)}, DeepSpeed "
+            "ZeRO's partition of a whole param group, but no DeepSpeed ZeRO optimizer is driving this call, so "
+            f"muonclip cannot tell which weights it holds (stepped as it is, each matrix would be cut). {_UNFOUND}"
+        )
+    return None
+
+
+def attach(engine: Any) -> DeepSpeedDriver | None:
+    """Attach the muonclip optimizer of a DeepSpeed ``engine`` (from ``deepspeed.initialize``) to its
+    ZeRO optimizer now, instead of at the first step (what `find_driver` does by itself): the
+    refusals (`refuse_unsupported`) are raised here. Returns the `DeepSpeedDriver`, or None at
+    stage 0 in float32 (the optimizer steps the model's parameters itself).
+
+    Raises TypeError when the engine's optimizer is not a `muonclip.Muon`, ValueError for what
+    `find_driver` refuses."""
+    from ..optim import Muon
+
+    opt, wrapper = getattr(engine, "basic_optimizer", None), getattr(engine, "optimizer", None)
+    if not isinstance(opt, Muon):
+        raise TypeError(f"the engine's optimizer is {type(opt).__name__}, not a muonclip.Muon or muonclip.MuonClip: "
+                        "pass one as deepspeed.initialize(model=..., optimizer=...)")
+    if opt.__dict__.get(_ATTR) is not None:
+        return opt.__dict__[_ATTR]
+    if wrapper is None or wrapper is opt:  # stage 0 in float32
         return None
-    if type(wrapper).__name__ not in _WRAPPERS:
-        if type(wrapper).__name__ in ("FP16_Optimizer", "FP16_UnfusedOptimizer"):
-            raise ValueError(
-                f"DeepSpeed wraps {type(opt).__name__} in {type(wrapper).__name__} (ZeRO stage 0 with fp16 or bf16), "
-                "whose fp32 master copies muonclip does not step. Use ZeRO-1 or ZeRO-2 for mixed precision "
-                "(zero_optimization.stage 1 or 2; the same update, exact), or stage 0 in float32"
-            )
-        return None
+    if type(wrapper).__name__ in _LOW_PRECISION_STAGE_0:
+        raise _low_precision_stage_0(opt, wrapper)
+    return attach_to(opt, wrapper)
+
+
+def _low_precision_stage_0(opt: Any, wrapper: Any) -> ValueError:
+    return ValueError(
+        f"DeepSpeed wraps {type(opt).__name__} in {type(wrapper).__name__} (ZeRO stage 0 with fp16 or bf16), "
+        "whose fp32 master copies muonclip does not step. Use ZeRO-1 or ZeRO-2 for mixed precision "
+        "(zero_optimization.stage 1 or 2; the same update, exact), or stage 0 in float32"
+    )
+
+
+def attach_to(opt: Any, wrapper: Any) -> DeepSpeedDriver:
+    """Attach ``opt`` to the DeepSpeed optimizer ``wrapper`` that holds it: refuse what cannot be
+    exact (`refuse_unsupported`; a wrapper muonclip does not know included), then the
+    `DeepSpeedDriver` runs its every step."""
     refuse_unsupported(wrapper, opt)
+    if not isinstance(wrapper, _classes()[1]) or type(wrapper).__name__ not in _KNOWN:
+        raise ValueError(
+            f"DeepSpeed drives {type(opt).__name__} through {type(wrapper).__name__}, whose partitions muonclip does "
+            f"not know (it knows {', '.join(_KNOWN)}: ZeRO-1, 2 and 3 and bf16 ZeRO-1, without MiCS, ZenFlow or "
+            "SuperOffload); use one of those ZeRO stages"
+        )
     driver = DeepSpeedDriver(opt, wrapper)
     opt.__dict__[_ATTR] = driver
     return driver
+
+
+_KNOWN = ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3", "BF16_Optimizer")
 
 
 def refuse_unsupported(wrapper: Any, opt: Any) -> None:
@@ -118,6 +199,9 @@ def refuse_unsupported(wrapper: Any, opt: Any) -> None:
         ((getattr(wrapper, "zero_hpz_partition_size", 1) or 1) > 1, "ZeRO++ hpZ (zero_hpz_partition_size > 1)",
          "set zero_hpz_partition_size to 1"),
         ("MiCS" in kind or "SuperOffload" in kind, kind, "use ZeRO-3 without MiCS/SuperOffload"),
+        (any(getattr(p, "use_muon", False) for g in getattr(wrapper, "bit16_groups", ()) for p in g),
+         "parameters tagged use_muon", "remove the use_muon attribute from the model's parameters (ZeRO-1/2 would "
+         "orthogonalise their gradients with DeepSpeed's own Muon before muonclip's step)"),
         (getattr(opt, "on_nonfinite", "raise") == "mask", "on_nonfinite='mask'",
          "use on_nonfinite='raise' or 'skip' (DeepSpeed skips fp16 overflow steps itself)"),
     ]
@@ -186,8 +270,11 @@ class DeepSpeedDriver:
                                               {id(m.meta): m.pieces for m in part.members},
                                               mesh_shape=(part.world,))
                          for part in self.parts}
+        self.parts_by_index = {part.index: part for part in self.parts}
         self.structures: dict[Any, Any] = {}
         self.checked: dict[int, tuple[Any, Any]] = {}
+        self.groups: dict[int, dict[str, Any]] = {}  # the param group DeepSpeed hands over with each part
+        self.skipping: bool | None = None  # within a step: skip its remaining calls; None between steps
 
     def active(self) -> bool:
         """Always, once attached: DeepSpeed keeps its partitions in the param groups."""
@@ -199,19 +286,61 @@ class DeepSpeedDriver:
     def step(self, closure: Any = None) -> Any:
         """One call of DeepSpeed's: the parts whose partitions the param groups hold now (ZeRO-1/2:
         one group; ZeRO-3: one sub-group; BF16_Optimizer: all); after the last part of the step,
-        QK-Clip (`muonclip.MuonClip`) and the step count."""
+        QK-Clip (`muonclip.MuonClip`) and the step count.
+
+        At the step's first call, before any part changes: every group seen so far validated, and
+        every part's gradients checked (`_all_finite`: those handed over and those DeepSpeed still
+        holds), so a non-finite gradient anywhere raises `NonFiniteGradError` (or, with
+        ``on_nonfinite="skip"``, skips every part of the step) with no weight changed."""
         if closure is not None:
             raise ValueError("DeepSpeed calls the optimizer's step() without a closure; a closure cannot run here")
         opt = self.opt
         todo = [(g, self.by_flat[id(p)]) for g in opt.param_groups for p in g["params"] if id(p) in self.by_flat]
-        numbers = [self._numbers(group, part) for group, part in todo]  # every group checked before any changes
-        for (group, part), lr_wd in zip(todo, numbers):
-            self._step_part(group, part, lr_wd)
-        if todo and todo[-1][1].index == self.parts[-1].index:
-            if hasattr(opt, "layers"):
-                self.clip()
-            opt.steps_taken += 1
+        if not todo:
+            return None
+        for group, part in todo:
+            self.groups[part.index] = group
+        if todo[0][1].index == self.parts[0].index or self.skipping is None:  # the step's first call
+            numbers = {i: self._numbers(g, self.parts_by_index[i]) for i, g in self.groups.items()}
+            self.skipping = not self._all_finite(todo)
+        else:
+            numbers = {part.index: self._numbers(group, part) for group, part in todo}
+        last = todo[-1][1].index == self.parts[-1].index
+        if not self.skipping:
+            for group, part in todo:
+                self._step_part(group, part, numbers[part.index])
+            if last:
+                if hasattr(opt, "layers"):
+                    self.clip()
+                opt.steps_taken += 1
+        if last:
+            self.skipping = None
         return None
+
+    def _all_finite(self, todo: list[tuple[dict[str, Any], Part]]) -> bool:
+        """True when every gradient of every part is finite on every rank (one all-reduce); False
+        with ``on_nonfinite="skip"`` (the step counted in ``steps_skipped``); else
+        `NonFiniteGradError` naming the param groups."""
+        here = {part.index for _, part in todo}
+        grads = [[part.flat.grad] if part.flat.grad is not None else [] for _, part in todo] + [
+            pending_gradients(self.wrapper, self.kind, part.index) for part in self.parts if part.index not in here]
+        order = [part.index for _, part in todo] + [part.index for part in self.parts if part.index not in here]
+        finite = torch.stack([finite_per_tensor(g).all() for g in grads]).to(torch.int32)
+        if self.parts[0].world > 1:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=self.parts[0].group)
+        bad = sorted(order[k] for k in nonfinite_indices(finite.bool()))
+        if not bad:
+            return True
+        if self.opt.on_nonfinite == "skip":
+            self.opt.steps_skipped += 1
+            return False
+        raise NonFiniteGradError(
+            f"non-finite gradient (NaN or inf, or beyond 2^100) in DeepSpeed's partitions of param group(s) "
+            f"{', '.join(map(str, bad))} ({_stage(self.wrapper)}) at step {self.opt.steps_taken + 1}; no weight was "
+            "updated. Check the loss and the learning rate, clip gradients (gradient_clipping), keep DeepSpeed's "
+            "overflow check on (bf16.check_grad_overflow, zero_optimization.compute_grad_norm), or pass "
+            "on_nonfinite='skip' to skip such steps"
+        )
 
     def _numbers(self, group: dict[str, Any], part: Part) -> tuple[float, float]:
         """The group's checked ``(lr, weight_decay)`` for this step (`muonclip.optim._validation`), the
@@ -231,15 +360,6 @@ class DeepSpeedDriver:
         flat = part.flat
         if flat.grad is None:
             return
-        finite = torch.isfinite(flat.grad).all().to(torch.int32)
-        if part.world > 1:
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=part.group)
-        if not bool(finite):
-            raise NonFiniteGradError(
-                f"non-finite gradient (NaN or inf) in DeepSpeed's partition of param group {part.index} at step "
-                f"{self.opt.steps_taken + 1}. Use DeepSpeed's fp16/bf16 overflow check, clip gradients "
-                "(gradient_clipping), or lower the learning rate"
-            )
         lr, wd = numbers
         if group["algorithm"] == "adamw":
             adamw_step([flat], self.opt.state, lr=lr, betas=group["betas"], eps=group["adamw_eps"], weight_decay=wd,
@@ -340,4 +460,4 @@ def _ones(t: Tensor, transposed: bool, out: list[tuple[Tensor, Tensor]]) -> Tens
 
 register_flat_driver(find_driver)
 
-__all__ = ["DeepSpeedDriver", "find_driver", "refuse_unsupported"]
+__all__ = ["DeepSpeedDriver", "attach", "attach_to", "find_driver", "refuse_unsupported"]

@@ -182,4 +182,24 @@ def zero_parts(wrapper: Any) -> tuple[str, list[Part]]:
     raise TypeError(f"not a DeepSpeed ZeRO optimizer muonclip knows: {kind}")
 
 
-__all__ = ["Member", "Part", "zero_parts"]
+def pending_gradients(wrapper: Any, kind: str, index: int) -> list[Tensor]:
+    """This rank's gradients of part ``index`` (`zero_parts`) that DeepSpeed holds during a step
+    before it hands them to the optimizer (``"zero"``, ``"zero3"``: ``averaged_gradients``, the
+    tensors DeepSpeed's own gradient norm reads; loss-scaled in fp16, not yet clipped), or none:
+    a ``"bf16"`` step hands every part over in one call, and a part already handed over holds
+    its gradient as the partition's ``.grad``."""
+    if kind == "bf16":
+        return []
+    try:
+        grads = wrapper.averaged_gradients[index]
+    except (AttributeError, KeyError, IndexError, TypeError):
+        return []
+    if grads is None:
+        return []
+    flat = getattr(grads, "flat_partition", None)
+    if flat is not None:
+        return [flat]
+    return [g for g in grads if g is not None]
+
+
+__all__ = ["Member", "Part", "pending_gradients", "zero_parts"]

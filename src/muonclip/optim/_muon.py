@@ -522,6 +522,7 @@ class Muon(torch.optim.Optimizer):
         """torch's optimizer state dict in its saved form (`muonclip.optim._state_dicts.saved_form`:
         dtypes as strings); every param group holds the optimizer-wide values (``steps_taken``,
         ``steps_skipped``)."""
+        flat_driver(self)  # a wrapper stepping flat partitions (DeepSpeed ZeRO) binds here if not yet bound
         self.steps_skipped  # noqa: B018  (folds a masked count kept on the device into the groups)
         self._record_wide_state()
         return state_dicts.saved_form(super().state_dict())
@@ -539,6 +540,7 @@ class Muon(torch.optim.Optimizer):
         replace) the dict as given, post-hooks see the loaded state. The dict passed in is not
         modified.
         """
+        flat_driver(self)  # bound to a wrapper's flat partitions (DeepSpeed ZeRO), they pass the group checks
         kept: dict[Any, dict[str, Tensor]] = {}
         saved_groups: list[dict[str, Any]] = []
 
