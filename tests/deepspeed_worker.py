@@ -198,9 +198,11 @@ def run_unattached(rank: int, world: int) -> dict:
 
 
 def run_all(rank: int, world: int, cases: dict, resumes: dict, folder: str, out: str,
-            nonfinite: dict | None = None) -> None:
-    """`run_case` for every case, the docs' recipe, every resume case and every `run_nonfinite`
-    case; rank 0 saves ``{"cases": ..., "resumes": ..., "nonfinite": ...}`` to ``out``."""
+            nonfinite: dict | None = None, hf: list[str] | None = None) -> None:
+    """`run_case` for every case, the docs' recipe, every resume case, every `run_nonfinite` case,
+    `run_unattached` and the Hugging Face cases ``hf`` (``"trainer-<stage>"``,
+    ``"accelerate-<stage>"``: `deepspeed_hf_worker`); rank 0 saves ``{"cases", "resumes",
+    "nonfinite", "hf"}`` to ``out``."""
     results, resumed = {}, {}
     for name, (kind, cfg) in cases.items():
         try:
@@ -232,5 +234,15 @@ def run_all(rank: int, world: int, cases: dict, resumes: dict, folder: str, out:
         bad["unattached"] = run_unattached(rank, world)
     except Exception as e:  # noqa: BLE001
         bad["unattached"] = {"error": f"{type(e).__name__}: {e}"}
+    front = {}
+    for name in hf or ():
+        import deepspeed_hf_worker
+
+        kind, stage = name.split("-")
+        try:
+            front[name] = (deepspeed_hf_worker.run_trainer(rank, world, int(stage), f"{folder}/{name}")
+                           if kind == "trainer" else deepspeed_hf_worker.run_accelerate(rank, world, int(stage)))
+        except Exception as e:  # noqa: BLE001
+            front[name] = {"error": f"{type(e).__name__}: {e}"}
     if rank == 0:
-        torch.save({"cases": results, "resumes": resumed, "nonfinite": bad}, out)
+        torch.save({"cases": results, "resumes": resumed, "nonfinite": bad, "hf": front}, out)
