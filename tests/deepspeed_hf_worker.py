@@ -119,15 +119,17 @@ def run_accelerate(rank: int, world: int, stage: int) -> dict:
             "last_clipped": {k: v.clone() for k, v in opt.last_clipped.items()}}
 
 
-def reference(batches: list[torch.Tensor]) -> dict:
-    """One plain process, MuonClip, on the global batches: the weights."""
+def reference(batches: list[torch.Tensor], world: int = 2) -> dict:
+    """One plain process, MuonClip, on the global batches (each rank's rows one micro-batch, as
+    `deepspeed_worker.reference`): the weights, the heads clipped per step, the start."""
     from muonclip import MuonClip
 
     model = llama()
     opt = MuonClip(model, lr=LR, weight_decay=WD, tau=TAU, process_group="local", **OPT)
     clipped = []
     for ids in batches:
-        model(input_ids=ids, labels=ids).loss.backward()
+        for rows in ids.chunk(world):
+            (model(input_ids=rows, labels=rows).loss / world).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         clipped.append(sum(int(v.sum()) for v in opt.last_clipped.values()))

@@ -41,15 +41,22 @@ def optimizer(kind: str, m: torch.nn.Module, **kw):
     return muonclip.Muon(muonclip.param_groups(m), **OPT, **kw)
 
 
-def reference(kind: str, steps: int = STEPS, clip_norm: float = 0.0) -> dict:
-    """One plain process on the whole global batches: the weights and the heads clipped per step."""
+def reference(kind: str, steps: int = STEPS, clip_norm: float = 0.0, world: int = 2) -> dict:
+    """One plain process on the whole global batches: the weights and the heads clipped per step.
+
+    Each step's gradient is accumulated over the ``world`` ranks' rows, one micro-batch each, every
+    loss halved: the gradient of the global batch, summed in the order DeepSpeed's average sums it
+    (float32 Newton–Schulz multiplies the noise of another order several hundredfold in a matrix's
+    smallest singular directions)."""
     m = model()
     opt = optimizer(kind, m, process_group="local")
     clipped = []
+    n = BATCH // world
     for s in range(steps):
         x, y = batch(s)
-        _, loss = m(x, y)
-        loss.backward()
+        for r in range(world):
+            _, loss = m(x[r * n:(r + 1) * n], y[r * n:(r + 1) * n])
+            (loss / world).backward()
         if clip_norm:
             torch.nn.utils.clip_grad_norm_(m.parameters(), clip_norm)
         opt.step()
