@@ -104,7 +104,7 @@ def _worker(rank: int, world: int, impl: str, stage: int, cfg: dict, steps: int,
     dtype = torch.float32 if ns == "float32" else torch.bfloat16
     if impl == "muonclip":
         opt = muonclip.Muon(muonclip.param_groups(model), lr=0.02, momentum=0.95, weight_decay=0.1,
-                            adjust_lr_fn="original", nesterov=True, orth_dtype=dtype)
+                            adjust_lr_fn="original", nesterov=True, orth_dtype=dtype, eps=1e-7 / (1 - 0.95))
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
     else:
         if ns == "float32":
@@ -175,7 +175,7 @@ def main() -> None:
     print(f"{'stage':>5} {'optimizer':>14} {'fwd+bwd+step ms':>16} {'step ms':>8} {'MiB fwd+bwd':>12} "
           f"{'MiB step':>9} {'peak RSS MiB (r0, r1)':>22}")
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [(int(s), "bfloat16") for s in args.stages.split(",")]
+        runs = [(int(s), "bfloat16") for s in args.stages.split(",") if s]
         if args.agreement_float32:
             runs.append((2, "float32"))
         for stage, ns in runs:
