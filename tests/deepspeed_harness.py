@@ -19,6 +19,8 @@ import datetime
 import fcntl
 import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,6 +57,21 @@ def extensions_ready() -> None:
         from deepspeed.accelerator import get_accelerator
 
         get_accelerator().create_op_builder("ShareMemCommBuilder").load(verbose=False)
+
+
+_READY: list[bool] = []
+
+
+def extensions_ready_elsewhere(timeout_s: float = 300) -> None:
+    """`extensions_ready` in a child process, once per process: the caller (pytest's process) never
+    loads DeepSpeed or its native extension, whose OpenMP runtime is not torch's (with both in one
+    process torch's compiled kernels can abort)."""
+    if _READY:
+        return
+    code = "import sys; sys.path.insert(0, 'tests'); import deepspeed_harness as h; h.extensions_ready()"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=timeout_s, check=True,
+                   stdout=subprocess.DEVNULL)
+    _READY.append(True)
 
 
 def init_rank(rank: int, world: int, port: int) -> None:
@@ -96,7 +113,7 @@ def launch(fn, *args, world: int = 2, limit_s: float = 300) -> None:
     import pytest
     import torch.multiprocessing as mp
 
-    extensions_ready()
+    extensions_ready_elsewhere()
     ctx = mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + limit_s

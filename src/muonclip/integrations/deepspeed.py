@@ -50,14 +50,13 @@ from ..optim._adamw import adamw_step
 from ..optim._buckets import options_key, step_structure
 from ..optim._matrices import matrix_spec
 from ..optim._validation import NonFiniteGradError, check_group, finite_per_tensor, nonfinite_indices, step_numbers
-from ..optim.flat import mark_partition, register_flat_driver
+from ..optim.flat import ATTACHED, mark_partition, register_flat_driver
 from ..optim.functional import MuonWeight, muon_step
 from ..optim.multiprocess import StepStats
 from ..qkclip._layouts import AttentionLayer
 from ..qkclip._rows import Magnitudes, Rows, StridedRows
 from .deepspeed_zero import Member, Part, pending_gradients, zero_parts
 
-_ATTR = "_deepspeed_driver"
 _LOW_PRECISION_STAGE_0 = ("FP16_Optimizer", "FP16_UnfusedOptimizer")
 _UNFOUND = (
     "Step it through DeepSpeed's engine (engine.step(), which calls the optimizer from DeepSpeed's ZeRO "
@@ -110,7 +109,7 @@ def find_driver(opt: Any) -> DeepSpeedDriver | None:
     ``FP16_Optimizer``), for a DeepSpeed wrapper muonclip does not know, and when ``opt``'s Muon
     groups hold flat partitions but no DeepSpeed ZeRO optimizer is driving the call. Cheap when
     DeepSpeed is not imported."""
-    driver = opt.__dict__.get(_ATTR)
+    driver = opt.__dict__.get(ATTACHED)
     if driver is not None or "deepspeed.runtime.engine" not in sys.modules:
         return driver
     holder = _holder(opt)
@@ -142,8 +141,8 @@ def attach(engine: Any) -> DeepSpeedDriver | None:
     if not isinstance(opt, Muon):
         raise TypeError(f"the engine's optimizer is {type(opt).__name__}, not a muonclip.Muon or muonclip.MuonClip: "
                         "pass one as deepspeed.initialize(model=..., optimizer=...)")
-    if opt.__dict__.get(_ATTR) is not None:
-        return opt.__dict__[_ATTR]
+    if opt.__dict__.get(ATTACHED) is not None:
+        return opt.__dict__[ATTACHED]
     if wrapper is None or wrapper is opt:  # stage 0 in float32
         return None
     if type(wrapper).__name__ in _LOW_PRECISION_STAGE_0:
@@ -171,7 +170,7 @@ def attach_to(opt: Any, wrapper: Any) -> DeepSpeedDriver:
             "SuperOffload); use one of those ZeRO stages"
         )
     driver = DeepSpeedDriver(opt, wrapper)
-    opt.__dict__[_ATTR] = driver
+    opt.__dict__[ATTACHED] = driver
     return driver
 
 

@@ -45,7 +45,7 @@ from ._validation import (
     nonfinite_indices,
     step_numbers,
 )
-from .flat import flat_driver
+from .flat import ATTACHED, FlatDriver, flat_driver
 from .functional import MuonWeight, muon_step
 from .multiprocess import Engine, Exchange, StepStats, engine_for
 from .workspace import Workspace, make_workspace
@@ -319,7 +319,7 @@ class Muon(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Perform one optimisation step (all groups); ``closure`` re-evaluates the loss. Stepped by
         a wrapper on flat partitions (DeepSpeed ZeRO), the step is its `muonclip.optim.flat.FlatDriver`'s."""
-        driver = flat_driver(self)
+        driver = self._flat_driver()
         if driver is not None:
             return driver.step(closure)
         loss = None
@@ -370,6 +370,20 @@ class Muon(torch.optim.Optimizer):
         self._update(engine, ctx, local, numbers)
         self._record_wide_state()
         return loss
+
+    def _flat_driver(self, force: bool = False) -> FlatDriver | None:
+        """The `muonclip.optim.flat.FlatDriver` stepping this optimizer on a wrapper's flat partitions
+        (DeepSpeed ZeRO): the one attached, else the one a registered finder attaches now -- asked
+        when the param groups changed since `_check_groups` last validated them (a wrapper swaps its
+        partitions in; a plain step's groups stay as they were, so it asks once), or ``force``."""
+        driver = self.__dict__.get(ATTACHED)
+        if driver is not None:
+            return driver
+        checked = self.__dict__.get("_checked", {})
+        changed = len(checked) != len(self.param_groups) or any(
+            (seen := checked.get(id(g))) is None or seen[0] is not g["params"] or seen[1] != len(g["params"])
+            for g in self.param_groups)
+        return flat_driver(self) if force or changed else None
 
     def _check_groups(self) -> dict[int, tuple[float, float]]:
         """Every group's ``(lr, weight_decay)`` for this step, by ``id(group)``, after checking that
@@ -522,7 +536,7 @@ class Muon(torch.optim.Optimizer):
         """torch's optimizer state dict in its saved form (`muonclip.optim._state_dicts.saved_form`:
         dtypes as strings); every param group holds the optimizer-wide values (``steps_taken``,
         ``steps_skipped``)."""
-        flat_driver(self)  # a wrapper stepping flat partitions (DeepSpeed ZeRO) binds here if not yet bound
+        self._flat_driver(force=True)  # a wrapper stepping flat partitions (DeepSpeed ZeRO) binds here if not yet
         self.steps_skipped  # noqa: B018  (folds a masked count kept on the device into the groups)
         self._record_wide_state()
         return state_dicts.saved_form(super().state_dict())
@@ -540,7 +554,7 @@ class Muon(torch.optim.Optimizer):
         replace) the dict as given, post-hooks see the loaded state. The dict passed in is not
         modified.
         """
-        flat_driver(self)  # bound to a wrapper's flat partitions (DeepSpeed ZeRO), they pass the group checks
+        self._flat_driver(force=True)  # bound to a wrapper's flat partitions (DeepSpeed ZeRO): they pass the checks
         kept: dict[Any, dict[str, Tensor]] = {}
         saved_groups: list[dict[str, Any]] = []
 

@@ -22,8 +22,11 @@ their shape, which Muon gathers whole per matrix), accelerate with ``fsdp_versio
 **The extension point for a wrapper that steps the optimizer on flat partitions.** DeepSpeed's
 ZeRO optimizers replace the optimizer's parameters by flat partitions of whole param groups and
 call ``step()`` once per group. A layer that knows such a wrapper registers a finder
-(`register_flat_driver`); `flat_driver` asks it, at every step, whether the optimizer is being
-stepped by one, and `muonclip.Muon.step` then hands the step to the `FlatDriver` it returns
+(`register_flat_driver`); `flat_driver` asks it whether the optimizer is being stepped by one
+(`muonclip.Muon` asks when its param groups changed since its last step -- the wrapper swapped in
+its partitions -- and at `state_dict`/`load_state_dict`; a finder that attaches a driver stores it
+on the optimizer as `ATTACHED`, which the step reads first), and `muonclip.Muon.step` then hands
+the step to the `FlatDriver`
 (`muonclip.integrations.deepspeed` registers one when ``muonclip`` is imported; it knows which
 element range of every weight each rank's partition holds). The core imports no wrapper.
 """
@@ -123,6 +126,9 @@ class FlatDriver(Protocol):
         ...
 
 
+ATTACHED = "_flat_driver"
+"""The optimizer attribute (in its ``__dict__``) where a finder stores the `FlatDriver` it attached."""
+
 _FINDERS: list[Callable[[Any], FlatDriver | None]] = []
 _PARTITION = "_muonclip_flat_partition"
 
@@ -140,7 +146,7 @@ def is_partition(t: Tensor) -> bool:
 
 def register_flat_driver(find: Callable[[Any], FlatDriver | None]) -> None:
     """Register ``find(optimizer)``: the `FlatDriver` of a wrapper stepping ``optimizer`` on flat
-    partitions, or None (it must be cheap: `flat_driver` calls it at every step)."""
+    partitions, or None (cheap: `flat_driver` calls it whenever the param groups changed)."""
     if find not in _FINDERS:
         _FINDERS.append(find)
 
@@ -154,5 +160,5 @@ def flat_driver(optimizer: Any) -> FlatDriver | None:
     return None
 
 
-__all__ = ["DEEPSPEED", "INSTEAD", "FlatDriver", "FlatParameterError", "flat_driver", "flat_kind", "is_partition",
-           "mark_partition", "refuse_flat", "refuse_flat_model", "register_flat_driver"]
+__all__ = ["ATTACHED", "DEEPSPEED", "INSTEAD", "FlatDriver", "FlatParameterError", "flat_driver", "flat_kind",
+           "is_partition", "mark_partition", "refuse_flat", "refuse_flat_model", "register_flat_driver"]

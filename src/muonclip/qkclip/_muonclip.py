@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from ..distributed._context import collective_group
 from ..optim import Muon, param_groups
 from ..optim._validation import number
-from ..optim.flat import flat_driver, refuse_flat_model
+from ..optim.flat import refuse_flat_model
 from ._clip import all_reduce_max_, apply_qk_clip
 from ._discovery import discover_layers
 from ._layouts import AttentionLayer
@@ -155,8 +155,8 @@ class MuonClip(Muon):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Optimizer update, then QK-Clip with the maxima recorded since the last step (stepped by
         DeepSpeed ZeRO on its partitions: `muonclip.integrations.deepspeed`, through
-        `muonclip.optim.flat.flat_driver`)."""
-        driver = flat_driver(self)
+        `muonclip.Muon._flat_driver`)."""
+        driver = self._flat_driver()
         if driver is not None:
             return driver.step(closure)
         self._binding.follow(self.param_groups, self.state)  # a wrapper may have replaced parameters
@@ -203,10 +203,10 @@ class MuonClip(Muon):
         for msg in reports:
             warnings.warn(msg, QKClipIneffectiveWarning, stacklevel=_outside_frames())
 
-    def _follow(self) -> None:
+    def _follow(self, force: bool = False) -> None:
         """`ParameterBinding.follow`, unless a wrapper steps this optimizer on its flat partitions
         (DeepSpeed: the layouts stay on the model's parameters, and the driver maps them)."""
-        if flat_driver(self) is None:
+        if self._flat_driver(force) is None:
             self._binding.follow(self.param_groups, self.state)
 
     def clip_stats(self) -> dict[str, float]:
@@ -301,14 +301,14 @@ class MuonClip(Muon):
     def state_dict(self) -> dict[str, Any]:
         """`muonclip.Muon.state_dict`, of the parameters the model holds now
         (`muonclip.qkclip.binding`); every param group also holds ``tau``."""
-        self._follow()
+        self._follow(force=True)
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """`muonclip.Muon.load_state_dict` into the parameters the model holds now
         (`muonclip.qkclip.binding`; ``tau`` restored when the state dict has one); the runtime
         check starts afresh."""
-        self._follow()
+        self._follow(force=True)
         super().load_state_dict(state_dict)
         self._clip_check.reset()
 

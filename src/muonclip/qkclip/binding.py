@@ -30,7 +30,6 @@ again on every tensor a layout is re-pointed at.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -211,7 +210,7 @@ def _layout(t: Tensor) -> str:
 def _wrapper_hint(t: Any) -> str:
     """Which wrapper a replacement looks like, and what to use instead."""
     kind = flat_kind(t) if isinstance(t, Tensor) else None
-    if kind == "DeepSpeed ZeRO" or (isinstance(t, Tensor) and t.ndim == 1 and "deepspeed" in sys.modules):
+    if kind == "DeepSpeed ZeRO":
         return ("DeepSpeed ZeRO replaces the optimizer's parameters by flat partitions of whole param groups, and "
                 f"this step did not come from a DeepSpeed engine muonclip recognises. {DEEPSPEED}")
     if kind is not None:
