@@ -126,7 +126,7 @@ class FlatDriver(Protocol):
         ...
 
 
-ATTACHED = "_flat_driver"
+ATTACHED = "_attached_flat_driver"
 """The optimizer attribute (in its ``__dict__``) where a finder stores the `FlatDriver` it attached."""
 
 _FINDERS: list[Callable[[Any], FlatDriver | None]] = []
