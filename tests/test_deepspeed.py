@@ -14,6 +14,7 @@ norms), whose near-cancelling gradients carry the float32 noise of a different r
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import pytest
@@ -67,19 +68,26 @@ def _muon_names(model: torch.nn.Module) -> list[str]:
     return [n for g in muonclip.param_groups(model) if g["algorithm"] == "muon" for n in g["param_names"]]
 
 
-GPT_START = {n: p.detach().clone() for n, p in W.model().named_parameters()}
-GPT_MUON = _muon_names(W.model())
+@functools.cache
+def _gpt() -> tuple[dict, list[str]]:
+    """The GPT's initial weights and the names of Muon's matrices (built when first asked, not at import)."""
+    model = W.model()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, _muon_names(model)
 
 
-def _deviation(got: dict, ref: dict, start: dict = GPT_START, names: list[str] | None = None) -> float:
-    """max |got - ref| over the weights ``names`` (default all), relative to the largest movement of any weight."""
+def _deviation(got: dict, ref: dict, start: dict | None = None, names: list[str] | None = None) -> float:
+    """max |got - ref| over the weights ``names`` (default all), relative to the largest movement of
+    any weight from ``start`` (default: the GPT's)."""
+    start = start or _gpt()[0]
     move = max((ref["weights"][n] - start[n]).abs().max().item() for n in start)
     return max((got["weights"][n] - ref["weights"][n]).abs().max().item() for n in (names or start)) / move
 
 
-def _assert_one_process(got: dict, ref: dict, what: str, start: dict = GPT_START, muon: list[str] = GPT_MUON,
+def _assert_one_process(got: dict, ref: dict, what: str, start: dict | None = None, muon: list[str] | None = None,
                         tol: float = TOL, adamw_tol: float = ADAMW_TOL) -> None:
-    """Muon's matrices within ``tol`` of the largest movement, every weight within ``adamw_tol``."""
+    """Muon's matrices within ``tol`` of the largest movement, every weight within ``adamw_tol``
+    (default ``start`` and ``muon``: the GPT's)."""
+    start, muon = start or _gpt()[0], muon or _gpt()[1]
     m, a = _deviation(got, ref, start, muon), _deviation(got, ref, start)
     print(f"{what}: max |diff| / max movement = {m:.2g} (Muon's matrices), {a:.2g} (all weights)")
     assert m <= tol and a <= adamw_tol, (m, a)
@@ -128,7 +136,7 @@ def test_default_gradient_clipping_is_deepspeeds_norm_clip(runs, references, sta
     got = _case(runs, f"muonclip-{stage}-default-clipping")
     clipped, plain = references["muonclip-clipnorm"], references["muonclip"]
     _assert_one_process(got, clipped, f"muonclip ZeRO-{stage} default clipping vs a norm-clipped process")
-    assert _deviation(got, plain, names=GPT_MUON) > 100 * ADAMW_TOL
+    assert _deviation(got, plain, names=_gpt()[1]) > 100 * ADAMW_TOL
     assert _same_clips(got, clipped)
 
 
