@@ -63,9 +63,9 @@ _READY: list[bool] = []
 
 
 def extensions_ready_elsewhere(timeout_s: float = 300) -> None:
-    """`extensions_ready` in a child process, once per process: the caller (pytest's process) never
-    loads DeepSpeed or its native extension, whose OpenMP runtime is not torch's (with both in one
-    process torch's compiled kernels can abort)."""
+    """`extensions_ready` in a child process, once per process: the caller (pytest's process, which
+    runs the rest of the suite) never imports DeepSpeed or loads its native extension; only the
+    ranks' processes do."""
     if _READY:
         return
     code = "import sys; sys.path.insert(0, 'tests'); import deepspeed_harness as h; h.extensions_ready()"
