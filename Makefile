@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup compare test test-avx2 lint bench gpu-check docs clean
+.PHONY: setup compare test test-avx2 lint bench gpu-check docs clean deepspeed-ops
 
 setup: $(STAMP)
 
@@ -16,8 +16,14 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[cli,dev,hf,lightning,tensorboard,torchtitan,peft,trl,docs]"
+	$(BIN)/python -m pip install -q -e ".[cli,dev,hf,lightning,tensorboard,torchtitan,peft,trl,docs,deepspeed]"
+	$(MAKE) deepspeed-ops
 	touch $(STAMP)
+
+# DeepSpeed's CPU communication extension, built once into build/torch_extensions (where the tests
+# look for it) under a kernel lock that a killed build cannot leave behind (tests/deepspeed_harness.py)
+deepspeed-ops:
+	DS_ACCELERATOR=cpu $(BIN)/python -c "import sys; sys.path.insert(0, 'tests'); import deepspeed_harness as h; h.extensions_ready()"
 
 compare: $(STAMP)
 	$(BIN)/muonclip compare

@@ -20,6 +20,11 @@ local tensor is then exactly ``global[i_0, i_1, ...]`` over the product of those
 
 A DTensor on a submesh is placed among the ranks of its root mesh by `mesh_grid`; `replicas` counts the
 ranks that hold each element; `local_rows` gives the row shard a per-row factor is applied to.
+
+A piece may also be a `FlatRange`: a contiguous range of the tensor's elements in row-major
+order, what a flattening wrapper hands a rank (DeepSpeed ZeRO's partitions,
+`muonclip.integrations.deepspeed`). `piece_shape`, `is_empty`, `take`, `put` and `covers` take
+both kinds; the local tensor of a `FlatRange` is 1-D.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import functools
 import itertools
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,7 +41,25 @@ import torch.distributed as dist
 from torch import Tensor
 
 Index = range | tuple[int, ...]
-Piece = tuple[Index, ...]
+
+
+@dataclass(frozen=True)
+class FlatRange:
+    """Elements ``[start, stop)`` of a tensor flattened in row-major order (a 1-D local tensor).
+
+    A rank's piece of a weight that a flattening wrapper partitioned by element count, not by
+    dimension (DeepSpeed ZeRO). A piece holding every element is written as the whole-tensor
+    tuple of ranges instead, so that its local tensor keeps the weight's shape.
+    """
+
+    start: int
+    stop: int
+
+    def __len__(self) -> int:
+        return max(self.stop - self.start, 0)
+
+
+Piece = tuple[Index, ...] | FlatRange
 
 
 def _normalise(idx: Sequence[int]) -> Index:
@@ -90,12 +114,16 @@ def piece_of(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[in
 
 
 def piece_shape(piece: Piece) -> tuple[int, ...]:
-    """The local shape a piece has."""
+    """The local shape a piece has (``(n,)`` for a `FlatRange` of n elements)."""
+    if isinstance(piece, FlatRange):
+        return (len(piece),)
     return tuple(len(i) for i in piece)
 
 
 def is_empty(piece: Piece) -> bool:
     """True when the piece holds no element (an uneven split left this rank nothing)."""
+    if isinstance(piece, FlatRange):
+        return len(piece) == 0
     return any(len(i) == 0 for i in piece)
 
 
@@ -105,7 +133,10 @@ def contiguous(index: Index) -> bool:
 
 
 def take(whole: Tensor, piece: Piece, within: Piece | None = None) -> Tensor:
-    """The elements of ``piece`` from ``whole``, which holds the indices ``within`` (default: all)."""
+    """The elements of ``piece`` from ``whole``, which holds the indices ``within`` (default: all;
+    a `FlatRange` is taken from a ``whole`` that holds every element)."""
+    if isinstance(piece, FlatRange):
+        return whole.reshape(-1)[piece.start:piece.stop]
     out = whole
     for d, ix in enumerate(piece):
         base = within[d] if within is not None else range(whole.shape[d])
@@ -119,6 +150,9 @@ def take(whole: Tensor, piece: Piece, within: Piece | None = None) -> Tensor:
 
 def put(whole: Tensor, piece: Piece, value: Tensor, within: Piece | None = None) -> None:
     """Write ``value`` (shaped like ``piece``) into ``whole`` (holding ``within``, default all) in place."""
+    if isinstance(piece, FlatRange):  # into a contiguous whole that holds every element
+        whole.view(-1)[piece.start:piece.stop].copy_(value.reshape(-1))
+        return
     base = within if within is not None else tuple(range(n) for n in whole.shape)
     if all(isinstance(i, range) for i in piece) and all(isinstance(b, range) for b in base):
         whole[tuple(slice(i.start - b.start, i.stop - b.start) for i, b in zip(piece, base))].copy_(value)
@@ -133,7 +167,10 @@ def put(whole: Tensor, piece: Piece, value: Tensor, within: Piece | None = None)
 
 
 def covers(piece: Piece, shape: Sequence[int], dims: Sequence[int]) -> bool:
-    """True when ``piece`` holds every index of the dimensions ``dims`` of a tensor of ``shape``."""
+    """True when ``piece`` holds every index of the dimensions ``dims`` of a tensor of ``shape``
+    (never for a `FlatRange`, which is never a whole tensor)."""
+    if isinstance(piece, FlatRange):
+        return False
     return all(piece[d] == range(shape[d]) for d in dims)
 
 

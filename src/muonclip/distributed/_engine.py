@@ -38,11 +38,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..common._dtensor import Piece, covers, is_dtensor, is_empty, local, piece_shape, put, take
+from ..common._dtensor import FlatRange, Piece, covers, is_dtensor, is_empty, local, piece_shape, put, take
 from ..optim._buckets import Place, Unit, options_key
 from ..optim._matrices import MatrixSpec, matrix_spec
 from ..optim._state_dicts import state_dtype
-from ..optim.functional import MuonWeight
+from ..optim.functional import FlatPlace, MuonWeight
 from ..optim.multiprocess import StepStats, register_engine
 from ._context import GroupContext, locals_and_group, resolve_group
 from ._exchange import Transfer, agree_copies, agree_parameters, agree_replicas, exchange, signature
@@ -107,6 +107,8 @@ class StepExchange:
         """`Routes` of the weights ``live``; then plain tensors must really be replicas (never a
         shard taken for one): one all-reduce of their fingerprints."""
         routes = _build(live, names, specs, self.ctx)
+        if not getattr(self.ctx, "plain_replicas", True):  # a context whose plain tensors are partitions
+            return routes
         plain = [k for k, (_, p) in enumerate(live) if not is_dtensor(p)]
         device = local(live[0][1]).device
         agree_replicas(self.ctx, [live[k][1] for k in plain], [names[k]() for k in plain], device, self.stats.comm)
@@ -293,7 +295,11 @@ def _build(live: Sequence[tuple[dict[str, Any], Tensor]], names: Sequence[Callab
     places: list[Place] = []
     for k, (_, p) in enumerate(live):
         axis, ranges = specs[k].axis, specs[k].ranges
-        index = all_pieces[k][me][axis]
+        mine_k = all_pieces[k][me]
+        if isinstance(mine_k, FlatRange):  # elements of the flattened weight (DeepSpeed ZeRO)
+            places.append((axis, ranges, FlatPlace(mine_k.start, tuple(p.shape))))
+            continue
+        index = mine_k[axis]
         if isinstance(index, range):
             places.append((axis, ranges, index.start if len(index) else 0))
         elif len({s for _, _, s in ranges}) == 1:
@@ -319,6 +325,12 @@ def _check_whole_rows(p: Tensor, spec: MatrixSpec, pieces: Sequence[Piece], name
     for pc in pieces:
         if is_empty(pc):
             continue
+        if isinstance(pc, FlatRange):
+            raise ValueError(
+                f"{name()}: momentum_8bit keeps one scale per block of a row, and this parameter is partitioned into "
+                "ranges of its flattened elements (DeepSpeed ZeRO), which cut its rows; put it in a param group with "
+                "momentum_8bit=False"
+            )
         for d in row_dims:
             if list(pc[d]) != list(range(p.shape[d])):
                 raise ValueError(

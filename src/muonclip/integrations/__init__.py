@@ -34,6 +34,7 @@ from ..optim._wrappers import register_build_hook
 from ..qkclip._discovery import register_discoverer
 from ..qkclip._layouts import AttentionLayer
 from ..qkclip.step_metrics import StepMetrics, UpdateRMS, step_metrics, unwrap_optimizer
+from . import deepspeed as _deepspeed  # noqa: F401  (registers the DeepSpeed ZeRO driver; imports no deepspeed)
 from . import families as _families  # noqa: F401  (registers the family table)
 
 _LAZY = {

@@ -47,6 +47,7 @@ from ._validation import (
     step_numbers,
 )
 from ._wrappers import run_build_hooks, wrapped_optimizer
+from .flat import ATTACHED, FlatDriver, flat_driver
 from .functional import MuonWeight, muon_step
 from .multiprocess import Engine, Exchange, StepStats, engine_for
 from .workspace import Workspace, make_workspace
@@ -331,8 +332,12 @@ class Muon(torch.optim.Optimizer):
         ``register_step_post_hook``) run once around it. torch wraps the ``step`` of each
         optimizer class it builds in the code that runs them, so the body is `_muon_step`, which
         a subclass's own ``step`` calls (`muonclip.MuonClip` does) rather than a second wrapped
-        ``step``.
+        ``step``. Stepped by a wrapper on flat partitions (DeepSpeed ZeRO), the step is its
+        `muonclip.optim.flat.FlatDriver`'s.
         """
+        driver = self._flat_driver()
+        if driver is not None:
+            return driver.step(closure)
         return self._muon_step(closure)
 
     @torch.no_grad()
@@ -395,6 +400,20 @@ class Muon(torch.optim.Optimizer):
         restores them unchecked)."""
         self._record_wide_state()
         self._wide_stepped = self._wide_state()
+
+    def _flat_driver(self, force: bool = False) -> FlatDriver | None:
+        """The `muonclip.optim.flat.FlatDriver` stepping this optimizer on a wrapper's flat partitions
+        (DeepSpeed ZeRO): the one attached, else the one a registered finder attaches now -- asked
+        when the param groups changed since `_check_groups` last validated them (a wrapper swaps its
+        partitions in; a plain step's groups stay as they were, so it asks once), or ``force``."""
+        driver = self.__dict__.get(ATTACHED)
+        if driver is not None:
+            return driver
+        checked = self.__dict__.get("_checked", {})
+        changed = len(checked) != len(self.param_groups) or any(
+            (seen := checked.get(id(g))) is None or seen[0] is not g["params"] or seen[1] != len(g["params"])
+            for g in self.param_groups)
+        return flat_driver(self) if force or changed else None
 
     def _check_groups(self) -> dict[int, tuple[float, float]]:
         """Every group's ``(lr, weight_decay)`` for this step, by ``id(group)``, after checking that
@@ -582,6 +601,7 @@ class Muon(torch.optim.Optimizer):
         """torch's optimizer state dict in its saved form (`muonclip.optim._state_dicts.saved_form`:
         dtypes as strings); every param group holds the optimizer-wide values (``steps_taken``,
         ``steps_skipped``)."""
+        self._flat_driver(force=True)  # a wrapper stepping flat partitions (DeepSpeed ZeRO) binds here if not yet
         self.steps_skipped  # noqa: B018  (folds a masked count kept on the device into the groups)
         self._whole_state()
         self._record_wide_state()
@@ -619,6 +639,7 @@ class Muon(torch.optim.Optimizer):
         replace) the dict as given, post-hooks see the loaded state. The dict passed in is not
         modified.
         """
+        self._flat_driver(force=True)  # bound to a wrapper's flat partitions (DeepSpeed ZeRO): they pass the checks
         kept: dict[Any, dict[str, Tensor]] = {}
         saved_groups: list[dict[str, Any]] = []
 

@@ -51,6 +51,7 @@ from ..common.defaults import AUTO
 from ..ortho import check_method
 from ._matrices import matrix_spec
 from ._scale import scale_name
+from .flat import is_partition
 
 ALGORITHMS = ("muon", "adamw")
 
@@ -245,6 +246,8 @@ def check_group(group: Mapping[str, Any], where: str = "a param group's ", conte
                 "them as real tensors (torch.view_as_real) if a real optimizer is what you want"
             )
         if algorithm == "muon":
+            if is_partition(p):  # a wrapper's flat partition of several weights, checked by its driver
+                continue
             if p.ndim < 2:
                 raise ValueError(
                     f"{label} has shape {tuple(p.shape)}: Muon orthogonalises matrices, so 0-D/1-D "

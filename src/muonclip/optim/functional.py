@@ -289,8 +289,12 @@ def _block(spec: MatrixSpec, t: Tensor, b: int, experts: slice | None) -> Tensor
 
 def _apply(w: MuonWeight, update: Tensor, place: Place, experts: slice | None = None) -> None:
     """`apply_blocks_` of ``update`` to weight ``w``'s rows at ``place`` (of its ``experts`` only:
-    the result of a chunk's part of a stack)."""
+    the result of a chunk's part of a stack); `apply_flat_` where the place is a `FlatPlace`."""
     axis, ranges, offset = place
+    if isinstance(offset, FlatPlace):
+        apply_flat_(w.param, update, lr=w.lr, weight_decay=w.weight_decay, axis=axis, ranges=ranges, place=offset,
+                    cautious=w.cautious)
+        return
     apply_blocks_(w.param if experts is None else w.param[experts], update, lr=w.lr, weight_decay=w.weight_decay,
                   axis=axis, ranges=ranges, offset=offset, cautious=w.cautious)
 
@@ -336,6 +340,37 @@ def apply_blocks_(param: Tensor, update: Tensor, *, lr: float, weight_decay: flo
         apply_update_(dst, src, lr=lr, weight_decay=weight_decay, scale=scale, cautious=cautious)
 
 
+class FlatPlace(NamedTuple):
+    """Where a 1-D piece of a weight lies: elements ``[start, start + n)`` of the weight of
+    ``shape`` flattened in row-major order (a partition of a flattening wrapper, DeepSpeed ZeRO;
+    `muonclip.common._dtensor.FlatRange`). The third entry of a step's place for such a piece."""
+
+    start: int
+    shape: tuple[int, ...]
+
+
+def apply_flat_(param: Tensor, update: Tensor, *, lr: float, weight_decay: float, axis: int,
+                ranges: Sequence[tuple[int, int, float]], place: FlatPlace, cautious: bool = False) -> None:
+    """`apply_blocks_` for a 1-D ``param`` that is the elements at ``place`` of a weight (``update``
+    the same elements of its orthogonalised update): the decay on every element, each element's
+    update scaled by the range ``(a, b, scale)`` its index along ``axis`` falls in (one scale for
+    the piece when every range has the same)."""
+    if weight_decay != 0.0 and not cautious:
+        param.mul_(1.0 - lr * weight_decay)
+        weight_decay = 0.0
+    if len({s for _, _, s in ranges}) == 1:
+        apply_update_(param, update, lr=lr, weight_decay=weight_decay, scale=ranges[0][2], cautious=cautious)
+        return
+    inner = 1
+    for n in place.shape[axis + 1:]:
+        inner *= n
+    per_index = torch.empty(place.shape[axis], dtype=update.dtype, device=update.device)
+    for a, b, s in ranges:
+        per_index[a:b] = s
+    index = torch.arange(place.start, place.start + param.numel(), device=update.device) // inner % place.shape[axis]
+    apply_update_(param, update * per_index[index], lr=lr, weight_decay=weight_decay, scale=1.0, cautious=cautious)
+
+
 def _pieces(param: Tensor, update: Tensor, axis: int, ranges: Sequence[tuple[int, int, float]],
             offset: int) -> list[tuple[Tensor, Tensor, float]]:
     """``(param rows, update rows, scale)`` of each range present here (whole tensors when one
@@ -351,5 +386,6 @@ def _pieces(param: Tensor, update: Tensor, axis: int, ranges: Sequence[tuple[int
     return out
 
 
-__all__ = ["NORMUON_EPS", "MuonWeight", "apply_blocks_", "apply_update_", "momentum_", "muon_input", "muon_step",
-           "muon_update", "neuron_moment", "normalize_neurons_", "normuon_bucket_", "step_momentum"]
+__all__ = ["NORMUON_EPS", "FlatPlace", "MuonWeight", "apply_blocks_", "apply_flat_", "apply_update_", "momentum_",
+           "muon_input", "muon_step", "muon_update", "neuron_moment", "normalize_neurons_", "normuon_bucket_",
+           "step_momentum"]

@@ -160,7 +160,11 @@ class MuonClip(Muon):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Optimizer update, then QK-Clip with the maxima recorded since the last step (torch's step
         hooks run once around the whole: the update is `muonclip.Muon`'s step body, not its
-        wrapped ``step``)."""
+        wrapped ``step``; stepped by DeepSpeed ZeRO on its partitions: `muonclip.integrations.deepspeed`,
+        through `muonclip.Muon._flat_driver`)."""
+        driver = self._flat_driver()
+        if driver is not None:
+            return driver.step(closure)
         self._binding.follow(self.param_groups, self.state)  # a wrapper may have replaced parameters
         taken = self.steps_taken  # a skipped step does not count (a masked one does: it runs, undone on the device)
         loss = self._muon_step(closure)
@@ -194,7 +198,7 @@ class MuonClip(Muon):
         if inner is not None:  # called through a framework's wrapper: the optimizer's own record
             inner.clip(masked)
             return
-        self._binding.follow(self.param_groups, self.state)
+        self._follow()
         group = collective_group([p for g in self.param_groups for p in g["params"]], self.process_group)
         if group is not None:
             all_reduce_max_(self.layers, group)
@@ -208,6 +212,12 @@ class MuonClip(Muon):
             raise QKClipIneffectiveError("\n".join(reports))
         for msg in reports:
             warnings.warn(msg, QKClipIneffectiveWarning, stacklevel=outside_frames())
+
+    def _follow(self, force: bool = False) -> None:
+        """`ParameterBinding.follow`, unless a wrapper steps this optimizer on its flat partitions
+        (DeepSpeed: the layouts stay on the model's parameters, and the driver maps them)."""
+        if self._flat_driver(force) is None:
+            self._binding.follow(self.param_groups, self.state)
 
     def clip_stats(self) -> dict[str, float]:
         """Numbers for loggers about the last clip (one host sync when something was recorded).
@@ -300,14 +310,14 @@ class MuonClip(Muon):
     def state_dict(self) -> dict[str, Any]:
         """`muonclip.Muon.state_dict`, of the parameters the model holds now
         (`muonclip.qkclip.binding`); every param group also holds ``tau``."""
-        self._binding.follow(self.param_groups, self.state)
+        self._follow(force=True)
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """`muonclip.Muon.load_state_dict` into the parameters the model holds now
         (`muonclip.qkclip.binding`; ``tau`` restored when the state dict has one); the runtime
         check starts afresh."""
-        self._binding.follow(self.param_groups, self.state)
+        self._follow(force=True)
         super().load_state_dict(state_dict)
         self._clip_check.reset()
 

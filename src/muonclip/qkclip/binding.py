@@ -37,7 +37,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from ..common._dtensor import is_dtensor
-from ..optim.flat import INSTEAD, flat_kind
+from ..optim.flat import DEEPSPEED, INSTEAD, flat_kind
 from ._layouts import AttentionLayer
 from .clip_targets import check_clip_targets
 
@@ -210,6 +210,9 @@ def _layout(t: Tensor) -> str:
 def _wrapper_hint(t: Any) -> str:
     """Which wrapper a replacement looks like, and what to use instead."""
     kind = flat_kind(t) if isinstance(t, Tensor) else None
+    if kind == "DeepSpeed ZeRO":
+        return ("DeepSpeed ZeRO replaces the optimizer's parameters by flat partitions of whole param groups, and "
+                f"this step did not come from a DeepSpeed engine muonclip recognises. {DEEPSPEED}")
     if kind is not None:
         return f"{kind} flattens parameters. {INSTEAD}"
     if t is None or (isinstance(t, Tensor) and t.ndim == 1):
