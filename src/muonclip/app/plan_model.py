@@ -283,6 +283,13 @@ def load_model(name: str, sets: list[str] | None = None) -> PlanModel:
         ModelError: a name of none of the accepted forms, or a config that cannot be built.
     """
     model, source, config = build(name, sets)
+    return route(model, name, source, config)
+
+
+def route(model: nn.Module, name: str = "model", source: str = "", config: Any = None) -> PlanModel:
+    """``model`` (on any device; only shapes are read) routed by the optimizer a run builds
+    (``MuonClip(model)``, else ``Muon(param_groups(model))``); ``config``: its transformers config
+    (its tensor-parallel plan, experts per token, attention sizes), if any."""
     opt, heads, note = _optimizer(model)
     names = {id(p): n for n, p in model.named_parameters()}
     order = {n: i for i, n in enumerate(names.values())}
