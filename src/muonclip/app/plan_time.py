@@ -20,7 +20,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -84,6 +84,8 @@ class Device:
 _NV = "NVIDIA datasheet, published peak (dense bfloat16, no sparsity)"
 DEVICES: dict[str, Device] = {
     "h100": Device("H100 SXM", 989e12, 3.35e12, 450e9, 50e9, 8, source=f"{_NV}; 400 Gb/s InfiniBand per GPU"),
+    "h800": Device("H800 SXM", 989e12, 3.35e12, 200e9, 50e9, 8,
+                   source=f"{_NV}: H100's compute and memory, NVLink 400 GB/s; 400 Gb/s network per GPU"),
     "h200": Device("H200 SXM", 989e12, 4.8e12, 450e9, 50e9, 8, source=f"{_NV}; 400 Gb/s InfiniBand per GPU"),
     "b200": Device("B200", 2.25e15, 8e12, 900e9, 50e9, 8, source=f"{_NV}; 400 Gb/s InfiniBand per GPU"),
     "gb300": Device("GB300 NVL72", 2.5e15, 8e12, 900e9, 100e9, 72,
@@ -93,29 +95,32 @@ DEVICES: dict[str, Device] = {
 Hopper, 1.8 TB/s on Blackwell): one direction is half."""
 
 
-def calibrate(dtype: torch.dtype, sizes: Sequence[int] = (64, 128, 256, 512, 1024), repeat: int = 3) -> Device:
+def _best_seconds(fn: Callable[[], object], repeat: int) -> float:
+    fn()  # warm-up: first-call allocations and kernel selection
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def calibrate(dtype: torch.dtype, sizes: Sequence[int] = (64, 128, 256, 512, 1024), repeat: int = 5) -> Device:
     """This CPU's own rates (``--device cpu``): batched ``m x m`` products in ``dtype`` (the step's
     compute dtype here) at each size of ``sizes``, and a 64 MiB float32 copy (read and write
-    counted) for memory; best of ``repeat``. There is no link between processes to measure here:
-    the communication time is left out unless ``--link-bw`` gives one."""
+    counted) for memory; each the fastest of ``repeat`` runs after a warm-up (the least disturbed
+    by other processes). There is no link
+    between processes to measure here: the communication time is left out unless ``--link-bw``
+    gives one. Under other processes' load the rates drop with it; with more torch threads than
+    free cores they drop far more (threads wait for each other), so measure on a quiet machine."""
     measured = []
     for m in sizes:
         batch = max(1, (2**27) // (m * m * 4))
         a = torch.randn(batch, m, m).to(dtype)
-        best = math.inf
-        for _ in range(repeat):
-            start = time.perf_counter()
-            torch.bmm(a, a)
-            best = min(best, time.perf_counter() - start)
-        measured.append((m, 2 * batch * m**3 / best))
+        measured.append((m, 2 * batch * m**3 / _best_seconds(lambda a=a: torch.bmm(a, a), repeat)))
     src = torch.empty(2**24)
     dst = torch.empty_like(src)
-    best = math.inf
-    for _ in range(repeat):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    mem = 2 * src.numel() * 4 / best
+    mem = 2 * src.numel() * 4 / _best_seconds(lambda: dst.copy_(src), repeat)
     return Device(f"this CPU ({dtype})", max(r for _, r in measured), mem, 0.0, 0.0, 1, tuple(measured),
                   f"measured here: batched {dtype} products of {sizes[0]}-{sizes[-1]}, a 64 MiB copy")
 
