@@ -17,7 +17,7 @@ def si(x: float, unit: str = "") -> str:
 def size(b: float) -> str:
     """Bytes in binary units: ``"17.1 GiB"``."""
     for scale, name in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if b >= scale:
+        if b >= scale * 1000 / 1024:  # never four digits of the smaller unit
             return f"{b / scale:.3g} {name}"
     return f"{b:.0f} B"
 
