@@ -83,7 +83,8 @@ def test_the_plan_is_the_steps_own_balance_and_every_matrix_once():
         total = sum(ns_flops([(w.shape[0] if w.expert else 1, *w.spec.matrix(torch.empty(w.shape, device="meta")
                                                                            ).shape[-2:])], 5)
                     for w in pm.weights if w.muon)
-        assert sum(plan.ns_flops) == total, case
+        assert sum(plan.ns_flops) == total and sum(plan.rr_flops) == total, case  # round robin: the same work
+        assert sum(plan.rep_flops) >= total  # without owners: at least every matrix once
         biggest = max(w.spec.flops for w in pm.weights if w.muon)
         assert max(plan.ns_flops) <= sum(plan.ns_flops) / len(plan.ns_flops) + biggest
 

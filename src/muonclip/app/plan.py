@@ -7,8 +7,8 @@ Newton–Schulz flops the owner plan gives it, the bytes gathered and scattered,
 clip all-reduces, the optimizer state (all exact: equal to what a real step counts), the peak
 working set and the step's time (modelled: `muonclip.app.plan_time`), for Muon, MuonClip and
 AdamW side by side, and the same flops and bytes when every rank orthogonalises everything it
-holds a piece of. `make_plan` returns it all as a JSON-ready dict; `muonclip.app.report.plan_report`
-prints the table and draws the plot.
+holds a piece of, and the flops when owners are dealt round robin. `make_plan` returns it all as a
+JSON-ready dict; `muonclip.app.report.plan_report` prints the table and draws the plot.
 """
 
 from __future__ import annotations
@@ -100,7 +100,10 @@ def make_plan(model: PlanModel, mesh: Mesh, device: Device, *, tokens: int = DEF
               comm_dtype: torch.dtype | None = None, device_kind: str = "cuda") -> dict[str, Any]:
     """The whole plan as a JSON-ready dict: the inputs, per-rank lists (``ranks``), their
     min / median / max / mean / imbalance (``summary``), modelled times and the training step's
-    share (module docstring). ``device_kind``: ``"cpu"`` when the step runs on this CPU."""
+    share (module docstring). ``device_kind``: ``"cpu"`` when the step runs on this CPU.
+
+    The alternative without owners is timed as its flops at the owner plan's mean seconds per
+    flop, its element-wise work, and the bytes it receives at the network rate."""
     if tokens < 1 or seq_len < 1 or not 0 < mfu <= 1:
         raise ValueError(f"--tokens and --seq-len must be >= 1 and 0 < --mfu <= 1, got {tokens}, {seq_len}, {mfu}")
     r = plan_costs(model, mesh, comm_dtype, device_kind)
@@ -108,12 +111,12 @@ def make_plan(model: PlanModel, mesh: Mesh, device: Device, *, tokens: int = DEF
     per_token, train = training_step(model.active_params, model.attention, tokens, seq_len, mesh.world, mfu, device)
     muon_t, clip_t, adamw_t = max(t.muon()), max(t.muonclip()), max(t.adamw)
     per_flop = [a / f for a, f in zip(t.ns, r.ns_flops) if f]
-    seconds_per_flop = statistics.fmean(per_flop) if per_flop else 1 / device.flops
-    rep_t = [f * seconds_per_flop + e + (max(s, v) / (device.net_bw or 1) if t.comm_known else 0.0)
+    flop_seconds = statistics.fmean(per_flop) if per_flop else 1 / device.flops
+    rep_t = [f * flop_seconds + e + (max(s, v) / (device.net_bw or 1) if t.comm_known else 0.0)
              for f, e, s, v in zip(r.rep_flops, t.elementwise, r.rep_sent, r.rep_recv)]
     ranks = {name: getattr(r, name) for name in (
         "ns_flops", "gather_sent", "gather_recv", "scatter_sent", "scatter_recv", "checks", "first_checks", "clip",
-        "muon_state", "adamw_state", "muon_work", "adamw_work", "rep_flops", "rep_sent", "rep_recv")}
+        "muon_state", "adamw_state", "muon_work", "adamw_work", "rep_flops", "rep_sent", "rep_recv", "rr_flops")}
     ranks.update(muon_seconds=t.muon(), muonclip_seconds=t.muonclip(), adamw_seconds=t.adamw, ns_seconds=t.ns,
                  comm_seconds=t.comm, elementwise_seconds=t.elementwise, rep_seconds=rep_t)
     stages = stage_of_layers(model.n_layers, mesh.pp)
@@ -142,7 +145,7 @@ def make_plan(model: PlanModel, mesh: Mesh, device: Device, *, tokens: int = DEF
                  "muon_vs_adamw": (muon_t - adamw_t) / (train + adamw_t),
                  "ns_flops_vs_model": statistics.fmean(r.ns_flops) / (per_token * tokens / mesh.world)},
         "exact": ["ns_flops", "gather_sent", "gather_recv", "scatter_sent", "scatter_recv", "checks",
-                  "first_checks", "clip", "muon_state", "adamw_state", "rep_flops", "rep_sent", "rep_recv"],
+                  "first_checks", "clip", "muon_state", "adamw_state", "rep_flops", "rep_sent", "rep_recv", "rr_flops"],
         "modelled": ["muon_work", "adamw_work", "*_seconds", "step"],
         "notes": r.notes,
     }

@@ -14,10 +14,11 @@ piece that moves are the step's own. From them (`plan_costs`), per rank:
   dtype, float32 here) and 4-byte step per parameter;
 * **modelled**: the step's peak working set (`working_set`).
 
-The alternative without owners — every rank orthogonalises, whole, every matrix it holds a piece
-of, after gathering the pieces it lacks, and nothing is scattered (Keller Jordan's first
-distributed Muon; DeepSpeed's ZeRO-1/2 Muon, Moonlight's distributed Muon) — is counted on the same
-pieces (`replicated`).
+Two alternatives are counted on the same units and pieces: without owners, every rank
+orthogonalises, whole, every matrix it holds a piece of, after gathering the pieces it lacks, and
+nothing is scattered (Moonlight's distributed Muon, arXiv 2502.16982: `replicated`); and owners
+dealt round robin in the optimizer's order, unbalanced (Keller Jordan's distributed ``Muon``:
+`round_robin`, flops only).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class Ranks:
             branch's weights.
         muon_work, adamw_work: the step's peak working set, modelled (`working_set`).
         rep_flops, rep_recv, rep_sent: the replicated alternative (`replicated`).
+        rr_flops: Newton–Schulz flops with owners dealt round robin (`round_robin`).
     """
 
     ns_flops: list[int]
@@ -91,6 +93,7 @@ class Ranks:
     rep_flops: list[int]
     rep_recv: list[int]
     rep_sent: list[int]
+    rr_flops: list[int]
     stage_size: int = 1
     notes: list[str] = field(default_factory=list)
 
@@ -153,6 +156,18 @@ def compute_dtype(group: dict, device: str) -> torch.dtype:
     return torch.bfloat16
 
 
+def round_robin(out: Ranks, shapes: Sequence[tuple[int, ...]], sp: StepPlan, base: int, world: int) -> None:
+    """Owners dealt in turn, ``unit i -> rank i mod world``, in the optimizer's order (Keller Jordan's
+    ``Muon``, which takes each ``world``-th parameter); an expert-parallel piece stays on its owner."""
+    turn = 0
+    for i, u in enumerate(sp.units):
+        if u.piece != tuple(range(n) for n in shapes[u.k]):  # an expert-parallel piece
+            out.rr_flops[base + sp.owners[i]] += u.spec.flops
+            continue
+        out.rr_flops[base + turn % world] += u.spec.flops
+        turn += 1
+
+
 def working_set(sp: StepPlan, me: int, compute: int, device: str, gather: int, scatter: int) -> int:
     """The peak of what one rank's Muon step allocates besides its state (modelled, not counted):
     the largest of the gather phase (the all-to-all's buffers and the assembled float32 V of the
@@ -200,8 +215,10 @@ def plan_costs(model: PlanModel, mesh: Mesh, comm_dtype: torch.dtype | None = No
         if S > 1 and muon:
             _move(out, sp, base, wire)
             replicated(out, mshapes, mpieces, sp, base, wire)
+            round_robin(out, mshapes, sp, base, S)
         elif sp is not None:
             out.rep_flops[base] += sum(sp.flops)
+            out.rr_flops[base] += sum(sp.flops)
         dtensor_flags = 0 if plain else all_reduce_bytes(4 * len(weights), S)
         heads = [h for layer, h in (model.heads or []) if layer >= 0 and stages[layer] == s]
         for r in range(S):

@@ -74,26 +74,34 @@ def render_plan(plan: dict[str, Any]) -> str:
     width = max(len(r[0]) for r in ROWS) + 2
     lines += ["", f"per rank, one step ({mesh['world']} ranks){'':<{width - 17}}{'optimizer':<16}"
               f"{'min':>11}{'median':>11}{'max':>11}"]
+    clip = not m["clip_note"]
     for label, key, fmt, who in ROWS:
+        if not clip:  # the model has no attention layer the clip serves: MuonClip is not planned
+            if who == "MuonClip":
+                continue
+            who = who.replace(", MuonClip", "")
         lines.append(_row(label, s[key], fmt, who, width))
     lines += ["", "who orthogonalises: Newton-Schulz flops per rank and imbalance (max / mean)"]
-    for label, key, sent in (("owner plan (muonclip: each matrix once)", "ns_flops", None),
-                             ("every rank what it holds, whole (Keller's DDP Muon, DeepSpeed ZeRO-1/2)", "rep_flops",
+    for label, key, sent in (("owner plan (muonclip: each matrix once, longest first)", "ns_flops", "ours"),
+                             ("owners round robin (Keller Jordan's Muon)", "rr_flops", None),
+                             ("no owners: every rank each matrix it holds, whole (Moonlight)", "rep_flops",
                               "rep_recv")):
         st = s[key]
-        extra = f"; received {size(s[sent]['max'])} max" if sent else \
+        extra = "" if sent is None else f"; received {size(s[sent]['max'])} max" if sent != "ours" else \
             f"; moved {size(max(s['gather_recv']['max'], s['gather_sent']['max']))} max to owners"
         lines.append(f"  {label}: {si(st['min'])} / {si(st['median'])} / {si(st['max'])}, "
                      f"imbalance {st['imbalance']:.2f}{extra}")
     share = step["share"]
     comm = "" if step["comm_modelled"] else " (no link rate: communication left out; give --link-bw)"
     lines += ["", f"time, a roofline model (compute + memory + communication, no overlap; the slowest rank){comm}:",
-              f"  optimizer step: Muon {seconds(step['muon_seconds'])}, MuonClip {seconds(step['muonclip_seconds'])}, "
-              f"AdamW {seconds(step['adamw_seconds'])}; without owners {seconds(step['replicated_seconds'])}",
+              f"  optimizer step: Muon {seconds(step['muon_seconds'])}, "
+              + (f"MuonClip {seconds(step['muonclip_seconds'])}, " if clip else "")
+              + f"AdamW {seconds(step['adamw_seconds'])}; without owners {seconds(step['replicated_seconds'])}",
               f"  training step at MFU {step['mfu']:.0%}, {step['tokens']:,} tokens of {step['seq_len']}: "
               f"{seconds(step['train_seconds'])} ({si(step['flops_per_token'])} flops per token)",
-              f"  optimizer's share of it: Muon {share['muon']:.2%}, MuonClip {share['muonclip']:.2%}, "
-              f"AdamW {share['adamw']:.2%}; Muon's extra over AdamW {step['muon_vs_adamw']:.2%} of the step",
+              f"  optimizer's share of it: Muon {share['muon']:.2%}, "
+              + (f"MuonClip {share['muonclip']:.2%}, " if clip else "")
+              + f"AdamW {share['adamw']:.2%}; Muon's extra over AdamW {step['muon_vs_adamw']:.2%} of the step",
               f"  Newton-Schulz flops per rank: {step['ns_flops_vs_model']:.2%} of the model's flops per rank",
               "exact (what a real step counts): flops, bytes, state; modelled: working set and time"]
     for note in plan["notes"]:
@@ -102,20 +110,21 @@ def render_plan(plan: dict[str, Any]) -> str:
 
 
 def plot_plan(plan: dict[str, Any], path: Path) -> Path:
-    """Newton-Schulz flops and bytes moved per rank, owner plan against every rank orthogonalising
-    what it holds (PNG)."""
+    """Newton-Schulz flops and bytes moved per rank: the owner plan, owners round robin and no owners
+    (every rank orthogonalising what it holds) (PNG)."""
     from .plots import pyplot, save_figure
 
     plt = pyplot()
     r = plan["ranks"]
     ranks = list(range(len(r["ns_flops"])))
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    top.plot(ranks, r["rep_flops"], color="tab:gray", label="every rank what it holds")
+    top.plot(ranks, r["rep_flops"], color="tab:gray", label="no owners: every rank what it holds")
+    top.plot(ranks, r["rr_flops"], color="tab:blue", label="owners round robin")
     top.plot(ranks, r["ns_flops"], color="tab:orange", label="owner plan (muonclip)")
     top.set_ylabel("Newton-Schulz flops")
     top.legend()
     moved = [a + b for a, b in zip(r["gather_recv"], r["scatter_recv"])]
-    bottom.plot(ranks, r["rep_recv"], color="tab:gray", label="every rank what it holds: received")
+    bottom.plot(ranks, r["rep_recv"], color="tab:gray", label="no owners: received")
     bottom.plot(ranks, moved, color="tab:orange", label="owner plan: gathered + scattered, received")
     bottom.set_ylabel("bytes per step")
     bottom.set_xlabel("rank")
