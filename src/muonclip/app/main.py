@@ -1,4 +1,4 @@
-"""The ``muonclip`` command: ``compare``, ``train`` and ``torchtitan-assets`` (also ``python -m muonclip.app``).
+"""The ``muonclip`` command: ``compare``, ``train``, ``plan``, ``torchtitan-assets`` (also ``python -m muonclip.app``).
 
 Exit codes: 0 done; 2 bad input (data, config, output folder, checkpoint; also: the app's
 dependencies are not installed, `APP_DEPENDENCIES`; a checkpoint could not be written, e.g. a
@@ -128,6 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                    help=f"under torchrun: how long a rank waits for the others in a collective (and at the start) "
                         f"before the run stops with exit code 4 (default {DEFAULT_TIMEOUT:g})")
+    pl = sub.add_parser("plan", help="what one optimizer step costs per rank on a model and a mesh, before any run",
+                        description="Plan one optimizer step of a model (built on the meta device, no weights) on a "
+                                    "mesh, with the distributed step's own planner: per rank (min / median / max), "
+                                    "Newton-Schulz flops, bytes gathered and scattered, the clip's reduction, "
+                                    "optimizer state (exact), working set and time (modelled: a roofline), for "
+                                    "Muon, MuonClip and AdamW side by side. See docs/compare.md, muonclip plan.")
+    from .plan import add_arguments
+
+    add_arguments(pl)
     a = sub.add_parser("torchtitan-assets", help="a tokenizer and a dataset for torchtitan, from the built-in plays",
                        description="Write a byte-level BPE tokenizer (tokenizer.json, tokenizer_config.json) and the "
                                    "plays as JSON lines (train/plays.jsonl, val/plays.jsonl) to DIR, the assets of "
@@ -250,7 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``muonclip`` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
     assets = args.command == "torchtitan-assets"
-    missing = missing_dependencies(ASSET_DEPENDENCIES if assets else APP_DEPENDENCIES)
+    # plan needs none of the app's extras (matplotlib only for --plot, checked there)
+    missing = [] if args.command == "plan" else missing_dependencies(ASSET_DEPENDENCIES if assets else APP_DEPENDENCIES)
     if missing:
         if not _quiet_rank():
             what, hint = (("the corpus and torchtitan's tokenizer library", ASSET_HINT) if assets else
@@ -261,6 +271,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if assets:
             return _run_torchtitan_assets(args)
+        if args.command == "plan":
+            from .plan import run_plan
+
+            return run_plan(args)
         return _run_train(args) if args.command == "train" else _run_compare(args)
     except (DataError, OutputError, CheckpointError, ValueError) as e:
         if not _quiet_rank():

@@ -38,15 +38,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..common._dtensor import FlatRange, Piece, covers, is_dtensor, is_empty, local, piece_shape, put, take
+from ..common._dtensor import FlatRange, Piece, is_dtensor, is_empty, local, put, take
 from ..optim._buckets import Place, Unit, options_key
-from ..optim._matrices import MatrixSpec, matrix_spec
+from ..optim._matrices import MatrixSpec
 from ..optim._state_dicts import state_dtype
 from ..optim.functional import FlatPlace, MuonWeight
 from ..optim.multiprocess import StepStats, register_engine
 from ._context import GroupContext, locals_and_group, resolve_group
-from ._exchange import Transfer, agree_copies, agree_parameters, agree_replicas, exchange, signature
-from ._plan import assign_owners
+from ._exchange import Transfer, agree_copies, agree_parameters, agree_replicas, all_reduce_bytes, exchange, signature
+from ._plan import plan_step
 
 
 class DistributedEngine:
@@ -171,7 +171,7 @@ def share_second_moments(ctx: GroupContext, routes: Routes, seconds: Sequence[Te
     flat = torch.cat([v.reshape(-1) if routes.owners[u] == ctx.rank else torch.zeros_like(v).reshape(-1)
                       for u, v in parts])
     dist.all_reduce(flat, group=ctx.group)
-    stats.comm.add("all_reduce", 2 * flat.numel() * flat.element_size() * (ctx.world_size - 1) // ctx.world_size)
+    stats.comm.add("all_reduce", all_reduce_bytes(flat.numel() * flat.element_size(), ctx.world_size))
     for (_, v), got in zip(parts, flat.split([v.numel() for _, v in parts])):
         v.copy_(got.view(v.shape))
 
@@ -235,63 +235,16 @@ def _experts(spec: MatrixSpec, piece: Piece) -> slice:
 
 def _build(live: Sequence[tuple[dict[str, Any], Tensor]], names: Sequence[Callable[[], str]],
            specs: Sequence[MatrixSpec], ctx: GroupContext) -> Routes:
-    """Plan a step: units, owners, what moves where (identical on every rank: no communication)."""
-    me, world = ctx.rank, ctx.world_size
-    found: list[tuple[int, Piece, tuple[int, ...], bool, MatrixSpec]] = []  # (weight, piece, shape, direct, spec)
-    allowed: list[list[int] | None] = []
+    """Plan a step: units, owners, what moves where (`plan.plan_step`, from every rank's pieces:
+    identical on every rank, no communication), and where this rank's pieces apply."""
+    me = ctx.rank
     all_pieces = []
     for k, (g, p) in enumerate(live):
         pieces = ctx.pieces(p, names[k]())
         all_pieces.append(pieces)
         if g["momentum_8bit"]:
             _check_whole_rows(p, specs[k], pieces, names[k])
-        distinct = list(dict.fromkeys(pc for pc in pieces if not is_empty(pc)))
-        full = tuple(range(n) for n in p.shape)
-        if specs[k].experts and all(covers(pc, p.shape, (1, 2)) for pc in distinct):
-            # stacked experts whose every piece holds whole experts: each piece is orthogonalised where it lives
-            for pc in distinct:
-                holders = [r for r in range(world) if pieces[r] == pc]
-                found.append((k, pc, piece_shape(pc), True, matrix_spec(piece_shape(pc), g)))
-                allowed.append(holders)
-        else:
-            found.append((k, full, tuple(p.shape), False, specs[k]))
-            allowed.append(None)
-    plan = assign_owners([f[4].flops for f in found], world, allowed)
-    found = [(k, pc, shape, direct or all_pieces[k][plan.owners[i]] == pc, spec)  # owner holds it whole (replicas)
-             for i, (k, pc, shape, direct, spec) in enumerate(found)]
-
-    gather: list[Transfer] = []
-    gather_unit: list[int] = []
-    sources: dict[int, list[tuple[Piece, int | None]]] = {}
-    scatter: list[Transfer] = []
-    scatter_unit: list[int] = []
-    scatter_piece: list[Piece] = []
-    mine: list[tuple[int | None, int | None]] = [(None, None)] * len(live)
-    for i, (k, piece, _, direct, _) in enumerate(found):
-        o, pieces = plan.owners[i], all_pieces[k]
-        needed = [piece] if direct else list(dict.fromkeys(pc for pc in pieces if not is_empty(pc)))
-        for pc in needed:
-            holders = [r for r in range(world) if pieces[r] == pc]
-            if not direct:
-                if o in holders:
-                    transfer = None
-                else:
-                    transfer = len(gather)
-                    gather.append(Transfer(holders[i % len(holders)], o, piece_shape(pc)))
-                    gather_unit.append(i)
-                if o == me:
-                    sources.setdefault(i, []).append((pc, transfer))
-            for h in holders:
-                if h == o:
-                    if h == me:
-                        mine[k] = (i, None)
-                    continue
-                if h == me:
-                    mine[k] = (i, len(scatter))
-                scatter.append(Transfer(o, h, piece_shape(pc)))
-                scatter_unit.append(i)
-                scatter_piece.append(pc)
-
+    sp = plan_step([g for g, _ in live], [tuple(p.shape) for _, p in live], specs, all_pieces, ctx.world_size, me)
     places: list[Place] = []
     for k, (_, p) in enumerate(live):
         axis, ranges = specs[k].axis, specs[k].ranges
@@ -310,11 +263,11 @@ def _build(live: Sequence[tuple[dict[str, Any], Tensor]], names: Sequence[Callab
                 f"scales (placements {getattr(p, 'placements', None)}); shard it so that each rank holds a "
                 "contiguous block of rows, or keep the weight whole (split_fused=False)"
             )
-    units = [Unit(k, spec, _experts(spec, pc), direct) for k, pc, _, direct, spec in found]
-    return Routes(units, plan.owned(me), places, plan.flops[me], sum(plan.flops), plan.owners,
-                  [pc for _, pc, _, _, _ in found], [shape for _, _, shape, _, _ in found],
-                  [all_pieces[k][me] for k in range(len(live))], gather, gather_unit, sources, scatter, scatter_unit,
-                  scatter_piece, mine, all_pieces)
+    units = [Unit(u.k, u.spec, _experts(u.spec, u.piece), u.direct) for u in sp.units]
+    return Routes(units, sp.owned(me), places, sp.flops[me], sum(sp.flops), sp.owners,
+                  [u.piece for u in sp.units], [u.shape for u in sp.units],
+                  [all_pieces[k][me] for k in range(len(live))], sp.gather, sp.gather_unit, sp.sources, sp.scatter,
+                  sp.scatter_unit, sp.scatter_piece, sp.mine, all_pieces)
 
 
 def _check_whole_rows(p: Tensor, spec: MatrixSpec, pieces: Sequence[Piece], name: Callable[[], str]) -> None:

@@ -38,6 +38,13 @@ from ..optim.multiprocess import CommStats
 from ._context import GroupContext
 
 
+def all_reduce_bytes(nbytes: int, world: int) -> int:
+    """Bytes one rank sends in an all-reduce of ``nbytes`` over ``world`` ranks, by the ring
+    algorithm's count (a reduce-scatter and an all-gather: ``2 (world - 1) / world`` of it, rounded
+    down): what `CommStats` counts for every all-reduce of a step."""
+    return 2 * nbytes * (world - 1) // world
+
+
 def signature(parts: Sequence[object]) -> int:
     """A 62-bit checksum of ``repr(parts)`` that is the same in every process (unlike ``hash``)."""
     text = repr(tuple(parts)).encode()
@@ -55,7 +62,7 @@ def agree_parameters(ctx: GroupContext, sig: int, has_grad: Sequence[bool], name
     flags = torch.tensor([int(b) for b in has_grad], dtype=torch.int64)
     packed = torch.cat([torch.tensor([sig, -sig], dtype=torch.int64), flags, -flags]).to(device)
     dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=ctx.group)
-    stats.add("all_reduce", 2 * packed.numel() * 8 * (ctx.world_size - 1) // ctx.world_size)
+    stats.add("all_reduce", all_reduce_bytes(packed.numel() * 8, ctx.world_size))
     packed = packed.cpu().tolist()
     if packed[0] != -packed[1]:
         raise ValueError(
@@ -98,7 +105,7 @@ def agree_replicas(ctx: GroupContext, tensors: Sequence[Tensor], names: Sequence
     f = torch.cat([fingerprint(t).to(device) for t in tensors])
     packed = torch.cat([f, -f])
     dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=ctx.group)
-    stats.add("all_reduce", 2 * packed.numel() * 8 * (ctx.world_size - 1) // ctx.world_size)
+    stats.add("all_reduce", all_reduce_bytes(packed.numel() * 8, ctx.world_size))
     hi, lo = packed[: f.numel()].view(-1, 2), -packed[f.numel():].view(-1, 2)
     bad = [names[i] for i in (hi != lo).any(dim=1).nonzero().flatten().tolist()]
     if bad:

@@ -16,12 +16,22 @@ blocks, goes to one owner whole: its shards may cut any block), or, for a stacke
 ``(E, A, B)`` whose shards hold whole experts (expert parallel, ``Shard(0)``), each distinct
 piece of experts, owned by one of the ranks that hold it (``allowed``): no data moves to
 orthogonalise it.
+
+`plan_step` is the whole plan of a step from what every rank holds of every weight (its
+pieces): the units, their owners, and every piece that moves. It takes no process group and no
+tensor, so the step (`muonclip.distributed._engine`) and a plan made ahead of any run (``muonclip
+plan``) compute it with the same function.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from ..common._dtensor import Piece, covers, is_empty, piece_shape
+from ..optim._matrices import MatrixSpec, matrix_spec
+from ._exchange import Transfer
 
 
 @dataclass(frozen=True)
@@ -65,3 +75,128 @@ def assign_owners(costs: Sequence[int], world_size: int,
         owners[i] = r
         load[r] += costs[i]
     return Plan(tuple(owners), tuple(load))
+
+
+@dataclass(frozen=True)
+class PlannedUnit:
+    """One unit of work of a step: weight ``k`` whole, or an expert-parallel piece of it.
+
+    Attributes:
+        k: the weight (its index in the step).
+        piece: the global indices it covers (`muonclip.common._dtensor.Piece`).
+        shape: its shape.
+        direct: its owner holds it whole, so its V is formed there and nothing is gathered.
+        spec: its `muonclip.optim._matrices.MatrixSpec` (the piece's, for an expert piece).
+    """
+
+    k: int
+    piece: Piece
+    shape: tuple[int, ...]
+    direct: bool
+    spec: MatrixSpec
+
+
+@dataclass
+class StepPlan:
+    """The plan of one step over a group: the same on every rank but for ``me``'s own entries.
+
+    Attributes:
+        units: the units of work, in plan order.
+        owners: the owner rank of each unit (`assign_owners`).
+        flops: Newton–Schulz flops per rank (``len == world``).
+        gather, gather_unit: the pieces of V that move to owners, and the unit of each.
+        scatter, scatter_unit, scatter_piece: the pieces of results that move from owners to
+            the other holders, the unit of each and which piece.
+        sources: for each unit ``me`` owns and does not hold whole, ``(piece, transfer)`` of
+            each piece it is assembled from (transfer None: ``me``'s own).
+        mine: per weight ``(unit, transfer)``: where ``me``'s piece of its result comes from
+            (transfer None: a unit ``me`` owns; unit None: ``me`` holds nothing of it).
+    """
+
+    units: list[PlannedUnit]
+    owners: tuple[int, ...]
+    flops: tuple[int, ...]
+    gather: list[Transfer]
+    gather_unit: list[int]
+    scatter: list[Transfer]
+    scatter_unit: list[int]
+    scatter_piece: list[Piece]
+    sources: dict[int, list[tuple[Piece, int | None]]]
+    mine: list[tuple[int | None, int | None]]
+
+    def owned(self, rank: int) -> list[int]:
+        """Indices of the units ``rank`` orthogonalises, in plan order."""
+        return [i for i, r in enumerate(self.owners) if r == rank]
+
+
+def plan_step(groups: Sequence[Mapping[str, Any]], shapes: Sequence[Sequence[int]], specs: Sequence[MatrixSpec],
+              pieces: Sequence[Sequence[Piece]], world: int, me: int = 0) -> StepPlan:
+    """The plan of a step over ``world`` ranks (identical on every rank: no communication).
+
+    Args:
+        groups: each weight's param group (its options: an expert piece's `MatrixSpec` is made
+            with them).
+        shapes: each weight's global shape.
+        specs: each weight's `MatrixSpec`.
+        pieces: ``pieces[k][r]``: what rank r holds of weight k (an empty piece: nothing).
+        world: ranks in the group.
+        me: the rank whose own entries (``sources``, ``mine``) are filled.
+
+    The units: a weight whole, owned by any rank, or, for stacked experts whose every piece holds
+    whole experts, each distinct piece, owned by a rank that holds it. Owners by `assign_owners`.
+    A unit whose owner holds it whole is ``direct``; any other is assembled on its owner from its
+    distinct pieces, each sent by one holder (the ``i % holders``-th, so replicas share the
+    sending). Every holder of a piece other than the owner receives that piece of the result.
+    """
+    found: list[tuple[int, Piece, tuple[int, ...], bool, MatrixSpec]] = []  # (weight, piece, shape, direct, spec)
+    allowed: list[list[int] | None] = []
+    for k, g in enumerate(groups):
+        shape, ranks = tuple(shapes[k]), pieces[k]
+        distinct = list(dict.fromkeys(pc for pc in ranks if not is_empty(pc)))
+        if specs[k].experts and all(covers(pc, shape, (1, 2)) for pc in distinct):
+            # stacked experts whose every piece holds whole experts: each piece is orthogonalised where it lives
+            for pc in distinct:
+                holders = [r for r in range(world) if ranks[r] == pc]
+                found.append((k, pc, piece_shape(pc), True, matrix_spec(piece_shape(pc), g)))
+                allowed.append(holders)
+        else:
+            found.append((k, tuple(range(n) for n in shape), shape, False, specs[k]))
+            allowed.append(None)
+    plan = assign_owners([f[4].flops for f in found], world, allowed)
+    found = [(k, pc, shape, direct or pieces[k][plan.owners[i]] == pc, spec)  # owner holds it whole (replicas)
+             for i, (k, pc, shape, direct, spec) in enumerate(found)]
+
+    gather: list[Transfer] = []
+    gather_unit: list[int] = []
+    sources: dict[int, list[tuple[Piece, int | None]]] = {}
+    scatter: list[Transfer] = []
+    scatter_unit: list[int] = []
+    scatter_piece: list[Piece] = []
+    mine: list[tuple[int | None, int | None]] = [(None, None)] * len(groups)
+    for i, (k, piece, _, direct, _) in enumerate(found):
+        o, ranks = plan.owners[i], pieces[k]
+        needed = [piece] if direct else list(dict.fromkeys(pc for pc in ranks if not is_empty(pc)))
+        for pc in needed:
+            holders = [r for r in range(world) if ranks[r] == pc]
+            if not direct:
+                if o in holders:
+                    transfer = None
+                else:
+                    transfer = len(gather)
+                    gather.append(Transfer(holders[i % len(holders)], o, piece_shape(pc)))
+                    gather_unit.append(i)
+                if o == me:
+                    sources.setdefault(i, []).append((pc, transfer))
+            for h in holders:
+                if h == o:
+                    if h == me:
+                        mine[k] = (i, None)
+                    continue
+                if h == me:
+                    mine[k] = (i, len(scatter))
+                scatter.append(Transfer(o, h, piece_shape(pc)))
+                scatter_unit.append(i)
+                scatter_piece.append(pc)
+    units = [PlannedUnit(k, pc, shape, direct, spec) for k, pc, shape, direct, spec in found]
+    return StepPlan(units, plan.owners, plan.flops, gather, gather_unit, scatter, scatter_unit, scatter_piece,
+                    sources, mine)

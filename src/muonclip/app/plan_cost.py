@@ -1,0 +1,249 @@
+"""Per-rank figures of one optimizer step on a mesh (``muonclip plan``): counted from the step's own plan.
+
+For every pipeline stage, the Muon weights go through `muonclip.distributed._plan.plan_step`, the
+function the distributed step runs when its structure is new, with every rank's pieces
+(`muonclip.app.plan_layout.stage_pieces`): its owners, Newton–Schulz flops per rank and every
+piece that moves are the step's own. From them (`plan_costs`), per rank:
+
+* **exact** (equal to what a real step counts, `tests/test_plan.py`): Newton–Schulz flops; bytes
+  of the gather of V to the owners and of the scatter of results (sent, received; the wire dtype:
+  ``comm_dtype``, else the momentum's float32); bytes of the step's agreement all-reduces (ring
+  count, `muonclip.distributed._exchange.all_reduce_bytes`) and of the clip's packed max-logit
+  all-reduce (MuonClip); the optimizer state: Muon's float32 momentum of each Muon piece and its
+  AdamW branch's two float32 moments, against ``torch.optim.AdamW``'s two moments (the parameter's
+  dtype, float32 here) and 4-byte step per parameter;
+* **modelled**: the step's peak working set (`working_set`).
+
+Two alternatives are counted on the same units and pieces: without owners, every rank
+orthogonalises, whole, every matrix it holds a piece of, after gathering the pieces it lacks, and
+nothing is scattered (Moonlight's distributed Muon, arXiv 2502.16982: `replicated`); and owners
+dealt round robin in the optimizer's order, unbalanced (Keller Jordan's distributed ``Muon``:
+`round_robin`, flops only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..common._dtensor import is_empty, piece_shape
+from ..distributed._exchange import all_reduce_bytes
+from ..distributed._plan import StepPlan, plan_step
+from ..optim._buckets import STEP_CHUNK_BYTES
+from ..ortho import resolve_orth_dtype
+from .plan_layout import Mesh, stage_of, stage_of_layers, stage_pieces
+from .plan_model import PlanModel, Weight
+
+STATE_BYTES = 4
+"""Bytes of one element of optimizer state: Muon's momentum and AdamW's moments are float32."""
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+@dataclass
+class Ranks:
+    """Per-rank figures of one step (lists over every rank of the mesh, pipeline stages one after
+    another: global rank ``stage * stage_size + r``).
+
+    Attributes:
+        ns_flops: Newton–Schulz flops (our owner plan).
+        matrices: per rank, ``{(rows, cols): count}`` of the matrices it orthogonalises.
+        gather_sent, gather_recv, scatter_sent, scatter_recv: bytes of the two all-to-alls.
+        sent_to, recv_from: per rank, bytes it sends to / receives from each other rank, both
+            all-to-alls (for the time model).
+        checks: bytes of the agreement all-reduces every step (parameters and gradients present;
+            non-finite flags when the parameters are DTensors).
+        first_checks: bytes of the replica check of the first step (plain parameters only).
+        clip: bytes of MuonClip's max-logit all-reduce (0 without attention layers here).
+        muon_state, adamw_state: optimizer state bytes: Muon (with its AdamW branch), and
+            ``torch.optim.AdamW`` on every parameter.
+        muon_elements, adamw_elements: elements of this rank's pieces of Muon's and of the AdamW
+            branch's weights.
+        muon_work, adamw_work: the step's peak working set, modelled (`working_set`).
+        rep_flops, rep_recv, rep_sent: the replicated alternative (`replicated`).
+        rr_flops: Newton–Schulz flops with owners dealt round robin (`round_robin`).
+    """
+
+    ns_flops: list[int]
+    matrices: list[dict[tuple[int, int], int]]
+    gather_sent: list[int]
+    gather_recv: list[int]
+    scatter_sent: list[int]
+    scatter_recv: list[int]
+    sent_to: list[dict[int, int]]
+    recv_from: list[dict[int, int]]
+    checks: list[int]
+    first_checks: list[int]
+    clip: list[int]
+    muon_state: list[int]
+    adamw_state: list[int]
+    muon_elements: list[int]
+    adamw_elements: list[int]
+    muon_work: list[int]
+    adamw_work: list[int]
+    rep_flops: list[int]
+    rep_recv: list[int]
+    rep_sent: list[int]
+    rr_flops: list[int]
+    stage_size: int = 1
+    notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def zeros(cls, world: int, stage_size: int) -> Ranks:
+        lists = {f.name: [0] * world for f in dataclasses.fields(cls)
+                 if f.name not in ("matrices", "sent_to", "recv_from", "stage_size", "notes")}
+        return cls(**lists, matrices=[defaultdict(int) for _ in range(world)],
+                   sent_to=[defaultdict(int) for _ in range(world)], recv_from=[defaultdict(int) for _ in range(world)],
+                   stage_size=stage_size)
+
+
+def _plan_specs(weights: Sequence[Weight], shapes: Sequence[tuple[int, ...]]) -> list:
+    """Each Muon weight's spec, on the shape it is planned on (a flat ZeRO-1 weight: its flat view,
+    whose flops are the matrix's)."""
+    return [w.spec if tuple(w.shape) == s else dataclasses.replace(w.spec, shape=s) for w, s in zip(weights, shapes)]
+
+
+def _move(out: Ranks, sp: StepPlan, base: int, wire: int) -> None:
+    for kind, transfers in (("gather", sp.gather), ("scatter", sp.scatter)):
+        sent, recv = getattr(out, f"{kind}_sent"), getattr(out, f"{kind}_recv")
+        for t in transfers:
+            b = t.numel * wire
+            sent[base + t.src] += b
+            recv[base + t.dst] += b
+            out.sent_to[base + t.src][base + t.dst] += b
+            out.recv_from[base + t.dst][base + t.src] += b
+
+
+def replicated(out: Ranks, shapes: Sequence[tuple[int, ...]], pieces: Sequence[Sequence], sp: StepPlan, base: int,
+               wire: int) -> None:
+    """The alternative without owners, on the same units: every rank holding a piece of a unit
+    orthogonalises it whole, after receiving the distinct pieces it lacks (each sent by one holder);
+    an expert-parallel unit is held whole by its holders, so nothing moves for it."""
+    for i, u in enumerate(sp.units):
+        ranks = pieces[u.k]
+        if u.piece != tuple(range(n) for n in shapes[u.k]):  # an expert-parallel piece
+            holders = [r for r, pc in enumerate(ranks) if pc == u.piece]
+            for r in holders:
+                out.rep_flops[base + r] += u.spec.flops
+            continue
+        distinct = list(dict.fromkeys(pc for pc in ranks if not is_empty(pc)))
+        holding = [r for r, pc in enumerate(ranks) if not is_empty(pc)]
+        total = sum(_numel(piece_shape(pc)) for pc in distinct)
+        for r in holding:
+            out.rep_flops[base + r] += u.spec.flops
+            out.rep_recv[base + r] += (total - _numel(piece_shape(ranks[r]))) * wire
+        for pc in distinct:
+            owners = [r for r in holding if ranks[r] == pc]
+            lacking = len(holding) - len(owners)
+            out.rep_sent[base + owners[i % len(owners)]] += _numel(piece_shape(pc)) * wire * lacking
+
+
+def compute_dtype(group: dict, device: str) -> torch.dtype:
+    """The dtype a group's matrices are orthogonalised in on ``device``: this machine's answer for
+    ``"cpu"``; on a GPU of the device table (Hopper, Blackwell: bfloat16 natively) ``"auto"`` is
+    bfloat16."""
+    if device == "cpu" or group["orth_dtype"] != "auto":
+        return resolve_orth_dtype(group["orth_dtype"], group["method"], torch.device("cpu"))
+    return torch.bfloat16
+
+
+def round_robin(out: Ranks, shapes: Sequence[tuple[int, ...]], sp: StepPlan, base: int, world: int) -> None:
+    """Owners dealt in turn, ``unit i -> rank i mod world``, in the optimizer's order (Keller Jordan's
+    ``Muon``, which takes each ``world``-th parameter); an expert-parallel piece stays on its owner."""
+    turn = 0
+    for i, u in enumerate(sp.units):
+        if u.piece != tuple(range(n) for n in shapes[u.k]):  # an expert-parallel piece
+            out.rr_flops[base + sp.owners[i]] += u.spec.flops
+            continue
+        out.rr_flops[base + turn % world] += u.spec.flops
+        turn += 1
+
+
+def working_set(sp: StepPlan, me: int, compute: int, device: str, gather: int, scatter: int) -> int:
+    """The peak of what one rank's Muon step allocates besides its state (modelled, not counted):
+    the largest of the gather phase (the all-to-all's buffers and the assembled float32 V of the
+    units it owns), the orthogonalisation (those V, every owned result in the compute dtype, and the
+    largest call's V, result, S and P: a whole bucket on a GPU, a chunk of at most
+    `muonclip.optim._buckets.STEP_CHUNK_BYTES` on a CPU) and the scatter (the results and the
+    all-to-all's buffers)."""
+    owned = sp.owned(me)
+    whole = sum(_numel(sp.units[i].shape) * STATE_BYTES for i in owned if not sp.units[i].direct)
+    results = sum(_numel(sp.units[i].shape) * compute for i in owned)
+    buckets: dict[tuple[int, int], int] = defaultdict(int)
+    for i in owned:
+        s = sp.units[i].spec
+        for b in range(s.n_blocks):
+            buckets[(s.block_rows(b), s.cols)] += s.batch
+    largest = 0
+    bound = STEP_CHUNK_BYTES.get(device)
+    for (a, b), n in buckets.items():
+        m = min(a, b)
+        call = n * (2 * a * b + 2 * m * m) * compute
+        if bound is not None:
+            per = max(1, bound // (4 * a * b * compute))
+            call = min(n, per) * (2 * a * b + 2 * m * m) * compute
+        largest = max(largest, call)
+    return max(gather + whole, whole + results + largest, results + scatter)
+
+
+def plan_costs(model: PlanModel, mesh: Mesh, comm_dtype: torch.dtype | None = None,
+               device: str = "cuda") -> Ranks:
+    """Every rank's figures of one step of ``model`` on ``mesh`` (see the module docstring);
+    ``device``: where the step runs (the compute dtype of ``orth_dtype="auto"``, the chunk bound)."""
+    mesh.check()
+    S = mesh.stage_size
+    out = Ranks.zeros(mesh.world, S)
+    wire = (comm_dtype or torch.float32).itemsize
+    stages = stage_of_layers(model.n_layers, mesh.pp)
+    plain = mesh.dp_shard * mesh.cp * mesh.tp * mesh.ep == 1  # DDP or ZeRO-1: no DTensor
+    for s in range(mesh.pp):
+        base = s * S
+        weights = [w for w in model.weights if stage_of(w, stages, mesh.pp) == s]
+        muon = [w for w in weights if w.muon]
+        shapes, pieces = stage_pieces(weights, mesh)
+        mshapes, mpieces = shapes[:len(muon)], pieces[:len(muon)]
+        sp = plan_step([w.group for w in muon], mshapes, _plan_specs(muon, mshapes), mpieces, S) if muon else None
+        if S > 1 and muon:
+            _move(out, sp, base, wire)
+            replicated(out, mshapes, mpieces, sp, base, wire)
+            round_robin(out, mshapes, sp, base, S)
+        elif sp is not None:
+            out.rep_flops[base] += sum(sp.flops)
+            out.rr_flops[base] += sum(sp.flops)
+        dtensor_flags = 0 if plain else all_reduce_bytes(4 * len(weights), S)
+        heads = [h for layer, h in (model.heads or []) if layer >= 0 and stages[layer] == s]
+        for r in range(S):
+            g = base + r
+            if sp is not None:
+                out.ns_flops[g] = sp.flops[r]
+                for i in sp.owned(r):
+                    spec = sp.units[i].spec
+                    for b in range(spec.n_blocks):
+                        out.matrices[g][(spec.block_rows(b), spec.cols)] += spec.batch
+            elems = [_numel(piece_shape(pc[r])) for pc in pieces]
+            out.muon_elements[g] = sum(elems[:len(muon)])
+            out.adamw_elements[g] = sum(elems[len(muon):])
+            out.muon_state[g] = STATE_BYTES * (out.muon_elements[g] + 2 * out.adamw_elements[g])
+            out.adamw_state[g] = 2 * STATE_BYTES * sum(elems) + 4 * len(weights)
+            if S > 1:
+                out.checks[g] = (all_reduce_bytes(8 * (2 + 2 * len(muon)), S) if muon else 0) + dtensor_flags
+                out.first_checks[g] = all_reduce_bytes(8 * 4 * len(muon), S) if plain and muon else 0
+                out.clip[g] = all_reduce_bytes(4 * sum(2 * h + 1 for h in heads), S) if heads else 0
+            if sp is not None:
+                out.muon_work[g] = max(working_set(sp, r, compute_dtype(muon[0].group, device).itemsize, device,
+                                                   out.gather_sent[g] + out.gather_recv[g],
+                                                   out.scatter_sent[g] + out.scatter_recv[g]),
+                                       2 * STATE_BYTES * out.adamw_elements[g])
+            out.adamw_work[g] = 2 * STATE_BYTES * sum(elems)
+    if model.heads is None:
+        out.notes.append(model.clip_note)
+    return out

@@ -1,0 +1,220 @@
+"""Who holds which piece of which weight, on a mesh given by its degrees (``muonclip plan``).
+
+A mesh is ``pp x dp_replicate x dp_shard x cp x tp`` ranks (`Mesh`), with expert parallelism
+``ep`` carved out of the data-parallel ranks, numbered as torchtitan numbers them (pipeline
+outermost, tensor parallel innermost). Every pipeline stage holds its own layers
+(`stage_of_layers`) and plans its step over its own ranks, as the step does once each stage's
+parameters live on the stage's own data/tensor-parallel group: a stage's figures never involve
+another stage's ranks. Within a stage, what each rank holds (`stage_pieces`, the pieces of
+`muonclip.common._dtensor.piece_of`, the function the step itself uses):
+
+* **dense weights** (everything but routed experts), on the stage's ``(dp_replicate, dp_shard x
+  cp, tp)`` ranks: replicated over ``dp_replicate`` (DDP, or HSDP's replicas); sharded over
+  ``dp_shard x cp`` by rows, as FSDP2's ``fully_shard`` does (``Shard(0)``; a column-parallel
+  weight, already split by rows over ``tp``, gets FSDP2's strided shard); split over ``tp`` by its
+  tensor-parallel role (column-parallel ``Shard(0)``, row-parallel ``Shard(1)``, else replicated);
+* **routed experts** ``(E, ...)``, with ``ep > 1``: ``Shard(0)`` over ``ep`` ranks (whole experts),
+  taken from the innermost data-parallel ranks (torchtitan: ``dp_shard x cp x tp``, its ``efsdp x
+  ep``; under ZeRO-1 from ``dp_replicate``, Megatron's expert parallelism inside data
+  parallelism); over the other ``dp_shard x cp x tp / ep`` ranks FSDP2 shards them like torchtitan
+  does (by experts, or by rows, ``Shard(1)``, when that leaves a rank no expert); replicated over
+  ``dp_replicate``. Routed experts are not split by tensor parallelism.
+* **ZeRO-1** (``zero1``: ``dp_replicate`` is ZeRO-1 data parallelism, no ``dp_shard``/``tp``):
+  parameters and gradients are replicated, the optimizer state is partitioned: each param group's
+  weights flattened in optimizer order into one buffer, padded to a multiple of the ranks, cut
+  into equal contiguous ranges (DeepSpeed's ZeRO-1 partition). A rank's piece of a weight is the
+  part of it in its range (a range of the flattened weight, planned on the weight's flat view).
+  Routed experts under ZeRO-1: ``ep`` ranks as above; the ``dp_replicate / ep`` ranks that hold
+  the same experts deal them out by whole experts.
+
+Checked against real steps for what runs today (`tests/test_plan.py`: DDP, FSDP2 and FSDP2 x TP
+and HSDP as ``fully_shard`` and the reference GPT's tensor-parallel plan lay them out, EP as
+DTensors placed as torchtitan's FSDP2 x EP places them); the pipeline split and ZeRO-1 follow the
+frameworks' documented layouts and are checked against a real step once muonclip runs them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..common._dtensor import Piece, piece_of
+from .plan_model import Weight
+
+
+class MeshError(ValueError):
+    """A mesh whose degrees do not fit together or do not fit the model."""
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """A mesh by its degrees (every one >= 1).
+
+    Attributes:
+        dp_replicate: data-parallel replicas (DDP; HSDP's replica groups; ZeRO-1 with ``zero1``).
+        dp_shard: FSDP2 sharding (``fully_shard``).
+        cp: context parallel (parameters sharded with ``dp_shard``, as torchtitan does).
+        tp: tensor parallel.
+        ep: expert parallel, carved from the data-parallel ranks.
+        pp: pipeline stages.
+        zero1: ``dp_replicate`` partitions the optimizer state (ZeRO-1) instead of replicating it.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+    zero1: bool = False
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks of one pipeline stage."""
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def world(self) -> int:
+        """Ranks in all."""
+        return self.pp * self.stage_size
+
+    def check(self) -> None:
+        """Raise `MeshError` when the degrees do not fit together."""
+        for name in ("dp_replicate", "dp_shard", "cp", "tp", "ep", "pp"):
+            if getattr(self, name) < 1:
+                raise MeshError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.zero1 and (self.dp_shard * self.cp > 1 or self.tp > 1):
+            raise MeshError("--zero1 partitions the optimizer state over --dp-replicate ranks that hold whole "
+                            "parameters; it is not planned with --dp-shard, --cp or --tp (give --dp-replicate N "
+                            "--zero1, or FSDP2's --dp-shard without --zero1)")
+        pool = self.dp_replicate if self.zero1 else self.dp_shard * self.cp * self.tp
+        if self.ep > 1 and pool % self.ep:
+            where = "--dp-replicate" if self.zero1 else "--dp-shard x --cp x --tp"
+            raise MeshError(f"--ep {self.ep} must divide {where} ({pool}): expert parallelism takes its ranks from "
+                            "the data-parallel ranks")
+
+    def describe(self) -> str:
+        """E.g. ``PP4 x DP64 (ZeRO-1) x EP64 = 256 ranks``."""
+        parts = [f"PP{self.pp}"] if self.pp > 1 else []
+        if self.dp_replicate > 1:
+            parts.append(f"DP{self.dp_replicate}" + (" (ZeRO-1)" if self.zero1 else
+                                                     " (replicas)" if self.dp_shard * self.cp > 1 else " (DDP)"))
+        if self.dp_shard > 1:
+            parts.append(f"FSDP{self.dp_shard}")
+        parts += [f"{k}{v}" for k, v in (("CP", self.cp), ("TP", self.tp), ("EP", self.ep)) if v > 1]
+        return " x ".join(parts or ["1 rank"]) + f" = {self.world} ranks"
+
+
+def stage_of_layers(n_layers: int, pp: int) -> list[int]:
+    """The stage of each of ``n_layers`` layers over ``pp`` stages, torchtitan's default split
+    (``generate_llm_fqn_per_model_part``): the embedding and the head count as one layer each,
+    ``n_layers + 2`` split as evenly as possible, the first stages taking one more."""
+    if pp == 1:
+        return [0] * n_layers
+    base, extra = divmod(n_layers + 2, pp)
+    out: list[int] = []
+    for s in range(pp):
+        out += [s] * max(0, base + (s < extra) - (s == 0) - (s == pp - 1))
+    if len(out) != n_layers or len(set(out)) != pp:
+        raise MeshError(f"--pp {pp} leaves a pipeline stage without a layer: the model has {n_layers} layers "
+                        "(the embedding and the head count as one each)")
+    return out
+
+
+def stage_of(w: Weight, stages: Sequence[int], pp: int) -> int:
+    """The stage that holds ``w``: its layer's, the first for what comes before the layers, the last
+    for what comes after."""
+    if w.layer is not None:
+        return stages[w.layer]
+    return pp - 1 if w.after_layers else 0
+
+
+def _strided(dim: int, factor: int) -> object:
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=factor)
+
+
+def _dense(w: Weight, mesh: Mesh) -> tuple[tuple[int, ...], tuple[object, ...]]:
+    """The stage's ranks as ``(dp_replicate, dp_shard x cp, tp)`` and ``w``'s placements there."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    fsdp = mesh.dp_shard * mesh.cp
+    role = w.tp if mesh.tp > 1 and len(w.shape) >= 2 else "replicate"
+    tp_pl = Shard(0) if role == "colwise" else Shard(1) if role == "rowwise" else Replicate()
+    if fsdp == 1:
+        fsdp_pl = Replicate()
+    else:
+        fsdp_pl = _strided(0, mesh.tp) if role == "colwise" else Shard(0)
+    return (mesh.dp_replicate, fsdp, mesh.tp), (Replicate(), fsdp_pl, tp_pl)
+
+
+def _experts(w: Weight, mesh: Mesh) -> tuple[tuple[int, ...], tuple[object, ...]]:
+    """The stage's ranks as ``(outer, efsdp, ep)`` and a stack of routed experts' placements."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if mesh.zero1:
+        outer, inner = 1, mesh.dp_replicate // mesh.ep
+    else:
+        outer, inner = mesh.dp_replicate, mesh.dp_shard * mesh.cp * mesh.tp // mesh.ep
+    if inner == 1:
+        inner_pl = Replicate()
+    elif mesh.zero1 or inner * mesh.ep <= w.shape[0]:
+        inner_pl = _strided(0, mesh.ep)
+    else:
+        inner_pl = Shard(1)
+    return (outer, inner, mesh.ep), (Replicate(), inner_pl, Shard(0))
+
+
+def _grid_pieces(shape: tuple[int, ...], grid: tuple[int, ...], placements: tuple[object, ...],
+                 name: str) -> list[Piece]:
+    return [piece_of(shape, grid, coord, placements, name) for coord in itertools.product(*(range(n) for n in grid))]
+
+
+def flat_partition(weights: Sequence[Weight], ranks: int) -> list[list[Piece]]:
+    """ZeRO-1's partition of ``weights`` (one param group, in order) over ``ranks``: the weights
+    flattened into one buffer padded to a multiple of ``ranks``, each rank a contiguous equal range;
+    per weight, per rank, the range of the flattened weight it holds."""
+    total = sum(w.numel for w in weights)
+    size = -(-total // ranks)
+    out, start = [], 0
+    for w in weights:
+        end = start + w.numel
+        out.append([(range(max(start, r * size) - start, min(end, (r + 1) * size) - start)
+                     if max(start, r * size) < min(end, (r + 1) * size) else range(0),) for r in range(ranks)])
+        start = end
+    return out
+
+
+def stage_pieces(weights: Sequence[Weight], mesh: Mesh) -> tuple[list[tuple[int, ...]], list[list[Piece]]]:
+    """The shape each weight is planned on and every stage rank's piece of it.
+
+    A weight is planned on its own shape, except a weight ZeRO-1 partitions, which is planned on
+    its flattened shape ``(numel,)`` (its pieces are ranges of it). Each param group is one
+    ZeRO-1 buffer (DeepSpeed flattens each group apart).
+    """
+    n = mesh.stage_size
+    shapes: list[tuple[int, ...]] = []
+    pieces: list[list[Piece]] = []
+    flat: dict[int, list[int]] = {}
+    for i, w in enumerate(weights):
+        if w.expert and mesh.ep > 1:
+            grid, pl = _experts(w, mesh)
+            if mesh.zero1:  # the ZeRO-1 ranks are the whole stage: (1, dp/ep, ep)
+                shapes.append(w.shape)
+                pieces.append(_grid_pieces(w.shape, grid, pl, w.name))
+                continue
+        elif mesh.zero1 and mesh.dp_replicate > 1:
+            flat.setdefault(id(w.group), []).append(i)
+            shapes.append((w.numel,))
+            pieces.append([])
+            continue
+        else:
+            grid, pl = _dense(w, mesh)
+        shapes.append(w.shape)
+        pieces.append(_grid_pieces(w.shape, grid, pl, w.name))
+    for members in flat.values():
+        for i, got in zip(members, flat_partition([weights[i] for i in members], n)):
+            pieces[i] = got
+    return shapes, pieces

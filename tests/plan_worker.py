@@ -1,0 +1,260 @@
+"""The rank side of tests/test_plan.py: real optimizer steps on gloo meshes, every cost counted.
+
+Each case builds the model as a user would (DDP, ``fully_shard``, the reference GPT's tensor-parallel
+plan then ``fully_shard``, HSDP; expert parallelism as DTensors placed like torchtitan's FSDP2 x EP),
+runs two steps of Muon, of MuonClip (a real forward and backward first) and of torch's AdamW, and
+counts, independently of the planner: Newton–Schulz flops from the shapes every orthogonalisation
+call receives (`Bucket.orthogonalize`), the bytes of every collective (each ``torch.distributed``
+call wrapped; DTensor's functional collectives seen by a dispatch mode), the gather's and the
+scatter's all-to-alls apart, and the optimizer state the optimizers allocated. Each rank also
+records every rank's piece of every Muon weight as the step sees it (`GroupContext.pieces`).
+
+Pipeline stages (issue 50) and ZeRO-1's flat partitions (issue 51) join CASES here once muonclip
+runs them: the planner already lays them out (`muonclip.app.plan_layout`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from muonclip import Muon, param_groups
+from muonclip.distributed import _engine
+from muonclip.distributed._context import resolve_group
+from muonclip.distributed._exchange import all_reduce_bytes
+from muonclip.models import GPT, GPTConfig
+from muonclip.optim._buckets import Bucket
+from muonclip.ortho._newton_schulz import ns_flops
+from muonclip.qkclip import MuonClip
+
+WORLD = 4
+DENSE = dict(vocab_size=63, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=24)  # uneven FSDP shards
+MOE = dict(DENSE, n_expert=6, expert_hidden=8)
+OPT = dict(lr=0.02, weight_decay=0.1, orth_dtype=torch.float32)
+STEPS = 2
+OTHER_OPS = ("broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "barrier", "send", "recv")
+
+
+class Count(TorchDispatchMode):
+    """Everything one step does that the plan predicts, counted as it happens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase, self.flops, self.reduce, self.other = None, 0, 0, []
+        self.moved = {"gather": [0, 0], "scatter": [0, 0]}  # [sent, received]
+        self._undo = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional" and not func.__name__.startswith("wait_tensor"):
+            self.other.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+    def _patch(self, owner, name, wrapper):
+        real = getattr(owner, name)
+        setattr(owner, name, wrapper(real))
+        self._undo.append((owner, name, real))
+
+    def install(self) -> Count:
+        def orth(real):
+            def f(bucket, V, *a, **k):
+                self.flops += ns_flops([tuple(V.shape)], bucket.steps or 5)
+                return real(bucket, V, *a, **k)
+            return f
+
+        def phase(kind):
+            def wrap(real):
+                def f(*a, **k):
+                    self.phase = kind
+                    try:
+                        return real(*a, **k)
+                    finally:
+                        self.phase = None
+                return f
+            return wrap
+
+        def a2a(real):
+            def f(out, inp, *a, **k):
+                self.moved[self.phase][0] += inp.numel() * inp.element_size()
+                self.moved[self.phase][1] += out.numel() * out.element_size()
+                return real(out, inp, *a, **k)
+            return f
+
+        def reduce(real):
+            def f(t, *a, group=None, **k):
+                self.reduce += all_reduce_bytes(t.numel() * t.element_size(), dist.get_world_size(group))
+                return real(t, *a, group=group, **k)
+            return f
+
+        def other(name):
+            def wrap(real):
+                def f(*a, **k):
+                    self.other.append(name)
+                    return real(*a, **k)
+                return f
+            return wrap
+
+        self._patch(Bucket, "orthogonalize", orth)
+        self._patch(_engine.StepExchange, "gather", phase("gather"))
+        self._patch(_engine.StepExchange, "scatter", phase("scatter"))
+        self._patch(dist, "all_to_all_single", a2a)
+        self._patch(dist, "all_reduce", reduce)
+        for name in OTHER_OPS:
+            self._patch(dist, name, other(name))
+        return self
+
+    def remove(self) -> None:
+        for owner, name, real in reversed(self._undo):
+            setattr(owner, name, real)
+
+    def figures(self) -> dict:
+        return {"flops": self.flops, "gather_sent": self.moved["gather"][0], "gather_recv": self.moved["gather"][1],
+                "scatter_sent": self.moved["scatter"][0], "scatter_recv": self.moved["scatter"][1],
+                "reduce": self.reduce, "other": list(self.other)}
+
+
+def state_bytes(opt) -> int:
+    """Bytes of every tensor of the optimizer's state on this rank (a DTensor's local piece)."""
+    total = 0
+    for st in opt.state.values():
+        for v in st.values():
+            if torch.is_tensor(v):
+                v = getattr(v, "_local_tensor", v)
+                total += v.numel() * v.element_size()
+    return total
+
+
+def _batch(step, rows):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randint(0, DENSE["vocab_size"], (rows, 9), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def _steps(net, opt, synthetic=None):
+    per_step = []
+    for s in range(STEPS):
+        if synthetic is None:
+            x, y = _batch(s, 2)
+            _, loss = net(x, y)
+            loss.backward()
+        else:
+            synthetic(s)
+        count = Count().install()
+        try:
+            with count:
+                opt.step()
+        finally:
+            count.remove()
+        opt.zero_grad(set_to_none=True)
+        per_step.append(count.figures())
+    return per_step
+
+
+def _gpt(cfg):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**cfg))
+
+
+def _dense_net(case):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from muonclip.models.parallel import tensor_parallel
+
+    model = _gpt(DENSE)
+    if case == "ddp":
+        return DDP(model), model
+    if case == "fsdp":
+        mesh = init_device_mesh("cpu", (WORLD,))
+    elif case == "fsdp_tp":
+        mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        tensor_parallel(model, mesh2["tp"])
+        mesh = mesh2["dp"]
+    else:  # hsdp: replicate x shard
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, model
+
+
+def plain(pieces):
+    """Pieces (per weight, per rank) as tuples of ints: ``(start, stop, step)`` for a range."""
+    return [[tuple((i.start, i.stop, i.step) if isinstance(i, range) else tuple(i) for i in pc) for pc in ranks]
+            for ranks in pieces]
+
+
+def _pieces(groups):
+    params = [p for g in groups if g["algorithm"] == "muon" for p in g["params"]]
+    ctx = resolve_group(params, lambda i: str(i))
+    return plain([ctx.pieces(p) for p in params])
+
+
+def dense_case(case, rank):
+    out = {}
+    for name in ("muon", "muonclip", "adamw"):
+        net, model = _dense_net(case)
+        if name == "adamw":
+            opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        else:
+            groups = param_groups(model)
+            opt = Muon(groups, **OPT) if name == "muon" else MuonClip(model, tau=1.0, groups=groups, **OPT)
+            out["pieces"] = _pieces(opt.param_groups)
+        out[name] = {"steps": _steps(net, opt), "state": state_bytes(opt)}
+    return out
+
+
+def ep_case(rank):
+    """The MoE GPT's parameters as DTensors placed like torchtitan's FSDP2 (4 ranks) x EP (2): the
+    dense ones ``Shard(0)`` over the 4 ranks, each stack of 6 experts ``Shard(0)`` over ``ep`` and
+    dealt over the 2 ``efsdp`` ranks (FSDP2's strided shard), on meshes unflattened from one 1-D mesh;
+    synthetic gradients with the parameters' placements (the step is what is measured)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    world = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("world",))
+    dense = world._unflatten(0, (WORLD,), ("fsdp",))
+    sparse = world._unflatten(0, (2, 2), ("efsdp", "ep"))
+    out = {}
+    for name in ("muon", "adamw"):
+        model = _gpt(MOE)
+        full = dict(model.named_parameters())
+        where = {n: ((sparse, (_StridedShard(0, split_factor=2), Shard(0))) if ".experts." in n
+                     else (dense, (Shard(0),))) for n in full}
+        params = {n: torch.nn.Parameter(distribute_tensor(t.detach().clone(), *where[n], src_data_rank=None))
+                  for n, t in full.items()}  # every rank holds the same values: split locally
+
+        def grads(step, params=params, full=full, where=where):
+            g = torch.Generator().manual_seed(300 + step)
+            for n, p in params.items():
+                p.grad = distribute_tensor(torch.randn(full[n].shape, generator=g), *where[n], src_data_rank=None)
+
+        if name == "adamw":
+            opt = torch.optim.AdamW(list(params.values()), lr=1e-3)
+        else:
+            groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[n] for n in g["param_names"]]}
+                      for g in param_groups(model)]
+            opt = Muon(groups, **OPT)
+            out["pieces"] = _pieces(opt.param_groups)
+        out[name] = {"steps": _steps(None, opt, synthetic=grads), "state": state_bytes(opt)}
+    return out
+
+
+CASES = {"ddp": lambda r: dense_case("ddp", r), "fsdp": lambda r: dense_case("fsdp", r),
+         "fsdp_tp": lambda r: dense_case("fsdp_tp", r), "hsdp": lambda r: dense_case("hsdp", r), "ep": ep_case}
+"""Each case: the mesh it runs on is the test's `MESHES` entry of the same name."""
+
+
+def worker(rank, world, out_dir):
+    torch.set_num_threads(1)
+    results = {}
+    for case, run in CASES.items():
+        try:
+            results[case] = run(rank)
+        except Exception as e:  # noqa: BLE001 - reported by the test of this case, not by the whole launch
+            results[case] = {"error": f"{type(e).__name__}: {e}"}
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
