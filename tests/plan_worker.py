@@ -43,7 +43,7 @@ class Count(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.phase, self.flops, self.reduce, self.other = None, 0, 0, []
+        self.phase, self.flops, self.reduce, self.other, self.gathered = None, 0, 0, [], 0
         self.moved = {"gather": [0, 0], "scatter": [0, 0]}  # [sent, received]
         self._undo = []
 
@@ -92,6 +92,8 @@ class Count(TorchDispatchMode):
             def wrap(real):
                 def f(*a, **k):
                     self.other.append(name)
+                    if name == "all_gather":  # all_gather(tensor_list, tensor): every other rank's copy comes in
+                        self.gathered += a[1].numel() * a[1].element_size() * (len(a[0]) - 1)
                     return real(*a, **k)
                 return f
             return wrap
@@ -112,7 +114,7 @@ class Count(TorchDispatchMode):
     def figures(self) -> dict:
         return {"flops": self.flops, "gather_sent": self.moved["gather"][0], "gather_recv": self.moved["gather"][1],
                 "scatter_sent": self.moved["scatter"][0], "scatter_recv": self.moved["scatter"][1],
-                "reduce": self.reduce, "other": list(self.other)}
+                "reduce": self.reduce, "other": list(self.other), "gathered": self.gathered}
 
 
 def state_bytes(opt) -> int:

@@ -59,13 +59,15 @@ def test_planned_flops_bytes_and_state_equal_a_real_step(counted, case):
             for s, step in enumerate(got[name]["steps"]):
                 reduce = plan.checks[r] + (plan.first_checks[r] if s == 0 else 0) + \
                     (plan.clip[r] if name == "muonclip" else 0)
+                copies = plan.first_copies[r] if s == 0 else 0  # the copies check: one all-gather, first step
                 want = {"flops": plan.ns_flops[r], "gather_sent": plan.gather_sent[r],
                         "gather_recv": plan.gather_recv[r], "scatter_sent": plan.scatter_sent[r],
-                        "scatter_recv": plan.scatter_recv[r], "reduce": reduce, "other": []}
+                        "scatter_recv": plan.scatter_recv[r], "reduce": reduce,
+                        "other": ["all_gather"] if copies else [], "gathered": copies}
                 assert step == want, (name, r, s)
             assert got[name]["state"] == plan.muon_state[r], (name, r)
         assert got["adamw"]["state"] == plan.adamw_state[r]
-        assert all(step["other"] == [] and step["reduce"] == 0 and step["flops"] == 0
+        assert all(step["other"] == [] and step["reduce"] == 0 and step["flops"] == 0 and step["gathered"] == 0
                    for step in got["adamw"]["steps"])  # torch's AdamW: no collective, no Newton-Schulz
         rows.append((r, plan.ns_flops[r], plan.gather_sent[r] + plan.scatter_sent[r], plan.clip[r],
                      plan.muon_state[r], plan.adamw_state[r]))

@@ -115,8 +115,9 @@ def make_plan(model: PlanModel, mesh: Mesh, device: Device, *, tokens: int = DEF
     rep_t = [f * flop_seconds + e + (max(s, v) / (device.net_bw or 1) if t.comm_known else 0.0)
              for f, e, s, v in zip(r.rep_flops, t.elementwise, r.rep_sent, r.rep_recv)]
     ranks = {name: getattr(r, name) for name in (
-        "ns_flops", "gather_sent", "gather_recv", "scatter_sent", "scatter_recv", "checks", "first_checks", "clip",
-        "muon_state", "adamw_state", "muon_work", "adamw_work", "rep_flops", "rep_sent", "rep_recv", "rr_flops")}
+        "ns_flops", "gather_sent", "gather_recv", "scatter_sent", "scatter_recv", "checks", "first_checks",
+        "first_copies", "clip", "muon_state", "adamw_state", "muon_work", "adamw_work", "rep_flops", "rep_sent",
+        "rep_recv", "rr_flops")}
     ranks.update(muon_seconds=t.muon(), muonclip_seconds=t.muonclip(), adamw_seconds=t.adamw, ns_seconds=t.ns,
                  comm_seconds=t.comm, elementwise_seconds=t.elementwise, rep_seconds=rep_t)
     stages = stage_of_layers(model.n_layers, mesh.pp)
@@ -145,7 +146,8 @@ def make_plan(model: PlanModel, mesh: Mesh, device: Device, *, tokens: int = DEF
                  "muon_vs_adamw": (muon_t - adamw_t) / (train + adamw_t),
                  "ns_flops_vs_model": statistics.fmean(r.ns_flops) / (per_token * tokens / mesh.world)},
         "exact": ["ns_flops", "gather_sent", "gather_recv", "scatter_sent", "scatter_recv", "checks",
-                  "first_checks", "clip", "muon_state", "adamw_state", "rep_flops", "rep_sent", "rep_recv", "rr_flops"],
+                  "first_checks", "first_copies", "clip", "muon_state", "adamw_state", "rep_flops", "rep_sent",
+                  "rep_recv", "rr_flops"],
         "modelled": ["muon_work", "adamw_work", "*_seconds", "step"],
         "notes": r.notes,
     }

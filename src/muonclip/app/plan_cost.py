@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..common._dtensor import is_empty, piece_shape
-from ..distributed._exchange import all_reduce_bytes
+from ..common._dtensor import is_empty, piece_shape, repeated
+from ..distributed._exchange import FINGERPRINT_BYTES, all_reduce_bytes
 from ..distributed._plan import StepPlan, plan_step
 from ..optim._buckets import STEP_CHUNK_BYTES
 from ..ortho import resolve_orth_dtype
@@ -63,6 +63,8 @@ class Ranks:
         checks: bytes of the agreement all-reduces every step (parameters and gradients present;
             non-finite flags when the parameters are DTensors).
         first_checks: bytes of the replica check of the first step (plain parameters only).
+        first_copies: bytes of the copies check of the first step (`muonclip.distributed._exchange.agree_copies`:
+            one all-gather of a fingerprint of each DTensor Muon weight whose pieces several ranks hold).
         clip: bytes of MuonClip's max-logit all-reduce (0 without attention layers here).
         muon_state, adamw_state: optimizer state bytes: Muon (with its AdamW branch), and
             ``torch.optim.AdamW`` on every parameter.
@@ -83,6 +85,7 @@ class Ranks:
     recv_from: list[dict[int, int]]
     checks: list[int]
     first_checks: list[int]
+    first_copies: list[int]
     clip: list[int]
     muon_state: list[int]
     adamw_state: list[int]
@@ -220,6 +223,7 @@ def plan_costs(model: PlanModel, mesh: Mesh, comm_dtype: torch.dtype | None = No
             out.rep_flops[base] += sum(sp.flops)
             out.rr_flops[base] += sum(sp.flops)
         dtensor_flags = 0 if plain else all_reduce_bytes(4 * len(weights), S)
+        copies = 0 if plain else sum(repeated(pc) for pc in mpieces)
         heads = [h for layer, h in (model.heads or []) if layer >= 0 and stages[layer] == s]
         for r in range(S):
             g = base + r
@@ -237,6 +241,7 @@ def plan_costs(model: PlanModel, mesh: Mesh, comm_dtype: torch.dtype | None = No
             if S > 1:
                 out.checks[g] = (all_reduce_bytes(8 * (2 + 2 * len(muon)), S) if muon else 0) + dtensor_flags
                 out.first_checks[g] = all_reduce_bytes(8 * 4 * len(muon), S) if plain and muon else 0
+                out.first_copies[g] = FINGERPRINT_BYTES * copies * (S - 1)
                 out.clip[g] = all_reduce_bytes(4 * sum(2 * h + 1 for h in heads), S) if heads else 0
             if sp is not None:
                 out.muon_work[g] = max(working_set(sp, r, compute_dtype(muon[0].group, device).itemsize, device,

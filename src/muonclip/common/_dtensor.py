@@ -127,6 +127,12 @@ def is_empty(piece: Piece) -> bool:
     return any(len(i) == 0 for i in piece)
 
 
+def repeated(pieces: Sequence[Piece]) -> bool:
+    """Whether some non-empty piece of ``pieces`` (one per rank) is held by more than one rank."""
+    held = [pc for pc in pieces if not is_empty(pc)]
+    return len(set(held)) < len(held)
+
+
 def contiguous(index: Index) -> bool:
     """True for a range (consecutive global indices)."""
     return isinstance(index, range)

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..common._dtensor import FlatRange, Piece, is_dtensor, is_empty, local, put, take
+from ..common._dtensor import FlatRange, Piece, is_dtensor, is_empty, local, put, repeated, take
 from ..optim._buckets import Place, Unit, options_key
 from ..optim._matrices import MatrixSpec
 from ..optim._state_dicts import state_dtype
@@ -112,7 +112,7 @@ class StepExchange:
         plain = [k for k, (_, p) in enumerate(live) if not is_dtensor(p)]
         device = local(live[0][1]).device
         agree_replicas(self.ctx, [live[k][1] for k in plain], [names[k]() for k in plain], device, self.stats.comm)
-        shared = [k for k, (_, p) in enumerate(live) if is_dtensor(p) and _repeated(routes.all_pieces[k])]
+        shared = [k for k, (_, p) in enumerate(live) if is_dtensor(p) and repeated(routes.all_pieces[k])]
         agree_copies(self.ctx, [live[k][1] for k in shared], [routes.all_pieces[k] for k in shared],
                      [names[k] for k in shared], device, self.stats.comm)
         return routes
@@ -216,12 +216,6 @@ class Routes:
     scatter_piece: list[Piece]
     mine: list[tuple[int | None, int | None]]
     all_pieces: list[list[Piece]]
-
-
-def _repeated(pieces: Sequence[Piece]) -> bool:
-    """Whether some non-empty piece is held by more than one rank (the same answer on every rank)."""
-    held = [pc for pc in pieces if not is_empty(pc)]
-    return len(set(held)) < len(held)
 
 
 def _experts(spec: MatrixSpec, piece: Piece) -> slice:

@@ -81,6 +81,10 @@ def agree_parameters(ctx: GroupContext, sig: int, has_grad: Sequence[bool], name
         )
 
 
+FINGERPRINT_BYTES = 16
+"""Bytes of one `fingerprint` (two int64)."""
+
+
 def fingerprint(t: Tensor) -> Tensor:
     """An exact int64 checksum of ``t``'s bits (sum of its elements' bit patterns, and of their
     products with their positions): equal tensors give equal values on any hardware, with no
@@ -136,7 +140,7 @@ def agree_copies(ctx: GroupContext, tensors: Sequence[Tensor], pieces: Sequence[
     mine = torch.stack([fingerprint(local(t)) for t in tensors]).to(device)
     every = [torch.empty_like(mine) for _ in range(ctx.world_size)]
     dist.all_gather(every, mine, group=ctx.group)
-    stats.add("all_gather", mine.numel() * 8 * (ctx.world_size - 1))
+    stats.add("all_gather", FINGERPRINT_BYTES * len(tensors) * (ctx.world_size - 1))
     for k in range(len(tensors)):
         first: dict[Piece, int] = {}
         for r, pc in enumerate(pieces[k]):

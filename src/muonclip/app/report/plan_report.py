@@ -40,6 +40,7 @@ ROWS = (
     ("results scattered: received", "scatter_recv", size, "Muon, MuonClip"),
     ("agreement all-reduces (every step)", "checks", size, "Muon, MuonClip"),
     ("replica check (first step only)", "first_checks", size, "Muon, MuonClip"),
+    ("copies check (first step only)", "first_copies", size, "Muon, MuonClip"),
     ("clip's max-logit all-reduce", "clip", size, "MuonClip"),
     ("optimizer state", "muon_state", size, "Muon, MuonClip"),
     ("optimizer state", "adamw_state", size, "AdamW"),
