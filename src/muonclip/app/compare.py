@@ -73,7 +73,7 @@ from .report import (
     tuned_stability_markdown,
     write_summary,
 )
-from .runfolder import OutputError, check_writable, inspect_folder
+from .runfolder import OutputError, check_outside_runs, check_writable, inspect_folder
 from .runner import RunSpec, run_all
 from .sweep import budget_steps, tune
 from .train_setup import check_threads
@@ -151,6 +151,7 @@ def prepare(cfg: RunConfig, out_dir: Path, runs: Sequence[tuple[RunConfig, str]]
     for run_cfg, o in runs:
         check_memory(run_cfg, o, torch.device("cpu"), ranks_here=jobs, sharing="runs at a time",
                      corpus=corpus_size(cfg.data))  # every worker reads its own copy
+    check_outside_runs(out_dir)
     if inspect_folder(out_dir).kind == "run":
         raise OutputError(f"--out {out_dir} already holds a run of muonclip train; choose a new folder for the "
                           "comparison")

@@ -43,7 +43,7 @@ from .launch import (
 )
 from .model import orthogonalisation
 from .resume import check_restart
-from .runfolder import OutputError, check_run_folder
+from .runfolder import OutputError, check_run_folder, inspect_folder
 from .train import Interrupted, NonFiniteLossError
 
 EXIT_INPUT, EXIT_NONFINITE, EXIT_PEER, EXIT_INTERRUPTED = 2, 3, 4, 130
@@ -115,9 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="default: muonclip (on resume: the run's)")
     t.add_argument("--lr", type=float, help="peak learning rate of the chosen optimizer")
     t.add_argument("--tensorboard", metavar="DIR", default=None,
-                   help="also write the metrics as TensorBoard scalars to DIR (pip install 'muonclip[tensorboard]')")
+                   help="also write the metrics as TensorBoard scalars to DIR (pip install 'muonclip[tensorboard]'); "
+                        "not inside another run's folder")
     t.add_argument("--resume", action="store_true",
-                   help="continue the run in --out from its checkpoint (its config, with any overrides given)")
+                   help="continue the run in --out from its checkpoint (its config, with any overrides given); "
+                        "a new or empty --out starts a new run, and says so")
     t.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard the model with FSDP2 (fully_shard) instead of DDP; "
                         "e.g. torchrun --nproc_per_node=2 -m muonclip.app train --fsdp")
@@ -171,11 +173,17 @@ def _run_train(args: argparse.Namespace) -> int:
         raise ValueError(f"--fsdp shards the model over several processes; {LAUNCH_HINT}")
     if launched_by_torchrun() and args.out is None:
         raise OutputError("under torchrun, give --out: every rank must write to the same run folder")
-    if args.resume:
+    resume = args.resume
+    if resume:
         if args.out is None:
             raise OutputError("--resume needs --out, the folder of the run to continue")
         if args.preset is not None:
             raise ValueError("--preset cannot be used with --resume: the run's config comes from its checkpoint")
+        if inspect_folder(Path(args.out)).kind in ("absent", "empty"):  # a job script that always resumes
+            resume = False
+            if not _quiet_rank():
+                print(f"muonclip: nothing to resume in {args.out}, starting a new run", file=sys.stderr)
+    if resume:
         state = check_run_folder(Path(args.out))
         record = read_run_config(Path(args.out))  # every file checked before anything is read for training
         if state.has_checkpoint:
@@ -201,7 +209,7 @@ def _run_train(args: argparse.Namespace) -> int:
         cfg = make_config(args.preset or "default", over, args.sets)
         out = Path(args.out) if args.out else Path("out") / f"train-{optimizer}-{_stamp()}"
     with session(args.fsdp, args.tp, args.timeout) as ctx:
-        result = train_run(cfg, optimizer, out, resume=args.resume, progress=not args.quiet,
+        result = train_run(cfg, optimizer, out, resume=resume, progress=not args.quiet,
                            tensorboard=args.tensorboard, fsdp=args.fsdp, tp=args.tp)
         if ctx.rank == 0:
             ranks = f" on {ctx.world_size} processes ({mode(ctx, args.fsdp, args.tp)})" if is_active(ctx, args.fsdp) \
