@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,7 +46,7 @@ from .launch import (
 from .model import orthogonalisation
 from .resume import check_restart
 from .runfolder import OutputError, check_run_folder, inspect_folder
-from .train import Interrupted, NonFiniteLossError
+from .train import ABORTED, CtrlC, Interrupted, NonFiniteLossError
 
 EXIT_INPUT, EXIT_NONFINITE, EXIT_PEER, EXIT_INTERRUPTED = 2, 3, 4, 130
 # What ``pip install "muonclip[cli]"`` adds for the command (module names; pyproject.toml's
@@ -255,7 +257,26 @@ def _quiet_rank() -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``muonclip`` console script; returns the exit code."""
+    """Entry point of the ``muonclip`` console script; returns the exit code.
+
+    Ctrl-C (`muonclip.app.train.CtrlC`, in the main thread): the first one stops the command with
+    130 (a run saves a checkpoint of its last step first); any later one ends the process at once
+    with 130 (`muonclip.app.train.abort`), never with a traceback. Called without ``argv`` (the
+    console script, ``python -m muonclip.app``), Ctrl-C is ignored once the command has its exit
+    code, while the process exits (Python itself would die of a SIGINT in its last moments, with
+    -2); with ``argv`` (a caller in Python) the previous handler is restored on return.
+    """
+    ctrl_c = CtrlC()
+    previous = signal.signal(signal.SIGINT, ctrl_c) if threading.current_thread() is threading.main_thread() \
+        else None
+    try:
+        return _main(argv)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, signal.SIG_IGN if argv is None else previous)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     assets = args.command == "torchtitan-assets"
     missing = missing_dependencies(ASSET_DEPENDENCIES if assets else APP_DEPENDENCIES)
@@ -296,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)
         return EXIT_INTERRUPTED
     except KeyboardInterrupt:
-        print("\nmuonclip: aborted; the last checkpoint (if any) is intact", file=sys.stderr)
+        print(f"\n{ABORTED}", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 
