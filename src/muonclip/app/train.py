@@ -141,9 +141,16 @@ ABORTED = "muonclip: aborted; the last checkpoint (if any) is intact"
 
 
 def abort() -> NoReturn:
-    """End the process at once with exit code 130, saying so on stderr: no exception, no unwinding
-    (so no traceback, whatever the process was doing). Safe for a run folder at any moment: its
-    files are replaced by renames, and a temporary left behind is removed by the next writer."""
+    """End the process at once with exit code 130, saying so on stderr, and with it the worker
+    processes it started (multiprocessing's children: `muonclip compare`'s runs), killed: no
+    exception, no unwinding (so no traceback, whatever the process was doing). Safe for a run
+    folder at any moment: its files are replaced by renames, and a temporary left behind is
+    removed by the next writer."""
+    import multiprocessing
+
+    with contextlib.suppress(Exception):
+        for child in multiprocessing.active_children():
+            child.kill()
     with contextlib.suppress(Exception):
         sys.stdout.flush()
         sys.stderr.flush()
