@@ -5,7 +5,10 @@ dependencies are not installed, `APP_DEPENDENCIES`; a checkpoint could not be wr
 full disk) — nothing written, or the last checkpoint kept; 3 non-finite loss — training
 stopped, last good checkpoint kept; 4 under torchrun, another rank stopped answering for
 ``--timeout`` seconds or died — the last checkpoint kept; 130 Ctrl-C — checkpoint of the last
-finished step written.
+finished step written (a second Ctrl-C, at any moment: at once, the last checkpoint whole; `main`).
+
+``train --resume`` on an absent or empty ``--out`` starts a new run and says so (a job script may
+always pass it); anything else there must be a run to continue (`muonclip.app.runfolder`).
 
 ``muonclip train`` also runs under ``torchrun --nproc_per_node=N`` (DDP; ``--fsdp`` for FSDP2;
 see `muonclip.app.launch`): rank 0 prints, every rank returns the same exit code (torchrun's own

@@ -19,7 +19,9 @@ A run folder (``--out``) holds one run and nothing else::
   resumes only a run folder whose entries all have the names above, so nothing a user wrote is
   ever overwritten (``--out /`` included). A folder whose run lost its checkpoint is refused,
   never restarted over (a run that stopped before its first checkpoint restarts from its
-  start: `muonclip.app.resume`).
+  start: `muonclip.app.resume`). Nothing is added to another run's folder: a new run's ``--out``
+  inside one is refused (`check_outside_runs`, `enclosing_run`), and so is a TensorBoard folder
+  (`muonclip.app.train_setup.check_tensorboard`).
 * **No link is followed, nothing but files is read.** A run folder holds files and folders
   only: `inspect_folder` refuses a symbolic link or a special file (a FIFO, a device, a
   socket) anywhere in it, naming it (the CLI exits with 2), and every file of the folder is

@@ -3,7 +3,8 @@ its folder opened, its model and optimizer built.
 
 1. `check_inputs`: the config, the threads, the ranks' agreement, the batch split, the memory
    estimate, the corpus — every input, before anything is written.
-2. `open_run_folder`: a new run only in an absent or empty folder, a resume only of a run
+2. `open_run_folder`: a TensorBoard folder only where its event files break no run folder
+   (`check_tensorboard`); a new run only in an absent or empty folder, a resume only of a run
    folder with its checkpoint (or, for a run that stopped before its first checkpoint, a
    restart from step 0 with its own config, said on screen); the folder's lock
    (`muonclip.app.runfolder.RunLock`); on resume the checkpoint verified against its manifest,
