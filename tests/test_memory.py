@@ -68,12 +68,13 @@ def corpus():
 ])
 def test_estimate_counts_the_tensors_a_step_allocates(optimizer, sets, corpus):
     """The tensors the estimate counts (parameters, gradients, optimizer state, activations,
-    attention scores) cover the peak of the tensors torch allocates for building the model and
-    the optimizer, two real steps and a validation pass (one thread), and are at most twice it
+    attention scores, the validation set) cover the peak of the tensors torch allocates for building
+    the model, the optimizer and the validation set, two real steps and a validation pass (one
+    thread), and are at most twice it
     (1.06-1.42 times it over the six configs of `benchmarks/bench_memory.py`). What the process
     holds beyond its tensors (the kernels' code and workspaces, the heap's slack) depends on the
     machine; that script measures it, for the estimate's fixed part and margin (docs/benchmarks.md)."""
-    from muonclip.app.data import train_batch
+    from muonclip.app.data import train_batch, val_batches
     from muonclip.app.model import build_optimizer
     from muonclip.app.train import evaluate, forward_loss
 
@@ -82,12 +83,13 @@ def test_estimate_counts_the_tensors_a_step_allocates(optimizer, sets, corpus):
     def work():
         model = build_model(cfg)
         opt = build_optimizer(optimizer, model, cfg)
+        val = val_batches(corpus, n_batches=cfg.eval_batches, batch_size=cfg.batch_size, block_size=cfg.block_size)
         for step in range(2):
             x, y = train_batch(corpus, step, batch_size=cfg.batch_size, block_size=cfg.block_size, seed=0)
             opt.zero_grad(set_to_none=True)
             forward_loss(model, x, y).backward()
             opt.step()
-        evaluate(model, [(x, y)])
+        evaluate(model, val)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the attention kernels keep a buffer per thread
@@ -96,7 +98,7 @@ def test_estimate_counts_the_tensors_a_step_allocates(optimizer, sets, corpus):
     finally:
         torch.set_num_threads(threads)
     est = memory.step_memory(cfg, optimizer)
-    counted = est.parameters + est.activations + est.attention_scores
+    counted = est.parameters + est.activations + est.attention_scores + est.validation
     assert peak <= counted <= 2 * peak, (counted / 2**20, peak / 2**20)
 
 
