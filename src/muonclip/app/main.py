@@ -262,21 +262,21 @@ def _quiet_rank() -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``muonclip`` console script; returns the exit code.
 
-    Ctrl-C (`muonclip.app.train.CtrlC`, in the main thread): the first one stops the command with
-    130 (a run saves a checkpoint of its last step first); any later one ends the process at once
-    with 130 (`muonclip.app.train.abort`), never with a traceback. Called without ``argv`` (the
-    console script, ``python -m muonclip.app``), Ctrl-C is ignored once the command has its exit
-    code, while the process exits (Python itself would die of a SIGINT in its last moments, with
-    -2); with ``argv`` (a caller in Python) the previous handler is restored on return.
+    Called without ``argv`` (the console script, ``python -m muonclip.app``: the command is the
+    process), Ctrl-C is the command's (`muonclip.app.train.CtrlC`): the first one stops it with
+    130 (a run saves a checkpoint of its last step first), any later one ends the process at once
+    with 130 (`muonclip.app.train.abort`), never with a traceback; once the command has its exit
+    code, Ctrl-C is ignored while the process exits (Python itself would die of a SIGINT in its
+    last moments, with -2). Called with ``argv`` (from Python), the caller's handler stays: a
+    Ctrl-C stops the command with 130 all the same, a second one raises KeyboardInterrupt.
     """
-    ctrl_c = CtrlC()
-    previous = signal.signal(signal.SIGINT, ctrl_c) if threading.current_thread() is threading.main_thread() \
-        else None
+    if argv is not None or threading.current_thread() is not threading.main_thread():
+        return _main(argv)
+    signal.signal(signal.SIGINT, CtrlC())
     try:
         return _main(argv)
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, signal.SIG_IGN if argv is None else previous)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _main(argv: Sequence[str] | None) -> int:
