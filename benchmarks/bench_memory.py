@@ -2,8 +2,8 @@
 on this machine: the peak RSS, and the peak of the tensors torch allocates.
 
 For each config (the reference GPT of ``muonclip train``, one thread), two fresh processes run
-what a run does before and during its first steps: read the built-in corpus, build the model
-and the optimizer, two training steps, a validation pass.
+what a run does before and during its first steps: read the built-in corpus, build the model,
+the optimizer and the validation set, two training steps, a validation pass.
 
 * the first measures the **peak RSS** this adds to the process (Linux: ``VmHWM`` reset with
   ``/proc/self/clear_refs`` after importing torch and one tiny matmul; elsewhere the peak
@@ -13,8 +13,8 @@ and the optimizer, two training steps, a validation pass.
   need to be for the estimate without margin to reach the peak;
 * the second measures the **peak of live tensor bytes** torch allocates during the same work
   (the profiler's allocation events, summed in time order; the corpus is read before) and
-  prints the tensors the estimate counts (parameters and state, activations, attention scores)
-  over it. That ratio does not depend on the machine's kernels; ``tests/test_memory.py``
+  prints the tensors the estimate counts (parameters and state, activations, attention scores,
+  the validation set) over it. That ratio does not depend on the machine's kernels; ``tests/test_memory.py``
   checks it.
 
 Usage: ``python benchmarks/bench_memory.py`` (a few minutes: twelve fresh processes).
@@ -45,7 +45,7 @@ STEPS = """
 import json, sys
 import torch
 from muonclip.app.config import make_config
-from muonclip.app.data import load_corpus, train_batch
+from muonclip.app.data import load_corpus, train_batch, val_batches
 from muonclip.app.model import build_model, build_optimizer
 from muonclip.app.train import evaluate, forward_loss
 
@@ -75,12 +75,13 @@ def peak():
 def work(cfg, optimizer, corpus):
     model = build_model(cfg)
     opt = build_optimizer(optimizer, model, cfg)
+    val = val_batches(corpus, n_batches=cfg.eval_batches, batch_size=cfg.batch_size, block_size=cfg.block_size)
     for step in range(2):
         x, y = train_batch(corpus, step, batch_size=cfg.batch_size, block_size=cfg.block_size, seed=0)
         opt.zero_grad(set_to_none=True)
         forward_loss(model, x, y).backward()
         opt.step()
-    evaluate(model, [(x, y)])
+    evaluate(model, val)
 
 
 torch.set_num_threads(1)
@@ -128,7 +129,7 @@ def main() -> None:
         est = memory.step_memory(cfg, optimizer, corpus=corpus_size(None))
         rss, tensors = measure("rss", optimizer, sets), measure("tensors", optimizer, sets)
         bare = est.total - est.margin
-        counted = est.parameters + est.activations + est.attention_scores
+        counted = est.parameters + est.activations + est.attention_scores + est.validation
         needed = memory.LIBRARY_BYTES + rss - bare  # the fixed part with which bare = rss
         print(f"| {optimizer} | {sets} | {est.total / mib:.0f} | {rss / mib:.0f} | {est.total / rss:.2f} "
               f"| {bare / rss:.2f} | {needed / mib:.0f} | {counted / mib:.0f} | {tensors / mib:.0f} "

@@ -68,12 +68,13 @@ def corpus():
 ])
 def test_estimate_counts_the_tensors_a_step_allocates(optimizer, sets, corpus):
     """The tensors the estimate counts (parameters, gradients, optimizer state, activations,
-    attention scores) cover the peak of the tensors torch allocates for building the model and
-    the optimizer, two real steps and a validation pass (one thread), and are at most twice it
+    attention scores, the validation set) cover the peak of the tensors torch allocates for building
+    the model, the optimizer and the validation set, two real steps and a validation pass (one
+    thread), and are at most twice it
     (1.06-1.42 times it over the six configs of `benchmarks/bench_memory.py`). What the process
     holds beyond its tensors (the kernels' code and workspaces, the heap's slack) depends on the
     machine; that script measures it, for the estimate's fixed part and margin (docs/benchmarks.md)."""
-    from muonclip.app.data import train_batch
+    from muonclip.app.data import train_batch, val_batches
     from muonclip.app.model import build_optimizer
     from muonclip.app.train import evaluate, forward_loss
 
@@ -82,12 +83,13 @@ def test_estimate_counts_the_tensors_a_step_allocates(optimizer, sets, corpus):
     def work():
         model = build_model(cfg)
         opt = build_optimizer(optimizer, model, cfg)
+        val = val_batches(corpus, n_batches=cfg.eval_batches, batch_size=cfg.batch_size, block_size=cfg.block_size)
         for step in range(2):
             x, y = train_batch(corpus, step, batch_size=cfg.batch_size, block_size=cfg.block_size, seed=0)
             opt.zero_grad(set_to_none=True)
             forward_loss(model, x, y).backward()
             opt.step()
-        evaluate(model, [(x, y)])
+        evaluate(model, val)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the attention kernels keep a buffer per thread
@@ -96,7 +98,7 @@ def test_estimate_counts_the_tensors_a_step_allocates(optimizer, sets, corpus):
     finally:
         torch.set_num_threads(threads)
     est = memory.step_memory(cfg, optimizer)
-    counted = est.parameters + est.activations + est.attention_scores
+    counted = est.parameters + est.activations + est.attention_scores + est.validation
     assert peak <= counted <= 2 * peak, (counted / 2**20, peak / 2**20)
 
 
@@ -243,7 +245,8 @@ def test_impossible_block_size_exits_2_at_once(tmp_path, capsys, monkeypatch, co
     rc = main([command, "--set", "block_size=100000", "--steps", "2", "--quiet", "--out", str(out)])
     assert rc == 2
     err = capsys.readouterr().err
-    assert "muonclip: error: one training step needs about 30.3 GiB (activations of 16 x 100000 tokens 22.9 GiB" in err
+    assert "muonclip: error: one training step needs about 30.8 GiB (activations of 16 x 100000 tokens 22.9 GiB" in err
+    assert "validation set of 16 batches 391 MiB" in err
     assert "16.0 GiB available. Lower batch_size (now 16; " in err and "or block_size (now 100000; " in err
     assert not out.exists()
 
@@ -349,6 +352,7 @@ def test_parameters_are_counted_from_the_config_exactly(preset, sets):
     (["n_embd=4000000000", "n_head=2"], "Lower n_embd (now 4000000000; "),
     (["block_size=1000000000000000"], "Lower batch_size (now 16) or block_size (now 1000000000000000; "),
     (["n_expert=1000000000000", "n_expert_active=1"], "n_expert (now 1000000000000; "),
+    (["eval_batches=99999999999"], "Lower eval_batches (now 99999999999; "),  # old code: exit 1, 3.2 TB allocated
 ])
 def test_absurd_sizes_exit_2_at_once_without_building_a_model(tmp_path, capsys, monkeypatch, sets, lower, readable):
     """Sizes no machine runs: exit 2 from the arithmetic estimate before any model is built and before
@@ -366,4 +370,87 @@ def test_absurd_sizes_exit_2_at_once_without_building_a_model(tmp_path, capsys, 
     assert "muonclip: error: one training step needs about" in err and lower in err, err
     if not readable:
         assert "no machine (the memory available here cannot be read, and no machine has 1 PiB)" in err, err
+    assert not out.exists()
+
+
+def test_validation_set_estimate_covers_the_tensors_it_allocates():
+    """The validation set (`val_batches`) is held for the whole run: the estimate covers the peak of
+    the tensors torch allocates to build it (its windows' inputs and targets, the start offsets and
+    each batch's gathered windows) and is at most twice it; it grows with eval_batches,
+    batch_size x block_size."""
+    from muonclip.app.data import load_corpus, val_batches
+
+    corpus = load_corpus(None)
+    cfg = make_config("default", sets=["eval_batches=64"])
+    kept = []
+    peak = peak_tensor_bytes(lambda: kept.append(val_batches(corpus, n_batches=cfg.eval_batches,
+                                                             batch_size=cfg.batch_size, block_size=cfg.block_size)))
+    assert peak <= memory.validation_memory(cfg) <= 2 * peak
+    assert memory.step_memory(cfg, "muon").validation == memory.validation_memory(cfg)
+    assert memory.validation_memory(replace(cfg, eval_batches=128)) == 2 * memory.validation_memory(cfg)
+    assert memory.validation_memory(cfg, sets=2) == 2 * memory.validation_memory(cfg)
+
+
+VAL_RSS = """
+import json, sys
+import torch
+from muonclip.app.data import load_corpus, val_batches
+
+def status(key):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key + ":"))
+
+corpus = load_corpus(None)
+torch.zeros(2, 2) @ torch.zeros(2, 2)
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+before = status("VmRSS")
+kept = val_batches(corpus, n_batches=int(sys.argv[1]), batch_size=1, block_size=1)
+print(json.dumps({"before": before, "peak": status("VmHWM")}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the RSS from Linux's /proc")
+def test_validation_estimate_covers_many_small_batches(tmp_path):
+    """Where the batches are tiny (one window of one token), a batch's Python objects and heap blocks are
+    most of its memory: 200,000 of them, measured in a fresh process (1.4-1.8 KiB a batch here), are
+    covered by VAL_BATCH_BYTES (2 KiB), and at most twice."""
+    n = 200_000
+    run = subprocess.run([sys.executable, "-c", VAL_RSS, str(n)], capture_output=True, text=True, timeout=300,
+                         check=True)
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    measured = got["peak"] - got["before"]
+    counted = memory.validation_memory(make_config("default", sets=[f"eval_batches={n}", "batch_size=1",
+                                                                    "block_size=1"]))
+    assert measured <= counted <= 2 * measured, (measured / n, counted / n)
+
+
+@pytest.mark.parametrize(("argv", "lower"), [
+    (["train", "--set", "eval_batches=99999999999"], "Lower eval_batches (now 99999999999; "),
+    (["compare", "--set", "seeds=99999999999"], "Lower seeds (now 99999999999; "),  # old code: 9e11 runs planned
+    (["compare", "--preset", "guards", "--set", "seeds=99999999999"], "Lower seeds (now 99999999999; "),
+    (["compare", "--preset", "ladder", "--set", "seeds=99999999999"], "Lower seeds (now 99999999999; "),
+    (["compare", "--preset", "finetune", "--set", "eval_batches=99999999999"], "Lower eval_batches (now 99999999999; "),
+    (["compare", "--preset", "finetune", "--set", "seeds=99999999999"], "Lower seeds (now 99999999999; "),
+])
+def test_sizes_set_by_a_user_number_are_refused_before_they_are_allocated(tmp_path, capsys, monkeypatch, argv,
+                                                                           lower):
+    """Every whole-number setting that sizes an allocation is in the estimate: the validation set
+    (eval_batches: on the old code a traceback, exit 1, after trying to allocate 3.2 TB) and a
+    comparison's plan (seeds: on the old code 9e11 runs planned, until memory ran out). Exit 2 before the
+    corpus is read, naming the setting and a value that fits; nothing written."""
+    import muonclip.app.compare
+    import muonclip.app.finetune
+    import muonclip.app.train_setup
+
+    monkeypatch.setattr(memory, "available_memory", lambda device, ranks_here=1: 16 * 2**30)
+    for module in (muonclip.app.train_setup, muonclip.app.compare):
+        monkeypatch.setattr(module, "load_corpus", lambda *a, **k: pytest.fail("the corpus was read"))
+    monkeypatch.setattr(muonclip.app.finetune, "genre_corpora", lambda *a, **k: pytest.fail("the corpus was read"))
+    out = tmp_path / "out"
+    assert main([*argv, "--quiet", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "muonclip: error: one training step needs about" in err and lower in err, err
+    fits = int(err.split(lower)[1].split(" ")[0])
+    name = lower.split()[1]
+    assert 1 <= fits < 99999999999 and f"{name} (now" in err
     assert not out.exists()

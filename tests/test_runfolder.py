@@ -480,3 +480,101 @@ def test_a_tensorboard_folder_inside_the_run_is_its_own(tmp_path, capsys, text, 
     (run / "other").mkdir()
     bad(capsys, ["train", "--quiet", "--out", str(run), "--resume", "--steps", "5"],
         "holds files that are not a muonclip run's ('other')")
+
+
+# ------------------------------------------------------------------------------------------------
+# nothing shared with a file outside the folder is written (issue 49)
+
+
+@pytest.mark.parametrize("folder", ["new", "run"])
+def test_a_lock_that_is_a_hard_link_is_refused_and_the_file_it_shares_untouched(tmp_path, capsys, text, run4,
+                                                                               folder):
+    """``ln outside.txt run/.lock``: on the old code both a new run into that folder and a --resume of a run
+    exited 0 with outside.txt overwritten by the lock's "pid host token" (the lock was opened read-write
+    without looking at its link count). Now exit 2 naming it, before a byte is written: the outside file
+    and the folder byte for byte as they were."""
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"precious notes\n")
+    if folder == "new":
+        run = tmp_path / "new"
+        run.mkdir()
+        argv = ["train", *TINY, "--data", text, "--steps", "2", "--out", str(run)]
+    else:
+        run = copy_of(run4, tmp_path)
+        (run / ".lock").unlink()
+        argv = ["train", "--quiet", "--out", str(run), "--resume", "--steps", "5"]
+    os.link(outside, run / ".lock")
+    before = tree(run)
+    bad(capsys, argv, f"--out {run}: .lock is a hard link (2 names share its file")
+    with pytest.raises(OutputError, match=r"\.lock is a hard link"):
+        RunLock(run)
+    assert outside.read_bytes() == b"precious notes\n" and tree(run) == before
+    (run / ".lock").unlink()  # as the message says: the outside file keeps its contents, the folder is usable
+    assert main(argv) == 0 and outside.read_bytes() == b"precious notes\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# --resume on a folder with nothing to resume starts the run (issue 49)
+
+SMALL = ["--quiet", "--threads", "1", "--set", "batch_size=4", "--set", "block_size=32", "--set", "eval_batches=1",
+         "--set", "checkpoint_every=2"]
+
+
+@pytest.mark.parametrize("state", ["absent", "empty", "lock only"])
+def test_resume_on_a_new_or_empty_folder_starts_the_run(tmp_path, capsys, text, state):
+    """A job script that always passes --resume, killed before the folder was made (or after it made
+    only the folder, or only the lock): on the old code refused ("holds no run to continue ...; start one
+    without --resume", exit 2). Now it says so in one line and starts the run; the same command then
+    continues it (no such line), and the run is the one a plain start makes, bit for bit."""
+    run = tmp_path / "job" / "run"
+    if state != "absent":
+        run.mkdir(parents=True)
+    if state == "lock only":
+        RunLock(run).release()
+    job = ["train", *SMALL, "--data", text, "--out", str(run), "--resume"]
+    assert main([*job, "--steps", "2"]) == 0
+    assert capsys.readouterr().err.count(f"muonclip: nothing to resume in {run}, starting a new run\n") == 1
+    assert read_checkpoint(run).step == 2
+    assert main([*job, "--steps", "4"]) == 0
+    assert "nothing to resume" not in capsys.readouterr().err
+    plain = tmp_path / "plain"
+    assert main(["train", *SMALL, "--data", text, "--out", str(plain), "--steps", "4"]) == 0
+    assert [r["loss"] for r in read_rows(run)] == [r["loss"] for r in read_rows(plain)]
+    a, b = load_file(read_checkpoint(run).path), load_file(read_checkpoint(plain).path)
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in b["model"])
+
+
+# ------------------------------------------------------------------------------------------------
+# TensorBoard and --out never write into another run's folder (issue 49)
+
+
+@pytest.mark.parametrize("where", ["other", "other/tb", "other/tb/deeper", "run/metrics.jsonl", "run/checkpoint.json",
+                                   "run/checkpoint-step2.pt"])
+def test_a_tensorboard_folder_that_would_break_a_run_folder_is_refused(tmp_path, capsys, text, run4, where):
+    """--tensorboard in another run's folder (or deeper in it): on the old code its event files went there
+    (exit 0) and that run could no longer be resumed ("holds files that are not a muonclip run's"). In this
+    run's own folder under a name the run keeps for its files: the folder TensorBoard made stood where
+    metrics.jsonl or a checkpoint goes. Now both exit 2 before anything is written, naming why."""
+    other = copy_of(run4, tmp_path, "other")
+    run = tmp_path / "run"
+    before = tree(other)
+    if where.startswith("other"):
+        match = f"--tensorboard {tmp_path / where} lies in {other.resolve()}, the folder of another muonclip run"
+    else:
+        match = f"{where.split('/')[1]} is a name the run folder {run} keeps for its own files"
+    bad(capsys, ["train", *TINY, "--data", text, "--steps", "2", "--out", str(run), "--tensorboard",
+                 str(tmp_path / where)], match)
+    assert tree(other) == before and not run.exists() and inspect_folder(other).kind == "run"
+
+
+def test_a_new_run_inside_another_runs_folder_is_refused(tmp_path, capsys, text, run4):
+    """``--out other/sub`` where ``other`` is a run: on the old code the run was written there and ``other``
+    could no longer be resumed; a comparison there too. Now refused, nothing written."""
+    other = copy_of(run4, tmp_path, "other")
+    before = tree(other)
+    bad(capsys, ["train", *TINY, "--data", text, "--steps", "2", "--out", str(other / "sub" / "run")],
+        f"--out {other / 'sub' / 'run'} lies inside {other.resolve()}, the folder of another muonclip run")
+    bad(capsys, ["compare", *TINY, "--data", text, "--steps", "2", "--out", str(other / "cmp")],
+        f"lies inside {other.resolve()}, the folder of another muonclip run")
+    assert tree(other) == before
+    assert main(["train", "--quiet", "--out", str(other), "--resume", "--steps", "5"]) == 0

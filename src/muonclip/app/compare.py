@@ -73,7 +73,7 @@ from .report import (
     tuned_stability_markdown,
     write_summary,
 )
-from .runfolder import OutputError, check_writable, inspect_folder
+from .runfolder import OutputError, check_outside_runs, check_writable, inspect_folder
 from .runner import RunSpec, run_all
 from .sweep import budget_steps, tune
 from .train_setup import check_threads
@@ -130,10 +130,11 @@ def plan(cfg: RunConfig, out_dir: Path, optimizers: Sequence[str]) -> tuple[
 
 
 def prepare(cfg: RunConfig, out_dir: Path, runs: Sequence[tuple[RunConfig, str]], jobs: int | None,
-            longest: int, *, resume: bool = False) -> tuple[RunConfig, Corpus, int]:
+            longest: int, *, resume: bool = False, runs_per_seed: int = 0) -> tuple[RunConfig, Corpus, int]:
     """Every check of a comparison before anything is written, then its folder created: ``jobs``
     (default None: one per core) and ``threads`` (the cores shared between the jobs when 0), the
-    memory of each of ``runs`` (config, optimizer) with ``jobs`` of them at a time, the output
+    memory of each of ``runs`` (config, optimizer) with ``jobs`` of them at a time, and of the
+    plan of ``seeds`` times ``runs_per_seed`` runs (`muonclip.app.memory.plan_memory`), the output
     folder (absent or empty, writable; ``resume``: the caller checked that it holds the same
     comparison stopped part way, default False), the corpus (loaded; its warnings for a run of
     ``longest`` steps printed). Returns the config with its threads set, the corpus and the jobs.
@@ -150,7 +151,8 @@ def prepare(cfg: RunConfig, out_dir: Path, runs: Sequence[tuple[RunConfig, str]]
         cfg = dataclasses.replace(cfg, threads=max(1, cores // jobs))
     for run_cfg, o in runs:
         check_memory(run_cfg, o, torch.device("cpu"), ranks_here=jobs, sharing="runs at a time",
-                     corpus=corpus_size(cfg.data))  # every worker reads its own copy
+                     corpus=corpus_size(cfg.data), runs_per_seed=runs_per_seed)  # every worker reads its own copy
+    check_outside_runs(out_dir)
     if inspect_folder(out_dir).kind == "run":
         raise OutputError(f"--out {out_dir} already holds a run of muonclip train; choose a new folder for the "
                           "comparison")
@@ -212,7 +214,8 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, optimizers: Sequence[str] = 
         raise ValueError("nothing to compare: give --optimizers or a stability segment (stability_steps > 0)")
     runs = [(cfg, o) for o in {*optimizers, *(("muon", "muonclip") if cfg.stability_steps else ())}]
     longest = max([budget_steps(cfg, b) for b in cfg.budgets] + [cfg.stability_steps])
-    cfg, corpus, jobs = prepare(cfg, out_dir, runs, jobs, longest)
+    per_seed = sum(map(len, plan(dataclasses.replace(cfg, seeds=1), out_dir, optimizers)))
+    cfg, corpus, jobs = prepare(cfg, out_dir, runs, jobs, longest, runs_per_seed=per_seed)
 
     sections: list[tuple[str, str]] = []
     data: dict[str, Any] = {}

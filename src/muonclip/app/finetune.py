@@ -57,10 +57,11 @@ from ..common import defaults as D
 from ..optim import Muon, param_groups
 from .config import RunConfig
 from .cores import usable_cores
-from .data import Corpus, DataError, train_batch, val_batches
+from .data import Corpus, DataError, corpus_size, train_batch, val_batches
 from .data.corpus import SEPARATOR, builtin_corpus_dir, encode, list_documents, read_document
+from .memory import check_memory
 from .model import build_model, muon_orth_dtype, orthogonalisation
-from .runfolder import OutputError, check_writable, inspect_folder
+from .runfolder import OutputError, check_outside_runs, check_writable, inspect_folder
 from .sweep import bracket, log_grid
 from .train import clip_grad_norm, evaluate, lr_factor
 from .train_setup import check_threads
@@ -242,6 +243,10 @@ def compare_finetune(cfg: RunConfig, out_dir: str | Path, *, progress: bool = Tr
         raise ValueError("the finetune preset uses the default dense MHA model (n_expert=0, attention=mha)")
     check_threads(cfg.threads)
     threads = cfg.threads or usable_cores()
+    for optimizer in ("adamw", "muon"):  # one process: pre-training, then each method; two validation sets
+        check_memory(cfg, optimizer, torch.device("cpu"), corpus=corpus_size(None), val_sets=2,
+                     runs_per_seed=len(METHODS))
+    check_outside_runs(out_dir)
     if inspect_folder(out_dir).kind == "run" or (out_dir.exists() and any(out_dir.iterdir())):
         raise OutputError(f"--out {out_dir} is not empty; choose a new folder so nothing is overwritten")
     check_writable(out_dir)

@@ -255,7 +255,7 @@ def compare_guards(cfg: RunConfig, out_dir: str | Path, *, jobs: int | None = No
     cfg.validate()
     check(cfg)
     runs = [(arm_config(cfg, a, seg), a.optimizer) for seg in cfg.stability_segments for a in arms(cfg)]
-    cfg, corpus, jobs = prepare(cfg, out_dir, runs, jobs, cfg.stability_steps)
+    cfg, corpus, jobs = prepare(cfg, out_dir, runs, jobs, cfg.stability_steps, runs_per_seed=len(runs))
     specs = plan(cfg, out_dir)
     every = [s for seg in specs.values() for s in seg.values()]
     outcomes = {o.spec.run_dir: o for o in run_all(every, corpus, jobs=jobs, progress=progress,

@@ -157,8 +157,10 @@ def compare_ladder(cfg: RunConfig, out_dir: str | Path, *, jobs: int | None = No
     ladder = rungs(cfg)
     top = ladder[-1].cfg
     stored = finished_rungs(cfg, out_dir, ladder)
-    cfg, corpus, jobs = prepare(cfg, out_dir, [(top, o) for o in LADDER_OPTIMIZERS], jobs,
-                                max(budget_steps(top, b) for b in top.budgets), resume=stored is not None)
+    per_seed = sum(map(len, plan(dataclasses.replace(top, seeds=1), out_dir, LADDER_OPTIMIZERS)))
+    runs = [(r.cfg, o) for r in (ladder[0], ladder[-1]) for o in LADDER_OPTIMIZERS]  # all seeds; the largest model
+    cfg, corpus, jobs = prepare(cfg, out_dir, runs, jobs, max(budget_steps(top, b) for b in top.budgets),
+                                resume=stored is not None, runs_per_seed=per_seed)
     results: list[dict[str, Any]] = list(stored["rungs"]) if stored else []
     before = float(stored["wall_time"]) if stored else 0.0
     centre = dict(results[-1]["lr"]) if results else {"adamw": cfg.lr_adamw, "muon": cfg.lr_muon}

@@ -5,7 +5,10 @@ dependencies are not installed, `APP_DEPENDENCIES`; a checkpoint could not be wr
 full disk) — nothing written, or the last checkpoint kept; 3 non-finite loss — training
 stopped, last good checkpoint kept; 4 under torchrun, another rank stopped answering for
 ``--timeout`` seconds or died — the last checkpoint kept; 130 Ctrl-C — checkpoint of the last
-finished step written.
+finished step written (a second Ctrl-C, at any moment: at once, the last checkpoint whole; `main`).
+
+``train --resume`` on an absent or empty ``--out`` starts a new run and says so (a job script may
+always pass it); anything else there must be a run to continue (`muonclip.app.runfolder`).
 
 ``muonclip train`` also runs under ``torchrun --nproc_per_node=N`` (DDP; ``--fsdp`` for FSDP2;
 see `muonclip.app.launch`): rank 0 prints, every rank returns the same exit code (torchrun's own
@@ -21,7 +24,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,8 +48,8 @@ from .launch import (
 )
 from .model import orthogonalisation
 from .resume import check_restart
-from .runfolder import OutputError, check_run_folder
-from .train import Interrupted, NonFiniteLossError
+from .runfolder import OutputError, check_run_folder, inspect_folder
+from .train import ABORTED, CtrlC, Interrupted, NonFiniteLossError
 
 EXIT_INPUT, EXIT_NONFINITE, EXIT_PEER, EXIT_INTERRUPTED = 2, 3, 4, 130
 # What ``pip install "muonclip[cli]"`` adds for the command (module names; pyproject.toml's
@@ -115,9 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="default: muonclip (on resume: the run's)")
     t.add_argument("--lr", type=float, help="peak learning rate of the chosen optimizer")
     t.add_argument("--tensorboard", metavar="DIR", default=None,
-                   help="also write the metrics as TensorBoard scalars to DIR (pip install 'muonclip[tensorboard]')")
+                   help="also write the metrics as TensorBoard scalars to DIR (pip install 'muonclip[tensorboard]'); "
+                        "not inside another run's folder")
     t.add_argument("--resume", action="store_true",
-                   help="continue the run in --out from its checkpoint (its config, with any overrides given)")
+                   help="continue the run in --out from its checkpoint (its config, with any overrides given); "
+                        "a new or empty --out starts a new run, and says so")
     t.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard the model with FSDP2 (fully_shard) instead of DDP; "
                         "e.g. torchrun --nproc_per_node=2 -m muonclip.app train --fsdp")
@@ -180,11 +187,17 @@ def _run_train(args: argparse.Namespace) -> int:
         raise ValueError(f"--fsdp shards the model over several processes; {LAUNCH_HINT}")
     if launched_by_torchrun() and args.out is None:
         raise OutputError("under torchrun, give --out: every rank must write to the same run folder")
-    if args.resume:
+    resume = args.resume
+    if resume:
         if args.out is None:
             raise OutputError("--resume needs --out, the folder of the run to continue")
         if args.preset is not None:
             raise ValueError("--preset cannot be used with --resume: the run's config comes from its checkpoint")
+        if inspect_folder(Path(args.out)).kind in ("absent", "empty"):  # a job script that always resumes
+            resume = False
+            if not _quiet_rank():
+                print(f"muonclip: nothing to resume in {args.out}, starting a new run", file=sys.stderr)
+    if resume:
         state = check_run_folder(Path(args.out))
         record = read_run_config(Path(args.out))  # every file checked before anything is read for training
         if state.has_checkpoint:
@@ -210,7 +223,7 @@ def _run_train(args: argparse.Namespace) -> int:
         cfg = make_config(args.preset or "default", over, args.sets)
         out = Path(args.out) if args.out else Path("out") / f"train-{optimizer}-{_stamp()}"
     with session(args.fsdp, args.tp, args.timeout) as ctx:
-        result = train_run(cfg, optimizer, out, resume=args.resume, progress=not args.quiet,
+        result = train_run(cfg, optimizer, out, resume=resume, progress=not args.quiet,
                            tensorboard=args.tensorboard, fsdp=args.fsdp, tp=args.tp)
         if ctx.rank == 0:
             ranks = f" on {ctx.world_size} processes ({mode(ctx, args.fsdp, args.tp)})" if is_active(ctx, args.fsdp) \
@@ -256,7 +269,26 @@ def _quiet_rank() -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``muonclip`` console script; returns the exit code."""
+    """Entry point of the ``muonclip`` console script; returns the exit code.
+
+    Called without ``argv`` (the console script, ``python -m muonclip.app``: the command is the
+    process), Ctrl-C is the command's (`muonclip.app.train.CtrlC`): the first one stops it with
+    130 (a run saves a checkpoint of its last step first), any later one ends the process at once
+    with 130 (`muonclip.app.train.abort`), never with a traceback; once the command has its exit
+    code, Ctrl-C is ignored while the process exits (Python itself would die of a SIGINT in its
+    last moments, with -2). Called with ``argv`` (from Python), the caller's handler stays: a
+    Ctrl-C stops the command with 130 all the same, a second one raises KeyboardInterrupt.
+    """
+    if argv is not None or threading.current_thread() is not threading.main_thread():
+        return _main(argv)
+    signal.signal(signal.SIGINT, CtrlC())
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     assets = args.command == "torchtitan-assets"
     # plan needs none of the app's extras (matplotlib only for --plot, checked there)
@@ -302,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)
         return EXIT_INTERRUPTED
     except KeyboardInterrupt:
-        print("\nmuonclip: aborted; the last checkpoint (if any) is intact", file=sys.stderr)
+        print(f"\n{ABORTED}", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 

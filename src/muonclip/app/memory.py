@@ -31,6 +31,10 @@ model's own), never by building a model, so that any size, however absurd (``n_l
   first step touches, which depend on the machine's BLAS and attention kernels;
 * the corpus (`corpus_memory`, from its files' sizes: `muonclip.app.data.corpus_size`): its
   tokens and the heap its reading leaves behind, and the largest document while it is decoded;
+* the validation set, held for the whole run (`validation_memory`: ``eval_batches`` batches of
+  ``batch_size x block_size`` inputs and targets, int64, and each batch's Python objects);
+* for a comparison, its plan (`plan_memory`: ``seeds`` times the runs of one seed, each a config
+  and its bookkeeping);
 * a safety margin: `SAFETY_MARGIN` of everything counted above but the fixed overhead.
 
 How the parts are checked. The tensors counted (parameters, gradients, optimizer state,
@@ -75,6 +79,9 @@ FLOAT = 4  # bytes of a float32
 CORPUS_FACTOR = 3  # peak and kept RSS of the corpus per byte of its files (2.4-2.5 measured, many documents)
 DOCUMENT_FACTOR = 8  # per byte of the largest file (4.9 measured for ASCII text, 8.0 with 4-byte characters)
 SAFETY_MARGIN = 0.3  # added share of the counted tensors (all but the fixed overhead): see the module docstring
+VAL_BATCH_BYTES = 2048  # a validation batch's tuple, tensor objects and heap blocks (1.2-1.8 KiB measured)
+VAL_INDEX_BYTES = 16  # per validation window while the set is built: its start (float32, rounded, then int64)
+RUN_PLAN_BYTES = 8192  # a planned run of a comparison: its spec and config (2.3 KiB measured), future and outcome
 MEMORY_CEILING = 2**50
 """Bytes no single process has (1 PiB): the bound of a step's estimate where the memory available
 cannot be read."""
@@ -89,11 +96,14 @@ class StepMemory:
     attention_scores: int  # materialised T x T scores (MLA's unfused path, soft-capping); 0 for fused attention
     overhead: int  # allocator slack and the libraries' workspaces
     corpus: int = 0  # the corpus while it is read, and once in memory (`corpus_memory`)
-    margin: int = 0  # SAFETY_MARGIN of the counted tensors (parameters, activations, scores, corpus)
+    validation: int = 0  # the validation set, kept for the run (`validation_memory`)
+    plan: int = 0  # a comparison's planned runs (`plan_memory`); 0 for one run
+    margin: int = 0  # SAFETY_MARGIN of the counted parts (all but the fixed overhead)
 
     @property
     def total(self) -> int:
-        return self.parameters + self.activations + self.attention_scores + self.overhead + self.corpus + self.margin
+        return (self.parameters + self.activations + self.attention_scores + self.overhead + self.corpus
+                + self.validation + self.plan + self.margin)
 
 
 def corpus_memory(total_bytes: int, largest_bytes: int) -> int:
@@ -103,6 +113,20 @@ def corpus_memory(total_bytes: int, largest_bytes: int) -> int:
     byte of the largest file (read as bytes, decoded to a str of up to 4 bytes a character, cut in
     two, encoded back)."""
     return CORPUS_FACTOR * total_bytes + DOCUMENT_FACTOR * largest_bytes
+
+
+def validation_memory(cfg: RunConfig, sets: int = 1) -> int:
+    """Bytes of ``sets`` fixed validation sets of ``cfg`` (`muonclip.app.data.val_batches`), held
+    for the whole run: per batch its inputs and targets (``batch_size x block_size`` int64 each) and
+    `VAL_BATCH_BYTES`, plus `VAL_INDEX_BYTES` per window while the set is built. Every rank builds
+    the whole set (on the CPU it keeps it: its share is a view)."""
+    windows = cfg.eval_batches * cfg.batch_size
+    return sets * (2 * 8 * windows * cfg.block_size + VAL_BATCH_BYTES * cfg.eval_batches + VAL_INDEX_BYTES * windows)
+
+
+def plan_memory(cfg: RunConfig, runs_per_seed: int) -> int:
+    """Bytes of a comparison's plan: ``seeds`` times ``runs_per_seed`` runs, `RUN_PLAN_BYTES` each."""
+    return RUN_PLAN_BYTES * cfg.seeds * runs_per_seed
 
 
 Shapes = list[tuple[str, tuple[int, ...], bool]]
@@ -192,7 +216,7 @@ def activation_widths(cfg: RunConfig) -> tuple[list[int], int]:
 
 
 def step_memory(cfg: RunConfig, optimizer: str, *, world_size: int = 1, fsdp: bool = False,
-                corpus: tuple[int, int] = (0, 0)) -> StepMemory:
+                corpus: tuple[int, int] = (0, 0), val_sets: int = 1, runs_per_seed: int = 0) -> StepMemory:
     """Estimated peak bytes of one training step of ``cfg`` with ``optimizer`` on one rank.
 
     Args:
@@ -204,6 +228,9 @@ def step_memory(cfg: RunConfig, optimizer: str, *, world_size: int = 1, fsdp: bo
             which keeps a whole copy on every rank plus its gradient buckets).
         corpus: the bytes of the corpus's files and of its largest file (default (0, 0): a corpus
             already in memory, or none), counted by `corpus_memory`.
+        val_sets: validation sets held (default 1; `validation_memory`).
+        runs_per_seed: the runs of one seed of a comparison, whose plan is counted (default 0: one
+            run; `plan_memory`).
     """
     total, hidden, largest = _parameter_counts(cfg)
     if optimizer == "adamw":
@@ -224,9 +251,9 @@ def step_memory(cfg: RunConfig, optimizer: str, *, world_size: int = 1, fsdp: bo
     slack = sum((ALLOCATOR_FACTOR - 1) * FLOAT * tokens * w * n for w, n in widths if FLOAT * tokens * w < MMAP_BYTES)
     scores = FLOAT * (cfg.n_layer + 2) * sequences * scores_per_sequence  # a softmax a layer, two gradients
     parts = StepMemory(parameters=int(FLOAT * copies), activations=activations, attention_scores=scores,
-                       overhead=int(slack) + LIBRARY_BYTES, corpus=corpus_memory(*corpus))
-    measured = parts.parameters + parts.activations + parts.attention_scores + parts.corpus
-    return replace(parts, margin=int(SAFETY_MARGIN * measured))
+                       overhead=int(slack) + LIBRARY_BYTES, corpus=corpus_memory(*corpus),
+                       validation=validation_memory(cfg, val_sets), plan=plan_memory(cfg, runs_per_seed))
+    return replace(parts, margin=int(SAFETY_MARGIN * (parts.total - parts.overhead)))
 
 
 def _mounts(mountinfo: str) -> list[tuple[str, str, str, str]]:
@@ -319,7 +346,7 @@ def _gib(n: float) -> str:
 
 
 def _largest_fitting(cfg: RunConfig, optimizer: str, name: str, available: int, world_size: int,
-                     fsdp: bool, corpus: tuple[int, int]) -> int | None:
+                     fsdp: bool, corpus: tuple[int, int], val_sets: int = 1, runs_per_seed: int = 0) -> int | None:
     """The largest value below the current one of setting ``name`` whose step fits, or None
     (``n_embd`` in multiples of ``2 n_head``: whole heads of even width, as RoPE needs; ``n_expert``
     at least ``n_expert_active``). A binary search of the arithmetic estimate: about 62 steps at most."""
@@ -330,7 +357,7 @@ def _largest_fitting(cfg: RunConfig, optimizer: str, name: str, available: int, 
         mid = (lo + hi) // 2
         try:
             need = step_memory(replace(cfg, **{name: mid * unit}), optimizer, world_size=world_size, fsdp=fsdp,
-                               corpus=corpus).total
+                               corpus=corpus, val_sets=val_sets, runs_per_seed=runs_per_seed).total
         except ValueError:  # not a model (e.g. n_embd no longer a multiple of the heads)
             need = available + 1
         lo, hi = (mid, hi) if need <= available else (lo, mid)
@@ -339,38 +366,45 @@ def _largest_fitting(cfg: RunConfig, optimizer: str, name: str, available: int, 
 
 def check_memory(cfg: RunConfig, optimizer: str, device: torch.device, *, world_size: int = 1,
                  fsdp: bool = False, ranks_here: int = 1, sharing: str = "ranks",
-                 corpus: tuple[int, int] = (0, 0)) -> StepMemory:
+                 corpus: tuple[int, int] = (0, 0), val_sets: int = 1, runs_per_seed: int = 0) -> StepMemory:
     """Raise a ValueError naming the setting to lower when one step of the run cannot fit in
     `available_memory` (nothing is checked where that cannot be read); return the estimate.
 
     The setting named is the one that dominates the estimate: ``block_size`` when the attention
     scores do (they grow with its square), ``batch_size`` when the activations do, ``n_embd``
-    when the parameters and optimizer state do, each with the largest value that would fit;
-    where lowering neither of those would make it fit, the sizes that would (``n_layer``,
-    ``n_embd``, ``batch_size``, ``block_size``, ``n_expert``).
+    when the parameters and optimizer state do, ``eval_batches`` when the validation set does,
+    ``seeds`` when a comparison's plan does, each with the largest value that would fit; where
+    lowering neither of those would make it fit, the sizes that would (``n_layer``, ``n_embd``,
+    ``batch_size``, ``block_size``, ``n_expert``, ``eval_batches``).
     ``ranks_here`` processes share the machine's memory; ``sharing`` names them in the message
     (default "ranks"; `muonclip compare` runs several runs at a time). ``corpus``: the sizes of
     the corpus's files and of the largest one, read into this process's memory (`step_memory`;
-    not counted on a GPU).
+    not counted on a GPU). ``val_sets``, ``runs_per_seed``: as in `step_memory`.
     """
     if device.type == "cuda":
         corpus = (0, 0)
-    need = step_memory(cfg, optimizer, world_size=world_size, fsdp=fsdp, corpus=corpus)
+    sizes = dict(world_size=world_size, fsdp=fsdp, corpus=corpus, val_sets=val_sets, runs_per_seed=runs_per_seed)
+    need = step_memory(cfg, optimizer, **sizes)
     available = available_memory(device, ranks_here)
     unknown = available is None
     if unknown:
         available = MEMORY_CEILING
     if need.total <= available:
         return need
+
+    def fitting(name: str) -> int | None:
+        return _largest_fitting(cfg, optimizer, name, available, **sizes)
+
     parts = {"attention_scores": need.attention_scores, "activations": need.activations,
-             "parameters": need.parameters}
+             "parameters": need.parameters, "validation": need.validation, "plan": need.plan}
     order = {"attention_scores": ("block_size", "batch_size"), "activations": ("batch_size", "block_size"),
-             "parameters": ("n_embd", "n_layer")}[max(parts, key=parts.__getitem__)]
-    fits = {name: _largest_fitting(cfg, optimizer, name, available, world_size, fsdp, corpus) for name in order}
+             "parameters": ("n_embd", "n_layer"), "validation": ("eval_batches", "batch_size"),
+             "plan": ("seeds",)}[max(parts, key=parts.__getitem__)]
+    fits = {name: fitting(name) for name in order}
     if not any(fits.values()):  # lowering neither helps: the setting out of all proportion is another
-        others = [n for n in ("n_layer", "n_embd", "batch_size", "block_size", *(("n_expert",) if cfg.n_expert else ()))
-                  if n not in order]
-        found = {n: _largest_fitting(cfg, optimizer, n, available, world_size, fsdp, corpus) for n in others}
+        others = [n for n in ("n_layer", "n_embd", "batch_size", "block_size", *(("n_expert",) if cfg.n_expert else ()),
+                              "eval_batches") if n not in order]
+        found = {n: fitting(n) for n in others}
         if any(found.values()):
             fits = {n: v for n, v in found.items() if v}
     hints = [f"{name} (now {getattr(cfg, name)}" + (f"; {v} would fit)" if v else ")") for name, v in fits.items()]
@@ -380,7 +414,9 @@ def check_memory(cfg: RunConfig, optimizer: str, device: torch.device, *, world_
         where = "no machine (the memory available here cannot be read, and no machine"
     named = {f"activations of {cfg.batch_size // max(1, world_size)} x {cfg.block_size} tokens": need.activations,
              "attention scores": need.attention_scores, "parameters and optimizer state": need.parameters,
-             "allocator and libraries": need.overhead, "the corpus": need.corpus, "safety margin": need.margin}
+             "allocator and libraries": need.overhead, "the corpus": need.corpus,
+             f"validation set of {cfg.eval_batches} batches": need.validation,
+             f"plan of {cfg.seeds * runs_per_seed} runs": need.plan, "safety margin": need.margin}
     detail = ", ".join(f"{label} {_gib(n)}" for label, n in named.items() if n)
     has = f"has {_gib(available)})" if unknown else f"has {_gib(available)} available"
     raise ValueError(f"one training step needs about {_gib(need.total)} ({detail}), but {where} {has}. "

@@ -19,7 +19,9 @@ A run folder (``--out``) holds one run and nothing else::
   resumes only a run folder whose entries all have the names above, so nothing a user wrote is
   ever overwritten (``--out /`` included). A folder whose run lost its checkpoint is refused,
   never restarted over (a run that stopped before its first checkpoint restarts from its
-  start: `muonclip.app.resume`).
+  start: `muonclip.app.resume`). Nothing is added to another run's folder: a new run's ``--out``
+  inside one is refused (`check_outside_runs`, `enclosing_run`), and so is a TensorBoard folder
+  (`muonclip.app.train_setup.check_tensorboard`).
 * **No link is followed, nothing but files is read.** A run folder holds files and folders
   only: `inspect_folder` refuses a symbolic link or a special file (a FIFO, a device, a
   socket) anywhere in it, naming it (the CLI exits with 2), and every file of the folder is
@@ -27,6 +29,9 @@ A run folder (``--out``) holds one run and nothing else::
   through the folder's own descriptors) and refused unless it is a regular file, before a byte
   is read; so neither a read nor a write ever leaves the folder, and nothing hangs on a FIFO or
   ``/dev/zero``. (``--out`` itself may be a link: it is the user's own path.)
+* **Nothing shared is written in place.** Every file but ``.lock`` is written by a rename (below),
+  which replaces a hard link's name and leaves the file it shared untouched; ``.lock``, stamped in
+  place, is refused when it has more than one name (`RunLock`).
 * **One writer.** `RunLock` holds an exclusive ``flock`` on ``.lock`` for the run's life; the
   operating system releases it when the process ends, however it ends. A second writer gets a
   clear error. (``flock`` works on local file systems and, on Linux, on NFS v4; on a file system
@@ -353,9 +358,40 @@ def _recorded_tensorboard(folder: Path) -> list[str]:
     return [e for e in entries if isinstance(e, str) and (e == "." or (Path(e).name == e and e not in ("", "..")))]
 
 
+def enclosing_run(path: str | Path) -> Path | None:
+    """The muonclip run folder that ``path`` is or lies in, or None: the nearest of ``path`` and its
+    parents, taken by their real path (links resolved, as a writer there would follow them), whose
+    ``config.json`` or ``checkpoint.json`` is a run's (a JSON object naming an optimizer and the
+    run's identity, ``run``; read by `read_json`: no link followed)."""
+    real = Path(os.path.realpath(path))
+    for folder in (real, *real.parents):
+        for name in (CONFIG, POINTER):
+            try:
+                data = read_json(folder, name) if os.path.lexists(folder / name) else None
+            except (OSError, ValueError, OutputError):  # unreadable, not JSON, a link: not a run's
+                continue
+            if isinstance(data, dict) and "optimizer" in data and isinstance(data.get("run"), dict):
+                return folder
+    return None
+
+
+def check_outside_runs(folder: str | Path) -> None:
+    """Raise `OutputError` when ``folder`` (an ``--out`` to create) lies inside a run's folder
+    (`enclosing_run` of its parent), which holds one run and nothing else: a folder added to it
+    would stop that run from being continued."""
+    outer = enclosing_run(Path(os.path.realpath(folder)).parent)
+    if outer is not None:
+        raise OutputError(f"--out {folder} lies inside {outer}, the folder of another muonclip run, which holds "
+                          "one run and nothing else (a folder added to it would stop it from being continued); "
+                          "choose an --out outside it")
+
+
 def check_new_run_folder(folder: str | Path, allowed: Iterable[str] = ()) -> FolderState:
-    """Raise `OutputError` unless a new run may start in ``folder``: absent, or empty, and writable."""
+    """Raise `OutputError` unless a new run may start in ``folder``: absent, or empty, and writable,
+    and not inside another run's folder (which holds one run and nothing else: that run could no
+    longer be continued)."""
     folder = Path(folder)
+    check_outside_runs(folder)
     state = inspect_folder(folder, allowed)
     if state.kind == "run":
         if state.has_checkpoint:
@@ -418,9 +454,13 @@ class RunLock:
     Args:
         folder: the run folder (created with its parents if absent).
 
+    ``.lock`` is the one file of the folder written in place (every other is replaced by a
+    rename): it is opened without following a symbolic link (`open_file`) and refused when it has
+    another name (a hard link, which could be a file outside the folder), before a byte is written.
+
     Raises:
         OutputError: another process holds the lock (a run is writing there), ``.lock`` is a
-            link or not a regular file, or the folder cannot be created.
+            symbolic or hard link or not a regular file, or the folder cannot be created.
     """
 
     def __init__(self, folder: str | Path) -> None:
@@ -432,6 +472,13 @@ class RunLock:
         except OSError as e:
             raise OutputError(f"--out {self.folder}: cannot create it ({e.strerror or e}); choose another --out") \
                 from None
+        links = os.fstat(fd).st_nlink
+        if links > 1:  # a hard link: stamping it would write into a file outside the folder
+            os.close(fd)
+            raise OutputError(f"--out {self.folder}: {LOCK} is a hard link ({links} names share its file, which may "
+                              f"lie outside the folder), and muonclip writes no file that it shares; remove "
+                              f"{self.folder / LOCK} (the file's other names keep its contents) or choose another "
+                              "--out")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -10,12 +10,16 @@ A run whose loss turns non-finite is reported as diverged (`Outcome.diverged_at`
 ``allow_divergence`` is set (a learning-rate sweep goes on past it), else its
 `NonFiniteLossError` is raised. Ctrl-C: every running run finishes its step and writes its
 checkpoint (the workers get the SIGINT too), the runs not started are cancelled, and
-`Interrupted` is raised.
+`Interrupted` is raised. A worker ignores Ctrl-C while it waits for a run, and holds it while it
+starts (it is started with SIGINT blocked, until `_worker_start` has put its handler in place), so
+that no worker prints a KeyboardInterrupt traceback; a second Ctrl-C ends the command, its workers
+with it (`muonclip.app.train.abort`).
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import signal
 import sys
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -63,6 +67,35 @@ def _load(data: str | None, val_fraction: float) -> Corpus:
     return _CORPUS[key]
 
 
+_WORKER = {"busy": False, "stopped": False}  # a worker process: running a run; Ctrl-C seen
+
+
+def _worker_sigint(signum: int, frame: Any) -> None:
+    """A worker's Ctrl-C outside a run's training loop (which has its own handler): stops a run
+    that is starting (KeyboardInterrupt, sent back to the parent like any error); while the worker
+    waits, it refuses the next run instead (the comparison is stopping)."""
+    _WORKER["stopped"] = True
+    if _WORKER["busy"]:
+        raise KeyboardInterrupt
+
+
+def _worker_start() -> None:
+    """Initializer of a worker process: `_worker_sigint`, then SIGINT unblocked (a Ctrl-C held
+    while the worker started is handled now)."""
+    signal.signal(signal.SIGINT, _worker_sigint)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _run_in_worker(spec: RunSpec, progress: bool, allow_divergence: bool) -> Outcome:
+    if _WORKER["stopped"]:
+        raise KeyboardInterrupt
+    _WORKER["busy"] = True
+    try:
+        return _run_one(spec, None, progress, allow_divergence)
+    finally:
+        _WORKER["busy"] = False
+
+
 def _run_one(spec: RunSpec, corpus: Corpus | None, progress: bool, allow_divergence: bool) -> Outcome:
     if corpus is None:
         corpus = _load(spec.cfg.data, spec.cfg.val_fraction)
@@ -101,10 +134,17 @@ def run_all(specs: Sequence[RunSpec], corpus: Corpus, *, jobs: int = 1, progress
     outcomes: dict[int, Outcome] = {}
     bar = tqdm(total=len(specs), unit="run", desc=f"{len(specs)} runs, {jobs} at a time", disable=not progress,
                file=sys.stderr, mininterval=0.5 if sys.stderr.isatty() else 30.0)
-    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_worker_start)
     futures: dict[Future[Outcome], int] = {}
     try:
-        futures = {pool.submit(_run_one, s, None, False, allow_divergence): i for i, s in enumerate(specs)}
+        # the workers start as the runs are submitted: with SIGINT blocked, which they inherit (one
+        # sent meanwhile reaches this process when it is unblocked, and each worker once it has its handler)
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            futures = {pool.submit(_run_in_worker, s, False, allow_divergence): i for i, s in enumerate(specs)}
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         pending = set(futures)
         while pending:
             done, pending = wait(pending, return_when=FIRST_COMPLETED)

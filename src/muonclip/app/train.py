@@ -37,9 +37,12 @@ a sharded checkpoint and vice versa.
 
 Stops:
 * Ctrl-C (SIGINT): the current step finishes, a checkpoint is written, `Interrupted` is raised
-  (the CLI exits with 130). A second Ctrl-C aborts at once; the last checkpoint stays valid.
-  Under torchrun the stop flag is all-reduced each step (every rank stops after the same
-  step and joins the save), and SIGTERM, which the launcher sends on Ctrl-C, stops the same way.
+  (the CLI exits with 130). A second Ctrl-C aborts at once; the last checkpoint stays valid
+  (every file of a run is written by a rename, `muonclip.app.runfolder`): under the command
+  (`CtrlC` installed) the process ends there with 130 (`abort`), elsewhere KeyboardInterrupt
+  is raised. Under torchrun the stop flag is all-reduced each step (every rank stops after the
+  same step and joins the save), and SIGTERM, which the launcher sends on Ctrl-C, stops the same
+  way.
 * A non-finite loss, gradient or validation loss: nothing is written for that step, the last
   good checkpoint is kept, `NonFiniteLossError` names the step (the CLI exits with 3).
 * A full disk or another failed write of a checkpoint: `muonclip.app.runfolder.OutputError`
@@ -48,7 +51,9 @@ Stops:
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import signal
 import sys
 import threading
@@ -56,7 +61,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor, nn
@@ -133,15 +138,63 @@ def evaluate(model: nn.Module, batches: list[tuple[Tensor, Tensor]]) -> float:
     return total
 
 
+ABORTED = "muonclip: aborted; the last checkpoint (if any) is intact"
+
+
+def abort() -> NoReturn:
+    """End the process at once with exit code 130, saying so on stderr, and with it the worker
+    processes it started (multiprocessing's children: `muonclip compare`'s runs), killed: no
+    exception, no unwinding (so no traceback, whatever the process was doing). Safe for a run
+    folder at any moment: its files are replaced by renames, and a temporary left behind is
+    removed by the next writer."""
+    import multiprocessing
+
+    with contextlib.suppress(Exception):
+        for child in multiprocessing.active_children():
+            child.kill()
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    with contextlib.suppress(OSError):
+        os.write(2, f"\n{ABORTED}\n".encode())
+    os._exit(130)
+
+
+class CtrlC:
+    """The SIGINT handler of the ``muonclip`` command (`muonclip.app.main.main` installs it): the
+    first Ctrl-C raises KeyboardInterrupt (the command exits with 130) and marks ``seen``; any
+    Ctrl-C after one was seen calls `abort`. A run's loop (`train_run`) takes over Ctrl-C while it
+    trains (the first one stops it after the step, with a checkpoint) and marks ``seen`` when it
+    had one, so that a Ctrl-C while the command reports the stop, or while the process exits,
+    ends it with 130 too, never with a traceback."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.seen:
+            abort()
+        self.seen = True
+        raise KeyboardInterrupt
+
+
 def _install_sigint() -> tuple[dict[str, bool], Any]:
+    """While a run trains: the first Ctrl-C sets the stop flag; a second one calls `abort` under
+    the command (`CtrlC` installed), else raises KeyboardInterrupt."""
     flag = {"stop": False}
     if threading.current_thread() is not threading.main_thread():
         return flag, None
+    command = signal.getsignal(signal.SIGINT)
+    command = command if isinstance(command, CtrlC) else None
 
     def handler(signum: int, frame: Any) -> None:
-        if flag["stop"]:
+        if flag["stop"] or (command is not None and command.seen):
+            if command is not None:
+                abort()
             raise KeyboardInterrupt
         flag["stop"] = True
+        if command is not None:
+            command.seen = True
 
     return flag, signal.signal(signal.SIGINT, handler)
 

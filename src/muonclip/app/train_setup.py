@@ -3,7 +3,8 @@ its folder opened, its model and optimizer built.
 
 1. `check_inputs`: the config, the threads, the ranks' agreement, the batch split, the memory
    estimate, the corpus — every input, before anything is written.
-2. `open_run_folder`: a new run only in an absent or empty folder, a resume only of a run
+2. `open_run_folder`: a TensorBoard folder only where its event files break no run folder
+   (`check_tensorboard`); a new run only in an absent or empty folder, a resume only of a run
    folder with its checkpoint (or, for a run that stopped before its first checkpoint, a
    restart from step 0 with its own config, said on screen); the folder's lock
    (`muonclip.app.runfolder.RunLock`); on resume the checkpoint verified against its manifest,
@@ -66,10 +67,13 @@ from .resume import (
     group_hyperparameters,
 )
 from .runfolder import (
+    TEMPORARY_NAME,
     OutputError,
     RunLock,
     check_new_run_folder,
     check_run_folder,
+    enclosing_run,
+    is_own_entry,
     new_token,
     read_lock_token,
 )
@@ -177,16 +181,36 @@ class Opened:
     token: str = ""
 
 
-def _inside(run_dir: Path, other: str | Path | None) -> list[str]:
-    """The entry of ``run_dir`` that ``other`` (a TensorBoard folder) is or lies in: the first
-    component of its path inside ``run_dir``, ``"."`` for ``run_dir`` itself, or [] (elsewhere)."""
-    if other is None:
+def tensorboard_entries(run_dir: Path, tensorboard: str | Path | None) -> list[str]:
+    """The entry of ``run_dir`` that the TensorBoard folder ``tensorboard`` is or lies in: the first
+    component of its real path (links resolved) inside ``run_dir``'s, ``"."`` for ``run_dir``
+    itself, or [] (elsewhere, or None)."""
+    if tensorboard is None:
         return []
     try:
-        rel = Path(os.path.abspath(other)).relative_to(os.path.abspath(run_dir))
+        rel = Path(os.path.realpath(tensorboard)).relative_to(os.path.realpath(run_dir))
     except ValueError:
         return []
     return [rel.parts[0]] if rel.parts else ["."]
+
+
+def check_tensorboard(run_dir: Path, tensorboard: str | Path | None) -> None:
+    """Raise `OutputError` where the event files of the TensorBoard folder ``tensorboard`` would break
+    a run folder: it is or lies in another run's folder (`muonclip.app.runfolder.enclosing_run`),
+    which would then hold files that are not its run's and could no longer be continued; or it lies
+    in ``run_dir`` under a name the run keeps for its own files (``config.json``, a checkpoint, the
+    metrics, ...). Inside ``run_dir`` otherwise, it is the run's (`tensorboard_entries`)."""
+    if tensorboard is None:
+        return
+    outer = enclosing_run(tensorboard)
+    if outer is not None and outer != Path(os.path.realpath(run_dir)):
+        raise OutputError(f"--tensorboard {tensorboard} lies in {outer}, the folder of another muonclip run: its "
+                          "event files there would stop that run from being continued (a run folder holds one run "
+                          "and nothing else); choose a folder outside it, or one inside this run's --out")
+    entry = next(iter(tensorboard_entries(run_dir, tensorboard)), ".")
+    if entry != "." and (is_own_entry(entry) or TEMPORARY_NAME.fullmatch(entry)):
+        raise OutputError(f"--tensorboard {tensorboard}: {entry} is a name the run folder {run_dir} keeps for its "
+                          f"own files; choose another folder, e.g. {Path(run_dir) / 'tensorboard'}")
 
 
 def open_run_folder(run_dir: Path, cfg: RunConfig, optimizer: str, place: Place, *, resume: bool,
@@ -201,11 +225,12 @@ def open_run_folder(run_dir: Path, cfg: RunConfig, optimizer: str, place: Place,
         OutputError, CheckpointError, ValueError: on every rank.
     """
     ctx = place.ctx
-    allowed = _inside(run_dir, tensorboard)
+    allowed = tensorboard_entries(run_dir, tensorboard)
     lock: RunLock | None = None
     error: BaseException | None = None
     if place.main:
         try:
+            check_tensorboard(run_dir, tensorboard)
             (check_run_folder if resume else check_new_run_folder)(run_dir, allowed)
             lock = RunLock(run_dir)
             (check_run_folder if resume else check_new_run_folder)(run_dir, allowed)  # under the lock, again
