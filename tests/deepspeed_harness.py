@@ -107,18 +107,32 @@ def _entry(rank: int, world: int, port: int, fn, args) -> None:
             dist.destroy_process_group()
 
 
-def launch(fn, *args, world: int = 2, limit_s: float = 300) -> None:
+def launch(fn, *args, world: int = 2, limit_s: float = 300) -> int:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks with DeepSpeed initialised; fail (not
-    hang) after ``limit_s``; a rank's exception fails the launch."""
+    hang) after ``limit_s``; a rank's exception fails the launch. Returns the launch's port, its
+    shared-memory buffers removed (`shared_buffers`)."""
     import pytest
     import torch.multiprocessing as mp
 
     extensions_ready_elsewhere()
-    ctx = mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, join=False,
+    port = free_port()
+    ctx = mp.start_processes(_entry, args=(world, port, fn, args), nprocs=world, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + limit_s
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{fn.__name__} did not finish in {limit_s} s on {world} ranks (a hang?)")
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                pytest.fail(f"{fn.__name__} did not finish in {limit_s} s on {world} ranks (a hang?)")
+    finally:
+        for buffer in shared_buffers(port):
+            buffer.unlink(missing_ok=True)
+    return port
+
+
+def shared_buffers(port: int) -> list[Path]:
+    """The shared-memory allreduce buffers DeepSpeed's CPU extension made for a launch on ``port``
+    (``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``, 66 MB each). DeepSpeed
+    never unlinks them: left alone, every launch would keep that much memory until reboot."""
+    return sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"))

@@ -10,6 +10,8 @@ computes with, and the heads clipped at each step.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 import muonclip
@@ -252,4 +254,7 @@ def run_all(rank: int, world: int, cases: dict, resumes: dict, folder: str, out:
         except Exception as e:  # noqa: BLE001
             front[name] = {"error": f"{type(e).__name__}: {e}"}
     if rank == 0:
-        torch.save({"cases": results, "resumes": resumed, "nonfinite": bad, "hf": front}, out)
+        import deepspeed_harness
+
+        buffers = [b.name for b in deepspeed_harness.shared_buffers(int(os.environ["MASTER_PORT"]))]
+        torch.save({"cases": results, "resumes": resumed, "nonfinite": bad, "hf": front, "buffers": buffers}, out)
