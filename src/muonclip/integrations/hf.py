@@ -98,7 +98,7 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -127,12 +127,14 @@ from .hf_attention import (
     muonclip_attention_forward,
     register,
 )
-from .hf_callback import MuonClipTrainerCallback
 from .hf_check import AttentionMismatchError, ForwardCheck
 from .hf_layouts import attention_modules, layout_of, mixers_without_attention
 from .hf_padding import WARNED_ATTR as PADDING_WARNED_ATTR
 from .hf_padding import UnmaskedPaddingWarning, warn_unmasked_padding
 from .hf_trainer import TrainerArgumentsWarning, trainer_optimizer
+
+if TYPE_CHECKING:  # imported on first access (`__getattr__`): it imports transformers' Trainer
+    from .hf_callback import MuonClipTrainerCallback
 
 PACKING_HOOK_ATTR = "muonclip_packing_hook"
 """Attribute of a switched ``PreTrainedModel`` holding its forward pre-hook (`_batch_pre_hook`)."""
@@ -486,6 +488,17 @@ def detach(model: nn.Module, attn_implementation: str | None = None) -> None:
             delattr(m, PACKING_HOOK_ATTR)
         if hasattr(m, PREVIOUS_ATTR):
             delattr(m, PREVIOUS_ATTR)
+
+
+def __getattr__(name: str) -> Any:
+    """`MuonClipTrainerCallback`, imported on first access: its module imports transformers' Trainer
+    machinery (``transformers.trainer``, seconds to import), which `attach` (so ``MuonClip(model)``)
+    does not need."""
+    if name == "MuonClipTrainerCallback":
+        from .hf_callback import MuonClipTrainerCallback
+
+        return MuonClipTrainerCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
