@@ -161,6 +161,31 @@ def test_import_muonclip_needs_no_framework():
     assert out.stdout.strip() == "ok"
 
 
+def test_muonclip_on_a_transformers_model_does_not_import_the_trainer():
+    """Attaching to a model needs transformers' attention interface, not its Trainer machinery
+    (``transformers.trainer``, seconds to import): that comes with `MuonClipTrainerCallback`
+    only, on first access."""
+    pytest.importorskip("transformers")
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "import muonclip\n"
+        "cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,\n"
+        "                  num_attention_heads=2, num_key_value_heads=2)\n"
+        "opt = muonclip.MuonClip(LlamaForCausalLM(cfg))\n"
+        "assert len(opt.layers) == 1, opt.layers\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('transformers.trainer', 'transformers.integrations.int'))))\n"
+        "from muonclip.integrations.hf import MuonClipTrainerCallback\n"
+        "print('transformers.trainer' in sys.modules, MuonClipTrainerCallback.__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["[]", "True MuonClipTrainerCallback"]
+
+
 # ----------------------------------------------------------------------------------------------
 # Hugging Face Trainer
 # ----------------------------------------------------------------------------------------------

@@ -232,6 +232,29 @@ def test_detach_restores_sdpa():
     assert not any(hasattr(m, RECORDER_ATTR) for m in model.modules())
 
 
+def test_attach_walks_the_model_a_fixed_number_of_times_whatever_its_layers(monkeypatch):
+    """Finding the layers walks the module tree a number of times that does not grow with the
+    layer count (once per layer it was quadratic: minutes on K2's 61 layers of 384 experts held as
+    modules; benchmarks/bench_bookkeeping.py)."""
+    walks: list[int] = []
+    named_modules = torch.nn.Module.named_modules
+
+    def counted(self, *args, **kwargs):
+        if self is walks[0]:
+            walks[1] += 1
+        return named_modules(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "named_modules", counted)
+    counts = []
+    for layers in (1, 4):
+        model = LlamaForCausalLM(LlamaConfig(**{**COMMON, "num_hidden_layers": layers}, num_attention_heads=4,
+                                             num_key_value_heads=2, head_dim=8))
+        walks[:] = [model, 0]
+        assert len(attach(model)) == layers
+        counts.append(walks[1])
+    assert counts[0] == counts[1], counts
+
+
 # ----------------------------------------------------------------------------------------------
 # errors
 # ----------------------------------------------------------------------------------------------

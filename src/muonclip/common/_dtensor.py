@@ -124,7 +124,7 @@ def is_empty(piece: Piece) -> bool:
     """True when the piece holds no element (an uneven split left this rank nothing)."""
     if isinstance(piece, FlatRange):
         return len(piece) == 0
-    return any(len(i) == 0 for i in piece)
+    return not all(piece)  # an Index (range or tuple) is false when empty
 
 
 def repeated(pieces: Sequence[Piece]) -> bool:

@@ -98,7 +98,7 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -127,12 +127,14 @@ from .hf_attention import (
     muonclip_attention_forward,
     register,
 )
-from .hf_callback import MuonClipTrainerCallback
 from .hf_check import AttentionMismatchError, ForwardCheck
 from .hf_layouts import attention_modules, layout_of, mixers_without_attention
 from .hf_padding import WARNED_ATTR as PADDING_WARNED_ATTR
 from .hf_padding import UnmaskedPaddingWarning, warn_unmasked_padding
 from .hf_trainer import TrainerArgumentsWarning, trainer_optimizer
+
+if TYPE_CHECKING:  # imported on first access (`__getattr__`): it imports transformers' Trainer
+    from .hf_callback import MuonClipTrainerCallback
 
 PACKING_HOOK_ATTR = "muonclip_packing_hook"
 """Attribute of a switched ``PreTrainedModel`` holding its forward pre-hook (`_batch_pre_hook`)."""
@@ -340,16 +342,18 @@ Mllama's ``MllamaTextCrossAttention``, T5's ``EncDecAttention``): their queries 
 sequences."""
 
 
-def _text_layer(model: nn.Module, name: str, module: nn.Module) -> bool:
+def _text_layer(outermost: list[tuple[PreTrainedModel, set[int]]], name: str, module: nn.Module) -> bool:
     """Whether an attention module is a self-attention over the model's tokens: not a
     cross-attention (`_CROSS`, or ``is_cross_attention``), and its config is the text config of
-    the outermost model containing it (the model's own config for a text-only model)."""
+    the outermost model containing it (the model's own config for a text-only model).
+    ``outermost``: the model's `_outermost_pretrained`, each with the ids of its modules (walked
+    once per `attach`, not once per layer)."""
     labels = (name.rsplit(".", 1)[-1].lower(), type(module).__name__.lower())
     if getattr(module, "is_cross_attention", False) or any(c in lab for c in _CROSS for lab in labels):
         return False
     own = getattr(module, "config", None)
-    for m in _outermost_pretrained(model):
-        if any(sub is module for sub in m.modules()):
+    for m, ids in outermost:
+        if id(module) in ids:
             config = m.config
             text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
             return own is None or own is text or own is config or (text is config and own == config)
@@ -412,6 +416,7 @@ def attach(model: nn.Module, *, gqa_policy: str = "per_head", verify_attention: 
         layer.check()
         layers.append(layer)
     checks: list[ForwardCheck | None] = []
+    outermost = [(m, {id(sub) for sub in m.modules()}) for m in _outermost_pretrained(model)]
     for name, module in found:
         previous = getattr(module, CHECK_ATTR, None)
         if previous is not None:
@@ -420,7 +425,7 @@ def attach(model: nn.Module, *, gqa_policy: str = "per_head", verify_attention: 
         if implementation == ATTN_IMPLEMENTATION:  # attached before: check against what it had then
             implementation = getattr(previous, "implementation", None)
         setattr(module, LAYER_ATTR, name)
-        setattr(module, TEXT_ATTR, _text_layer(model, name, module))
+        setattr(module, TEXT_ATTR, _text_layer(outermost, name, module))
         checks.append(ForwardCheck(module, implementation) if verify_attention else None)
     for (_, module), layer, check in zip(found, layers, checks):
         setattr(module, RECORDER_ATTR, layer.recorder)  # plain attributes: not submodules, not in state_dict
@@ -486,6 +491,17 @@ def detach(model: nn.Module, attn_implementation: str | None = None) -> None:
             delattr(m, PACKING_HOOK_ATTR)
         if hasattr(m, PREVIOUS_ATTR):
             delattr(m, PREVIOUS_ATTR)
+
+
+def __getattr__(name: str) -> Any:
+    """`MuonClipTrainerCallback`, imported on first access: its module imports transformers' Trainer
+    machinery (``transformers.trainer``, seconds to import), which `attach` (so ``MuonClip(model)``)
+    does not need."""
+    if name == "MuonClipTrainerCallback":
+        from .hf_callback import MuonClipTrainerCallback
+
+        return MuonClipTrainerCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

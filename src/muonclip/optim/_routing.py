@@ -116,6 +116,10 @@ class ParamGroups(list):
         return [f"Orthogonalisation{default}: " + "; ".join(explain_orth_dtype(*k) for k in seen)] if seen else []
 
 
+_EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
+"""Modules whose weight is an embedding table (AdamW)."""
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape:
@@ -213,6 +217,7 @@ def param_groups(
         if not any(copied_name(name) == copied_name(a) for a in aliases[id(p)]):
             aliases[id(p)].append(name)
 
+    modules = dict(model.named_modules(remove_duplicate=False))  # by name, once (not a lookup per parameter)
     routes: list[Route] = []
     buckets: dict[tuple, dict[str, Any]] = {}
     frozen = 0
@@ -223,7 +228,7 @@ def param_groups(
         names = [copied_name(n) for n in aliases[id(p)]]
         adapter = adapter_role(name)
         module = owner.get(id(p))
-        is_embedding = any(_owned_by_embedding(model, n) for n in aliases[id(p)])
+        is_embedding = any(isinstance(modules.get(n.rpartition(".")[0]), _EMBEDDINGS) for n in aliases[id(p)])
         is_head = id(p) in head_ids or any(
             "." in n and n.rsplit(".", 2)[-2] in head_names for n in names
         ) or (
@@ -356,11 +361,3 @@ def _stored_transposed(module: nn.Module | None, p: nn.Parameter) -> bool:
     (`muonclip.common.family_readers.stored_transposed`)?"""
     return module is not None and p is getattr(module, "weight", None) and stored_transposed(module)
 
-
-def _owned_by_embedding(model: nn.Module, pname: str) -> bool:
-    mname = pname.rsplit(".", 1)[0] if "." in pname else ""
-    try:
-        module = model.get_submodule(mname)
-    except AttributeError:
-        return False
-    return isinstance(module, (nn.Embedding, nn.EmbeddingBag))
