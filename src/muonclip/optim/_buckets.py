@@ -415,10 +415,6 @@ class StructureCache:
         if len(self._kept) > self.size:
             self._kept.popitem(last=False)
 
-    def latest(self) -> StepStructure | None:
-        """The structure used last (None before any step)."""
-        return next(reversed(self._kept.values()), None)
-
     def clear(self) -> None:
         """Forget every structure (after a state dict is loaded)."""
         self._kept.clear()
