@@ -47,8 +47,8 @@ def test_an_8bit_momentum_is_updated_once_and_its_float32_copy_freed_after_its_l
     assert [(b.A, b.B) for b in structure.buckets] == [(8, 16), (4, 16), (6, 16)]
 
     states = []
-    for p, g in zip(params, grads):
-        lay = quant_blocks(p.shape, structure.specs[len(states)])
+    for p, spec in zip(params, structure.specs):
+        lay = quant_blocks(p.shape, spec)
         q = torch.randint(-127, 128, p.shape, dtype=torch.int8, generator=gen)
         s = scale_like(p, lay).uniform_(0.5, 1.0, generator=gen)
         states.append((q, s, lay))
