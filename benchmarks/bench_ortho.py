@@ -28,12 +28,12 @@ from __future__ import annotations
 import argparse
 
 import torch
+from flops import gram_flops, symmetric_flops
 from timing import machine, round_robin, setup_threads
 
 from muonclip.common._triton_support import triton_available
-from muonclip.fast._symmetric import symmetric_flops
 from muonclip.ortho import METHODS, orthogonalize
-from muonclip.ortho._gram import GRAM_MIN_ASPECT, gram_flops
+from muonclip.ortho._gram import GRAM_MIN_ASPECT
 
 try:  # private in torch; only used as the comparison point
     from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns

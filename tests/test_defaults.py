@@ -16,6 +16,7 @@ import pkgutil
 
 import pytest
 import torch
+from probes import latest_structure
 
 import muonclip
 from muonclip.common import _hardware as hardware
@@ -116,7 +117,7 @@ def test_muon_update_with_its_defaults_is_muons_step(shape, bf16_answer):
         opt.step()
         muonclip.muon_update(W2, G, M, lr=0.02)
         assert torch.equal(W.detach(), W2) and torch.equal(opt.state[W]["momentum_buffer"], M)
-    assert {b.compute_dtype for b in opt._structures.latest().buckets} == {bf16_answer}
+    assert {b.compute_dtype for b in latest_structure(opt).buckets} == {bf16_answer}
     # the defaults are not inert: another scale rule or dtype is another update
     W3 = W2.clone()
     muonclip.muon_update(W3, G, M.clone(), lr=0.02, adjust_lr_fn="original")

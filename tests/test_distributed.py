@@ -19,10 +19,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from probes import shard_rows
 
 import muonclip
 from muonclip import Muon, param_groups
-from muonclip.common._dtensor import local_rows, shard_rows
+from muonclip.common._dtensor import local_rows
 from muonclip.distributed import assign_owners, checkpoint
 from muonclip.models import GPT, GPTConfig
 from muonclip.optim import _buckets as buckets

@@ -14,12 +14,12 @@ import os
 
 import pytest
 import torch
+from probes import shard_rows
 from test_distributed import WORLD, _full, _launch
 from test_fused import TOL, batch, max_diff, tiny
 from toy_models import unfuse
 
 import muonclip
-from muonclip.common._dtensor import shard_rows
 from muonclip.optim._matrices import matrix_spec
 
 pytest.importorskip("transformers")

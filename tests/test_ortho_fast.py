@@ -6,12 +6,13 @@ plain quintic it reorganises (equal in exact arithmetic: float64), and batched =
 
 import pytest
 import torch
+from step_trace_loader import flops
 
 import muonclip
 from muonclip import orthogonalize
 from muonclip.fast._symmetric import sym_gram
 from muonclip.ortho import svd_polar
-from muonclip.ortho._gram import default_restarts, gram_flops, gram_newton_schulz
+from muonclip.ortho._gram import default_restarts, gram_newton_schulz
 from muonclip.ortho._newton_schulz import NS5_COEFFICIENTS, newton_schulz, polar_express_coefficients
 
 NS5 = [NS5_COEFFICIENTS] * 5
@@ -88,8 +89,8 @@ def test_gram_flops_counts_the_products_made(monkeypatch, restarts):
     monkeypatch.setattr(torch, "bmm", bmm)
     monkeypatch.setattr(torch, "baddbmm", baddbmm)
     gram_newton_schulz(torch.randn(1, m, n), NS5, dtype=torch.float32, restarts=restarts)
-    assert sum(counted) == gram_flops(m, n, 5, restarts)
-    assert gram_flops(384, 1536, 5) < 0.7 * 5 * (4 * 384**2 * 1536 + 2 * 384**3)
+    assert sum(counted) == flops.gram_flops(m, n, 5, restarts)
+    assert flops.gram_flops(384, 1536, 5) < 0.7 * 5 * (4 * 384**2 * 1536 + 2 * 384**3)
 
 
 def test_default_restarts():

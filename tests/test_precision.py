@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from probes import latest_structure
 
 import muonclip
 from muonclip.app.config import make_config
@@ -148,7 +149,7 @@ def test_muon_default_is_auto_and_steps_as_the_dtype_it_resolves_to(monkeypatch,
     cpu(monkeypatch, flags)
     opt, ps = _steps("auto")
     assert muonclip.Muon(ps).defaults["orth_dtype"] == "auto"
-    assert {b.compute_dtype for b in opt._structures.latest().buckets} == {same_as}
+    assert {b.compute_dtype for b in latest_structure(opt).buckets} == {same_as}
     _, explicit = _steps(same_as)
     assert all(torch.equal(p, q) for p, q in zip(ps, explicit))
 
@@ -208,7 +209,7 @@ def test_auto_is_saved_as_auto_and_resolved_again_where_loaded(monkeypatch):
     for p in ps:
         p.grad = torch.ones_like(p)
     other.step()
-    assert {b.compute_dtype for b in other._structures.latest().buckets} == {torch.float32}
+    assert {b.compute_dtype for b in latest_structure(other).buckets} == {torch.float32}
     fixed, _ = _steps(torch.bfloat16)
     sd = fixed.state_dict()
     assert sd["param_groups"][0]["orth_dtype"] == "torch.bfloat16"

@@ -14,7 +14,7 @@ def test_one_step_in_one_process_enters_at_most_ten_files(workspace):
     distribution hook, the one step body with its structure and matrix views, the workspace, the
     orthogonaliser, the AdamW branch."""
     entered = step_trace.files_and_functions(workspace)
-    assert "optim/functional.py" in entered and "optim/_muon.py" in entered  # the trace sees the step
+    assert "optim/functional.py" in entered and "optim/_stepping.py" in entered  # the trace sees the step
     assert "muon_step" in entered["optim/functional.py"]
     assert len(entered) <= 10, sorted(entered)
     assert not any(f.startswith("distributed/") for f in entered)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from step_trace_loader import flops
 from test_ortho_fast import conditioned, sigma
 
 from muonclip import orthogonalize
 from muonclip.fast import _triton_syrk as triton_syrk
-from muonclip.fast._symmetric import symmetric_flops, symmetric_quintic
+from muonclip.fast._symmetric import symmetric_quintic
 from muonclip.fast._triton_syrk import syrk, usable
 from muonclip.ortho._newton_schulz import NS5_COEFFICIENTS
 
@@ -201,11 +202,11 @@ def test_syrk_matches_cublas_on_cuda(monkeypatch, shape):
 
 def test_flops_count_the_tiles_computed():
     """m = 130 in tiles of 64: 3 x 3 tiles, 6 computed; m = 4096 in tiles of 128: 528 of 1024."""
-    assert triton_syrk.triangle_fraction(130) == 6 / 9 and triton_syrk.block_for(130) == 64
-    assert triton_syrk.triangle_fraction(4096) == 528 / 1024
+    assert flops.triangle_fraction(130) == 6 / 9 and triton_syrk.block_for(130) == 64
+    assert flops.triangle_fraction(4096) == 528 / 1024
     m, n = 4096, 14336
     f = 528 / 1024
-    assert symmetric_flops(m, n, 5, kernel=True) == int(5 * (f * 2 * m * m * n + f * 2 * m**3 + 2 * m * m * n))
+    assert flops.symmetric_flops(m, n, 5, kernel=True) == int(5 * (f * 2 * m * m * n + f * 2 * m**3 + 2 * m * m * n))
 
 
 @pytest.mark.parametrize(("dtype", "m"), [(torch.bfloat16, 130), (torch.float32, 4096)])

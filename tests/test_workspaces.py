@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from probes import buffer_pointers, latest_structure
 from test_ortho_fast import conditioned
 
 import muonclip
@@ -46,13 +47,13 @@ def test_buffered_equals_the_core_and_reuses_its_buffers(keep_small, method, sha
     assert torch.equal(got, want)
     roles = workspace.buffers.roles()
     assert {"result", "ns.S" if method != "gram" or shape[-1] == shape[-2] else "ns.R"} <= roles
-    ptrs = workspace.buffers.pointers()
+    ptrs = buffer_pointers(workspace.buffers)
     result_ptr = got.data_ptr()
     again = workspace.orthogonalize(V.clone(), method, dtype=bf16, reuse_result=True)
     assert torch.equal(again, want) and again.data_ptr() == result_ptr
     assert torch.equal(workspace.orthogonalize(V[:2].clone(), method, dtype=bf16),
                        orthogonalize(V[:2], method, dtype=bf16))
-    assert workspace.buffers.pointers() == ptrs
+    assert buffer_pointers(workspace.buffers) == ptrs
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -245,7 +246,7 @@ def test_step_structure_is_cached_and_rebuilt_when_an_option_changes():
             change(ref)
         ref._structures.clear()  # nothing cached
         _step_both(params, twin, opt, ref)
-        seen.append(opt._structures.latest())
+        seen.append(latest_structure(opt))
         for p, q in zip(params, twin):
             assert torch.equal(p, q)
     assert seen[1] is seen[0] and seen[2] is seen[0]  # same structure; lr/wd/momentum still applied

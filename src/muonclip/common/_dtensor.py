@@ -196,17 +196,6 @@ def local(t: Tensor) -> Tensor:
     return t
 
 
-def shard_rows(n_rows: int, world_size: int, rank: int) -> tuple[int, int]:
-    """``(row_offset, n_local_rows)`` of ``rank``'s block when ``n_rows`` rows are split like ``torch.chunk``.
-
-    This is how ``Shard(0)`` lays out a DTensor: blocks of ``ceil(n_rows / world_size)`` rows,
-    the last ones shorter or empty.
-    """
-    chunk = -(-n_rows // world_size)  # ceil
-    offset = min(rank * chunk, n_rows)
-    return offset, min(n_rows, offset + chunk) - offset
-
-
 def local_rows(param: Tensor) -> tuple[Tensor, int]:
     """``(local_tensor, row_offset)``: the rows of ``param`` this rank holds and where they start.
 

@@ -87,10 +87,6 @@ class Buffers:
         """The roles that hold a buffer."""
         return {role for role, _ in self._store}
 
-    def pointers(self) -> dict[tuple[str, torch.dtype], int]:
-        """Where each buffer's storage is (to check that a later call reused it)."""
-        return {k: v.data_ptr() for k, v in self._store.items()}
-
     def nbytes(self) -> int:
         """The bytes the buffers hold."""
         return sum(v.nbytes for v in self._store.values())

@@ -30,7 +30,7 @@ from torch import Tensor
 from ..common import defaults as D
 from ..ortho._newton_schulz import normalized, quintic
 from ..ortho._precision import auto_dtype
-from ._triton_syrk import syrk, triangle_fraction, usable
+from ._triton_syrk import syrk, usable
 
 SYM_BLOCKS = 2
 
@@ -90,13 +90,3 @@ def symmetric_newton_schulz(
     ``dtype``); ``blocks`` row strips per symmetric product (default 2)."""
     dtype = auto_dtype(V.device) if dtype == D.AUTO else dtype
     return symmetric_quintic(normalized(V, dtype, eps, norm_scale), coefficients, blocks).reshape(V.shape)
-
-
-def symmetric_flops(m: int, n: int, steps: int, blocks: int = SYM_BLOCKS, kernel: bool = False) -> int:
-    """Flops of `symmetric_quintic` on one m x n matrix (m <= n), 2 per multiply-add:
-    with ``blocks`` row strips, or with the Triton kernel's tiles when ``kernel``."""
-    if kernel:
-        f = triangle_fraction(m)
-    else:
-        f = (blocks + 1) / (2 * blocks) if blocks > 1 and m >= 2 * blocks else 1.0
-    return int(steps * (f * 2 * m * m * n + f * 2 * m**3 + 2 * m * m * n))

@@ -139,13 +139,6 @@ def launch_config(m: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     return block, block_k, 8 if block >= LARGE_BLOCK else 4, stages
 
 
-def triangle_fraction(m: int) -> float:
-    """The share of a full m x m product's tiles that `syrk` computes: ``(T + 1) / (2 T)``,
-    T = ceil(m / block)."""
-    tiles = -(-m // block_for(m))
-    return (tiles + 1) / (2 * tiles)
-
-
 def _precision(dtype: torch.dtype) -> str:
     """``tl.dot``'s input precision, as torch's own float32 products on CUDA: for float32 tiles
     full float32 ("ieee") under ``torch.get_float32_matmul_precision() == "highest"`` (torch's

@@ -31,14 +31,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..ortho import METHODS, resolve_orth_dtype
-from ._matrices import MatrixSpec, matrix_spec
+from ._matrices import WHOLE_MATRIX, MatrixSpec, matrix_spec
 from .workspace import Workspace, workspace_for
 
 STRUCTURAL_OPTIONS = ("method", "ns_steps", "orth_dtype", "eps", "ns_coefficients", "flatten", "split_sizes",
@@ -374,6 +374,22 @@ def step_structure(live: Sequence[tuple[Mapping[str, Any], Tensor]], devices: Se
     return StepStructure(specs, units, buckets, places, direct, flops, total, plan)
 
 
+def weight_structure(param: Tensor, workspace: Workspace, *, method: str, ns_steps: int | None,
+                     orth_dtype: torch.dtype | str | None, eps: float,
+                     ns_coefficients: tuple[float, float, float] | None, adjust_lr_fn: str | None,
+                     scale: float | None = None) -> StepStructure:
+    """The `StepStructure` of one weight in one process, seen as `muonclip.Muon` sees it in a group
+    without matrix keys (`muonclip.optim._matrices.WHOLE_MATRIX`), orthogonalised with the group
+    keys given; ``scale``: the update scale of every row, instead of ``adjust_lr_fn``'s."""
+    group = {**WHOLE_MATRIX, "method": method, "ns_steps": ns_steps, "orth_dtype": orth_dtype, "eps": eps,
+             "ns_coefficients": ns_coefficients, "adjust_lr_fn": adjust_lr_fn}
+    st = step_structure([(group, param)], [param.device], workspace)
+    if scale is None:
+        return st
+    spec = st.specs[0]
+    return replace(st, places=[(spec.axis, ((0, spec.rows, scale),), 0)])
+
+
 class StructureCache:
     """The step structures of the last few distinct steps, by key (least recently used dropped).
 
@@ -398,10 +414,6 @@ class StructureCache:
         self._kept[key] = st
         if len(self._kept) > self.size:
             self._kept.popitem(last=False)
-
-    def latest(self) -> StepStructure | None:
-        """The structure used last (None before any step)."""
-        return next(reversed(self._kept.values()), None)
 
     def clear(self) -> None:
         """Forget every structure (after a state dict is loaded)."""

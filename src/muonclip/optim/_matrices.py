@@ -45,6 +45,10 @@ from ._scale import update_scale
 
 Ranges = tuple[tuple[int, int], ...]
 
+WHOLE_MATRIX: Mapping[str, Any] = {"split_sizes": None, "split_groups": 1, "flatten": False, "transposed": False}
+"""The matrix keys of a group that sets none (`muonclip.Muon`'s defaults): a 2-D weight is one
+matrix, a 3-D one a stack of matrices, one of 4 or more dimensions ``(out, prod(rest))``."""
+
 
 @dataclass(frozen=True)
 class MatrixSpec:

@@ -50,7 +50,6 @@ References:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -59,7 +58,7 @@ from torch import Tensor
 
 from ..common import defaults as D
 from ..ortho import check_method
-from ._buckets import Bucket, Chunk, Place, Results, StepStructure, Unit, step_structure
+from ._buckets import Bucket, Chunk, Place, Results, StepStructure, Unit, weight_structure
 from ._matrices import MatrixSpec
 from ._quantized import QuantBlocks, dequantize, quantize_
 from ._scale import scale_name
@@ -171,13 +170,9 @@ def muon_update(
         cautious: cautious weight decay (default False).
     """
     check_method(method, steps, dtype, coefficients)
-    group = {"method": method, "ns_steps": steps, "orth_dtype": dtype, "eps": eps, "ns_coefficients": coefficients,
-             "flatten": False, "split_sizes": None, "split_groups": 1, "transposed": False,
-             "adjust_lr_fn": scale_name(adjust_lr_fn)}
-    st = step_structure([(group, param)], [param.device], CoreWorkspace())
+    st = weight_structure(param, CoreWorkspace(), method=method, ns_steps=steps, orth_dtype=dtype, eps=eps,
+                          ns_coefficients=coefficients, adjust_lr_fn=scale_name(adjust_lr_fn), scale=scale)
     spec = st.specs[0]
-    if scale is not None:
-        st.places[0] = (spec.axis, ((0, spec.rows, scale),), 0)  # the scale given, for all rows
     moment = None if second_moment is None else second_moment.view(spec.batch, spec.rows)
     muon_step([MuonWeight(param, grad, momentum_buffer, lr, weight_decay, momentum, nesterov, moment, normuon_beta2,
                           cautious)], st)
@@ -220,6 +215,68 @@ class MuonWeight(NamedTuple):
     quantized: tuple[Tensor, Tensor, QuantBlocks] | None = None
 
 
+class StepMomenta:
+    """Each weight's momentum through one `muon_step`: when it is updated, what is live, when it
+    is released.
+
+    A weight's ``M = mu M + G`` (`step_momentum`) runs once, when its momentum is first asked
+    for: for the first V formed from it, or at the end (`update_rest`) for a weight whose V this
+    process neither orthogonalises nor sends. Its float32 M of this step (for 8-bit momentum a
+    dequantised copy) stays live while a bucket slot still forms V from it (`write_v`), and is
+    released after the last one: only the weights in flight hold a float32 copy.
+    """
+
+    def __init__(self, weights: Sequence[MuonWeight], slots: Sequence[int]) -> None:
+        """``slots[k]``: the bucket slots whose V this process forms from weight k's momentum
+        (`StepStructure.direct_blocks`)."""
+        self._weights = weights
+        self._slots_left = list(slots)
+        self._pending = set(range(len(weights)))  # not updated yet this step
+        self._live: dict[int, Tensor] = {}  # this step's M, by weight, while a slot needs it
+        self._sent: dict[int, Tensor] = {}  # this process's V, by weight, while the gather runs
+
+    def of(self, k: int) -> Tensor:
+        """Weight k's M of this step, updated now if it was not yet."""
+        if k in self._pending:
+            self._pending.discard(k)
+            w = self._weights[k]
+            self._live[k] = step_momentum(w.grad, w.momentum, w.momentum_buffer, w.quantized)
+        return self._live[k]
+
+    def v(self, k: int) -> Tensor:
+        """This process's piece of weight k's V, for the gather (formed once: the gather may ask
+        for it again until `gathered`)."""
+        if k not in self._sent:
+            w = self._weights[k]
+            self._sent[k] = muon_input(w.grad, self.of(k), w.momentum, w.nesterov)
+        return self._sent[k]
+
+    def gathered(self) -> None:
+        """The gather is over: release its V pieces and every momentum no slot still needs."""
+        self._sent.clear()
+        for k in [k for k in self._live if not self._slots_left[k]]:
+            del self._live[k]
+
+    def write_v(self, unit: Unit, b: int, experts: slice | None, slot: Tensor) -> None:
+        """V of block ``b`` of ``unit`` (or of its ``experts``, a part of a stack cut by a chunk)
+        written into ``slot``; the weight's M is released after its last slot is whole."""
+        w = self._weights[unit.k]
+        G, M = (_block(unit.spec, t, b, experts) for t in (w.grad, self.of(unit.k)))
+        muon_input(G, M, w.momentum, w.nesterov, out=slot)
+        if experts is None or experts.stop == unit.spec.batch:  # the slot is whole
+            self._slots_left[unit.k] -= 1
+            if not self._slots_left[unit.k]:
+                del self._live[unit.k]
+
+    def update_rest(self) -> None:
+        """The momentum of every weight not asked for in this step (this process neither
+        orthogonalises nor sends its V), updated."""
+        for k in sorted(self._pending):
+            w = self._weights[k]
+            step_momentum(w.grad, w.momentum, w.momentum_buffer, w.quantized)
+        self._pending.clear()
+
+
 def muon_step(weights: Sequence[MuonWeight], structure: StepStructure, exchange: Exchange | None = None) -> int:
     """The Muon update of every weight of a step, the one composition of the phases (module
     docstring), in one process and over several ranks; returns the matrices orthogonalised here.
@@ -227,57 +284,35 @@ def muon_step(weights: Sequence[MuonWeight], structure: StepStructure, exchange:
     ``structure`` (`muonclip.optim._buckets.StepStructure`): the units of work this process
     orthogonalises, their buckets of same-shape blocks, where each weight's result applies.
     ``exchange`` (`muonclip.optim.multiprocess.Exchange`; None in one process): the gather of V
-    to the owners before orthogonalisation, the scatter of the results after. A weight's momentum
-    is updated just before its V is first formed (8-bit: its float32 copy dropped after its last
-    block); each bucket is written in chunks (`StepStructure.chunks`) in the compute dtype, each
-    orthogonalised in one call by its workspace; a result is applied once its weight (or the stack's
-    experts a chunk cut) is complete (the workspace may then reuse it), or scattered.
+    to the owners before orthogonalisation, the scatter of the results after. Each weight's
+    momentum is updated just before its V is first formed and released after its last slot
+    (`StepMomenta`); each bucket is written in chunks (`StepStructure.chunks`) in the compute
+    dtype, each orthogonalised in one call by its workspace; a result is applied once its
+    weight (or the stack's experts a chunk cut) is complete (the workspace may then reuse it),
+    or scattered.
     """
-    units, left = structure.units, list(structure.direct_blocks)  # slots still to form from each momentum
-    fresh, momenta = set(range(len(weights))), {}  # weights whose momentum is not updated yet; this step's M
-
-    def momentum(k: int) -> Tensor:
-        if k in fresh:
-            fresh.discard(k)
-            w = weights[k]
-            momenta[k] = step_momentum(w.grad, w.momentum, w.momentum_buffer, w.quantized)
-        return momenta[k]
-
-    @functools.cache
-    def v_of(k: int) -> Tensor:  # this process's piece of weight k's V, for the gather
-        w = weights[k]
-        return muon_input(w.grad, momentum(k), w.momentum, w.nesterov)
-
-    whole = {} if exchange is None else exchange.gather(structure.routes, weights, v_of)
-    v_of.cache_clear()
-    for k in [k for k in momenta if not left[k]]:
-        del momenta[k]
-    reuse, done = exchange is None, {}
-    results = Results([u.spec for u in units], reuse_result=reuse)
+    units, momenta, one_process = structure.units, StepMomenta(weights, structure.direct_blocks), exchange is None
+    whole = {} if one_process else exchange.gather(structure.routes, weights, momenta.v)  # V formed elsewhere
+    momenta.gathered()
+    results, done = Results([u.spec for u in units], reuse_result=one_process), {}
     normuon = any(w.second_moment is not None for w in weights)
     for bucket, chunk in structure.chunks():
-        V = bucket.empty(chunk)
+        V = bucket.empty(chunk)  # 1-2. momentum, V written into the bucket's slots
         for u, b, experts, slot in bucket.slots(V, chunk):
-            unit, w = units[u], weights[units[u].k]
-            if u in whole:  # assembled by the gather
-                slot.copy_(unit.spec.block(whole[u], b))
-                continue
-            G, M = (_block(unit.spec, t, b, experts) for t in (w.grad, momentum(unit.k)))
-            muon_input(G, M, w.momentum, w.nesterov, out=slot)
-            left[unit.k] -= experts is None or experts.stop == unit.spec.batch  # once the slot is formed
-            if not left[unit.k]:
-                del momenta[unit.k]
-        O = bucket.orthogonalize(V, reuse_result=reuse)
+            if u in whole:
+                slot.copy_(units[u].spec.block(whole[u], b))
+            else:
+                momenta.write_v(units[u], b, experts, slot)
+        O = bucket.orthogonalize(V, reuse_result=one_process)  # 3. one call per chunk, then NorMuon
         if normuon:
             normuon_bucket_(bucket, O, lambda u, b: neuron_moment(weights[units[u].k], units[u], b), chunk)
-        for u, experts, O_u in results.of(bucket, O, chunk):
-            if exchange is None:
+        for u, experts, O_u in results.of(bucket, O, chunk):  # 4. the update, or kept for the scatter
+            if one_process:
                 _apply(weights[units[u].k], O_u, structure.places[units[u].k], experts)
             else:
                 done[u] = O_u
-    for k in sorted(fresh):  # the momentum of the weights this process neither orthogonalises nor sends
-        momentum(k)
-    for k, O_k in exchange.scatter(structure.routes, done, weights) if exchange is not None else ():
+    momenta.update_rest()
+    for k, O_k in () if one_process else exchange.scatter(structure.routes, done, weights):
         _apply(weights[k], O_k, structure.places[k])
     return sum(bucket.shape[0] for bucket in structure.buckets)
 
@@ -386,6 +421,6 @@ def _pieces(param: Tensor, update: Tensor, axis: int, ranges: Sequence[tuple[int
     return out
 
 
-__all__ = ["NORMUON_EPS", "FlatPlace", "MuonWeight", "apply_blocks_", "apply_flat_", "apply_update_", "momentum_",
-           "muon_input", "muon_step", "muon_update", "neuron_moment", "normalize_neurons_", "normuon_bucket_",
-           "step_momentum"]
+__all__ = ["NORMUON_EPS", "FlatPlace", "MuonWeight", "StepMomenta", "apply_blocks_", "apply_flat_", "apply_update_",
+           "momentum_", "muon_input", "muon_step", "muon_update", "neuron_moment", "normalize_neurons_",
+           "normuon_bucket_", "step_momentum"]

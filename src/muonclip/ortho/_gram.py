@@ -28,7 +28,7 @@ beyond. No bf16 Gram Polar Express is registered: it needs a restart nearly ever
 which removes the saving; `gram_newton_schulz` with Polar Express coefficients is exact in
 float32/float64 (tested) if wanted.
 
-**Cost** (flops, m <= n): see `gram_flops`. Five steps with one restart cost
+**Cost** (flops, m <= n; counted by ``benchmarks/flops.py``). Five steps with one restart cost
 ``8 m^2 n + 28 m^3`` against ``20 m^2 n + 10 m^3`` for the plain quintic, so Gram pays when
 n is more than about 1.5 m (0.67x at n = 4 m); for squarer matrices `gram_newton_schulz` runs
 the plain quintic (``min_aspect``).
@@ -151,23 +151,3 @@ def gram_newton_schulz(
     if uses_gram(*V.shape[-2:], min_aspect):
         return gram_iteration(X, coefficients, restarts, out=out, scratch=scratch).reshape(V.shape)
     return quintic(X, coefficients, out=out, scratch=scratch).reshape(V.shape)
-
-
-def gram_flops(m: int, n: int, steps: int, restarts: Collection[int] | None = None) -> int:
-    """Flops of `gram_iteration` on one m x n matrix (m <= n), counting 2 flops per multiply-add."""
-    if restarts is None:
-        restarts = default_restarts(steps)
-    mm_small, mm_rect = 0, 1  # the first R = X X^T
-    q_exists = False
-    for i in range(steps):
-        if i != 0 and i in restarts and q_exists:
-            mm_rect += 2  # X = Q X, R = X X^T
-            q_exists = False
-        mm_small += 1  # Z
-        if q_exists:
-            mm_small += 1  # Q Z
-        q_exists = True
-        if i < steps - 1 and (i + 1) not in restarts:
-            mm_small += 2  # R Z, Z RZ
-    mm_rect += 1  # Q X
-    return 2 * m * m * n * mm_rect + 2 * m**3 * mm_small
