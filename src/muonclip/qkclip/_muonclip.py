@@ -192,7 +192,7 @@ class MuonClip(Muon):
                 layer.recorder.reset()
             self.last_max_logits, self.last_bounded, self.last_clipped = {}, {}, {}
             return loss
-        self._clip(self.last_masked)
+        self.clip(self.last_masked)  # through `clip`, which loggers may wrap (muonclip.qkclip.step_metrics)
         if not self.last_max_logits and any(p.grad is not None for g in self.param_groups for p in g["params"]) \
                 and any(number(g["lr"]) != 0 for g in self.param_groups):  # lr 0 everywhere: DCP creating state
             warnings.warn(
