@@ -1,6 +1,7 @@
-"""What one `muonclip.Muon.step` runs: the files and functions it enters, and the walk of a weight's lr.
+"""What one `muonclip.Muon.step` (and one `muonclip.MuonClip.step`) runs: the files and functions
+it enters, and the walk of a weight's lr.
 
-Two measures, each printed as a table and, with ``--json``, as one JSON object:
+Three measures, each printed as a table and, with ``--json``, as one JSON object:
 
 * **Files and functions per step** (one process, CPU, ``Muon``'s defaults, or ``--workspace``):
   a small GPT-like set of weights (per layer q, k, v, o ``d x d``, the MLP's ``4d x d`` and
@@ -9,6 +10,12 @@ Two measures, each printed as a table and, with ``--json``, as one JSON object:
   ``sys.setprofile``: every Python function entered (a ``call`` event) whose file is under
   ``src/muonclip`` counts, once per (file, function). The count is deterministic: it depends
   on the code, not on timing.
+
+* **Files and functions per MuonClip step** (``--clip``; one process, CPU, ``MuonClip``'s
+  defaults, ``--workspace``): the reference GPT (`muonclip.models.GPT`, 2 layers of MHA, 4
+  heads) takes a forward and backward that record its max logits, a first step, another
+  forward and backward, and the second step is traced the same way. Its ``tau`` is set below
+  the recorded maxima of some heads, so the clip scales rows.
 
 * **The lr walk** (``--walk``, two processes over gloo): one Muon step over two ranks
   (replicated plain parameters, as DDP gives them, ``process_group`` the default group), the
@@ -26,7 +33,7 @@ Two measures, each printed as a table and, with ``--json``, as one JSON object:
   The weights: 3 layers of the GPT set above, 18 matrices in one group. The figures count
   frames, not time, and are the same on every run.
 
-Usage: ``python benchmarks/step_trace.py [--workspace auto|core] [--walk] [--json]`` (on a tree
+Usage: ``python benchmarks/step_trace.py [--workspace auto|core] [--clip] [--walk] [--json]`` (on a tree
 from before the workspace had its name, ``--workspace`` is passed as ``backend=``).
 """
 
@@ -74,10 +81,34 @@ def _short(filename: str) -> str:
     return os.path.relpath(filename, SRC)
 
 
-def files_and_functions(workspace: str = "auto") -> dict[str, list[str]]:
-    """``file (relative to src/muonclip) -> sorted functions`` entered by the second step."""
-    opt = optimizer(workspace)
-    opt.step()
+def clip_optimizer(workspace: str = "auto") -> tuple[muonclip.MuonClip, object]:
+    """A MuonClip over the reference GPT, and ``backward()``: one forward and backward that
+    records the max logits (the same batch each time)."""
+    from muonclip.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)).train()
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    opt = muonclip.MuonClip(model, lr=LR, tau=0.05, workspace=workspace, orth_dtype=torch.float32)
+
+    def backward() -> None:
+        opt.zero_grad()
+        model(idx, idx)[1].backward()
+
+    return opt, backward
+
+
+def files_and_functions(workspace: str = "auto", clip: bool = False) -> dict[str, list[str]]:
+    """``file (relative to src/muonclip) -> sorted functions`` entered by the second step (of
+    `MuonClip` on the reference GPT with ``clip``, else of `Muon` on the GPT set)."""
+    if clip:
+        opt, backward = clip_optimizer(workspace)
+        backward()
+        opt.step()
+        backward()
+    else:
+        opt = optimizer(workspace)
+        opt.step()
     entered: set[tuple[str, str]] = set()
 
     def profile(frame, event, arg):
@@ -176,11 +207,12 @@ def _counts(names: list[str]) -> dict[str, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workspace", default="auto")
+    parser.add_argument("--clip", action="store_true", help="a MuonClip step on the reference GPT")
     parser.add_argument("--walk", action="store_true", help="also the two-rank lr walk")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    entered = files_and_functions(args.workspace)
+    entered = files_and_functions(args.workspace, args.clip)
     result: dict[str, object] = {"files": len(entered), "functions": sum(map(len, entered.values())),
                                  "entered": entered}
     if args.walk:
@@ -188,7 +220,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(result, indent=1))
         return
-    print(f"# one Muon.step (workspace={args.workspace!r}, CPU): {result['files']} files, "
+    what = "MuonClip" if args.clip else "Muon"
+    print(f"# one {what}.step (workspace={args.workspace!r}, CPU): {result['files']} files, "
           f"{result['functions']} functions of src/muonclip\n")
     for f, fns in entered.items():
         print(f"{f:40s} {len(fns):3d}  {', '.join(fns)}")

@@ -207,3 +207,27 @@ def test_strided_rows_scale_exactly_their_rows(transposed):
     torch.testing.assert_close(bias, b * factor.reshape(36), rtol=0, atol=0)
     untouched = factor.reshape(36) == 1.0
     assert torch.equal(got[untouched], w[untouched]) and torch.equal(bias[untouched], b[untouched])
+
+
+def test_the_step_clips_through_the_public_clip_that_loggers_wrap():
+    """`MuonClip.step` runs its clip through ``opt.clip``, so a logger that wraps it (an instance
+    attribute, as `muonclip.qkclip.step_metrics.UpdateRMS` does to measure the update before the clip)
+    sees every clip, with the weights as the update left them."""
+    from muonclip import MuonClip
+    from muonclip.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16)).train()
+    opt = MuonClip(model, lr=0.02, tau=1e-3, orth_dtype=torch.float32)
+    inner, seen = opt.clip, []
+
+    def wrapped(*args, **kwargs):
+        seen.append(model.blocks[0].attn.q_proj.weight.detach().clone())
+        return inner(*args, **kwargs)
+
+    opt.clip = wrapped
+    idx = torch.randint(0, 32, (2, 8))
+    model(idx, idx)[1].backward()
+    opt.step()
+    assert len(seen) == 1 and opt.last_clipped["blocks.0.attn"].all()
+    assert not torch.equal(seen[0], model.blocks[0].attn.q_proj.weight)  # wrapped before the clip scaled the rows

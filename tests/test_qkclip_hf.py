@@ -409,7 +409,7 @@ def test_attach_fused_projections_as_row_ranges(kind):
         c = model.transformer.h[0].attn.c_attn  # weight (32, 96) = (in, out), bias (96,)
         assert (lay.q_weight, lay.k_weight) == (Rows(c.weight, 0, 32, True), Rows(c.weight, 32, 64, True))
         assert (lay.q_bias, lay.k_bias) == (Rows(c.bias, 0, 32), Rows(c.bias, 32, 64))
-    from muonclip.qkclip._rows import scale_rows_
+    from muonclip.qkclip._layouts import scale_rows_
 
     t = torch.randn(6, 10)
     for rows, expect in ((Rows(t, 2, 5), lambda x, f: x[2:5] * f[:, None]),

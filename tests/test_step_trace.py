@@ -1,4 +1,4 @@
-"""What one `muonclip.Muon.step` runs, counted by `benchmarks/step_trace.py` (deterministic
+"""What one `muonclip.Muon.step` and one `muonclip.MuonClip.step` run, counted by `benchmarks/step_trace.py` (deterministic
 counts of code, not timings): the files of ``src/muonclip`` it enters in one process. The
 distributed lr walk is held in `test_distributed.py` (its two-rank launch)."""
 
@@ -18,3 +18,21 @@ def test_one_step_in_one_process_enters_at_most_ten_files(workspace):
     assert "muon_step" in entered["optim/functional.py"]
     assert len(entered) <= 10, sorted(entered)
     assert not any(f.startswith("distributed/") for f in entered)
+
+
+@pytest.mark.parametrize("workspace", ["auto", "core"])
+def test_one_muonclip_step_in_one_process_enters_no_distributed_file(workspace):
+    """The MuonClip step of the reference GPT on CPU, whose clip scales rows: the Muon step's files
+    and seven more (the optimizer with the clip's path, the parameters it follows, the recorders,
+    the layouts that scale rows, the runtime check, the ground floor's row geometry, the wrapper
+    lookup of the public ``clip``): at most 17 (20 when the clip's gammas, layouts and rows were
+    three files and the process group was looked up in one process), none of the distributed layer."""
+    opt, backward = step_trace.clip_optimizer(workspace)
+    entered = step_trace.files_and_functions(workspace, clip=True)
+    assert "MuonClip.step" in entered["qkclip/_muonclip.py"]  # the trace sees the step and the clip scaling rows
+    assert any("scale_rows_" in functions for functions in entered.values())
+    backward()
+    opt.step()
+    assert any(c.any() for c in opt.last_clipped.values())  # the traced steps scale rows (same model and batch)
+    assert not any(f.startswith("distributed/") for f in entered), sorted(entered)
+    assert len(entered) <= 17, sorted(entered)

@@ -53,9 +53,13 @@ head's value is the max over its programs. Above tau it is the exact max (every 
 exact path. Without Triton (or for a call it does not take: float64, head dim > 256) every
 head is computed exactly and nothing is flagged.
 
-**Packed documents** (a call with ``cu_seq_lens``, a varlen kernel): the same bound over the
-whole packed row, then the exact max document by document for the heads above the threshold
-(`muonclip.attention.documents`).
+**Packed documents** (a call with ``cu_seq_lens``, a varlen kernel): the same gate (`gate`,
+which takes the way the exact maxima of chosen heads are computed), with the bound over the
+whole packed row (each row's LSE covers exactly the keys of its document, so ``max_i lse_i``
+bounds the max over every document's pairs) and the exact max of the heads above the threshold
+computed document by document (`muonclip.attention.documents`). On a GPU, choosing those heads
+reads the flags on the host: one host sync per recorded call (the per-block gate inside the
+Triton kernel, which avoids it for ordinary calls, has no document boundaries).
 
 Cost: a max over the LSE ``(B, H, Tq)``, a min/max pass over q and over k, and a min over the finite
 entries of an additive mask; plus the exact max of the flagged heads (none, in most steps).
@@ -64,6 +68,7 @@ entries of an additive mask; plus the exact max of the flagged heads (none, in m
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -71,7 +76,7 @@ from torch import Tensor
 from . import _triton_max_logits as triton_max
 from ._max_logits import chunked_max_logits
 from .call import AttentionCall
-from .documents import document_max_logits, gated_document_max_logits
+from .documents import document_max_logits
 from .pairs import allowed_pairs
 
 
@@ -161,32 +166,54 @@ def gated_max_logits(call: AttentionCall, lse: Tensor, threshold: float) -> tupl
         `chunked_max_logits` gives it) where ``is_bound`` is False, else an upper bound of it
         that is ``<= threshold``.
     """
-    if call.cu_seq_lens is not None:  # packed documents: one document at a time
-        return gated_document_max_logits(call, lse, threshold)
-    query, key, scale, enable_gqa = call.query, call.key, call.scale, call.enable_gqa
-    hq, hkv = call.heads()
-    mask, is_causal = call.clip_pairs()
-    if triton_max.usable(query, key, scale):  # GPU: the gate runs inside the kernel, per block of rows
-        dot, own = margins(query.shape[-1], query.dtype, call.softmax_scale, lse.dtype)
+    if call.cu_seq_lens is not None:  # packed documents: the exact maxima one document at a time
+        return gate(call, lse, threshold, lambda heads: document_max_logits(call, heads), host_read=True)
+    if triton_max.usable(call.query, call.key, call.scale):  # GPU: the gate runs inside the kernel, per block of rows
+        mask, is_causal = call.clip_pairs()
+        dot, own = margins(call.query.shape[-1], call.query.dtype, call.softmax_scale, lse.dtype)
         return triton_max.triton_gated_max_logits(
-            query, key, seen_rows(call, lse.detach()), threshold, mask, is_causal, scale, enable_gqa,
-            bias_floor=bias_floor(call.attn_mask), dot_margin=dot, lse_margin=own,
+            call.query, call.key, seen_rows(call, lse.detach()), threshold, mask, is_causal, call.scale,
+            call.enable_gqa, bias_floor=bias_floor(call.attn_mask), dot_margin=dot, lse_margin=own,
         )
+    return gate(call, lse, threshold, lambda heads: _chunked_on(call, heads), host_read=False)
+
+
+def gate(call: AttentionCall, lse: Tensor, threshold: float, exact_on: Callable[[Tensor | None], Tensor], *,
+         host_read: bool) -> tuple[Tensor, Tensor]:
+    """The LSE gate (module docstring) over any way of computing exact maxima.
+
+    Every head gets its bound `lse_bound`; a head whose bound is at or below ``threshold`` keeps
+    it (flagged), every other head gets ``exact_on(heads)``: the exact maxima of the query heads
+    ``heads`` (a 1-D index tensor; None: every head, in order). On CPU only the heads above the
+    threshold are computed. Off the CPU, choosing heads reads the flags on the host: with
+    ``host_read`` False every head is computed exactly and none is flagged (no sync); with
+    ``host_read`` True (packed documents, whose exact max is a loop over documents) one read,
+    then only the heads above the threshold.
+
+    Returns:
+        ``(values, is_bound)``, each ``(Hq,)``, as `gated_max_logits`.
+    """
     bound = lse_bound(call, lse)
     is_bound = bound <= threshold  # False for NaN: such a head takes the exact path
-    if query.device.type != "cpu":  # no way to skip heads without a host read: every head exact
-        return exact_max_logits(call), torch.zeros_like(is_bound)
-    flagged = (~is_bound).nonzero().flatten()  # CPU: no device sync
-    n = flagged.numel()
-    if n == 0:
+    if call.query.device.type != "cpu":
+        if not host_read:
+            return exact_on(None), torch.zeros_like(is_bound)
+        if bool(is_bound.all()):  # one host read
+            return bound, is_bound
+    flagged = (~is_bound).nonzero().flatten()
+    if flagged.numel() == 0:
         return bound, is_bound
-    if n == hq:  # every head: the exact max of the whole call
-        return chunked_max_logits(query, key, mask, is_causal, scale, enable_gqa), is_bound
-    kv_heads = flagged // (hq // hkv)
-    exact = chunked_max_logits(
-        query.index_select(1, flagged), key.index_select(1, kv_heads), _head_slice(mask, flagged), is_causal, scale,
-    )
-    return bound.index_put((flagged,), exact), is_bound
+    return bound.index_put((flagged,), exact_on(flagged)), is_bound
+
+
+def _chunked_on(call: AttentionCall, heads: Tensor | None) -> Tensor:
+    """`chunked_max_logits` of the query heads ``heads`` of an ordinary call (None or all: the whole call)."""
+    mask, is_causal = call.clip_pairs()
+    hq, hkv = call.heads()
+    if heads is None or heads.numel() == hq:
+        return chunked_max_logits(call.query, call.key, mask, is_causal, call.scale, call.enable_gqa)
+    return chunked_max_logits(call.query.index_select(1, heads), call.key.index_select(1, heads // (hq // hkv)),
+                              _head_slice(mask, heads), is_causal, call.scale)
 
 
 @torch.no_grad()

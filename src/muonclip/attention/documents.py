@@ -8,12 +8,8 @@ rule within it): `document_max_logits` computes it so, never the ``(T, T)`` mask
 definition, with `muonclip.attention.chunked_max_logits` (on a CUDA GPU with Triton,
 `muonclip.attention._triton_max_logits`) per document.
 
-`gated_document_max_logits` is the LSE gate (`muonclip.attention._gate`) on such a call: the
-bound of every head over the whole packed row (each row's LSE covers exactly the keys of its
-document, so ``max_i lse_i`` bounds the max over every document's pairs), then the exact max,
-document by document, of the heads whose bound passes the threshold only. On a GPU, choosing
-those heads reads the flags on the host: one host sync per recorded call (the per-block gate
-inside the Triton kernel, which avoids it for ordinary calls, has no document boundaries).
+The LSE gate (`muonclip.attention._gate`) takes `document_max_logits` of the heads whose bound
+passes the threshold.
 """
 
 from __future__ import annotations
@@ -67,29 +63,4 @@ def document_max_logits(call: AttentionCall, heads: Tensor | None = None) -> Ten
     return out
 
 
-@torch.no_grad()
-def gated_document_max_logits(call: AttentionCall, lse: Tensor, threshold: float) -> tuple[Tensor, Tensor]:
-    """`muonclip.attention.gated_max_logits` for a call with packed documents (module docstring).
-
-    Args:
-        call: an `AttentionCall` with ``cu_seq_lens``.
-        lse: ``(1, Hq, T)`` the kernel's natural-log LSE.
-        threshold: the clip's tau.
-
-    Returns:
-        ``(values, is_bound)``, each ``(Hq,)``: exact maxima where ``is_bound`` is False, else an
-        upper bound ``<= threshold``.
-    """
-    from ._gate import lse_bound  # the gate's bound; _gate.py takes documents through this module
-
-    bound = lse_bound(call, lse)
-    is_bound = bound <= threshold  # False for NaN: such a head takes the exact path
-    if call.query.device.type != "cpu" and bool(is_bound.all()):  # GPU: one host read
-        return bound, is_bound
-    flagged = (~is_bound).nonzero().flatten()
-    if flagged.numel() == 0:
-        return bound, is_bound
-    return bound.index_put((flagged,), document_max_logits(call, flagged)), is_bound
-
-
-__all__ = ["document_max_logits", "gated_document_max_logits"]
+__all__ = ["document_max_logits"]

@@ -6,13 +6,12 @@ Hugging Face transformers models are found through `muonclip.integrations.hf` (r
 Public modules: `binding` (the parameters MuonClip follows), `check` (that the clip acted),
 `clip_targets` (what it may write), `qknorm` (norms that would undo it), `tensor_parallel` (a TP
 rank's heads), `step_metrics` (what the logging callbacks report). Internal, their names exported
-here: `_layouts`, `_rows`, `_clip`, `_discovery`, `_muonclip`.
+here: `_layouts`, `_rows`, `_discovery`, `_muonclip` (the optimizer and the clip's path).
 """
 
-from ._clip import all_reduce_max_, apply_qk_clip, compute_gamma
 from ._discovery import discover_layers, register_discoverer
 from ._layouts import GQA_POLICIES, AttentionLayer, GQALayout, Layout, MHALayout, MLALayout
-from ._muonclip import MuonClip
+from ._muonclip import MuonClip, all_reduce_max_, apply_qk_clip, compute_gamma
 from ._rows import Magnitudes, Rows, StridedRows
 from .check import QKClipIneffectiveError, QKClipIneffectiveWarning
 

@@ -23,7 +23,10 @@ bit-identical without any host sync. An `AttentionLayer` ties a layout to a name
 
 Any layout weight or bias may be, besides a tensor whose rows are the heads' rows, a `Rows`
 range or `StridedRows` blocks of a fused projection, and a weight may be DoRA's `Magnitudes`
-(`muonclip.qkclip._rows`: what each means, and how rows are scaled, sharded weights included).
+(`muonclip.qkclip._rows`: what each means). `scale_rows_` scales the rows of any of them;
+weights sharded by rows as a DTensor (FSDP2 ``Shard(0)``) are scaled on their local rows with
+the global row offset (docs/design.md, "QK-Clip"); a transposed `Rows` scales columns, which
+every local row holds.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ import torch
 from torch import Tensor
 
 from ..attention._recorder import MaxLogitRecorder
-from ._rows import Weight, check_rows, scale_rows_, tensor_of
+from ..common._dtensor import local_rows
+from ._rows import Magnitudes, Rows, StridedRows, Weight, check_rows, tensor_of
 
 GQA_POLICIES = ("per_head", "balanced", "group")
 
@@ -47,6 +51,49 @@ def _check_positive(**dims: int) -> None:
 
 def _per_row(head_factor: Tensor, rows_per_head: int) -> Tensor:
     return head_factor.repeat_interleave(rows_per_head)
+
+
+@torch.no_grad()
+def scale_rows_(t: Weight | None, factor: Tensor) -> None:
+    """In place: ``t[r, ...] *= factor[r]`` for every row r (``factor`` of shape ``(t.shape[0],)``).
+
+    For `Magnitudes`: entry r times ``factor[r]`` (row r of the effective weight).
+    For a `Rows` ``t``: row ``start + r`` of its ``(out, in)`` matrix times ``factor[r]``
+    (``factor`` of shape ``(stop - start,)``); for a transposed one, those columns of the stored
+    ``(in, out)`` tensor. For a `StridedRows` ``t``: matrix row ``t.indices()[r]`` times
+    ``factor[r]``, every other row times exactly 1.0. Computed in float32 and rounded once to
+    ``t``'s dtype; rows with factor exactly 1.0 stay bit-identical. A DTensor sharded on dim 0 (FSDP2) scales its local
+    rows using the global row offset (a transposed weight's local rows hold every column); a
+    replicated DTensor scales its local copy.
+    """
+    if t is None:
+        return
+    if isinstance(t, Magnitudes):  # entry r stands for row r
+        scale_rows_(t.tensor, factor)
+        return
+    if isinstance(t, StridedRows):  # a whole-matrix factor, 1.0 off the set: no sync, any row sharding
+        full = torch.ones(t.out_features, dtype=torch.float32, device=factor.device)
+        full[t.indices(factor.device)] = factor.float()
+        if t.transposed:
+            data, _ = local_rows(t.tensor)
+            data.mul_(full.to(data.device).view(1, -1))
+        else:
+            scale_rows_(t.tensor, full)
+        return
+    if isinstance(t, Rows):
+        data, offset = local_rows(t.tensor)
+        f = factor.to(device=data.device, dtype=torch.float32)
+        if t.transposed:
+            data[:, t.start : t.stop].mul_(f.view(1, -1))
+            return
+        lo, hi = max(t.start, offset), min(t.stop, offset + data.shape[0])
+        if lo < hi:
+            data[lo - offset : hi - offset].mul_(f[lo - t.start : hi - t.start].view(-1, *([1] * (data.ndim - 1))))
+        return
+    data, offset = local_rows(t)  # FSDP2 Shard(0): this rank's rows and the global index of the first
+    factor = factor[offset : offset + data.shape[0]]
+    f = factor.to(device=data.device, dtype=torch.float32).view(-1, *([1] * (data.ndim - 1)))
+    data.mul_(f)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,4 +1,22 @@
-"""`MuonClip`: Muon + AdamW + QK-Clip in one ``step()`` (Kimi K2, arXiv 2507.20534, Algorithm 1)."""
+"""`MuonClip`: Muon + AdamW + QK-Clip in one ``step()`` (Kimi K2, arXiv 2507.20534, section 2.1,
+Algorithm 1; docs/design.md, "QK-Clip").
+
+After the optimizer update, the clip's path, in this file (`MuonClip._clip`)::
+
+    recorded maxima   S_h, each head's max logit since the last clip (the layer's recorder)
+    reduce            all_reduce_max_: the max over the ranks, only when there is a process group
+    gammas            compute_gamma: gamma_h = tau / S_h if S_h > tau else 1
+    scale rows        apply_qk_clip: layout.clip(gamma), head h's logits times exactly gamma_h
+                      (`muonclip.qkclip._layouts`); then recorder.reset()
+
+Under data parallelism every rank recorded the max of its own micro-batches; one packed
+``all_reduce(MAX)`` over all layers and heads (plus one "recorded" flag per layer) makes every
+rank clip with the global maxima. It runs over the optimizer's process group
+(`muonclip.distributed._context.collective_group`, asked only when the step has one:
+``process_group="local"`` means no collective, so independent models in one job each clip with
+their own maxima), on every rank of it, never under a rank condition, and is skipped for a group
+of one rank. Then the runtime check (`muonclip.qkclip.check`) looks at what the clip did.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..common import defaults as D
@@ -18,11 +37,11 @@ from ..optim import Muon, param_groups
 from ..optim._validation import number
 from ..optim._wrappers import wrapped_optimizer
 from ..optim.flat import refuse_flat_model
-from ._clip import all_reduce_max_, apply_qk_clip
+from ..optim.multiprocess import needs_engine
 from ._discovery import discover_layers
 from ._layouts import AttentionLayer
 from .binding import ParameterBinding
-from .check import ClipCheck, QKClipIneffectiveError, QKClipIneffectiveWarning
+from .check import ClipCheck, QKClipIneffectiveError, QKClipIneffectiveWarning, world_size
 from .clip_targets import check_clip_targets
 
 
@@ -173,10 +192,7 @@ class MuonClip(Muon):
                 layer.recorder.reset()
             self.last_max_logits, self.last_bounded, self.last_clipped = {}, {}, {}
             return loss
-        if self.last_masked is None:
-            self.clip()
-        else:
-            self.clip(masked=self.last_masked)
+        self.clip(self.last_masked)  # through `clip`, which loggers may wrap (muonclip.qkclip.step_metrics)
         if not self.last_max_logits and any(p.grad is not None for g in self.param_groups for p in g["params"]) \
                 and any(number(g["lr"]) != 0 for g in self.param_groups):  # lr 0 everywhere: DCP creating state
             warnings.warn(
@@ -198,8 +214,16 @@ class MuonClip(Muon):
         if inner is not None:  # called through a framework's wrapper: the optimizer's own record
             inner.clip(masked)
             return
+        self._clip(masked)
+
+    def _clip(self, masked: Tensor | None) -> None:
+        """The clip's path (module docstring): recorded maxima -> reduce -> gammas -> scale rows,
+        then the runtime check."""
         self._follow()
-        group = collective_group([p for g in self.param_groups for p in g["params"]], self.process_group)
+        params = [p for g in self.param_groups for p in g["params"]]
+        group = None
+        if needs_engine(params, self.process_group):  # DTensors or a process group: the distributed layer's rule
+            group = collective_group(params, self.process_group)
         if group is not None:
             all_reduce_max_(self.layers, group)
         self.last_bounded = {
@@ -320,6 +344,99 @@ class MuonClip(Muon):
         self._follow(force=True)
         super().load_state_dict(state_dict)
         self._clip_check.reset()
+
+
+# ----------------------------------------------------------------------------------------------
+# the clip's path
+# ----------------------------------------------------------------------------------------------
+
+
+def compute_gamma(max_logits: Tensor, tau: float) -> Tensor:
+    """Per-head factor ``tau / S_h`` where ``S_h > tau``, else exactly 1.0.
+
+    Args:
+        max_logits: ``(n_heads,)`` recorded maxima ``S_h`` (``-inf``: head saw no token pair;
+            NaN is never clipped).
+        tau: the threshold, > 0.
+
+    Returns:
+        ``(n_heads,)`` float32 gamma in ``(0, 1]``.
+    """
+    s = max_logits.float()
+    over = s > tau
+    return torch.where(over, tau / torch.where(over, s, torch.ones_like(s)), torch.ones_like(s))
+
+
+@torch.no_grad()
+def all_reduce_max_(layers: Sequence[AttentionLayer], group: dist.ProcessGroup | None = None) -> None:
+    """Replace every layer's recorded maxima by the max over the data-parallel ranks, in ONE all-reduce.
+
+    The packed buffer holds, for each layer, its ``n_heads`` maxima (``-inf`` when nothing was
+    recorded on this rank), the maxima of its exactly computed values (the recorder's
+    ``exact``: which values are LSE bounds stays known after the reduction) and a flag (1 if
+    recorded here, else 0). After the ``MAX``
+    reduction a layer recorded on no rank stays unrecorded (``value = None``); one host read
+    of the L flags decides that. Must be called on every rank of ``group`` (every rank holds
+    the same layers). ``group`` None is the default group. No-op without an initialised process
+    group or for a group of one rank.
+    """
+    if not layers or world_size() == 1 or dist.get_world_size(group) == 1:
+        return
+    device = layers[0].device
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    parts = []
+    for layer in layers:
+        v = layer.recorder.value
+        if v is None:
+            parts.append(torch.full((2 * layer.recorder.n_heads + 1,), -math.inf, device=device))
+        else:
+            e = v if layer.recorder.exact is None else layer.recorder.exact
+            parts.append(torch.cat([v.to(device), e.to(device), torch.ones(1, device=device)]))
+    packed = torch.cat(parts)
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    sizes = [2 * layer.recorder.n_heads + 1 for layer in layers]
+    chunks = packed.split(sizes)
+    flags = torch.stack([c[-1] for c in chunks]).tolist()  # one host sync for L flags
+    for layer, chunk, flag in zip(layers, chunks, flags):
+        target, n = layer.device, layer.recorder.n_heads
+        layer.recorder.value = chunk[:n].to(target).clone() if flag > 0 else None
+        layer.recorder.exact = chunk[n:2 * n].to(target).clone() if flag > 0 else None
+
+
+@torch.no_grad()
+def apply_qk_clip(
+    layers: Sequence[AttentionLayer], tau: float, masked: Tensor | None = None
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """Clip every layer with recorded maxima, then reset every recorder.
+
+    Args:
+        layers: the attention layers.
+        tau: threshold, > 0.
+        masked: 0-D bool tensor (default None): where True every gamma is exactly 1, so no
+            weight changes, decided on the device (a step masked by ``on_nonfinite="mask"``).
+
+    Returns:
+        ``(max_logits, clipped)``: per layer name that had something recorded, the ``(n_heads,)``
+        maxima used and the ``(n_heads,)`` bool "clipped" mask. Layers with nothing recorded are
+        absent (nothing to clip; no error). No host sync.
+    """
+    if not tau > 0:
+        raise ValueError(f"tau must be > 0, got {tau}")
+    max_logits: dict[str, Tensor] = {}
+    clipped: dict[str, Tensor] = {}
+    for layer in layers:
+        s = layer.recorder.value
+        layer.recorder.reset()
+        if s is None:
+            continue
+        gamma = compute_gamma(s, tau)
+        if masked is not None:
+            gamma = torch.where(masked.to(gamma.device, non_blocking=True), torch.ones_like(gamma), gamma)
+        layer.layout.clip(gamma)
+        max_logits[layer.name] = s
+        clipped[layer.name] = gamma < 1.0
+    return max_logits, clipped
 
 
 def outside_frames() -> int:

@@ -1,5 +1,4 @@
-"""The rows of a weight that a head layout names (`muonclip.qkclip.MHALayout` and the others),
-and scaling them.
+"""The rows of a weight that a head layout names (`muonclip.qkclip.MHALayout` and the others).
 
 A layout's weight or bias is a tensor whose rows are the heads' rows, or one of:
 
@@ -11,10 +10,8 @@ A layout's weight or bias is a tensor whose rows are the heads' rows, or one of:
 * `Magnitudes` — DoRA's magnitude vector, whose entry r stands for row r of the effective
   weight (the clip scales the magnitudes, never the frozen base weight).
 
-`scale_rows_` multiplies each row by its factor; weights sharded by rows as a DTensor (FSDP2
-``Shard(0)``) are scaled on their local rows with the global row offset (docs/design.md,
-"QK-Clip"); a transposed `Rows` scales columns, which every local row holds. `check_rows`
-refuses rows that do not fit the weight or the layout, saying which.
+`check_rows` refuses rows that do not fit the weight or the layout, saying which. Scaling them
+is the layouts' (`muonclip.qkclip._layouts.scale_rows_`).
 """
 
 from __future__ import annotations
@@ -23,8 +20,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-
-from ..common._dtensor import local_rows
 
 
 @dataclass(frozen=True)
@@ -191,46 +186,3 @@ def check_rows(name: str, t: Weight | None, rows: int, why: str, *, vector: bool
             f"{name} has {t.shape[0]} rows but the stated head layout needs {rows} ({why}); "
             "check n_heads / n_kv_heads / head dims, or pass the right weight"
         )
-
-
-@torch.no_grad()
-def scale_rows_(t: Weight | None, factor: Tensor) -> None:
-    """In place: ``t[r, ...] *= factor[r]`` for every row r (``factor`` of shape ``(t.shape[0],)``).
-
-    For `Magnitudes`: entry r times ``factor[r]`` (row r of the effective weight).
-    For a `Rows` ``t``: row ``start + r`` of its ``(out, in)`` matrix times ``factor[r]``
-    (``factor`` of shape ``(stop - start,)``); for a transposed one, those columns of the stored
-    ``(in, out)`` tensor. For a `StridedRows` ``t``: matrix row ``t.indices()[r]`` times
-    ``factor[r]``, every other row times exactly 1.0. Computed in float32 and rounded once to
-    ``t``'s dtype; rows with factor exactly 1.0 stay bit-identical. A DTensor sharded on dim 0 (FSDP2) scales its local
-    rows using the global row offset (a transposed weight's local rows hold every column); a
-    replicated DTensor scales its local copy.
-    """
-    if t is None:
-        return
-    if isinstance(t, Magnitudes):  # entry r stands for row r
-        scale_rows_(t.tensor, factor)
-        return
-    if isinstance(t, StridedRows):  # a whole-matrix factor, 1.0 off the set: no sync, any row sharding
-        full = torch.ones(t.out_features, dtype=torch.float32, device=factor.device)
-        full[t.indices(factor.device)] = factor.float()
-        if t.transposed:
-            data, _ = local_rows(t.tensor)
-            data.mul_(full.to(data.device).view(1, -1))
-        else:
-            scale_rows_(t.tensor, full)
-        return
-    if isinstance(t, Rows):
-        data, offset = local_rows(t.tensor)
-        f = factor.to(device=data.device, dtype=torch.float32)
-        if t.transposed:
-            data[:, t.start : t.stop].mul_(f.view(1, -1))
-            return
-        lo, hi = max(t.start, offset), min(t.stop, offset + data.shape[0])
-        if lo < hi:
-            data[lo - offset : hi - offset].mul_(f[lo - t.start : hi - t.start].view(-1, *([1] * (data.ndim - 1))))
-        return
-    data, offset = local_rows(t)  # FSDP2 Shard(0): this rank's rows and the global index of the first
-    factor = factor[offset : offset + data.shape[0]]
-    f = factor.to(device=data.device, dtype=torch.float32).view(-1, *([1] * (data.ndim - 1)))
-    data.mul_(f)

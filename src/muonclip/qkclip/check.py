@@ -54,9 +54,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from ._clip import world_size
 from ._layouts import AttentionLayer
 
 ARM_GAMMA = 0.5
@@ -69,6 +69,13 @@ STRIKES = 2
 """A layer is reported when one of its heads trips on this many clips in a row."""
 
 ON_INEFFECTIVE_CLIP = ("warn", "raise", "ignore")
+
+
+def world_size() -> int:
+    """Ranks of the default process group; 1 when torch.distributed is not initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size()
 
 
 class QKClipIneffectiveWarning(UserWarning):
