@@ -324,7 +324,7 @@ def test_bad_checkpoints_on_resume(tmp_path, capsys, text):
 
 
 def test_presets_are_valid_and_the_stability_segment_removes_weight_decay():
-    from muonclip.app.compare import stability_config
+    from muonclip.app.compare_runs import stability_config
 
     for name in ("default", "tiny", "k2-mini"):
         make_config(name)
