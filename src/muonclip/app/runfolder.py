@@ -561,6 +561,6 @@ def read_config(folder: str | Path) -> dict[str, Any] | None:
 def write_config(folder: str | Path, optimizer: str, config: dict[str, Any], run: dict[str, Any],
                  token: str | None = None) -> Path:
     """Write ``folder/config.json`` atomically: ``{"optimizer": ..., <config fields>, "run": run}``
-    (``run``: the run's identity and history, `muonclip.app.checkpoints.RunIdentity`; ``token``:
+    (``run``: the run's identity and history, `muonclip.app.run_state.RunIdentity`; ``token``:
     the writer's, `write_atomically`)."""
     return write_json(Path(folder) / CONFIG, {"optimizer": optimizer, **config, "run": run}, token=token)

@@ -142,7 +142,7 @@ def finished_loss(spec: RunSpec) -> float | None:
     except json.JSONDecodeError:  # stopped while writing it, before its first step
         shutil.rmtree(spec.run_dir)
         return None
-    saved.pop("run", None)  # the run's identity and history (muonclip.app.checkpoints.RunIdentity)
+    saved.pop("run", None)  # the run's identity and history (muonclip.app.run_state.RunIdentity)
     want = json.loads(json.dumps({"optimizer": spec.optimizer, **spec.cfg.to_dict()}))
     differ = sorted(k for k in saved.keys() | want.keys()
                     if k not in PROTOCOL_FIELDS and not (k in saved and k in want and _same(saved[k], want[k])))

@@ -67,7 +67,8 @@ import torch
 from torch import Tensor, nn
 
 from ..optim import NonFiniteGradError
-from .checkpoints import Checkpoint, save_checkpoint
+from .checkpoint_write import save_checkpoint
+from .checkpoints import Checkpoint
 from .config import RunConfig
 from .cores import usable_cores
 from .data import Corpus, train_batch, val_batches

@@ -32,15 +32,12 @@ from ..distributed._context import GroupContext
 from ..distributed.checkpoint import CheckpointError
 from .checkpoints import (
     Checkpoint,
-    RunIdentity,
     check_contents,
     check_shapes,
-    corpus_digest,
     load_checkpoint,
     load_file,
     read_checkpoint,
     read_run_config,
-    set_rng_state,
     verify,
 )
 from .config import RunConfig, check_optimizer
@@ -66,6 +63,7 @@ from .resume import (
     check_same_run,
     group_hyperparameters,
 )
+from .run_state import RunIdentity, corpus_digest, set_rng_state
 from .runfolder import (
     TEMPORARY_NAME,
     OutputError,
