@@ -27,7 +27,7 @@ from muonclip.app.data import builtin_corpus_dir, load_corpus, read_document
 from muonclip.app.metrics import read_rows
 from muonclip.app.model import build_model, build_optimizer
 from muonclip.app.run_state import RunIdentity
-from muonclip.app.runfolder import OutputError
+from muonclip.app.safe_files import OutputError
 from muonclip.app.train import Interrupted, train_run
 from muonclip.distributed import checkpoint as dcp_ckpt
 from muonclip.distributed.checkpoint import CheckpointError

@@ -217,7 +217,8 @@ def test_interrupted_sharded_save_keeps_the_previous_checkpoint(tmp_path, monkey
     from muonclip.app.checkpoints import verify
     from muonclip.app.config import make_config
     from muonclip.app.run_state import RunIdentity
-    from muonclip.app.runfolder import RunLock, new_token
+    from muonclip.app.runfolder import RunLock
+    from muonclip.app.safe_files import new_token
 
     cfg = make_config("tiny", {"threads": 1})
     model = build_model(cfg)

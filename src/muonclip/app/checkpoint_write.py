@@ -22,13 +22,14 @@ from ..distributed.checkpoint import CheckpointError, model_shapes
 from .checkpoints import FILE_FORMAT, FORMAT, VERSION, Checkpoint
 from .launch import agree, barrier
 from .run_state import RunIdentity, rng_state, rng_to_json
-from .runfolder import POINTER, OutputError, file_digest, remove_leftovers, temporary_name, write_atomically, write_json
+from .runfolder import POINTER, remove_leftovers
+from .safe_files import OutputError, file_digest, temporary_name, write_atomically, write_json
 
 
 def save_file(path: str | Path, payload: dict[str, Any], token: str | None = None) -> Path:
     """Write ``payload`` (``step``, ``model``, ``optim``, ``rng``) atomically to ``path`` as one
     ``torch.save`` dict (format and version are added; ``token``: the writer's,
-    `muonclip.app.runfolder.write_atomically`)."""
+    `muonclip.app.safe_files.write_atomically`)."""
     data = {"format": FILE_FORMAT, "version": VERSION, **payload}
     return write_atomically(path, lambda f: torch.save(data, f), token=token)
 
@@ -66,7 +67,7 @@ def save_checkpoint(folder: str | Path, model: nn.Module, optimizer: torch.optim
         meta: the pointer's ``optimizer``, ``config``, ``run``, ``extra`` (and anything else kept,
             e.g. ``mode``).
         previous: the current checkpoint (removed once the new one is in place), or None.
-        token: the writer's token (`muonclip.app.runfolder.new_token`, recorded in the folder's
+        token: the writer's token (`muonclip.app.safe_files.new_token`, recorded in the folder's
             lock; the same on every rank), named in the temporaries (default None: a fresh one).
 
     Raises:

@@ -31,7 +31,7 @@ the optimizer state's structure, the RNG states, which torch must accept) and th
 own state by the optimizer (`muonclip.Muon.load_state_dict`; torch.optim.AdamW's moments and
 steps here, `check_optimizer_state`), all before anything is loaded into the model or the
 optimizer: a `CheckpointError` names the file and the field, and the folder is not modified.
-Every file is opened without following a link (`muonclip.app.runfolder.open_file`), and
+Every file is opened without following a link (`muonclip.app.safe_files.open_file`), and
 nothing read executes code (``weights_only=True``; DCP through
 `muonclip.distributed.checkpoint`'s restricted readers). ``config.json`` is read the same
 way (`read_run_config`).
@@ -62,16 +62,8 @@ from ..optim import Muon
 from ..optim._state_validation import check_adamw_entry
 from .config import INT_LIMIT, OPTIMIZERS, RunConfig
 from .run_state import RunIdentity, check_rng, rng_from_json
-from .runfolder import (
-    CHECKPOINT_NAME,
-    CONFIG,
-    POINTER,
-    OutputError,
-    file_digest,
-    open_file,
-    read_config,
-    read_json,
-)
+from .runfolder import CHECKPOINT_NAME, CONFIG, POINTER, read_config
+from .safe_files import OutputError, file_digest, open_file, read_json
 
 FORMAT = "muonclip-checkpoint"
 VERSION = 2
@@ -245,7 +237,7 @@ def _inside(rel: Any, name: str) -> bool:
 
 def verify(ckpt: Checkpoint) -> None:
     """Hash every file of ``ckpt``'s manifest and compare size and SHA-256 (each opened by
-    `muonclip.app.runfolder.open_file`: no link followed, nothing but regular files read).
+    `muonclip.app.safe_files.open_file`: no link followed, nothing but regular files read).
 
     Raises:
         CheckpointError: a file is missing, of another size (truncated) or content, naming it.

@@ -22,8 +22,9 @@ from .config import OPTIMIZERS, TUNED_PRESETS, RunConfig, make_config
 from .cores import usable_cores
 from .data import Corpus, check_fits, corpus_size, corpus_warnings, load_corpus
 from .memory import check_memory
-from .runfolder import OutputError, check_outside_runs, check_writable, inspect_folder
+from .runfolder import check_outside_runs, check_writable, inspect_folder
 from .runner import RunSpec
+from .safe_files import OutputError
 from .sweep import budget_steps
 from .train_setup import check_threads
 

@@ -54,8 +54,8 @@ from .config import RunConfig, model_config
 from .cores import cpu_name, usable_cores
 from .data import Corpus
 from .model import parameter_count
-from .runfolder import OutputError
 from .runner import run_all
+from .safe_files import OutputError
 from .sweep import SWEEP_SEED_OFFSET, budget_steps, finished_loss, tune
 
 WIDTH_FACTORS = (1.0, 1.5, 2.0)

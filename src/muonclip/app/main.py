@@ -48,7 +48,8 @@ from .launch import (
 )
 from .model import orthogonalisation
 from .resume import check_restart
-from .runfolder import OutputError, check_run_folder, inspect_folder
+from .runfolder import check_run_folder, inspect_folder
+from .safe_files import OutputError
 from .train import ABORTED, CtrlC, Interrupted, NonFiniteLossError
 
 EXIT_INPUT, EXIT_NONFINITE, EXIT_PEER, EXIT_INTERRUPTED = 2, 3, 4, 130

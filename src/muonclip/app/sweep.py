@@ -38,8 +38,9 @@ from typing import Any
 from .config import RunConfig
 from .data import Corpus
 from .metrics import read_rows
-from .runfolder import CONFIG, OutputError
+from .runfolder import CONFIG
 from .runner import RunSpec, run_all
+from .safe_files import OutputError
 
 SQRT2 = 2.0**0.5
 SWEEP_SEED_OFFSET = 1000  # tuning seeds: seed + 1000, seed + 1001, ...: never the reported ones

@@ -64,17 +64,8 @@ from .resume import (
     group_hyperparameters,
 )
 from .run_state import RunIdentity, corpus_digest, set_rng_state
-from .runfolder import (
-    TEMPORARY_NAME,
-    OutputError,
-    RunLock,
-    check_new_run_folder,
-    check_run_folder,
-    enclosing_run,
-    is_own_entry,
-    new_token,
-    read_lock_token,
-)
+from .runfolder import RunLock, check_new_run_folder, check_run_folder, enclosing_run, is_own_entry, read_lock_token
+from .safe_files import TEMPORARY_NAME, OutputError, new_token
 
 
 def check_threads(threads: int) -> int:
