@@ -303,7 +303,8 @@ class RunLock:
 
     ``.lock`` is the one file of the folder written in place (every other is replaced by a
     rename): it is opened without following a symbolic link (`muonclip.app.safe_files.open_file`)
-    and refused when it has another name (a hard link, which could be a file outside the folder), before a byte is written.
+    and refused when it has another name (a hard link, which could be a file outside the folder),
+    before a byte is written.
 
     Raises:
         OutputError: another process holds the lock (a run is writing there), ``.lock`` is a
@@ -387,8 +388,8 @@ def remove_leftovers(folder: str | Path, keep: str | None) -> list[str]:
 
 
 def read_config(folder: str | Path) -> dict[str, Any] | None:
-    """The dict of ``folder/config.json`` (read by `muonclip.app.safe_files.read_json`: no link followed), or None when it
-    is absent. Its fields are checked by `muonclip.app.checkpoints.read_run_config`.
+    """The dict of ``folder/config.json`` (read by `muonclip.app.safe_files.read_json`: no link
+    followed), or None when it is absent. Its fields are checked by `muonclip.app.checkpoints.read_run_config`.
 
     Raises:
         OutputError: it is not a JSON object, or not a plain file.
