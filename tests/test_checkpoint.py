@@ -12,22 +12,22 @@ import signal
 import pytest
 import torch
 
-import muonclip.app.checkpoints as ckpt_mod
+import muonclip.app.checkpoint_write as ckpt_mod
 import muonclip.app.train as train_mod
+from muonclip.app.checkpoint_write import save_checkpoint
 from muonclip.app.checkpoints import (
-    RunIdentity,
     check_shapes,
     load_checkpoint,
     load_file,
     read_checkpoint,
-    save_checkpoint,
     verify,
 )
 from muonclip.app.config import make_config
 from muonclip.app.data import builtin_corpus_dir, load_corpus, read_document
 from muonclip.app.metrics import read_rows
 from muonclip.app.model import build_model, build_optimizer
-from muonclip.app.runfolder import OutputError
+from muonclip.app.run_state import RunIdentity
+from muonclip.app.safe_files import OutputError
 from muonclip.app.train import Interrupted, train_run
 from muonclip.distributed import checkpoint as dcp_ckpt
 from muonclip.distributed.checkpoint import CheckpointError

@@ -324,7 +324,7 @@ def test_bad_checkpoints_on_resume(tmp_path, capsys, text):
 
 
 def test_presets_are_valid_and_the_stability_segment_removes_weight_decay():
-    from muonclip.app.compare import stability_config
+    from muonclip.app.compare_runs import stability_config
 
     for name in ("default", "tiny", "k2-mini"):
         make_config(name)
@@ -438,7 +438,7 @@ def test_a_full_disk_during_a_save_exits_2_and_keeps_the_last_checkpoint(tmp_pat
     """ENOSPC from the second checkpoint's write (as a 600 KB tmpfs gives it: torch.save's zip writer
     then raises a RuntimeError over the OSError): exit 2 naming --out and the cause, the checkpoint of
     step 2 kept and verified, no temporary left. On the old code: a traceback, exit 1."""
-    import muonclip.app.checkpoints as ckpt
+    import muonclip.app.checkpoint_write as ckpt
     from muonclip.app.checkpoints import verify
 
     real, calls = ckpt.torch.save, {"n": 0}

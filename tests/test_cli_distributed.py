@@ -213,9 +213,12 @@ def test_interrupted_sharded_save_keeps_the_previous_checkpoint(tmp_path, monkey
     """Exact: the checkpoint that is kept holds copies of the tensors' bytes. The next writer (another
     token, the killed one's recorded in the lock) removes the torn temporary folder."""
     import muonclip.distributed.checkpoint as dcp_ckpt
-    from muonclip.app.checkpoints import RunIdentity, save_checkpoint, verify
+    from muonclip.app.checkpoint_write import save_checkpoint
+    from muonclip.app.checkpoints import verify
     from muonclip.app.config import make_config
-    from muonclip.app.runfolder import RunLock, new_token
+    from muonclip.app.run_state import RunIdentity
+    from muonclip.app.runfolder import RunLock
+    from muonclip.app.safe_files import new_token
 
     cfg = make_config("tiny", {"threads": 1})
     model = build_model(cfg)

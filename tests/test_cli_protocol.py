@@ -16,8 +16,8 @@ from muonclip.app.config import make_config
 from muonclip.app.data import builtin_corpus_dir, load_corpus, read_document
 from muonclip.app.main import main
 from muonclip.app.metrics import read_rows
-from muonclip.app.runfolder import OutputError
 from muonclip.app.runner import RunSpec, run_all
+from muonclip.app.safe_files import OutputError
 
 
 def test_budget_to_reach_interpolates_the_first_crossing():

@@ -151,3 +151,19 @@ def test_settings_the_presets_cannot_run_are_refused_before_anything_is_written(
     out = tmp_path / "never"
     assert main(["compare", *argv, "--quiet", "--out", str(out)]) == 2
     assert re.search(match, capsys.readouterr().err) and not out.exists()
+
+
+@pytest.mark.parametrize("preset", ["guards", "guards-mla", "ladder", "finetune"])
+def test_the_standard_protocol_refuses_a_preset_with_its_own(tmp_path, preset):
+    """`muonclip.app.compare.compare` runs the standard protocol only: called from Python with a preset that runs
+    its own (`muonclip.app.compare_runs.OWN_PROTOCOL`, dispatched by `muonclip compare`), it names the module and
+    the command, before anything is written (it used to dispatch there itself)."""
+    from muonclip.app.compare import compare
+    from muonclip.app.compare_runs import OWN_PROTOCOL
+    from muonclip.app.config import make_config
+
+    out = tmp_path / "never"
+    with pytest.raises(ValueError, match=rf"--preset {preset} runs its own protocol \({OWN_PROTOCOL[preset]}\).*"
+                                         rf"muonclip compare --preset {preset}"):
+        compare(make_config(preset), out)
+    assert not out.exists()

@@ -11,9 +11,9 @@ import math
 import pytest
 
 from muonclip.app import ladder
-from muonclip.app.compare import parameter_count
 from muonclip.app.config import make_config
 from muonclip.app.main import main
+from muonclip.app.model import parameter_count
 from muonclip.app.report.ladder import WEN_2025, ladder_markdown, ladder_reading, ratio_text, slope
 from muonclip.app.sweep import SQRT2
 

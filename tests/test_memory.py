@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from muonclip.app import memory
-from muonclip.app.config import make_config
+from muonclip.app import memory, shapes
+from muonclip.app.config import make_config, model_config
 from muonclip.app.main import main
 from muonclip.app.model import build_model
 
@@ -164,7 +164,7 @@ def test_attention_kernel_is_the_one_torch_picks(sets):
         gpt_module.scaled_dot_product_attention = real
     math_path = int(torch.nn.attention.SDPBackend.MATH.value)
     assert seen and all((choice == math_path) == (cfg.attention == "mla") for choice in seen)
-    assert (memory.activation_widths(cfg)[1] > 0) == (cfg.attention == "mla")
+    assert (shapes.activation_widths(model_config(cfg))[1] > 0) == (cfg.attention == "mla")
 
 
 def test_estimate_grows_as_the_step_does():
@@ -180,7 +180,7 @@ def test_estimate_grows_as_the_step_does():
     scores = memory.step_memory(mla, "muon").attention_scores
     assert scores == 4 * (cfg.n_layer + 2) * cfg.batch_size * cfg.n_head * cfg.block_size**2
     assert memory.step_memory(replace(mla, block_size=64), "muon").attention_scores == 4 * scores
-    total, hidden, largest = memory._parameter_counts(cfg)
+    total, hidden, largest = shapes.parameter_counts(model_config(cfg))
     real = build_model(cfg)
     assert total == sum(p.numel() for p in real.parameters()) and 0 < largest <= hidden < total
     adamw = memory.step_memory(cfg, "adamw").parameters
@@ -235,11 +235,11 @@ def test_impossible_block_size_exits_2_at_once(tmp_path, capsys, monkeypatch, co
     any work (the corpus is not read), naming batch_size and block_size, nothing written (the
     machine's memory is fixed at 16 GiB here, so the outcome does not depend on the machine the
     test runs on)."""
-    import muonclip.app.compare
+    import muonclip.app.compare_runs
     import muonclip.app.train_setup
 
     monkeypatch.setattr(memory, "available_memory", lambda device, ranks_here=1: 16 * 2**30)
-    for module in (muonclip.app.train_setup, muonclip.app.compare):
+    for module in (muonclip.app.train_setup, muonclip.app.compare_runs):
         monkeypatch.setattr(module, "load_corpus", lambda *a, **k: pytest.fail("the corpus was read"))
     out = tmp_path / "out"
     rc = main([command, "--set", "block_size=100000", "--steps", "2", "--quiet", "--out", str(out)])
@@ -338,12 +338,12 @@ def test_parameters_are_counted_from_the_config_exactly(preset, sets):
     cfg = make_config(preset, sets=sets)
     with torch.device("meta"):
         model = build_model(cfg)
-    ours = {f"blocks.{i}.{n}": (s, h) for i in range(cfg.n_layer) for n, s, h in memory.block_parameters(cfg)}
-    ours.update({n: (s, h) for n, s, h in memory.outer_parameters(cfg)})
+    ours = {f"blocks.{i}.{n}": (s, h) for i in range(cfg.n_layer) for n, s, h in shapes.block_parameters(model_config(cfg))}
+    ours.update({n: (s, h) for n, s, h in shapes.outer_parameters(model_config(cfg))})
     assert {n: s for n, (s, _) in ours.items()} == {n: tuple(p.shape) for n, p in model.named_parameters()}
     hidden = {n for g in param_groups(model) if g["algorithm"] == "muon" for n in g["param_names"]}
     assert {n for n, (_, h) in ours.items() if h} == hidden
-    assert memory.hidden_extent(cfg) == max(max(p.shape[-2:]) for n, p in model.named_parameters() if n in hidden)
+    assert shapes.hidden_extent(model_config(cfg)) == max(max(p.shape[-2:]) for n, p in model.named_parameters() if n in hidden)
 
 
 @pytest.mark.parametrize("readable", [True, False])
@@ -438,12 +438,12 @@ def test_sizes_set_by_a_user_number_are_refused_before_they_are_allocated(tmp_pa
     (eval_batches: on the old code a traceback, exit 1, after trying to allocate 3.2 TB) and a
     comparison's plan (seeds: on the old code 9e11 runs planned, until memory ran out). Exit 2 before the
     corpus is read, naming the setting and a value that fits; nothing written."""
-    import muonclip.app.compare
+    import muonclip.app.compare_runs
     import muonclip.app.finetune
     import muonclip.app.train_setup
 
     monkeypatch.setattr(memory, "available_memory", lambda device, ranks_here=1: 16 * 2**30)
-    for module in (muonclip.app.train_setup, muonclip.app.compare):
+    for module in (muonclip.app.train_setup, muonclip.app.compare_runs):
         monkeypatch.setattr(module, "load_corpus", lambda *a, **k: pytest.fail("the corpus was read"))
     monkeypatch.setattr(muonclip.app.finetune, "genre_corpora", lambda *a, **k: pytest.fail("the corpus was read"))
     out = tmp_path / "out"

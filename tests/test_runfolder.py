@@ -18,16 +18,14 @@ from muonclip.app.checkpoints import load_file, read_checkpoint
 from muonclip.app.main import main
 from muonclip.app.metrics import JSONL, MetricsError, MetricsWriter, read_rows
 from muonclip.app.runfolder import (
-    OutputError,
     RunLock,
     check_new_run_folder,
     inspect_folder,
-    new_token,
     read_lock_token,
     recorded_tokens,
     remove_leftovers,
-    temporary_name,
 )
+from muonclip.app.safe_files import OutputError, new_token, temporary_name
 
 TINY = ["--preset", "tiny", "--quiet", "--threads", "1"]
 

@@ -10,15 +10,16 @@ pointer ``checkpoint.json``:
   on any number of ranks, or in one process. Rank 0's RNG states ride along as JSON.
 
 The pointer holds the run's bookkeeping: ``step``, ``optimizer``, ``config`` (the config the
-state was trained with), ``run`` (the run's identity, `RunIdentity`), ``extra`` (elapsed time,
-last validation loss), the model's tensor ``shapes`` and the ``files`` manifest: the size and
+state was trained with), ``run`` (the run's identity, `muonclip.app.run_state.RunIdentity`),
+``extra`` (elapsed time, last validation loss), the model's tensor ``shapes`` and the ``files`` manifest: the size and
 SHA-256 of every file of the checkpoint.
 
-**Writing** (`save_checkpoint`): the checkpoint goes to a temporary name, is flushed and renamed
-to its own step's name; its files are hashed from the disk; the pointer is written atomically
-after them; only then is the previous checkpoint removed. A kill at any moment leaves the
-previous pointer and its checkpoint intact (and leftovers that the next start removes). A
-failed write (a full disk) raises `OutputError` saying that the previous checkpoint is kept.
+**Writing** (`muonclip.app.checkpoint_write.save_checkpoint`): the checkpoint goes to a temporary
+name, is flushed and renamed to its own step's name; its files are hashed from the disk; the
+pointer is written atomically after them; only then is the previous checkpoint removed. A kill at
+any moment leaves the previous pointer and its checkpoint intact (and leftovers that the next
+start removes). A failed write (a full disk) raises `OutputError` saying that the previous
+checkpoint is kept.
 
 **Reading** (`read_checkpoint`, `verify`, `load_file`, `check_contents`, `load_checkpoint`): the
 pointer is validated field by field (`read_checkpoint`: every field's type and range, the
@@ -30,7 +31,7 @@ the optimizer state's structure, the RNG states, which torch must accept) and th
 own state by the optimizer (`muonclip.Muon.load_state_dict`; torch.optim.AdamW's moments and
 steps here, `check_optimizer_state`), all before anything is loaded into the model or the
 optimizer: a `CheckpointError` names the file and the field, and the folder is not modified.
-Every file is opened without following a link (`muonclip.app.runfolder.open_file`), and
+Every file is opened without following a link (`muonclip.app.safe_files.open_file`), and
 nothing read executes code (``weights_only=True``; DCP through
 `muonclip.distributed.checkpoint`'s restricted readers). ``config.json`` is read the same
 way (`read_run_config`).
@@ -43,14 +44,11 @@ to the machine; what it trains is the writer's.
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import math
 import os
 import re
-import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,153 +61,14 @@ from ..distributed.checkpoint import CheckpointError, model_shapes
 from ..optim import Muon
 from ..optim._state_validation import check_adamw_entry
 from .config import INT_LIMIT, OPTIMIZERS, RunConfig
-from .launch import agree, barrier
-from .runfolder import (
-    CHECKPOINT_NAME,
-    CONFIG,
-    POINTER,
-    OutputError,
-    file_digest,
-    open_file,
-    read_config,
-    read_json,
-    remove_leftovers,
-    temporary_name,
-    write_atomically,
-    write_json,
-)
+from .run_state import RunIdentity, check_rng, rng_from_json
+from .runfolder import CHECKPOINT_NAME, CONFIG, POINTER, read_config
+from .safe_files import OutputError, file_digest, open_file, read_json
 
 FORMAT = "muonclip-checkpoint"
 VERSION = 2
 FILE_FORMAT = "muonclip-checkpoint-file"
 _POINTER_KEYS = ("kind", "path", "step", "optimizer", "config", "run", "extra", "shapes", "files")
-
-
-@dataclass
-class RunIdentity:
-    """Who a run is, kept in ``config.json`` and in every checkpoint pointer.
-
-    Attributes:
-        id: a random id given when the run starts (a checkpoint copied in from another run
-            carries another one).
-        data_sha256: SHA-256 of the run's training and validation bytes (`corpus_digest`).
-        history: the changes made on resume, in order: ``{"step": s, "changed": {field: [old, new]}}``.
-        tensorboard: the entries of the run folder its TensorBoard logging wrote (a folder's
-            name, or ``"."`` for event files in the run folder itself), which a resume keeps
-            as the run's own (`muonclip.app.runfolder.inspect_folder`).
-    """
-
-    id: str
-    data_sha256: str
-    history: list[dict[str, Any]] = field(default_factory=list)
-    tensorboard: list[str] = field(default_factory=list)
-
-    @classmethod
-    def new(cls, data_sha256: str) -> RunIdentity:
-        return cls(uuid.uuid4().hex, data_sha256)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {"id": self.id, "data_sha256": self.data_sha256, "history": list(self.history)}
-        return {**out, "tensorboard": list(self.tensorboard)} if self.tensorboard else out
-
-    @classmethod
-    def from_dict(cls, d: Any) -> RunIdentity:
-        """The identity of ``d`` (`to_dict`'s form).
-
-        Raises:
-            ValueError: a field is missing or malformed, naming it (``run.<field>``).
-        """
-        if not isinstance(d, dict):
-            raise ValueError(f"run must be a JSON object (the run's identity), got {d!r:.100}")
-        for key in ("id", "data_sha256"):
-            if not isinstance(d.get(key), str) or not d[key]:
-                raise ValueError(f"run.{key} must be a non-empty string, got {d.get(key)!r:.100}")
-        history = d.get("history", [])
-        if not isinstance(history, list):
-            raise ValueError(f"run.history must be a list of the resumes' changes, got {history!r:.100}")
-        for i, h in enumerate(history):
-            step = h.get("step") if isinstance(h, dict) else None
-            changed = h.get("changed") if isinstance(h, dict) else None
-            if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= INT_LIMIT \
-                    or not isinstance(changed, dict) \
-                    or not all(isinstance(v, list) and len(v) == 2 for v in changed.values()):
-                raise ValueError(f"run.history[{i}] must be {{\"step\": a whole number >= 0, \"changed\": "
-                                 f"{{field: [old, new]}}}}, got {h!r:.100}")
-        tensorboard = d.get("tensorboard", [])
-        if not isinstance(tensorboard, list) or not all(
-                isinstance(e, str) and (e == "." or (e and e != ".." and "/" not in e)) for e in tensorboard):
-            raise ValueError(f"run.tensorboard must be a list of entries of the run folder, got {tensorboard!r:.100}")
-        return cls(d["id"], d["data_sha256"], list(history), list(tensorboard))
-
-
-def corpus_digest(train: torch.Tensor, val: torch.Tensor) -> str:
-    """SHA-256 of a corpus's training then validation bytes (uint8 tensors)."""
-    h = hashlib.sha256()
-    for t in (train, val):
-        h.update(t.contiguous().numpy().tobytes())
-        h.update(b"\x00")
-    return h.hexdigest()
-
-
-def rng_state() -> dict[str, Any]:
-    """The torch RNG states to restore on resume (CPU, and every CUDA device if present)."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    return {"torch": torch.get_rng_state(), "cuda": cuda}
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore the states returned by `rng_state` (CUDA states only where CUDA is present)."""
-    torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def rng_to_json(state: dict[str, Any]) -> dict[str, Any]:
-    """`rng_state` as JSON: each byte tensor as base64 text."""
-    def enc(t: torch.Tensor) -> str:
-        return base64.b64encode(t.numpy().tobytes()).decode("ascii")
-
-    cuda = state.get("cuda")
-    return {"torch": enc(state["torch"]), "cuda": None if cuda is None else [enc(t) for t in cuda]}
-
-
-def rng_from_json(data: dict[str, Any]) -> dict[str, Any]:
-    """The inverse of `rng_to_json`, checked (`check_rng`).
-
-    Raises:
-        CheckpointError: not such a dict.
-    """
-    def dec(s: str) -> torch.Tensor:
-        return torch.frombuffer(bytearray(base64.b64decode(s, validate=True)), dtype=torch.uint8)
-
-    try:
-        cuda = data.get("cuda")
-        state = {"torch": dec(data["torch"]), "cuda": None if cuda is None else [dec(s) for s in cuda]}
-    except (AttributeError, KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"the checkpoint's RNG states are unreadable ({type(e).__name__}: {e})") from None
-    check_rng(state, "the checkpoint's RNG states")
-    return state
-
-
-def check_rng(state: Any, where: str) -> None:
-    """Raise `CheckpointError` unless ``state`` is what `rng_state` returns and torch accepts it:
-    ``{"torch": the CPU generator's uint8 state, "cuda": None or a list of uint8 states}`` (the
-    CPU state is tried on the generator, which is then put back as it was)."""
-    if not isinstance(state, dict) or not isinstance(state.get("torch"), torch.Tensor):
-        raise CheckpointError(f"{where}: rng must be {{'torch': a uint8 tensor, 'cuda': ...}}, got {state!r:.100}")
-    cuda = state.get("cuda")
-    if cuda is not None and not isinstance(cuda, (list, tuple)):
-        raise CheckpointError(f"{where}: rng.cuda must be None or a list of CUDA generator states, got {cuda!r:.100}")
-    for name, t in [("rng.torch", state["torch"]), *((f"rng.cuda[{i}]", t) for i, t in enumerate(cuda or []))]:
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.ndim != 1:
-            raise CheckpointError(f"{where}: {name} must be a 1-D uint8 tensor (a generator's state), got {t!r:.100}")
-    own = torch.get_rng_state()
-    try:
-        torch.set_rng_state(state["torch"])
-    except (RuntimeError, ValueError, TypeError) as e:
-        raise CheckpointError(f"{where}: rng.torch is not a state of torch's CPU generator ({e})") from None
-    finally:
-        torch.set_rng_state(own)
 
 
 @dataclass
@@ -378,7 +237,7 @@ def _inside(rel: Any, name: str) -> bool:
 
 def verify(ckpt: Checkpoint) -> None:
     """Hash every file of ``ckpt``'s manifest and compare size and SHA-256 (each opened by
-    `muonclip.app.runfolder.open_file`: no link followed, nothing but regular files read).
+    `muonclip.app.safe_files.open_file`: no link followed, nothing but regular files read).
 
     Raises:
         CheckpointError: a file is missing, of another size (truncated) or content, naming it.
@@ -405,16 +264,9 @@ def verify(ckpt: Checkpoint) -> None:
                                   f"({', '.join(extra[:5])}); it was not loaded")
 
 
-def save_file(path: str | Path, payload: dict[str, Any], token: str | None = None) -> Path:
-    """Write ``payload`` (``step``, ``model``, ``optim``, ``rng``) atomically to ``path`` as one
-    ``torch.save`` dict (format and version are added; ``token``: the writer's,
-    `muonclip.app.runfolder.write_atomically`)."""
-    data = {"format": FILE_FORMAT, "version": VERSION, **payload}
-    return write_atomically(path, lambda f: torch.save(data, f), token=token)
-
-
 def load_file(path: str | Path) -> dict[str, Any]:
-    """Read a checkpoint file written by `save_file` (tensors on the CPU; ``weights_only=True``).
+    """Read a checkpoint file written by `muonclip.app.checkpoint_write.save_file` (tensors on the CPU;
+    ``weights_only=True``).
 
     Raises:
         CheckpointError: the file is missing, unreadable/corrupt, of another format or version,
@@ -500,94 +352,6 @@ def check_optimizer_state(state_dict: dict[str, Any], optimizer: torch.optim.Opt
                 raise CheckpointError(f"{where}: {e}") from None
 
 
-def _free_name(folder: Path, step: int, suffix: str, avoid: str | None) -> str:
-    name, n = f"checkpoint-step{step}{suffix}", 1
-    while name == avoid:
-        name, n = f"checkpoint-step{step}-{n}{suffix}", n + 1
-    return name
-
-
-def _write_failed(folder: Path, step: int, previous: Checkpoint | None, e: BaseException) -> OutputError:
-    kept = f"the checkpoint of step {previous.step} is kept" if previous else "no earlier checkpoint exists"
-    cause: BaseException | None = e
-    while cause is not None and not isinstance(cause, OSError):  # torch.save reports a full disk as a
-        cause = cause.__context__  # RuntimeError of its zip writer, raised while handling the OSError
-    reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(e).splitlines()[0]
-    return OutputError(f"--out {folder}: cannot write the checkpoint of step {step} ({reason}); {kept}. "
-                       "Free space or fix the folder, then continue with --resume")
-
-
-def save_checkpoint(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    ctx: GroupContext = SINGLE, *, sharded: bool, step: int, meta: dict[str, Any],
-                    previous: Checkpoint | None, token: str | None = None) -> Checkpoint:
-    """Write the checkpoint of ``step`` into the run folder ``folder`` and make it the current one
-    (module docstring, "Writing"). ``sharded``: every rank calls this and a DCP folder is written;
-    else one process writes one file.
-
-    Args:
-        folder: the run folder (its lock held by rank 0).
-        model, optimizer: what to save (plain, DDP or FSDP2).
-        ctx: the process group (default one process).
-        sharded: write a DCP folder (a run on several ranks, or FSDP2) instead of one file.
-        step: optimizer steps done.
-        meta: the pointer's ``optimizer``, ``config``, ``run``, ``extra`` (and anything else kept,
-            e.g. ``mode``).
-        previous: the current checkpoint (removed once the new one is in place), or None.
-        token: the writer's token (`muonclip.app.runfolder.new_token`, recorded in the folder's
-            lock; the same on every rank), named in the temporaries (default None: a fresh one).
-
-    Raises:
-        OutputError: the checkpoint could not be written (e.g. a full disk); ``previous`` stays
-            the current checkpoint. Under torchrun, on every rank.
-    """
-    folder = Path(folder)
-    main = ctx.rank == 0
-    token = token or uuid.uuid4().hex
-    avoid = previous.name if previous else None
-    rng = rng_state()
-    error: BaseException | None = None
-    files: dict[str, dict[str, Any]] = {}
-    if main:
-        folder.mkdir(parents=True, exist_ok=True)
-    if sharded:
-        name = _free_name(folder, step, ".dcp", avoid)
-        tmp = folder / temporary_name(name, token)  # never there yet: the token is this writer's
-        barrier(ctx)
-        try:
-            dcp_checkpoint.save(tmp, model, optimizer, extra={"rng": rng_to_json(rng), "step": step})
-        except (OSError, CheckpointError) as e:
-            error = e
-        agree(error, ctx, lambda e: _write_failed(folder, step, previous, e))
-        if main:
-            try:
-                os.replace(tmp, folder / name)
-                files = {f"{name}/{p.name}": file_digest(folder, f"{name}/{p.name}")
-                         for p in sorted((folder / name).iterdir())}
-            except OSError as e:
-                error = e
-    else:
-        name = _free_name(folder, step, ".pt", avoid)
-        try:
-            save_file(folder / name, {"step": step, "model": model.state_dict(), "optim": optimizer.state_dict(),
-                                      "rng": rng}, token=token)
-            files = {name: file_digest(folder, name)}
-        except (OSError, RuntimeError) as e:  # RuntimeError: torch.save's zip writer on a full disk
-            error = e
-    ckpt = Checkpoint(folder, "sharded" if sharded else "file", name, step, meta["optimizer"], meta["config"],
-                      RunIdentity.from_dict(meta["run"]), dict(meta.get("extra") or {}), model_shapes(model), files)
-    if main and error is None:
-        body = {"format": FORMAT, "version": VERSION, "kind": ckpt.kind, "path": name, "step": step,
-                "world_size": ctx.world_size, **meta, "shapes": ckpt.shapes, "files": files}
-        try:
-            write_json(folder / POINTER, body, token=token)
-        except OSError as e:
-            error = e
-        else:
-            remove_leftovers(folder, keep=name)  # the previous checkpoint, and what kills left
-    agree(error if main else None, ctx, lambda e: _write_failed(folder, step, previous, e))
-    return ckpt
-
-
 def load_checkpoint(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer,
                     ctx: GroupContext = SINGLE, *,
                     build: Callable[[], tuple[nn.Module, torch.optim.Optimizer]] | None = None,
@@ -654,10 +418,3 @@ def check_shapes(ckpt: Checkpoint, model: nn.Module) -> None:
     bad = [f"{k} {saved[k]} vs {v}" for k, v in own.items() if saved[k] != v]
     if bad:
         raise CheckpointError(f"{ckpt.path} holds a model of another shape: {', '.join(bad[:5])}")
-
-
-def differences(a: dict[str, Any], b: dict[str, Any], fields: Sequence[str]) -> list[str]:
-    """``"field: a_value vs b_value"`` for each of ``fields`` whose values differ (JSON lists and
-    tuples compare equal)."""
-    norm = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731
-    return [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in fields if norm(a.get(k)) != norm(b.get(k))]

@@ -310,13 +310,13 @@ class RunConfig:
         """Raise ValueError naming the first learning rate (``lr_<optimizer>``, ``stability_lr``,
         ``lr_adamw_budgets``) for which a step's coefficients overflow float32: Muon's ``lr *
         0.2 sqrt(max(A, B))`` for the largest hidden matrix (A x B, counted from the config:
-        `muonclip.app.memory.hidden_extent`) and ``lr * weight_decay``; AdamW's ``lr / (1 -
+        `muonclip.app.shapes.hidden_extent`) and ``lr * weight_decay``; AdamW's ``lr / (1 -
         beta1)`` (its first step's bias correction) and ``lr * weight_decay`` — the check that
         ``muonclip.Muon`` makes of its own groups (`muonclip.optim._validation.check_step_scalars`)."""
         from ..optim._validation import StepLimits, check_step_scalars
-        from .memory import hidden_extent
+        from .shapes import hidden_extent
 
-        limits = StepLimits(0.2 * math.sqrt(hidden_extent(self)), FLOAT32_MAX, FLOAT32_MAX)
+        limits = StepLimits(0.2 * math.sqrt(hidden_extent(model_config(self))), FLOAT32_MAX, FLOAT32_MAX)
         muon = [(f"lr_{o}", getattr(self, f"lr_{o}")) for o in OPTIMIZERS if o != "adamw"]
         adamw = [("lr_adamw", self.lr_adamw)] + [("lr_adamw_budgets", v) for v in self.lr_adamw_budgets]
         for algorithm, rates in (("muon", [*muon, ("stability_lr", self.stability_lr)]), ("adamw", adamw)):

@@ -1,4 +1,5 @@
-"""The CPU cores this process may use: what the app sizes its parallel runs and threads by.
+"""The CPU cores this process may use: what the app sizes its parallel runs and threads by; and the
+CPU's name, which the reports print (`cpu_name`).
 
 ``os.cpu_count()`` counts the machine's CPUs, not those a container, a job scheduler or ``taskset``
 gives the process: more threads or runs at a time than the process may use only queue up, and
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 from pathlib import Path
 
 
@@ -76,3 +78,15 @@ def usable_cores(root: str | Path = "/") -> int:
     if quota is not None:
         cores = min(cores, math.ceil(quota))
     return max(1, cores)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux ``/proc/cpuinfo``; elsewhere `platform.processor`)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

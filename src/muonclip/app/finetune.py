@@ -61,7 +61,8 @@ from .data import Corpus, DataError, corpus_size, train_batch, val_batches
 from .data.corpus import SEPARATOR, builtin_corpus_dir, encode, list_documents, read_document
 from .memory import check_memory
 from .model import build_model, muon_orth_dtype, orthogonalisation
-from .runfolder import OutputError, check_outside_runs, check_writable, inspect_folder
+from .runfolder import check_outside_runs, check_writable, inspect_folder
+from .safe_files import OutputError
 from .sweep import bracket, log_grid
 from .train import clip_grad_norm, evaluate, lr_factor
 from .train_setup import check_threads

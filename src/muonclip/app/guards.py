@@ -63,9 +63,11 @@ import torch
 from ..distributed._context import SINGLE
 from ..optim import NonFiniteGradError
 from .checkpoints import CheckpointError, read_checkpoint
+from .compare_runs import prepare, rates_tuned, stability_config
 from .config import RunConfig
-from .cores import usable_cores
+from .cores import cpu_name, usable_cores
 from .data import Corpus, train_batch
+from .model import parameter_count
 from .runner import RunSpec, run_all
 from .train import Place, build_state, clip_grad_norm, forward_loss, read_max_logits
 
@@ -112,11 +114,9 @@ def timing_rounds(cfg: RunConfig) -> int:
 
 def arm_config(cfg: RunConfig, arm: Arm, segment: str) -> RunConfig:
     """The config of ``arm`` in ``segment`` (module docstring): the stability segment's
-    (`muonclip.app.compare.stability_config`), AdamW at its rate times the segment's multiple, and
+    (`muonclip.app.compare_runs.stability_config`), AdamW at its rate times the segment's multiple, and
     the arm's guard on the model (``qk_norm``; ``attn_softcap`` from ``cfg`` for soft-capping, 0
     for the others)."""
-    from .compare import stability_config
-
     c = stability_config(cfg, segment)
     if arm.optimizer == "adamw" and segment == "excessive":
         c = dataclasses.replace(c, lr_adamw=cfg.lr_adamw * cfg.stability_lr / cfg.lr_muon)
@@ -246,7 +246,6 @@ def compare_guards(cfg: RunConfig, out_dir: str | Path, *, jobs: int | None = No
             written.
         Interrupted: Ctrl-C (see `muonclip.app.train`).
     """
-    from .compare import prepare, rates_tuned
     from .report.guards import guard_figures, guards_markdown, guards_reading, plot_guards
     from .report.markdown import write_summary
 
@@ -320,8 +319,6 @@ def segment_names(cfg: RunConfig, tuned: bool) -> dict[str, tuple[str, str]]:
 
 def context(cfg: RunConfig, corpus: Corpus, jobs: int, wall: float, tuned: bool) -> list[str]:
     """The setup lines of the summary: model, arms, segments, timing, data, machine."""
-    from .compare import cpu_name, parameter_count
-
     seeds = ", ".join(str(cfg.seed + i) for i in range(cfg.seeds))
     names = segment_names(cfg, tuned)
     lines = [

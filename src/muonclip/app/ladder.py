@@ -49,11 +49,13 @@ from typing import Any
 
 import torch
 
+from .compare_runs import plan, prepare
 from .config import RunConfig, model_config
-from .cores import usable_cores
+from .cores import cpu_name, usable_cores
 from .data import Corpus
-from .runfolder import OutputError
+from .model import parameter_count
 from .runner import run_all
+from .safe_files import OutputError
 from .sweep import SWEEP_SEED_OFFSET, budget_steps, finished_loss, tune
 
 WIDTH_FACTORS = (1.0, 1.5, 2.0)
@@ -94,8 +96,6 @@ def rungs(cfg: RunConfig) -> list[Rung]:
         ValueError: a factor does not give a whole width and head count, or a rung's model cannot
             be built (head width odd for RoPE...); the message names the rung.
     """
-    from .compare import parameter_count
-
     base = parameter_count(cfg)
     out = []
     for i, f in enumerate(WIDTH_FACTORS):
@@ -147,7 +147,6 @@ def compare_ladder(cfg: RunConfig, out_dir: str | Path, *, jobs: int | None = No
         NonFiniteLossError, Interrupted: from a reported run (see `muonclip.app.train`); the rungs
             finished before it are in the report.
     """
-    from .compare import plan, prepare
     from .report import efficiency
 
     t0 = time.perf_counter()
@@ -276,8 +275,6 @@ def _write(cfg: RunConfig, out_dir: Path, ladder: list[Rung], results: list[dict
 def context(cfg: RunConfig, ladder: list[Rung], results: list[dict[str, Any]], corpus: Corpus, jobs: int,
             wall: float, resumed: int = 0) -> list[str]:
     """The setup lines of the summary (``resumed``: rungs read from a stopped ladder's folder)."""
-    from .compare import cpu_name
-
     def each(f: Any) -> str:
         vals = [f(r) for r in ladder]
         if len(set(vals)) == 1:

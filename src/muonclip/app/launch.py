@@ -25,7 +25,7 @@ functions of it (`device`) or flags of the command (``fsdp``). What changes when
 * the loss, the stop flags (non-finite loss, Ctrl-C), validation losses, max logits and update
   RMS are reduced over all ranks, so every rank takes the same decisions; only rank 0 prints
   and writes metrics, the config and TensorBoard;
-* checkpoints are sharded (`muonclip.app.checkpoints.save_checkpoint`) and resume on any
+* checkpoints are sharded (`muonclip.app.checkpoint_write.save_checkpoint`) and resume on any
   number of ranks, with DDP, FSDP2 or in one process; a one-process checkpoint file resumes
   under torchrun too;
 * the ranks check that they agree before any work (`check_same_everywhere`: the config, the

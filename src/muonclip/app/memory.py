@@ -2,15 +2,15 @@
 
 `step_memory` estimates the peak memory of one ``muonclip train`` step of the reference GPT
 from the config alone, by arithmetic: the parameters' shapes are counted from the config
-(`block_parameters`, `outer_parameters`; ``tests/test_memory.py`` checks them against the
-model's own), never by building a model, so that any size, however absurd (``n_layer`` =
+(`muonclip.app.shapes`; ``tests/test_memory.py`` checks them against the model's own), never by
+building a model, so that any size, however absurd (``n_layer`` =
 1e23), is estimated at once and refused:
 
 * parameters (float32) and their gradients; the optimizer state (AdamW's two moments; Muon's
   momentum on the hidden matrices, AdamW's moments on the rest, and four Newton–Schulz
   buffers of the largest matrix); the update RMS meter's copy of the hidden matrices;
 * activations kept for the backward pass, per token and layer, counted tensor by tensor
-  (`activation_widths`): for MHA/GQA with PyTorch's fused attention, 15 ``n_embd`` + 2
+  (`muonclip.app.shapes.activation_widths`): for MHA/GQA with PyTorch's fused attention, 15 ``n_embd`` + 2
   key/value widths + one float per head (RMSNorm inputs and outputs, q and k after RoPE, v,
   the attention output and its contiguous copy, the MLP's two ``4 n_embd`` tensors); MLA's
   own widths; a mixture of experts instead of the MLP: the router's scores and probabilities,
@@ -63,7 +63,6 @@ lower and the largest value of it that fits.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -71,6 +70,7 @@ from pathlib import Path
 import torch
 
 from .config import RunConfig, model_config
+from .shapes import activation_widths, parameter_counts
 
 ALLOCATOR_FACTOR = 2.0  # peak RSS over the live bytes of heap-allocated activations (measured 2.0-2.2)
 MMAP_BYTES = 32 * 2**20  # glibc's largest mmap threshold: larger blocks go back to the system when freed
@@ -129,92 +129,6 @@ def plan_memory(cfg: RunConfig, runs_per_seed: int) -> int:
     return RUN_PLAN_BYTES * cfg.seeds * runs_per_seed
 
 
-Shapes = list[tuple[str, tuple[int, ...], bool]]
-"""``(name, shape, hidden)`` of parameters: ``hidden`` when `muonclip.param_groups` gives it to Muon."""
-
-
-def block_parameters(cfg: RunConfig) -> Shapes:
-    """The parameters of one transformer block of the reference GPT of ``cfg`` (names relative to
-    ``blocks.<i>.``), counted from the config (no bias: the run's GPT has none): the two norms,
-    the attention (MHA/GQA with its optional q/k norms, or MLA with its latent's norm) and the
-    dense MLP or the mixture of experts (router, the experts' 3-D stacks, the shared expert)."""
-    g = model_config(cfg)
-    C, H = g.n_embd, g.n_head
-    out: Shapes = [("ln_1.weight", (C,), False), ("ln_2.weight", (C,), False)]
-    if g.attention == "mha":
-        hd = C // H
-        out += [("attn.q_proj.weight", (H * hd, C), True), ("attn.k_proj.weight", (g.n_kv_head * hd, C), True),
-                ("attn.v_proj.weight", (g.n_kv_head * hd, C), True), ("attn.o_proj.weight", (C, H * hd), True)]
-        if g.qk_norm:
-            out += [("attn.q_norm.weight", (hd,), False), ("attn.k_norm.weight", (hd,), False)]
-    else:
-        nope, rope, v, rank = g.qk_nope_head_dim, g.qk_rope_head_dim, g.v_head_dim, g.kv_lora_rank
-        out += [("attn.q_proj.weight", (H * (nope + rope), C), True),  # a run's MLA has no query LoRA
-                ("attn.kv_a_proj_with_mqa.weight", (rank + rope, C), True), ("attn.kv_a_norm.weight", (rank,), False),
-                ("attn.kv_b_proj.weight", (H * (nope + v), rank), True), ("attn.o_proj.weight", (C, H * v), True)]
-    if g.n_expert:
-        E, eh = g.n_expert, g.expert_hidden
-        out += [("mlp.router.weight", (E, C), True), ("mlp.experts.w_fc", (E, eh, C), True),
-                ("mlp.experts.w_proj", (E, C, eh), True)]
-        if g.n_shared_expert:
-            sh = eh * g.n_shared_expert
-            out += [("mlp.shared_expert.c_fc.weight", (sh, C), True),
-                    ("mlp.shared_expert.c_proj.weight", (C, sh), True)]
-    else:
-        out += [("mlp.c_fc.weight", (4 * C, C), True), ("mlp.c_proj.weight", (C, 4 * C), True)]
-    return out
-
-
-def outer_parameters(cfg: RunConfig) -> Shapes:
-    """The reference GPT's parameters outside its blocks: the token embedding (its LM head is the
-    same tensor) and the final norm."""
-    return [("wte.weight", (256, cfg.n_embd), False), ("ln_f.weight", (cfg.n_embd,), False)]
-
-
-def hidden_extent(cfg: RunConfig) -> int:
-    """The largest dimension of a matrix Muon updates in the reference GPT of ``cfg`` (a 3-D stack
-    is a batch of its last two dimensions): what its largest update scale,
-    ``0.2 sqrt(max(A, B))``, depends on."""
-    return max((max(shape[-2:]) for _, shape, hidden in block_parameters(cfg) if hidden), default=1)
-
-
-def _parameter_counts(cfg: RunConfig) -> tuple[int, int, int]:
-    """(all parameters, those of Muon's hidden matrices, the largest hidden matrix), counted from
-    the config (`block_parameters` times ``n_layer``, plus `outer_parameters`)."""
-    block = [(math.prod(shape), hidden) for _, shape, hidden in block_parameters(cfg)]
-    outer = sum(math.prod(shape) for _, shape, _ in outer_parameters(cfg))
-    hidden = [n for n, h in block if h]
-    total = cfg.n_layer * sum(n for n, _ in block) + outer
-    return total, cfg.n_layer * sum(hidden), max(hidden, default=0)
-
-
-def activation_widths(cfg: RunConfig) -> tuple[list[int], int]:
-    """(the widths, in floats per token, of the tensors one layer keeps for the backward pass;
-    the floats of one layer's ``heads x T x T`` scores per sequence, 0 for fused attention, two
-    such tensors with soft-capping) of the reference GPT of ``cfg``."""
-    g = model_config(cfg)
-    C, H = g.n_embd, g.n_head
-    widths = [C] * 4  # ln_1 in/out, ln_2 in/out
-    if g.n_expert:  # router scores and probabilities; per routed slot the gathered input, c_fc out, gelu
-        k, eh = g.n_expert_active, g.expert_hidden  # out, weighted output; the shared expert's c_fc out and gelu
-        widths += [g.n_expert] * 2 + [k * (2 * C + 2 * eh)] + [g.n_shared_expert * eh] * 2
-    else:
-        widths += [4 * C] * 2  # c_fc out, gelu out
-    capped = 2 * H * cfg.block_size**2 if g.attn_softcap else 0  # softcap_attention keeps tanh's and softmax's
-    if g.attention == "mha":
-        kv = g.n_kv_head * (C // H)
-        widths += [C, kv, kv, C, C, H]  # q, k (after RoPE), v, output, its contiguous copy, logsumexp
-        if g.qk_norm:
-            widths += [C, kv] * 2  # the norms' inputs and outputs
-        return widths, capped
-    qk, v = H * (g.qk_nope_head_dim + g.qk_rope_head_dim), H * g.v_head_dim
-    widths += [qk] * 4 + [H * (g.qk_nope_head_dim + g.v_head_dim), v, v]  # q, k (and scaled), kv_b out, output, copy
-    widths += [g.kv_lora_rank + g.qk_rope_head_dim, g.kv_lora_rank]  # the latent's norm: input, output
-    if g.qk_norm:
-        widths += [H * g.qk_nope_head_dim] * 4  # q^C and k^C norms' inputs and outputs
-    return widths, capped or H * cfg.block_size**2  # unfused: query/key and value widths differ
-
-
 def step_memory(cfg: RunConfig, optimizer: str, *, world_size: int = 1, fsdp: bool = False,
                 corpus: tuple[int, int] = (0, 0), val_sets: int = 1, runs_per_seed: int = 0) -> StepMemory:
     """Estimated peak bytes of one training step of ``cfg`` with ``optimizer`` on one rank.
@@ -232,7 +146,8 @@ def step_memory(cfg: RunConfig, optimizer: str, *, world_size: int = 1, fsdp: bo
         runs_per_seed: the runs of one seed of a comparison, whose plan is counted (default 0: one
             run; `plan_memory`).
     """
-    total, hidden, largest = _parameter_counts(cfg)
+    g = model_config(cfg)
+    total, hidden, largest = parameter_counts(g)
     if optimizer == "adamw":
         state = 2 * total  # exp_avg, exp_avg_sq
     else:  # AdamW's moments off the hidden matrices, Muon's momentum and Newton-Schulz buffers on them
@@ -240,7 +155,7 @@ def step_memory(cfg: RunConfig, optimizer: str, *, world_size: int = 1, fsdp: bo
     copies = total + total + state + hidden  # weights, gradients, state, the update RMS meter's copy
     if world_size > 1:
         copies = copies / world_size if fsdp else copies + total  # FSDP2 shards; DDP's gradient buckets
-    per_layer, scores_per_sequence = activation_widths(cfg)
+    per_layer, scores_per_sequence = activation_widths(g)
     sequences = max(1, cfg.batch_size // world_size)
     tokens = sequences * cfg.block_size
     C, V = cfg.n_embd, 256

@@ -17,12 +17,12 @@ One row per optimizer step, flushed as it is written::
 In the JSONL file the per-layer values are lists (``max_logits``, ``clipped``); it is the history,
 the CSV a copy for spreadsheets. On resume the rows after the checkpoint's step are dropped, so
 the files again describe one clean run: both files are rewritten to a temporary file and renamed
-(`muonclip.app.runfolder.write_atomically`), so a kill at any moment of the rewrite leaves the
+(`muonclip.app.safe_files.write_atomically`), so a kill at any moment of the rewrite leaves the
 old history or the new one, never a part. A last line without its newline is a row whose write
 a kill cut short (always after the checkpoint's step, so nothing to keep): reading skips it. Any
 other line that is not a JSON row is an error naming the file and the line. Both files are
 opened without following a link and only when they are regular files
-(`muonclip.app.runfolder.open_file`).
+(`muonclip.app.safe_files.open_file`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .runfolder import METRICS, open_file, read_bytes, write_atomically
+from .runfolder import METRICS
+from .safe_files import open_file, read_bytes, write_atomically
 
 JSONL, CSV = METRICS
 
@@ -65,7 +66,7 @@ def read_rows(run_dir: str | Path) -> list[dict[str, Any]]:
 
     Raises:
         MetricsError: another line is not a JSON object with an integer ``step``.
-        muonclip.app.runfolder.OutputError: the file is a link or not a regular file.
+        muonclip.app.safe_files.OutputError: the file is a link or not a regular file.
     """
     path = Path(run_dir) / JSONL
     try:
@@ -98,7 +99,7 @@ class MetricsWriter:
             checkpoint: rows with a larger step are dropped (both files rewritten atomically,
             module docstring) and writing continues after them.
         token: the writer's token, named in the rewrite's temporaries
-            (`muonclip.app.runfolder.write_atomically`; default None: a fresh one).
+            (`muonclip.app.safe_files.write_atomically`; default None: a fresh one).
 
     Raises:
         MetricsError: on resume, ``metrics.jsonl`` holds a line that is not a row.

@@ -67,3 +67,13 @@ def orthogonalisation(cfg: RunConfig, device: torch.device | str = "cpu") -> str
 def hidden_matrices(model: nn.Module) -> list[torch.Tensor]:
     """The parameters `muonclip.param_groups` gives to Muon (the hidden matrices)."""
     return [p for g in param_groups(model) if g["algorithm"] == "muon" for p in g["params"]]
+
+
+def parameter_count(cfg: RunConfig) -> int:
+    """The parameters of the reference GPT of ``cfg`` (tied weights once), counted on the meta device."""
+    state = torch.random.get_rng_state()  # build_model seeds the global generator
+    try:
+        with torch.device("meta"):
+            return sum(p.numel() for p in build_model(cfg).parameters())
+    finally:
+        torch.random.set_rng_state(state)

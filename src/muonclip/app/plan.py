@@ -164,7 +164,7 @@ def run_plan(args: argparse.Namespace) -> int:
     mesh = mesh_of(args)
     mesh.check()
     if args.plot is not None:
-        from .main import missing_dependencies
+        from .dependencies import missing_dependencies
 
         if missing_dependencies(("matplotlib",)):
             raise ValueError('--plot needs matplotlib, which is not installed: pip install "muonclip[cli]"')

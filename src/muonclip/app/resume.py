@@ -42,7 +42,8 @@ import torch
 
 from .config import SHAPE_FIELDS, RunConfig
 from .metrics import read_rows
-from .runfolder import POINTER, OutputError
+from .runfolder import POINTER
+from .safe_files import OutputError
 
 FIXED_FIELDS: tuple[str, ...] = (*SHAPE_FIELDS, "seed", "data", "val_fraction", "batch_size")
 """Config fields a resume may not change."""
@@ -108,7 +109,7 @@ def first_checkpoint(cfg: RunConfig) -> int:
 
 
 def check_restart(run_dir: str | Path, cfg: RunConfig) -> int:
-    """Raise `muonclip.app.runfolder.OutputError` unless the run of ``run_dir`` (no
+    """Raise `muonclip.app.safe_files.OutputError` unless the run of ``run_dir`` (no
     ``checkpoint.json``; ``cfg``: its ``config.json``'s config) never reached its first checkpoint:
     its metrics (``metrics.jsonl``, which is on disk before every checkpoint is written) hold no
     step past `first_checkpoint`. Returns how many steps it logged (its restart drops them)."""

@@ -25,7 +25,7 @@ A run folder (``--out``) holds one run and nothing else::
 * **No link is followed, nothing but files is read.** A run folder holds files and folders
   only: `inspect_folder` refuses a symbolic link or a special file (a FIFO, a device, a
   socket) anywhere in it, naming it (the CLI exits with 2), and every file of the folder is
-  opened by `open_file`, without following a link at any step of its path (``O_NOFOLLOW``
+  opened by `muonclip.app.safe_files.open_file`, without following a link at any step of its path (``O_NOFOLLOW``
   through the folder's own descriptors) and refused unless it is a regular file, before a byte
   is read; so neither a read nor a write ever leaves the folder, and nothing hangs on a FIFO or
   ``/dev/zero``. (``--out`` itself may be a link: it is the user's own path.)
@@ -38,9 +38,10 @@ A run folder (``--out``) holds one run and nothing else::
   without locks the lock is not enforced.)
 * **Never half-written.** Every file is written to a temporary ``.<name>.muonclip-tmp-<token>``
   beside it (created exclusively: never an existing file or link), flushed to disk and renamed
-  onto its name (`write_atomically`), so a kill at any moment leaves the old file or the new one.
+  onto its name (`muonclip.app.safe_files.write_atomically`), so a kill at any moment leaves the
+  old file or the new one.
 * **Only what muonclip wrote is deleted.** ``<token>`` is the writer's random 128-bit token
-  (`new_token`), which `RunLock.stamp` records in ``.lock``; a temporary counts as the run's
+  (`muonclip.app.safe_files.new_token`), which `RunLock.stamp` records in ``.lock``; a temporary counts as the run's
   (`is_own_entry`) only when its token is recorded there, so a user's ``.notes.tmp-2024`` or
   ``.checkpoint-step5.dcp.tmp/`` makes the folder foreign instead of being removed. The next
   writer removes, under the lock, the recorded temporaries and the checkpoints that a kill left
@@ -49,180 +50,26 @@ A run folder (``--out``) holds one run and nothing else::
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import fcntl
-import hashlib
-import json
 import os
 import re
 import shutil
 import stat
-import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
+
+from .safe_files import TEMPORARY_NAME, OutputError, file_kind, not_plain, open_file, read_bytes, read_json, write_json
 
 CONFIG = "config.json"
 POINTER = "checkpoint.json"
 LOCK = ".lock"
 METRICS = ("metrics.jsonl", "metrics.csv")
 CHECKPOINT_NAME = re.compile(r"checkpoint-step\d+(-\d+)?\.(pt|dcp)")
-TEMPORARY_NAME = re.compile(r"\.(?P<name>.+)\.muonclip-tmp-(?P<token>[0-9a-f]{32})")
 TENSORBOARD_EVENTS = re.compile(r"events\.out\.tfevents\..+")
-JSON_LIMIT = 64 * 2**20
-"""The largest ``config.json`` or ``checkpoint.json`` read (a run's are a few KiB to a few MiB)."""
 LOCK_RECORD = 16
 """Tokens of earlier writers kept in ``.lock`` (each writer removes what the ones before it left)."""
-
-
-class OutputError(RuntimeError):
-    """The output folder cannot be used (unwritable, in use, or holding something else than a run
-    that may be continued); the message says why and what to do."""
-
-
-def new_token() -> str:
-    """A writer's token: 32 random hex digits (uuid4), in its temporaries' names and in ``.lock``."""
-    return uuid.uuid4().hex
-
-
-def temporary_name(name: str, token: str) -> str:
-    """The temporary of ``name`` written by the writer of ``token`` (`TEMPORARY_NAME`)."""
-    return f".{name}.muonclip-tmp-{token}"
-
-
-def fsync_dir(folder: Path) -> None:
-    """Flush ``folder``'s entries (renames into it) to disk, where the platform allows it."""
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _kind(mode: int) -> str:
-    return {stat.S_IFLNK: "a symbolic link", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device",
-            stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a folder"}.get(
-        stat.S_IFMT(mode), "not a regular file")
-
-
-def _not_plain(folder: Path, rel: str, what: str) -> OutputError:
-    return OutputError(f"--out {folder}: {rel} is {what}; a run folder holds plain files and folders only, and "
-                       "muonclip neither follows a link out of it nor reads anything else (remove it, or choose "
-                       "another --out)")
-
-
-def open_file(folder: str | Path, rel: str, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
-    """Open ``folder/rel`` (``rel``: a path inside the folder, ``/``-separated) and return its
-    descriptor, following no symbolic link on the way (each folder of ``rel`` and the file itself
-    are opened with ``O_NOFOLLOW``, relative to the one before) and refusing anything but a
-    regular file (checked on the open descriptor, opened non-blocking so a FIFO cannot hang).
-
-    Raises:
-        OutputError: a component of ``rel`` is a link, or the file is not a regular file.
-        OSError: anything else (absent, permissions, ...).
-    """
-    folder = Path(folder)
-    parts = rel.split("/")
-    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # --out itself: the user's path
-    try:
-        for i, part in enumerate(parts[:-1]):
-            try:
-                nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-            except OSError as e:
-                if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                    raise _not_plain(folder, "/".join(parts[: i + 1]), _kind(os.lstat(part, dir_fd=dfd).st_mode)) \
-                        from None
-                raise
-            os.close(dfd)
-            dfd = nfd
-        try:
-            fd = os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=dfd)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise _not_plain(folder, rel, "a symbolic link") from None
-            if e.errno == errno.ENXIO:  # a FIFO opened for writing without a reader, a socket
-                raise _not_plain(folder, rel, _kind(os.lstat(parts[-1], dir_fd=dfd).st_mode)) from None
-            raise
-    finally:
-        os.close(dfd)
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise _not_plain(folder, rel, _kind(st.st_mode))
-    os.set_blocking(fd, True)
-    return fd
-
-
-def read_bytes(folder: str | Path, rel: str, limit: int | None = None) -> bytes:
-    """The bytes of ``folder/rel``, opened by `open_file`; ``limit``: refuse a larger file
-    (`OutputError`) before reading it."""
-    fd = open_file(folder, rel)
-    with os.fdopen(fd, "rb") as f:
-        if limit is not None and os.fstat(fd).st_size > limit:
-            raise OutputError(f"--out {folder}: {rel} holds {os.fstat(fd).st_size} bytes, more than a run's {rel} "
-                              f"can ({limit}); the run folder is damaged")
-        return f.read()
-
-
-def read_json(folder: str | Path, rel: str) -> Any:
-    """``folder/rel`` parsed as JSON (`read_bytes`, at most `JSON_LIMIT` bytes).
-
-    Raises:
-        OutputError: a link, a special file, a file too large.
-        OSError, ValueError: unreadable, not UTF-8 JSON.
-    """
-    return json.loads(read_bytes(folder, rel, JSON_LIMIT).decode("utf-8"))
-
-
-def write_atomically(path: str | Path, write: Callable[[IO[Any]], object], text: bool = False,
-                     token: str | None = None) -> Path:
-    """``write(f)`` into ``.<name>.muonclip-tmp-<token>`` beside ``path``, fsync, then ``os.replace``
-    onto ``path`` (which replaces a link there, never writes through it).
-
-    The temporary is created exclusively (``O_EXCL``, no link followed). On any failure (Ctrl-C,
-    a full disk) it is removed and ``path`` is untouched; a kill leaves it, for the next writer to
-    remove when ``token`` is recorded in the folder's lock (`remove_leftovers`).
-
-    Args:
-        path: the file to (re)place.
-        write: called once with the open temporary file.
-        text: open it in text mode, UTF-8 (default False: binary).
-        token: the writer's token (default None: a fresh one, which no lock records).
-    """
-    path = Path(path)
-    tmp = path.with_name(temporary_name(path.name, token or new_token()))
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        with os.fdopen(fd, "w" if text else "wb", **({"encoding": "utf-8"} if text else {})) as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-    return path
-
-
-def write_json(path: str | Path, obj: Any, token: str | None = None) -> Path:
-    """`write_atomically` of ``obj`` as indented JSON (no NaN or infinity: they are not JSON)."""
-    return write_atomically(path, lambda f: json.dump(obj, f, indent=1, allow_nan=False), text=True, token=token)
-
-
-def file_digest(folder: str | Path, rel: str) -> dict[str, Any]:
-    """``{"bytes": size, "sha256": hex digest}`` of ``folder/rel`` (opened by `open_file`, read in
-    1 MiB blocks)."""
-    h = hashlib.sha256()
-    size = 0
-    with os.fdopen(open_file(folder, rel), "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-            size += len(block)
-    return {"bytes": size, "sha256": h.hexdigest()}
 
 
 def recorded_tokens(folder: str | Path) -> set[str]:
@@ -322,15 +169,15 @@ def _check_plain(folder: Path, name: str, entry: os.DirEntry, tensorboard: set[s
     temporary = TEMPORARY_NAME.fullmatch(name)
     is_dir = name in tensorboard or (temporary["name"] if temporary else name).endswith(".dcp")
     if stat.S_ISLNK(mode) or not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
-        raise _not_plain(folder, name, _kind(mode))
+        raise not_plain(folder, name, file_kind(mode))
     if is_dir != stat.S_ISDIR(mode):
-        raise _not_plain(folder, name, "a file, where a folder belongs" if is_dir else "a folder, where a file belongs")
+        raise not_plain(folder, name, "a file, where a folder belongs" if is_dir else "a folder, where a file belongs")
     if is_dir:
         for root, dirs, files in os.walk(folder / name, followlinks=False):
             for sub in (*dirs, *files):
                 m = os.lstat(os.path.join(root, sub)).st_mode
                 if not (stat.S_ISDIR(m) or stat.S_ISREG(m)):
-                    raise _not_plain(folder, os.path.relpath(os.path.join(root, sub), folder), _kind(m))
+                    raise not_plain(folder, os.path.relpath(os.path.join(root, sub), folder), file_kind(m))
 
 
 def _is_run_config(folder: Path) -> bool:
@@ -362,7 +209,7 @@ def enclosing_run(path: str | Path) -> Path | None:
     """The muonclip run folder that ``path`` is or lies in, or None: the nearest of ``path`` and its
     parents, taken by their real path (links resolved, as a writer there would follow them), whose
     ``config.json`` or ``checkpoint.json`` is a run's (a JSON object naming an optimizer and the
-    run's identity, ``run``; read by `read_json`: no link followed)."""
+    run's identity, ``run``; read by `muonclip.app.safe_files.read_json`: no link followed)."""
     real = Path(os.path.realpath(path))
     for folder in (real, *real.parents):
         for name in (CONFIG, POINTER):
@@ -455,8 +302,9 @@ class RunLock:
         folder: the run folder (created with its parents if absent).
 
     ``.lock`` is the one file of the folder written in place (every other is replaced by a
-    rename): it is opened without following a symbolic link (`open_file`) and refused when it has
-    another name (a hard link, which could be a file outside the folder), before a byte is written.
+    rename): it is opened without following a symbolic link (`muonclip.app.safe_files.open_file`)
+    and refused when it has another name (a hard link, which could be a file outside the folder),
+    before a byte is written.
 
     Raises:
         OutputError: another process holds the lock (a run is writing there), ``.lock`` is a
@@ -490,8 +338,8 @@ class RunLock:
         self.fd: int | None = fd
 
     def stamp(self, token: str = "") -> None:
-        """Write this process's id and host and ``token`` (`new_token`) into the lock file, for a
-        second writer's message and for the other ranks' shared-folder check, and add ``token`` to
+        """Write this process's id and host and ``token`` (`muonclip.app.safe_files.new_token`) into
+        the lock file, for a second writer's message and for the other ranks' shared-folder check, and add ``token`` to
         the record of the folder's writers (the last `LOCK_RECORD`), whose temporaries are the run's."""
         if self.fd is None:
             return
@@ -540,8 +388,8 @@ def remove_leftovers(folder: str | Path, keep: str | None) -> list[str]:
 
 
 def read_config(folder: str | Path) -> dict[str, Any] | None:
-    """The dict of ``folder/config.json`` (read by `read_json`: no link followed), or None when it
-    is absent. Its fields are checked by `muonclip.app.checkpoints.read_run_config`.
+    """The dict of ``folder/config.json`` (read by `muonclip.app.safe_files.read_json`: no link
+    followed), or None when it is absent. Its fields are checked by `muonclip.app.checkpoints.read_run_config`.
 
     Raises:
         OutputError: it is not a JSON object, or not a plain file.
@@ -561,6 +409,6 @@ def read_config(folder: str | Path) -> dict[str, Any] | None:
 def write_config(folder: str | Path, optimizer: str, config: dict[str, Any], run: dict[str, Any],
                  token: str | None = None) -> Path:
     """Write ``folder/config.json`` atomically: ``{"optimizer": ..., <config fields>, "run": run}``
-    (``run``: the run's identity and history, `muonclip.app.checkpoints.RunIdentity`; ``token``:
-    the writer's, `write_atomically`)."""
+    (``run``: the run's identity and history, `muonclip.app.run_state.RunIdentity`; ``token``:
+    the writer's, `muonclip.app.safe_files.write_atomically`)."""
     return write_json(Path(folder) / CONFIG, {"optimizer": optimizer, **config, "run": run}, token=token)

@@ -38,8 +38,9 @@ from typing import Any
 from .config import RunConfig
 from .data import Corpus
 from .metrics import read_rows
-from .runfolder import CONFIG, OutputError
+from .runfolder import CONFIG
 from .runner import RunSpec, run_all
+from .safe_files import OutputError
 
 SQRT2 = 2.0**0.5
 SWEEP_SEED_OFFSET = 1000  # tuning seeds: seed + 1000, seed + 1001, ...: never the reported ones
@@ -142,7 +143,7 @@ def finished_loss(spec: RunSpec) -> float | None:
     except json.JSONDecodeError:  # stopped while writing it, before its first step
         shutil.rmtree(spec.run_dir)
         return None
-    saved.pop("run", None)  # the run's identity and history (muonclip.app.checkpoints.RunIdentity)
+    saved.pop("run", None)  # the run's identity and history (muonclip.app.run_state.RunIdentity)
     want = json.loads(json.dumps({"optimizer": spec.optimizer, **spec.cfg.to_dict()}))
     differ = sorted(k for k in saved.keys() | want.keys()
                     if k not in PROTOCOL_FIELDS and not (k in saved and k in want and _same(saved[k], want[k])))

@@ -45,7 +45,7 @@ Stops:
   way.
 * A non-finite loss, gradient or validation loss: nothing is written for that step, the last
   good checkpoint is kept, `NonFiniteLossError` names the step (the CLI exits with 3).
-* A full disk or another failed write of a checkpoint: `muonclip.app.runfolder.OutputError`
+* A full disk or another failed write of a checkpoint: `muonclip.app.safe_files.OutputError`
   (exit code 2), the previous checkpoint kept.
 """
 
@@ -67,7 +67,8 @@ import torch
 from torch import Tensor, nn
 
 from ..optim import NonFiniteGradError
-from .checkpoints import Checkpoint, save_checkpoint
+from .checkpoint_write import save_checkpoint
+from .checkpoints import Checkpoint
 from .config import RunConfig
 from .cores import usable_cores
 from .data import Corpus, train_batch, val_batches

@@ -18,7 +18,8 @@ from .launch import all_max
 from .metrics import MetricsWriter
 from .model import hidden_matrices
 from .probes import ExpertRMS, MLAClipAudit
-from .runfolder import OutputError, remove_leftovers, write_config
+from .runfolder import remove_leftovers, write_config
+from .safe_files import OutputError
 from .train_setup import Opened, Place, State
 
 

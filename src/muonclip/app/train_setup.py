@@ -32,15 +32,12 @@ from ..distributed._context import GroupContext
 from ..distributed.checkpoint import CheckpointError
 from .checkpoints import (
     Checkpoint,
-    RunIdentity,
     check_contents,
     check_shapes,
-    corpus_digest,
     load_checkpoint,
     load_file,
     read_checkpoint,
     read_run_config,
-    set_rng_state,
     verify,
 )
 from .config import RunConfig, check_optimizer
@@ -66,17 +63,9 @@ from .resume import (
     check_same_run,
     group_hyperparameters,
 )
-from .runfolder import (
-    TEMPORARY_NAME,
-    OutputError,
-    RunLock,
-    check_new_run_folder,
-    check_run_folder,
-    enclosing_run,
-    is_own_entry,
-    new_token,
-    read_lock_token,
-)
+from .run_state import RunIdentity, corpus_digest, set_rng_state
+from .runfolder import RunLock, check_new_run_folder, check_run_folder, enclosing_run, is_own_entry, read_lock_token
+from .safe_files import TEMPORARY_NAME, OutputError, new_token
 
 
 def check_threads(threads: int) -> int:
