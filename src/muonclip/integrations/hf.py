@@ -34,7 +34,7 @@ Everything muonclip does with transformers lives in the ``hf*`` modules of this 
    (`muonclip.integrations.hf_check`; ``verify_attention=False`` turns it off).
 3. **Switches the model** to it (``model.set_attn_implementation("muonclip")``), remembering
    the implementation every (sub-)model had, which `detach` restores. A forward pre-hook on the
-   model (`_batch_pre_hook`) makes a packed batch (``DataCollatorWithFlattening``: no attention
+   model (`hf_batches.batch_pre_hook`) makes a packed batch (``DataCollatorWithFlattening``: no attention
    mask, ``position_ids`` restarting per document) attend within its documents, by asking
    transformers for the document mask with ``use_cache=False`` (transformers builds it from
    ``position_ids`` only without a cache; a packed batch given with a cache of its own is
@@ -95,12 +95,10 @@ Reference: Kimi K2 (arXiv 2507.20534) section 2.1; transformers' attention inter
 
 from __future__ import annotations
 
-import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import Tensor, nn
 
 try:
@@ -122,22 +120,22 @@ from .hf_attention import (
     OFF_ONLY,
     RECORDER_ATTR,
     TEXT_ATTR,
-    TOKENS_KWARG,
     check_module_keywords,
     muonclip_attention_forward,
     register,
 )
+from .hf_batches import batch_pre_hook, real_tokens
 from .hf_check import AttentionMismatchError, ForwardCheck
 from .hf_layouts import attention_modules, layout_of, mixers_without_attention
 from .hf_padding import WARNED_ATTR as PADDING_WARNED_ATTR
-from .hf_padding import UnmaskedPaddingWarning, warn_unmasked_padding
+from .hf_padding import UnmaskedPaddingWarning
 from .hf_trainer import TrainerArgumentsWarning, trainer_optimizer
 
 if TYPE_CHECKING:  # imported on first access (`__getattr__`): it imports transformers' Trainer
     from .hf_callback import MuonClipTrainerCallback
 
 PACKING_HOOK_ATTR = "muonclip_packing_hook"
-"""Attribute of a switched ``PreTrainedModel`` holding its forward pre-hook (`_batch_pre_hook`)."""
+"""Attribute of a switched ``PreTrainedModel`` holding its forward pre-hook (`hf_batches.batch_pre_hook`)."""
 
 PREVIOUS_ATTR = "muonclip_previous_attn_implementation"
 """Attribute of every ``PreTrainedModel`` `attach` switched: the attention implementation it had
@@ -245,95 +243,17 @@ def _refuse_without_attention(model: nn.Module) -> None:
     )
 
 
-def _packed(position_ids: Tensor) -> bool:
-    """Whether any row of ``position_ids`` restarts (a packed batch: several documents per row)."""
-    return position_ids.ndim >= 1 and position_ids.shape[-1] > 1 and bool((position_ids.diff(dim=-1) != 1).any())
-
-
-def real_tokens(input_ids: Tensor | None, position_ids: Tensor | None, pad_token_id: int | None) -> Tensor | None:
-    """``(B, T)`` bool, the real tokens of a padding-free packed batch (no attention mask), False
-    for its padding (module docstring, "Which tokens are padding"); None when nothing says.
-
-    Args:
-        input_ids: ``(B, T)`` token ids.
-        position_ids: ``(B, T)`` positions, restarting per document.
-        pad_token_id: the pad token id (None: padding cannot be told apart).
-
-    A token is padding when it is ``pad_token_id`` and a one-token document: its position
-    restarts (differs from the previous one's plus 1, as transformers finds packed documents)
-    and so does the next token's (or the row ends there).
-    """
-    if not isinstance(input_ids, Tensor) or not isinstance(position_ids, Tensor) or pad_token_id is None:
-        return None
-    if input_ids.ndim != 2 or position_ids.shape != input_ids.shape:
-        return None
-    starts = position_ids.diff(dim=-1, prepend=position_ids[:, :1] - 1) != 1
-    alone = starts & torch.cat([starts[:, 1:], torch.ones_like(starts[:, :1])], dim=-1)
-    return ~(alone & (input_ids == pad_token_id))
-
-
-def _pad_token_id(model: nn.Module) -> int | None:
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    pad = getattr(text, "pad_token_id", None)
-    return pad if isinstance(pad, int) else None
-
-
-def _batch_pre_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
-    """Forward pre-hook of a switched model: what the attention function needs to know of the batch.
-
-    * A packed batch without an attention mask attends per document: transformers builds the
-      document mask from ``position_ids`` only when no attention mask and no cache are given; in
-      training mode ``use_cache`` defaults to the config's (usually True), which skips it and lets
-      documents attend to each other. So for a packed batch this asks for ``use_cache=False``; a
-      packed batch given with a cache of its own is refused.
-    * Such a batch's real tokens (`real_tokens`: its padding has no mask to say so) are passed
-      down as the keyword `muonclip.integrations.hf_attention.TOKENS_KWARG` (transformers hands
-      a model's keyword arguments to its attention function), so padding queries never feed the
-      clip. A batch with a 2-D mask needs nothing: the call's mask says which queries are padding.
-    * Any other training batch without a mask whose rows end in padding warns, once per model
-      (`muonclip.integrations.hf_padding.warn_unmasked_padding`).
-    """
-    signature = inspect.signature(module.forward)
-    try:
-        bound = signature.bind_partial(*args, **kwargs).arguments
-    except TypeError:
-        return None
-    var_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
-    for p in signature.parameters.values():  # keywords the signature collects in **kwargs
-        if p.kind is inspect.Parameter.VAR_KEYWORD:
-            bound = {**bound, **bound.pop(p.name, {})}
-    position_ids = bound.get("position_ids")
-    packed = isinstance(position_ids, Tensor) and bound.get("attention_mask") is None and _packed(position_ids)
-    if packed and (bound.get("past_key_values") is not None or bound.get("cache") is not None):
-        raise ValueError(
-            f"{type(module).__name__}: a packed batch (position_ids restart inside a row) given with a cache: "
-            "transformers builds no document mask then, so documents would attend to each other. Pass the packed "
-            "batch without past_key_values, or pad it and pass an attention_mask."
-        )
-    if not packed:
-        warn_unmasked_padding(module, bound)
-    if not packed or ("use_cache" not in signature.parameters and not var_keyword):
-        return None
-    kwargs = dict(kwargs)
-    kwargs["use_cache"] = False
-    tokens = real_tokens(bound.get("input_ids"), position_ids, _pad_token_id(module)) if var_keyword else None
-    if tokens is not None:
-        kwargs[TOKENS_KWARG] = tokens
-    return args, kwargs
-
-
 def _switch(model: nn.Module) -> None:
     """Switch every outermost PreTrainedModel inside ``model`` to ``"muonclip"`` (it switches its
     sub-models), after remembering every (sub-)model's implementation (`PREVIOUS_ATTR`), and give
-    it the forward pre-hook (`_batch_pre_hook`)."""
+    it the forward pre-hook (`muonclip.integrations.hf_batches.batch_pre_hook`)."""
     for m in model.modules():
         if isinstance(m, PreTrainedModel) and not hasattr(m, PREVIOUS_ATTR):
             setattr(m, PREVIOUS_ATTR, m.config._attn_implementation)
     for m in _outermost_pretrained(model):
         m.set_attn_implementation(ATTN_IMPLEMENTATION)
         if getattr(m, PACKING_HOOK_ATTR, None) is None:
-            setattr(m, PACKING_HOOK_ATTR, m.register_forward_pre_hook(_batch_pre_hook, with_kwargs=True))
+            setattr(m, PACKING_HOOK_ATTR, m.register_forward_pre_hook(batch_pre_hook, with_kwargs=True))
 
 
 _CROSS = ("cross", "encoder_attn", "encdec")
