@@ -9,9 +9,9 @@ call wrapped; DTensor's functional collectives seen by a dispatch mode), the gat
 scatter's all-to-alls apart, and the optimizer state the optimizers allocated. Each rank also
 records every rank's piece of every Muon weight as the step sees it (`GroupContext.pieces`).
 
-The pipeline case (`pp_case`) cuts the GPT in two stages as ``examples/torchrun_pipeline.py`` does,
-each stage ``fully_shard``-ed over its 2 ranks, a real ``torch.distributed.pipelining`` schedule,
-and each rank's optimizers over its stage's module with ``process_group=`` the stage's ranks.
+The pipeline cases (`pp_case`) cut the GPT in two stages as ``examples/torchrun_pipeline.py`` does,
+each stage ``fully_shard``-ed over its 2 ranks (or replicated, gradients averaged as DDP does), a
+real ``torch.distributed.pipelining`` schedule, and each rank's optimizers over its stage's module with ``process_group=`` the stage's ranks.
 ZeRO-1's flat partitions join CASES once a DeepSpeed run is counted here: the planner already lays
 them out (`muonclip.app.plan_layout.flat_partition`).
 """
@@ -274,9 +274,10 @@ class Stage(torch.nn.Module):
         return x if self.first else self.lm_head(self.ln_f(x))
 
 
-def pp_case(rank):
-    """2 pipeline stages x FSDP2 over 2 ranks (a ``("pp", "dp")`` mesh), GPipe over 2 micro-batches;
-    Muon, MuonClip and AdamW over the stage's module, Muon's with ``process_group=mesh["dp"]``'s group."""
+def pp_case(rank, shard):
+    """2 pipeline stages, each over 2 ranks (a ``("pp", "dp")`` mesh): FSDP2 (``shard``) or replicas
+    (their gradients averaged as DDP does); GPipe over 2 micro-batches; Muon, MuonClip and AdamW
+    over the stage's module, Muon's with ``process_group=mesh["dp"]``'s group."""
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -290,9 +291,10 @@ def pp_case(rank):
     out = {}
     for name in ("muon", "muonclip", "adamw"):
         module = Stage(_gpt(PP), stage_index)
-        for block in module.blocks.values():
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(module, mesh=mesh["dp"])
+        if shard:
+            for block in module.blocks.values():
+                fully_shard(block, mesh=mesh["dp"])
+            fully_shard(module, mesh=mesh["dp"])
         stage = PipelineStage(module, stage_index, 2, torch.device("cpu"), group=mesh["pp"].get_group())
         schedule = unrecorded_shape_inference(ScheduleGPipe(
             stage, n_microbatches=2, loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())))
@@ -304,12 +306,16 @@ def pp_case(rank):
                    else MuonClip(module, tau=1.0, groups=groups, process_group=group, **OPT))
             out["pieces"] = _pieces(opt.param_groups, group)
 
-        def forward_backward(step, schedule=schedule):
+        def forward_backward(step, schedule=schedule, module=module):
             x, y = _batch(step, 2)
             if stage_index == 0:
                 schedule.step(x)
             else:
                 schedule.step(target=y)
+            if not shard:  # the replicas' mean gradient, as DDP makes it
+                for p in module.parameters():
+                    dist.all_reduce(p.grad, group=group)
+                    p.grad /= 2
 
         out[name] = {"steps": _steps(None, opt, synthetic=forward_backward), "state": state_bytes(opt)}
     return out
@@ -317,7 +323,7 @@ def pp_case(rank):
 
 CASES = {"ddp": lambda r: dense_case("ddp", r), "fsdp": lambda r: dense_case("fsdp", r),
          "fsdp_tp": lambda r: dense_case("fsdp_tp", r), "hsdp": lambda r: dense_case("hsdp", r), "ep": ep_case,
-         "pp": pp_case}
+         "pp": lambda r: pp_case(r, shard=True), "pp_ddp": lambda r: pp_case(r, shard=False)}
 """Each case: the mesh it runs on is the test's `MESHES` entry of the same name."""
 
 

@@ -1,8 +1,9 @@
 """``muonclip plan``: exact where it says exact.
 
 On CPU meshes of 4 gloo processes (ONE launch for every case, `plan_worker`: DDP, FSDP2 with uneven
-shards, FSDP2 x TP, HSDP, expert parallel, 2 pipeline stages x FSDP2), the plan of `muonclip.app.plan_cost` equals, per rank and
-per step, what a real step counts: every rank's piece of every Muon weight, the Newton–Schulz flops,
+shards, FSDP2 x TP, HSDP, expert parallel, 2 pipeline stages x FSDP2 or x DDP), the plan of
+`muonclip.app.plan_cost` equals, per rank and per step, what a real step counts: every rank's piece
+of every Muon weight, the Newton–Schulz flops,
 the bytes of the gather and of the scatter (sent and received), of the agreement all-reduces and of
 MuonClip's max-logit reduction, and the optimizer state Muon, MuonClip and torch's AdamW allocate.
 The time model is checked by `benchmarks/bench_plan_time.py` (a benchmark, never a timed test).
@@ -27,8 +28,8 @@ from muonclip.ortho._newton_schulz import ns_flops
 
 MESHES = {"ddp": Mesh(dp_replicate=4), "fsdp": Mesh(dp_shard=4), "fsdp_tp": Mesh(dp_shard=2, tp=2),
           "hsdp": Mesh(dp_replicate=2, dp_shard=2), "ep": Mesh(dp_shard=4, ep=2),
-          "pp": Mesh(pp=2, dp_shard=2)}
-CONFIGS = {"ep": MOE, "pp": PP}
+          "pp": Mesh(pp=2, dp_shard=2), "pp_ddp": Mesh(pp=2, dp_replicate=2)}
+CONFIGS = {"ep": MOE, "pp": PP, "pp_ddp": PP}
 
 
 @pytest.fixture(scope="module")
