@@ -9,8 +9,11 @@ call wrapped; DTensor's functional collectives seen by a dispatch mode), the gat
 scatter's all-to-alls apart, and the optimizer state the optimizers allocated. Each rank also
 records every rank's piece of every Muon weight as the step sees it (`GroupContext.pieces`).
 
-Pipeline stages (issue 50) and ZeRO-1's flat partitions (issue 51) join CASES here once muonclip
-runs them: the planner already lays them out (`muonclip.app.plan_layout`).
+The pipeline cases (`pp_case`) cut the GPT in two stages as ``examples/torchrun_pipeline.py`` does,
+each stage ``fully_shard``-ed over its 2 ranks (or replicated, gradients averaged as DDP does), a
+real ``torch.distributed.pipelining`` schedule, and each rank's optimizers over its stage's module with ``process_group=`` the stage's ranks.
+ZeRO-1's flat partitions join CASES once a DeepSpeed run is counted here: the planner already lays
+them out (`muonclip.app.plan_layout.flat_partition`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from muonclip.qkclip import MuonClip
 WORLD = 4
 DENSE = dict(vocab_size=63, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=24)  # uneven FSDP shards
 MOE = dict(DENSE, n_expert=6, expert_hidden=8)
+PP = dict(DENSE, tie_embeddings=False)  # a tied head cannot live on the other stage than the embedding
 OPT = dict(lr=0.02, weight_decay=0.1, orth_dtype=torch.float32)
 STEPS = 2
 OTHER_OPS = ("broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "barrier", "send", "recv")
@@ -189,9 +193,9 @@ def plain(pieces):
             for ranks in pieces]
 
 
-def _pieces(groups):
+def _pieces(groups, process_group=None):
     params = [p for g in groups if g["algorithm"] == "muon" for p in g["params"]]
-    ctx = resolve_group(params, lambda i: str(i))
+    ctx = resolve_group(params, lambda i: str(i), process_group)
     return plain([ctx.pieces(p) for p in params])
 
 
@@ -246,8 +250,80 @@ def ep_case(rank):
     return out
 
 
+class Stage(torch.nn.Module):
+    """Stage ``stage`` of 2 of the untied GPT (``examples/torchrun_pipeline.py``'s cut): the embedding
+    and the first half of the blocks, or the other half, the final norm and the head; parameters
+    named as in the whole GPT (``blocks.1.attn...``)."""
+
+    def __init__(self, gpt, stage):
+        super().__init__()
+        half = gpt.config.n_layer // 2
+        self.first = stage == 0
+        if self.first:
+            self.wte = gpt.wte
+        self.blocks = torch.nn.ModuleDict({str(i): gpt.blocks[i] for i in (range(half) if self.first else
+                                                                            range(half, gpt.config.n_layer))})
+        if not self.first:
+            self.ln_f, self.lm_head = gpt.ln_f, gpt.lm_head
+
+    def forward(self, x):
+        if self.first:
+            x = self.wte(x)
+        for block in self.blocks.values():
+            x = block(x)
+        return x if self.first else self.lm_head(self.ln_f(x))
+
+
+def pp_case(rank, shard):
+    """2 pipeline stages, each over 2 ranks (a ``("pp", "dp")`` mesh): FSDP2 (``shard``) or replicas
+    (their gradients averaged as DDP does); GPipe over 2 micro-batches; Muon, MuonClip and AdamW
+    over the stage's module, Muon's with ``process_group=mesh["dp"]``'s group."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    from muonclip.integrations.pipelining import unrecorded_shape_inference
+
+    mesh = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("pp", "dp"))
+    stage_index = mesh.get_coordinate()[0]
+    group = mesh["dp"].get_group()
+    out = {}
+    for name in ("muon", "muonclip", "adamw"):
+        module = Stage(_gpt(PP), stage_index)
+        if shard:
+            for block in module.blocks.values():
+                fully_shard(block, mesh=mesh["dp"])
+            fully_shard(module, mesh=mesh["dp"])
+        stage = PipelineStage(module, stage_index, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+        schedule = unrecorded_shape_inference(ScheduleGPipe(
+            stage, n_microbatches=2, loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())))
+        if name == "adamw":
+            opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        else:
+            groups = param_groups(module)
+            opt = (Muon(groups, process_group=group, **OPT) if name == "muon"
+                   else MuonClip(module, tau=1.0, groups=groups, process_group=group, **OPT))
+            out["pieces"] = _pieces(opt.param_groups, group)
+
+        def forward_backward(step, schedule=schedule, module=module):
+            x, y = _batch(step, 2)
+            if stage_index == 0:
+                schedule.step(x)
+            else:
+                schedule.step(target=y)
+            if not shard:  # the replicas' mean gradient, as DDP makes it
+                for p in module.parameters():
+                    dist.all_reduce(p.grad, group=group)
+                    p.grad /= 2
+
+        out[name] = {"steps": _steps(None, opt, synthetic=forward_backward), "state": state_bytes(opt)}
+    return out
+
+
 CASES = {"ddp": lambda r: dense_case("ddp", r), "fsdp": lambda r: dense_case("fsdp", r),
-         "fsdp_tp": lambda r: dense_case("fsdp_tp", r), "hsdp": lambda r: dense_case("hsdp", r), "ep": ep_case}
+         "fsdp_tp": lambda r: dense_case("fsdp_tp", r), "hsdp": lambda r: dense_case("hsdp", r), "ep": ep_case,
+         "pp": lambda r: pp_case(r, shard=True), "pp_ddp": lambda r: pp_case(r, shard=False)}
 """Each case: the mesh it runs on is the test's `MESHES` entry of the same name."""
 
 

@@ -1,13 +1,14 @@
 """``muonclip plan``: exact where it says exact.
 
 On CPU meshes of 4 gloo processes (ONE launch for every case, `plan_worker`: DDP, FSDP2 with uneven
-shards, FSDP2 x TP, HSDP, expert parallel), the plan of `muonclip.app.plan_cost` equals, per rank and
-per step, what a real step counts: every rank's piece of every Muon weight, the Newton–Schulz flops,
+shards, FSDP2 x TP, HSDP, expert parallel, 2 pipeline stages x FSDP2 or x DDP), the plan of
+`muonclip.app.plan_cost` equals, per rank and per step, what a real step counts: every rank's piece
+of every Muon weight, the Newton–Schulz flops,
 the bytes of the gather and of the scatter (sent and received), of the agreement all-reduces and of
 MuonClip's max-logit reduction, and the optimizer state Muon, MuonClip and torch's AdamW allocate.
 The time model is checked by `benchmarks/bench_plan_time.py` (a benchmark, never a timed test).
-Pipeline stages and ZeRO-1 are laid out by the planner but not run by muonclip yet: their cases
-join `plan_worker.CASES` when they are.
+ZeRO-1 is laid out by the planner but not counted on a DeepSpeed run yet: its case joins
+`plan_worker.CASES` when it is.
 """
 
 from __future__ import annotations
@@ -16,17 +17,19 @@ import json
 
 import pytest
 import torch
-from plan_worker import DENSE, MOE, STEPS, WORLD, plain, worker
+from plan_worker import DENSE, MOE, PP, STEPS, WORLD, plain, worker
 from test_distributed import _launch
 
 from muonclip.app.plan_cost import plan_costs
-from muonclip.app.plan_layout import Mesh, MeshError, stage_of_layers, stage_pieces
+from muonclip.app.plan_layout import Mesh, MeshError, stage_of, stage_of_layers, stage_pieces
 from muonclip.app.plan_model import route
 from muonclip.models import GPT, GPTConfig
 from muonclip.ortho._newton_schulz import ns_flops
 
 MESHES = {"ddp": Mesh(dp_replicate=4), "fsdp": Mesh(dp_shard=4), "fsdp_tp": Mesh(dp_shard=2, tp=2),
-          "hsdp": Mesh(dp_replicate=2, dp_shard=2), "ep": Mesh(dp_shard=4, ep=2)}
+          "hsdp": Mesh(dp_replicate=2, dp_shard=2), "ep": Mesh(dp_shard=4, ep=2),
+          "pp": Mesh(pp=2, dp_shard=2), "pp_ddp": Mesh(pp=2, dp_replicate=2)}
+CONFIGS = {"ep": MOE, "pp": PP, "pp_ddp": PP}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +41,7 @@ def counted(tmp_path_factory):
 
 def _planned(case):
     with torch.device("meta"):
-        model = GPT(GPTConfig(**(MOE if case == "ep" else DENSE)))
+        model = GPT(GPTConfig(**CONFIGS.get(case, DENSE)))
     pm = route(model)
     return pm, plan_costs(pm, MESHES[case], device="cpu")
 
@@ -46,13 +49,15 @@ def _planned(case):
 @pytest.mark.parametrize("case", list(MESHES))
 def test_planned_flops_bytes_and_state_equal_a_real_step(counted, case):
     pm, plan = _planned(case)
-    muon = [w for w in pm.weights if w.muon]
-    _, pieces = stage_pieces(muon, MESHES[case])
+    mesh = MESHES[case]
+    stages = stage_of_layers(pm.n_layers, mesh.pp)
+    pieces = [plain(stage_pieces([w for w in pm.weights if w.muon and stage_of(w, stages, mesh.pp) == s], mesh)[1])
+              for s in range(mesh.pp)]  # each stage's Muon weights over its own ranks
     rows = []
     for r, got in enumerate(counted):
         got = got[case]
         assert "error" not in got, got.get("error")
-        assert got["pieces"] == plain(pieces)  # what every rank holds, as the step sees it
+        assert got["pieces"] == pieces[r // mesh.stage_size]  # what every rank holds, as the step sees it
         for name in ("muon", "muonclip"):
             if name not in got:
                 continue

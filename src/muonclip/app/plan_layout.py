@@ -27,10 +27,11 @@ another stage's ranks. Within a stage, what each rank holds (`stage_pieces`, the
   Routed experts under ZeRO-1: ``ep`` ranks as above; the ``dp_replicate / ep`` ranks that hold
   the same experts deal them out by whole experts.
 
-Checked against real steps for what runs today (`tests/test_plan.py`: DDP, FSDP2 and FSDP2 x TP
-and HSDP as ``fully_shard`` and the reference GPT's tensor-parallel plan lay them out, EP as
-DTensors placed as torchtitan's FSDP2 x EP places them); the pipeline split and ZeRO-1 follow the
-frameworks' documented layouts and are checked against a real step once muonclip runs them.
+Checked against real steps (`tests/test_plan.py`: DDP, FSDP2 and FSDP2 x TP and HSDP as
+``fully_shard`` and the reference GPT's tensor-parallel plan lay them out, EP as DTensors placed as
+torchtitan's FSDP2 x EP places them, two pipeline stages of FSDP2 or of replicas under a
+``torch.distributed.pipelining`` schedule, each stepping with ``process_group=`` its ranks); ZeRO-1
+follows DeepSpeed's documented layout and is not counted on a DeepSpeed run yet.
 """
 
 from __future__ import annotations
