@@ -1,15 +1,25 @@
 """Fixtures shared by the test modules: the `muonclip` command's corpus, FlexAttention on the CPU,
-both of ``orth_dtype="auto"``'s answers on any CPU."""
+both of ``orth_dtype="auto"``'s answers on any CPU; torch's compiled-kernel cache kept per CPU
+capability."""
 
 from __future__ import annotations
 
 import inspect
+import os
+import tempfile
 
 import pytest
 import torch
 
 from muonclip.app.data import builtin_corpus_dir, read_document
 from muonclip.common._hardware import CPU_BF16_ENV
+
+# torch's inductor cache does not tell kernels built for one CPU capability from another's: a
+# kernel compiled under ``ATEN_CPU_CAPABILITY=avx2`` (`make test-avx2`) and then loaded by a run
+# with the CPU's own (AVX-512) capability, or the reverse, returns NaN (test_ortho_fast's compiled
+# Newton-Schulz). So each capability compiles into its own folder; the processes tests start inherit it.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"torchinductor-muonclip-{os.getuid()}-{torch.backends.cpu.get_cpu_capability()}"))
 
 
 @pytest.fixture(scope="module")
