@@ -21,6 +21,7 @@ one, else Megatron's convention by name (`TP_ROLES`).
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,10 +101,7 @@ class Weight:
     @property
     def numel(self) -> int:
         """Its elements."""
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass

@@ -25,6 +25,7 @@ Tensors may live on any device the backend supports (gloo: CPU; NCCL: CUDA).
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -169,10 +170,7 @@ class Transfer:
     @property
     def numel(self) -> int:
         """Elements of the piece."""
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 def exchange(ctx: GroupContext, transfers: Sequence[Transfer], payload: Callable[[int], Tensor],
