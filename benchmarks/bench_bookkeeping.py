@@ -35,6 +35,13 @@ weight and two more per AdamW weight; done on copies, so nothing is changed). Wh
 the library's Python and torch's per-call dispatch: the bookkeeping (and the stacking of V into
 buckets, a copy a lean implementation needs too: an upper bound on the bookkeeping, then).
 
+**The lean step** (``lean``, and ``steady - lean``): the same step written as lean as a
+per-weight implementation can be (`lean_step`: the gradient check, then per weight only the
+torch calls the step cannot do without, into buckets orthogonalised by the same workspace, on
+copies). Its own ``overhead`` by the measure above is torch's per-call cost of those calls and
+views, which no per-weight implementation avoids; ``steady - lean`` is what the library's
+bookkeeping adds to it.
+
 ``--profile FORM:WHAT`` (e.g. ``linear:muonclip-step``) prints cProfile's top functions of one
 measurement instead.
 
@@ -149,6 +156,61 @@ def elementwise_alone(opt: torch.optim.Optimizer) -> float:
     return time.process_time() - start
 
 
+@torch.no_grad()
+def lean_step(opt: torch.optim.Optimizer) -> float:
+    """Seconds of the leanest per-weight form of the same one-process Muon step, on copies: the
+    floor of any implementation that keeps each weight its own tensor (torch.optim.Muon's form).
+
+    The gradients checked (`muonclip.optim._validation.finite_per_tensor`, as the step does);
+    then per Muon weight, with no bookkeeping, the calls the step cannot do without: ``M = G + mu
+    M`` and ``V = G + mu M`` into its slot of a bucket of its shape (at most `chunk_limit`
+    matrices, the step's), the bucket orthogonalised by the same kind of workspace, the decay and
+    the update; the AdamW weights by ``_foreach`` kernels (as `elementwise_alone`).
+    """
+    from muonclip.optim._buckets import chunk_limit
+    from muonclip.optim._validation import finite_per_tensor
+    from muonclip.optim.workspace import make_workspace
+    from muonclip.ortho import resolve_orth_dtype
+
+    muon = [p for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"]]
+    adamw = [p for g in opt.param_groups if g["algorithm"] == "adamw" for p in g["params"]]
+    copies = [(p.detach().clone(), p.grad.clone(), torch.zeros_like(p)) for p in muon]
+    wa, ga, m1, m2 = ([p.detach().clone() for p in adamw], [p.grad.clone() for p in adamw],
+                      [p.detach().clone() for p in adamw], [p.detach().clone() for p in adamw])
+    by_shape: dict[tuple[int, ...], list[tuple[torch.Tensor, ...]]] = {}
+    for w, g, m in copies:
+        by_shape.setdefault(tuple(w.shape), []).append((w, g, m))
+    device = torch.device("cpu")
+    dtype = resolve_orth_dtype("auto", "ns5", device)
+    ws = make_workspace("auto").for_device(device)
+    start = time.process_time()
+    finite_per_tensor([g for _, g, _ in copies] + ga)
+    for shape, items in by_shape.items():
+        A, B = shape[-2:]
+        E = shape[0] if len(shape) == 3 else 1
+        run = max(1, chunk_limit(A, B, dtype, device) // E)
+        scale = 0.2 * max(A, B) ** 0.5
+        for lo in range(0, len(items), run):
+            part = items[lo : lo + run]
+            V = ws.empty("input", (len(part) * E, A, B), dtype, device)
+            slots = V.unbind(0) if E == 1 else V.split(E)
+            for (_, g, m), slot in zip(part, slots):
+                torch.add(g, m, alpha=0.95, out=m)
+                torch.add(g, m, alpha=0.95, out=slot)
+            O = ws.orthogonalize(V, "ns5", None, dtype, eps=1e-7, coefficients=None, reuse_result=True)
+            for (w, _, _), o in zip(part, O.unbind(0) if E == 1 else O.split(E)):
+                w.mul_(0.999)
+                w.add_(o, alpha=-1e-3 * scale)
+    ws.release()
+    torch._foreach_lerp_(m1, ga, 0.1)
+    torch._foreach_mul_(m2, 0.95)
+    torch._foreach_addcmul_(m2, ga, ga, value=0.05)
+    denom = torch._foreach_sqrt(m2)
+    torch._foreach_add_(denom, 1e-8)
+    torch._foreach_addcdiv_(wa, m1, denom, value=-1e-3)
+    return time.process_time() - start
+
+
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     start = time.process_time()
     out = fn()
@@ -202,12 +264,15 @@ def measure(form: str, profile: str | None, top: int) -> dict[str, float]:
             run(f"{name} step {s + 1}", opt.step)
             steps.append((row[f"{name} step {s + 1}"], ws.seconds))
         elementwise = min(elementwise_alone(opt) for _ in range(2))
+        lean = min(lean_step(opt) for _ in range(2))
         first, steady = steps[0], min(steps[1:])
         for label, (t, ns) in (("first", first), ("steady", steady)):
             row[f"{name} {label}"] = t
             row[f"{name} {label} ns"] = ns
             row[f"{name} {label} overhead"] = t - ns - elementwise
         row[f"{name} elementwise"] = elementwise
+        row[f"{name} lean"] = lean
+        row[f"{name} steady - lean"] = steady[0] - lean
         if name == "muonclip":
             muonclip.integrations.hf.detach(model)
         del opt
@@ -228,7 +293,7 @@ def main() -> None:
     keys = ["param_groups", "Muon()", "MuonClip()", "plan route", "plan 1 rank", "plan 256"]
     for name in ("muon", "muonclip"):
         keys += [f"{name} {k}" for k in ("first", "first ns", "first overhead", "steady", "steady ns",
-                                          "steady overhead", "elementwise")]
+                                          "steady overhead", "elementwise", "lean", "steady - lean")]
     print("| measured | " + " | ".join(rows) + " |")
     print("|---|" + "---:|" * len(rows))
     for k in keys:

@@ -22,6 +22,24 @@ def test_nonfinite_detection(bad, dtype):
     assert nonfinite_indices(finite_per_tensor([])) == []
 
 
+def test_nonfinite_detection_stacked_and_alone():
+    """Small gradients are checked in stacks of one shape (`STACKED_CHECK_ELEMENTS`), larger ones
+    alone: the answer is each gradient's own, whatever its neighbours in the stack hold."""
+    from muonclip.optim._validation import GRAD_LIMIT, STACKED_CHECK_ELEMENTS
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3, 4), (5,), (3, 4), (STACKED_CHECK_ELEMENTS + 1,), (3, 4), (5,), (2, 2, 2), (0,)]
+    grads = [torch.randn(s, generator=g) for s in shapes] + [torch.randn(3, 4, dtype=torch.bfloat16)]
+    assert finite_per_tensor(grads).all()
+    grads[2][1, 1] = float("nan")  # amid finite stack-mates
+    grads[3][-1] = -float("inf")  # checked alone
+    grads[5][0] = -2 * GRAD_LIMIT  # finite, beyond the limit
+    grads[8][0, 0] = float("inf")  # bfloat16, its own stack
+    expected = [True, True, False, False, True, False, True, True, False]
+    assert finite_per_tensor(grads).tolist() == expected
+    assert finite_per_tensor(grads[::-1]).tolist() == expected[::-1]
+
+
 def _model():
     torch.manual_seed(0)
     return [

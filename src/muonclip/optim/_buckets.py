@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -160,6 +161,10 @@ class Bucket:
         specs: each slot's item's `MatrixSpec`.
         chunks: the `Chunk` runs the step orthogonalises it in (`chunk_plan`; set by
             `step_structure`; default: the whole bucket).
+        plain: every slot is one 2-D ``(A, B)`` weight as stored (no blocks, not transposed), so
+            each of V's matrices is a slot as it is (kept by `make_buckets`).
+        stored: per slot, whether its ``(E, A, B)`` part of V is its item as stored (a whole stack
+            of experts, not transposed), so it is its slot as it is.
     """
 
     A: int
@@ -174,6 +179,8 @@ class Bucket:
     entries: list[tuple[int, int]] = field(default_factory=list)
     specs: list[MatrixSpec] = field(default_factory=list)
     chunks: list[Chunk] = field(default_factory=list)
+    plain: bool = True
+    stored: list[bool] = field(default_factory=list)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -205,10 +212,20 @@ class Bucket:
         a tensor ``t`` of the item's shape (`MatrixSpec.slot`); else the expert range
         ``[lo, hi)`` of a stack cut by the chunk, laid out like ``t[lo:hi]``."""
         parts = (chunk or self.whole()).parts
+        if self.plain:  # a slot per matrix of V, as it is: the views of every slot in one call
+            return zip(self.items(chunk), repeat(0), repeat(None), V.unbind(0))
+        return self._cut(V, parts)
+
+    def items(self, chunk: Chunk | None = None) -> list[int]:
+        """The item of each slot of the bucket (or of ``chunk``), in order."""
+        return [self.entries[j][0] for j, _, _ in (chunk or self.whole()).parts]
+
+    def _cut(self, V: Tensor, parts: tuple[tuple[int, int, int], ...]
+             ) -> Iterator[tuple[int, int, slice | None, Tensor]]:
         for (j, lo, hi), dst in zip(parts, V.split([hi - lo for _, lo, hi in parts])):
             (k, b), spec = self.entries[j], self.specs[j]
             if hi - lo == spec.batch:
-                yield k, b, None, spec.slot(dst, b)
+                yield k, b, None, dst if self.stored[j] else spec.slot(dst, b)
             else:  # a part of a stack of experts in one block (`step_structure` lets no other slot be cut)
                 yield k, b, slice(lo, hi), dst.mT if spec.transposed else dst
 
@@ -230,6 +247,8 @@ def make_buckets(specs: Sequence[MatrixSpec], groups: Sequence[Mapping[str, Any]
                 bucket = buckets[frozen(fields)] = Bucket(*fields, workspace=workspace_for(workspace, devices[k]))
             bucket.entries.append((k, b))
             bucket.specs.append(spec)
+            bucket.plain = bucket.plain and spec.shape == (bucket.A, bucket.B) and not spec.transposed
+            bucket.stored.append(spec.shape == (spec.batch, bucket.A, bucket.B) and not spec.transposed)
     return list(buckets.values())
 
 
@@ -268,7 +287,13 @@ class Results:
         """``(item, experts, result)`` of every item that ``O``, the result of the bucket (or of its
         ``chunk``), completes (``experts`` None), and of every expert range of a stack that the
         chunk cut (``experts``: the range, the result laid out like ``t[experts]``)."""
-        for k, b, experts, r in bucket.slots(O, chunk):
+        if bucket.plain:  # one block each: every slot is its item's result
+            return zip(bucket.items(chunk), repeat(None), O.unbind(0))
+        return self._completed(bucket.slots(O, chunk))
+
+    def _completed(self, slots: Iterator[tuple[int, int, slice | None, Tensor]]
+                   ) -> Iterator[tuple[int, slice | None, Tensor]]:
+        for k, b, experts, r in slots:
             if experts is not None:
                 yield k, experts, r
                 continue

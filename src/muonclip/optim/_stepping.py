@@ -80,30 +80,31 @@ class MuonStepping(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         numbers = self._check_groups()  # before anything changes: a step runs whole or not at all
-        named = [(g, i, p) for g in self.param_groups for i, p in enumerate(g["params"])]
-        live = [(g, i, p) for g, i, p in named if p.grad is not None]
-        for g, i, p in live:
-            if p.grad.is_sparse:
+        live = [(g, i, p, p.grad) for g in self.param_groups for i, p in enumerate(g["params"])]
+        live = [t for t in live if t[3] is not None]  # (group, index, parameter, gradient) of each with one
+        for g, i, _, grad in live:
+            if grad.is_sparse:
                 raise ValueError(
                     f"{_name(self, g, i)} has a sparse gradient; Muon and its AdamW branch need dense "
                     "gradients (build the embedding with sparse=False)"
                 )
-        engine = engine_for([p for _, _, p in named], self.process_group)
+        params = [p for g in self.param_groups for p in g["params"]]
+        engine = engine_for(params, self.process_group)
         ctx = None
         if engine is not None:  # a clear error (no process group, mixed meshes, bad placement) before any collective
-            ctx = engine.context([p for _, _, p in named], lambda k: _name(self, named[k][0], named[k][1]),
-                                 self.process_group)
+            named = [(g, i) for g in self.param_groups for i in range(len(g["params"]))]
+            ctx = engine.context(params, lambda k: _name(self, *named[k]), self.process_group)
         local = engine.local if engine is not None else _same
-        grads = [p.grad for _, _, p in live]
-        finite = finite_per_tensor([local(g) for g in grads])
+        grads = [t[3] for t in live]
+        finite = finite_per_tensor(grads if engine is None else [local(g) for g in grads])
         if engine is not None:
             finite = engine.all_finite(grads, finite, ctx)
         if self.on_nonfinite == "mask":  # sync-free: decided on the device, undone there
             found = ~finite.all()
-            guard = MaskedStep([p for _, _, p in live], [self.state[p] for _, _, p in live], found, local,
+            guard = MaskedStep([t[2] for t in live], [self.state[t[2]] for t in live], found, local,
                                cache=self._mask_copies)
             self.last_masked = found
-            self._update(engine, ctx, local, numbers)
+            self._update(engine, ctx, local, numbers, live)
             guard.restore()
             self._count_masked(found)
             self._end_step()
@@ -120,7 +121,7 @@ class MuonStepping(torch.optim.Optimizer):
                 "no parameter was updated. Check the loss and the learning rate, clip gradients, "
                 "or pass on_nonfinite='skip' to skip such steps."
             )
-        self._update(engine, ctx, local, numbers)
+        self._update(engine, ctx, local, numbers, live)
         self._end_step()
         return loss
 
@@ -165,10 +166,12 @@ class MuonStepping(torch.optim.Optimizer):
         return numbers
 
     def _update(self, engine: Engine | None, ctx: Any, local: Callable[[Tensor], Tensor],
-                numbers: dict[int, tuple[float, float]]) -> None:
-        """The Muon update of every Muon parameter with a gradient (`muonclip.optim.functional.muon_step`,
-        with the engine's exchanges over several ranks), then the AdamW groups', with each group's
-        checked ``(lr, weight_decay)`` (`_check_groups`); ``steps_taken`` counts it once done."""
+                numbers: dict[int, tuple[float, float]], live: list[tuple[dict[str, Any], int, Tensor, Tensor]]
+                ) -> None:
+        """The Muon update of every Muon parameter with a gradient (``live``: ``(group, index,
+        parameter, gradient)`` of every parameter with one; `muonclip.optim.functional.muon_step`, with the
+        engine's exchanges over several ranks), then the AdamW groups', with each group's checked
+        ``(lr, weight_decay)`` (`_check_groups`); ``steps_taken`` counts it once done."""
         stats = StepStats()
         exchange = None
         muon = [g for g in self.param_groups if g["algorithm"] == "muon"]
@@ -177,16 +180,18 @@ class MuonStepping(torch.optim.Optimizer):
             items = [(g, p, partial(_name, self, g, i))  # the name is only formatted for an error
                      for g in muon for i, p in enumerate(g["params"])]
             exchange = engine.exchange(items, ctx, self.comm_dtype, stats)
-        live = [(g, i, p) for g in muon for i, p in enumerate(g["params"]) if p.grad is not None]
+        live = [t for t in live if t[0]["algorithm"] == "muon"]
         if live:
             st = self._structure_of(live, local, exchange)
             settings = {id(g): (*numbers[id(g)], g["momentum"], g["nesterov"]) for g in muon}  # once per group
+            tails = {id(g): (g["normuon_beta2"], g["cautious_weight_decay"]) for g in muon}
             weights = []
-            for (g, _, p), spec in zip(live, st.specs):
-                buffer, quantized = momentum_state(self.state[p], p, g, spec, local)
-                weights.append(MuonWeight(local(p), local(p.grad), buffer, *settings[id(g)],
-                                          second_moment_state(self.state[p], p, g, spec), g["normuon_beta2"],
-                                          g["cautious_weight_decay"], quantized))
+            for (g, _, p, grad), spec in zip(live, st.specs):
+                state = self.state[p]
+                buffer, quantized = momentum_state(state, p, g, spec, local)
+                moment = second_moment_state(state, p, g, spec) if g["normuon"] else None
+                weights.append(MuonWeight(local(p), local(grad), buffer, *settings[id(g)], moment, *tails[id(g)],
+                                          quantized))
             try:
                 stats.matrices = muon_step(weights, st, exchange)
             finally:  # what the workspaces kept for this step's buckets is not kept under the next forward
@@ -200,25 +205,26 @@ class MuonStepping(torch.optim.Optimizer):
                            weight_decay=wd, new_buffer=_zeros_fp32)
         self._taken += 1
 
-    def _structure_of(self, live: list[tuple[dict[str, Any], int, Tensor]], local: Callable[[Tensor], Tensor],
-                      exchange: Exchange | None) -> StepStructure:
+    def _structure_of(self, live: list[tuple[dict[str, Any], int, Tensor, Tensor]],
+                      local: Callable[[Tensor], Tensor], exchange: Exchange | None) -> StepStructure:
         """The step's structure (`muonclip.optim._buckets.StepStructure`), rebuilt only when a shape, a
         device, a structural option (`muonclip.optim._buckets.STRUCTURAL_OPTIONS`), the workspace or,
         over several ranks, the layout (`Exchange.key`) changed; a new one over several ranks is
         planned by the exchange (`Exchange.plan`)."""
         options: dict[int, tuple] = {}  # per group, once
-        for g, _, _ in live:
+        for g, *_ in live:
             if id(g) not in options:
                 options[id(g)] = options_key(g)
-        params = [p for _, _, p in live]
+        params = [t[2] for t in live]
         key = (self.workspace, None if exchange is None else exchange.key(params),
-               tuple((options[id(g)], tuple(p.shape), p.device) for g, _, p in live))
+               tuple([options[id(t[0])] for t in live]), tuple([p.shape for p in params]),
+               tuple([p.device for p in params]))
         st = self._structures.get(key)
         if st is None:
-            pairs = [(g, p) for g, _, p in live]
+            pairs = [(g, p) for g, _, p, _ in live]
             plan = None
             if exchange is not None:
-                names = [partial(_name, self, g, i) for g, i, _ in live]
+                names = [partial(_name, self, g, i) for g, i, *_ in live]
                 plan = exchange.plan(pairs, names, [matrix_spec(p.shape, g) for g, p in pairs])
             st = step_structure(pairs, [local(p).device for p in params], self.workspace, plan)
             self._structures.put(key, st)

@@ -274,29 +274,47 @@ def check_step_params(group: Mapping[str, Any], where: str = "") -> None:
                              "initialisation), then build the optimizer over its parameters")
 
 
+STACKED_CHECK_ELEMENTS = 4096
+"""A gradient of at most this many elements is checked with the others of its shape, stacked
+(`finite_per_tensor`): one reduction for many small matrices instead of a call each."""
+
+
 def finite_per_tensor(grads: list[Tensor]) -> Tensor:
     """A bool vector on ``grads[0].device`` (CPU for none): True where that gradient is all
     finite and at most `GRAD_LIMIT` in magnitude. No host sync.
 
     Exact for every finite input (no overflow): max |g| on CUDA (one fused ``_foreach_norm``
-    launch), ``aminmax`` elsewhere (a plain reduction: torch's CPU ``_foreach_norm(ord=inf)`` is
-    the slower one there). Both propagate NaN and inf.
+    launch), min and max elsewhere (``aminmax``: torch's CPU ``_foreach_norm(ord=inf)`` is the
+    slower one there), those of the gradients of at most `STACKED_CHECK_ELEMENTS` elements per
+    stack of same-shape ones (a copy of at most 16 MiB at a time). Both propagate NaN and inf.
     """
     if not grads:
         return torch.ones(0, dtype=torch.bool)
     device = grads[0].device
-
-    def on_device(t: Tensor) -> Tensor:
-        t = t.float()
-        return t if t.device == device else t.to(device, non_blocking=True)
-
     if device.type == "cuda":
         stats = torch._foreach_norm(grads, ord=float("inf"))  # max |g|: inf for an inf, NaN for a NaN
-        return torch.stack([on_device(s) for s in stats]) <= GRAD_LIMIT  # False for NaN and inf
-    # (min, max): non-finite iff g is; an empty tensor is finite. One stack for all of them.
-    ends = [torch.aminmax(g) if g.numel() else (g.new_zeros(()), g.new_zeros(())) for g in grads]
-    both = torch.stack([on_device(e[0]) for e in ends] + [on_device(e[1]) for e in ends])
-    return (both.abs() <= GRAD_LIMIT).view(2, len(grads)).all(dim=0)  # False for NaN and inf
+        return torch.stack([s.float().to(device, non_blocking=True) for s in stats]) <= GRAD_LIMIT  # NaN, inf: False
+    order, ends = [], []  # gradient indices, and their (min, max) as float32 pairs on `device`
+    stacked: dict[tuple, list[int]] = {}
+    for i, g in enumerate(grads):
+        n = g.numel()
+        if 0 < n <= STACKED_CHECK_ELEMENTS:
+            stacked.setdefault((g.shape, g.dtype, g.device), []).append(i)
+        elif n:
+            order.append(i)
+            ends.append(torch.stack(torch.aminmax(g)).float().to(device, non_blocking=True).view(1, 2))
+    for (shape, dtype, _), members in stacked.items():
+        run = max(1, 2**22 // (math.prod(shape) * dtype.itemsize))  # at most 16 MiB stacked at a time
+        for lo in range(0, len(members), run):
+            part = members[lo : lo + run]
+            rows = torch.stack([grads[i] for i in part]).view(len(part), -1)
+            order += part
+            ends.append(torch.stack(torch.aminmax(rows, dim=1), dim=1).float().to(device, non_blocking=True))
+    finite = torch.ones(len(grads), dtype=torch.bool, device=device)  # an empty gradient is finite
+    if order:
+        both = torch.cat(ends)
+        finite[torch.tensor(order, device=device)] = (both.abs() <= GRAD_LIMIT).all(dim=1)  # NaN, inf: False
+    return finite
 
 
 def nonfinite_indices(finite: Tensor) -> list[int]:

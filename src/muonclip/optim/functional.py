@@ -59,7 +59,6 @@ from torch import Tensor
 from ..common import defaults as D
 from ..ortho import check_method
 from ._buckets import Bucket, Chunk, Place, Results, StepStructure, Unit, weight_structure
-from ._matrices import MatrixSpec
 from ._quantized import QuantBlocks, dequantize, quantize_
 from ._scale import scale_name
 from .workspace import CoreWorkspace
@@ -240,7 +239,8 @@ class StepMomenta:
         if k in self._pending:
             self._pending.discard(k)
             w = self._weights[k]
-            self._live[k] = step_momentum(w.grad, w.momentum, w.momentum_buffer, w.quantized)
+            self._live[k] = (momentum_(w.momentum_buffer, w.grad, w.momentum) if w.quantized is None
+                             else step_momentum(w.grad, w.momentum, quantized=w.quantized))
         return self._live[k]
 
     def v(self, k: int) -> Tensor:
@@ -260,13 +260,18 @@ class StepMomenta:
     def write_v(self, unit: Unit, b: int, experts: slice | None, slot: Tensor) -> None:
         """V of block ``b`` of ``unit`` (or of its ``experts``, a part of a stack cut by a chunk)
         written into ``slot``; the weight's M is released after its last slot is whole."""
-        w = self._weights[unit.k]
-        G, M = (_block(unit.spec, t, b, experts) for t in (w.grad, self.of(unit.k)))
+        k, spec = unit.k, unit.spec
+        w = self._weights[k]
+        G, M = w.grad, self.of(k)
+        if experts is not None:
+            G, M = G[experts], M[experts]
+        elif spec.n_blocks > 1:
+            G, M = spec.block(G, b), spec.block(M, b)
         muon_input(G, M, w.momentum, w.nesterov, out=slot)
-        if experts is None or experts.stop == unit.spec.batch:  # the slot is whole
-            self._slots_left[unit.k] -= 1
-            if not self._slots_left[unit.k]:
-                del self._live[unit.k]
+        if experts is None or experts.stop == spec.batch:  # the slot is whole
+            self._slots_left[k] -= 1
+            if not self._slots_left[k]:
+                del self._live[k]
 
     def update_rest(self) -> None:
         """The momentum of every weight not asked for in this step (this process neither
@@ -317,15 +322,13 @@ def muon_step(weights: Sequence[MuonWeight], structure: StepStructure, exchange:
     return sum(bucket.shape[0] for bucket in structure.buckets)
 
 
-def _block(spec: MatrixSpec, t: Tensor, b: int, experts: slice | None) -> Tensor:
-    """Block ``b`` of ``t`` (`MatrixSpec.block`), or its ``experts`` (a one-block stack cut by a chunk)."""
-    return spec.block(t, b) if experts is None else t[experts]
-
-
 def _apply(w: MuonWeight, update: Tensor, place: Place, experts: slice | None = None) -> None:
     """`apply_blocks_` of ``update`` to weight ``w``'s rows at ``place`` (of its ``experts`` only:
     the result of a chunk's part of a stack); `apply_flat_` where the place is a `FlatPlace`."""
     axis, ranges, offset = place
+    if offset == 0 and experts is None and len(ranges) == 1 and update.shape == w.param.shape:  # one scale, all rows
+        apply_update_(w.param, update, lr=w.lr, weight_decay=w.weight_decay, scale=ranges[0][2], cautious=w.cautious)
+        return
     if isinstance(offset, FlatPlace):
         apply_flat_(w.param, update, lr=w.lr, weight_decay=w.weight_decay, axis=axis, ranges=ranges, place=offset,
                     cautious=w.cautious)
