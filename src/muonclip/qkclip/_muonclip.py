@@ -35,7 +35,7 @@ from ..common import defaults as D
 from ..distributed._context import collective_group
 from ..optim import Muon, param_groups
 from ..optim._validation import number
-from ..optim._wrappers import wrapped_optimizer
+from ..optim._wrappers import WRAPPED_ATTRS, wrapped_optimizer
 from ..optim.flat import refuse_flat_model
 from ..optim.multiprocess import needs_engine
 from ._discovery import discover_layers
@@ -184,7 +184,7 @@ class MuonClip(Muon):
         driver = self._flat_driver()
         if driver is not None:
             return driver.step(closure)
-        self._binding.follow(self.param_groups, self.state)  # a wrapper may have replaced parameters
+        self._follow()  # a wrapper may have replaced parameters
         taken = self.steps_taken  # a skipped step does not count (a masked one does: it runs, undone on the device)
         loss = self._muon_step(closure)
         if self.steps_taken == taken:
@@ -210,7 +210,7 @@ class MuonClip(Muon):
         ``masked``: 0-D bool device flag of a masked step (``on_nonfinite="mask"``; default
         None): where set, every gamma is 1, so no weight changes (no host sync).
         """
-        inner = wrapped_optimizer(self, MuonClip)
+        inner = wrapped_optimizer(self, MuonClip) if not self.__dict__.keys().isdisjoint(WRAPPED_ATTRS) else None
         if inner is not None:  # called through a framework's wrapper: the optimizer's own record
             inner.clip(masked)
             return
@@ -238,10 +238,23 @@ class MuonClip(Muon):
             warnings.warn(msg, QKClipIneffectiveWarning, stacklevel=outside_frames())
 
     def _follow(self, force: bool = False) -> None:
-        """`ParameterBinding.follow`, unless a wrapper steps this optimizer on its flat partitions
-        (DeepSpeed: the layouts stay on the model's parameters, and the driver maps them)."""
-        if self._flat_driver(force) is None:
+        """`ParameterBinding.follow` when a wrapper replaced a parameter since it last looked (or
+        ``force``), unless a wrapper steps this optimizer on its flat partitions (DeepSpeed: the
+        layouts stay on the model's parameters, and the driver maps them)."""
+        if self._flat_driver(force) is None and (force or self._replaced()):
             self._binding.follow(self.param_groups, self.state)
+
+    def _replaced(self) -> bool:
+        """Whether the param groups or the model hold a tensor other than the one the binding last
+        saw there: one identity test per parameter (`ParameterBinding.follow` finds which, and
+        follows it or says why it cannot)."""
+        groups = self.param_groups
+        try:
+            return any(groups[s.group]["params"][s.index] is not s.tensor
+                       or (s.owner is not None and s.owner._parameters.get(s.attr) is not s.tensor)
+                       for s in self._binding.slots)
+        except (IndexError, KeyError):  # the groups were rebuilt: follow says so
+            return True
 
     def clip_stats(self) -> dict[str, float]:
         """Numbers for loggers about the last clip (one host sync when something was recorded).
