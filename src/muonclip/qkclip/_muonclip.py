@@ -213,10 +213,11 @@ class MuonClip(Muon):
         ``masked``: 0-D bool device flag of a masked step (``on_nonfinite="mask"``; default
         None): where set, every gamma is 1, so no weight changes (no host sync).
         """
-        inner = wrapped_optimizer(self, MuonClip) if not self.__dict__.keys().isdisjoint(WRAPPED_ATTRS) else None
-        if inner is not None:  # called through a framework's wrapper: the optimizer's own record
-            inner.clip(masked)
-            return
+        if self.__dict__.keys() & WRAPPED_ATTRS:  # maybe a framework's wrapper (`muonclip.optim._wrappers`)
+            inner = wrapped_optimizer(self, MuonClip)
+            if inner is not None:  # it is: the optimizer's own clip, and its record
+                inner.clip(masked)
+                return
         self._clip(masked)
 
     def _clip(self, masked: Tensor | None) -> None:
