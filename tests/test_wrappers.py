@@ -335,6 +335,11 @@ def test_clip_stats_and_tau_through_accelerate_and_lightning_wrappers(accelerato
     assert opt.tau == 2.5 and lightning.tau == 2.5 and "_tau" not in lightning.__dict__
     assert all(layer.recorder.threshold == 2.5 for layer in opt.layers)
     assert all(g["tau"] == 2.5 for g in opt.param_groups)
+    model(*batch(1))  # records the max logits (training mode, grad enabled)
+    lightning.clip()  # the optimizer's clip, its record written on the optimizer, not on the wrapper
+    assert opt.last_clipped and lightning.last_clipped is opt.last_clipped
+    assert not {"last_clipped", "last_max_logits", "last_bounded"} & lightning.__dict__.keys()
+    assert all(layer.recorder.value is None for layer in opt.layers)
     plain = Muon(param_groups(gpt()), **OPT)
     assert LightningOptimizer(plain).steps_taken == 0  # before: AttributeError (only MuonClip passed them on)
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..attention._recorder import MaxLogitRecorder
 from ..common._dtensor import local_rows
@@ -51,6 +51,14 @@ def _check_positive(**dims: int) -> None:
 
 def _per_row(head_factor: Tensor, rows_per_head: int) -> Tensor:
     return head_factor.repeat_interleave(rows_per_head)
+
+
+def _rows_here(t: Tensor) -> tuple[Tensor, int]:
+    """``(data, row_offset)``: the rows of ``t`` this process holds, to scale in place, and the
+    global index of the first. A plain tensor (or parameter) holds them all, from row 0; anything
+    else (a DTensor's row shard) is `muonclip.common._dtensor.local_rows`'s."""
+    data = t.data if isinstance(t, nn.Parameter) else t
+    return (data, 0) if type(data) is Tensor else local_rows(data)
 
 
 @torch.no_grad()
@@ -75,13 +83,13 @@ def scale_rows_(t: Weight | None, factor: Tensor) -> None:
         full = torch.ones(t.out_features, dtype=torch.float32, device=factor.device)
         full[t.indices(factor.device)] = factor.float()
         if t.transposed:
-            data, _ = local_rows(t.tensor)
+            data, _ = _rows_here(t.tensor)
             data.mul_(full.to(data.device).view(1, -1))
         else:
             scale_rows_(t.tensor, full)
         return
     if isinstance(t, Rows):
-        data, offset = local_rows(t.tensor)
+        data, offset = _rows_here(t.tensor)
         f = factor.to(device=data.device, dtype=torch.float32)
         if t.transposed:
             data[:, t.start : t.stop].mul_(f.view(1, -1))
@@ -90,7 +98,7 @@ def scale_rows_(t: Weight | None, factor: Tensor) -> None:
         if lo < hi:
             data[lo - offset : hi - offset].mul_(f[lo - t.start : hi - t.start].view(-1, *([1] * (data.ndim - 1))))
         return
-    data, offset = local_rows(t)  # FSDP2 Shard(0): this rank's rows and the global index of the first
+    data, offset = _rows_here(t)  # FSDP2 Shard(0): this rank's rows and the global index of the first
     factor = factor[offset : offset + data.shape[0]]
     f = factor.to(device=data.device, dtype=torch.float32).view(-1, *([1] * (data.ndim - 1)))
     data.mul_(f)

@@ -1,21 +1,24 @@
 """`MuonClip`: Muon + AdamW + QK-Clip in one ``step()`` (Kimi K2, arXiv 2507.20534, section 2.1,
 Algorithm 1; docs/design.md, "QK-Clip").
 
-After the optimizer update, the clip's path, in this file (`MuonClip._clip`)::
+`MuonClip.step` runs Muon's step body, then the clip's path, in this file (`MuonClip._clip`)::
 
-    recorded maxima   S_h, each head's max logit since the last clip (the layer's recorder)
+    recorded maxima   S_h, each head's max logit since the last clip (the layer's
+                      `muonclip.attention.MaxLogitRecorder`)
     reduce            all_reduce_max_: the max over the ranks, only when there is a process group
     gammas            compute_gamma: gamma_h = tau / S_h if S_h > tau else 1
     scale rows        apply_qk_clip: layout.clip(gamma), head h's logits times exactly gamma_h
                       (`muonclip.qkclip._layouts`); then recorder.reset()
 
+and the runtime check (`muonclip.qkclip.check`) looks at what the clip did. In one process that
+is all a step enters beyond Muon's: the binding (`muonclip.qkclip.binding`) is consulted only
+when a wrapper replaced a parameter, the wrapper lookup (`muonclip.optim._wrappers`) only when
+``clip`` is called through a framework's wrapper, the DTensor geometry only for DTensor weights.
+
 Under data parallelism every rank recorded the max of its own micro-batches; one packed
-``all_reduce(MAX)`` over all layers and heads (plus one "recorded" flag per layer) makes every
-rank clip with the global maxima. It runs over the optimizer's process group
-(`muonclip.distributed._context.collective_group`, asked only when the step has one:
-``process_group="local"`` means no collective, so independent models in one job each clip with
-their own maxima), on every rank of it, never under a rank condition, and is skipped for a group
-of one rank. Then the runtime check (`muonclip.qkclip.check`) looks at what the clip did.
+``all_reduce(MAX)`` over all layers and heads (plus one "recorded" flag per layer), over the
+optimizer's process group (`MuonClip._reduce_group`), on every rank of it, never under a rank
+condition, makes every rank clip with the global maxima.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from ..common import defaults as D
 from ..distributed._context import collective_group
 from ..optim import Muon, param_groups
 from ..optim._validation import number
-from ..optim._wrappers import wrapped_optimizer
+from ..optim._wrappers import WRAPPED_ATTRS, wrapped_optimizer
 from ..optim.flat import refuse_flat_model
 from ..optim.multiprocess import needs_engine
 from ._discovery import discover_layers
@@ -184,7 +187,7 @@ class MuonClip(Muon):
         driver = self._flat_driver()
         if driver is not None:
             return driver.step(closure)
-        self._binding.follow(self.param_groups, self.state)  # a wrapper may have replaced parameters
+        self._follow()  # a wrapper may have replaced parameters
         taken = self.steps_taken  # a skipped step does not count (a masked one does: it runs, undone on the device)
         loss = self._muon_step(closure)
         if self.steps_taken == taken:
@@ -210,25 +213,24 @@ class MuonClip(Muon):
         ``masked``: 0-D bool device flag of a masked step (``on_nonfinite="mask"``; default
         None): where set, every gamma is 1, so no weight changes (no host sync).
         """
-        inner = wrapped_optimizer(self, MuonClip)
-        if inner is not None:  # called through a framework's wrapper: the optimizer's own record
-            inner.clip(masked)
-            return
+        if self.__dict__.keys() & WRAPPED_ATTRS:  # maybe a framework's wrapper (`muonclip.optim._wrappers`)
+            inner = wrapped_optimizer(self, MuonClip)
+            if inner is not None:  # it is: the optimizer's own clip, and its record
+                inner.clip(masked)
+                return
         self._clip(masked)
 
     def _clip(self, masked: Tensor | None) -> None:
-        """The clip's path (module docstring): recorded maxima -> reduce -> gammas -> scale rows,
-        then the runtime check."""
+        """The clip's path (module docstring), then the runtime check."""
         self._follow()
-        params = [p for g in self.param_groups for p in g["params"]]
-        group = None
-        if needs_engine(params, self.process_group):  # DTensors or a process group: the distributed layer's rule
-            group = collective_group(params, self.process_group)
-        if group is not None:
+        # recorded maxima: each layer's recorder holds S_h, its heads' max logit since the last clip
+        group = self._reduce_group()
+        if group is not None:  # reduce: the max over the ranks (none in one process)
             all_reduce_max_(self.layers, group)
         self.last_bounded = {
             layer.name: layer.recorder.bounded for layer in self.layers if layer.recorder.value is not None
         }
+        # gammas, then scale rows: gamma_h = tau / S_h above tau, head h's logits times gamma_h
         self.last_max_logits, self.last_clipped = apply_qk_clip(self.layers, self.tau, masked=masked)
         reports = self._clip_check.observe(self.layers, self.last_max_logits, self.last_clipped, self.tau,
                                            distributed=group is not None)
@@ -237,11 +239,32 @@ class MuonClip(Muon):
         for msg in reports:
             warnings.warn(msg, QKClipIneffectiveWarning, stacklevel=outside_frames())
 
+    def _reduce_group(self) -> dist.ProcessGroup | None:
+        """The group the maxima are reduced over: the optimizer's process group
+        (`muonclip.distributed._context.collective_group`), asked only when the core says the step
+        has one (DTensors or a process group: `muonclip.optim.multiprocess.needs_engine`); None in
+        one process."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        return collective_group(params, self.process_group) if needs_engine(params, self.process_group) else None
+
     def _follow(self, force: bool = False) -> None:
-        """`ParameterBinding.follow`, unless a wrapper steps this optimizer on its flat partitions
-        (DeepSpeed: the layouts stay on the model's parameters, and the driver maps them)."""
-        if self._flat_driver(force) is None:
+        """`ParameterBinding.follow` when a wrapper replaced a parameter since it last looked (or
+        ``force``), unless a wrapper steps this optimizer on its flat partitions (DeepSpeed: the
+        layouts stay on the model's parameters, and the driver maps them)."""
+        if self._flat_driver(force) is None and (force or self._replaced()):
             self._binding.follow(self.param_groups, self.state)
+
+    def _replaced(self) -> bool:
+        """Whether the param groups or the model hold a tensor other than the one the binding last
+        saw there: one identity test per parameter (`ParameterBinding.follow` finds which, and
+        follows it or says why it cannot)."""
+        groups = self.param_groups
+        try:
+            return any(groups[s.group]["params"][s.index] is not s.tensor
+                       or (s.owner is not None and s.owner._parameters.get(s.attr) is not s.tensor)
+                       for s in self._binding.slots)
+        except (IndexError, KeyError):  # the groups were rebuilt: follow says so
+            return True
 
     def clip_stats(self) -> dict[str, float]:
         """Numbers for loggers about the last clip (one host sync when something was recorded).

@@ -10,7 +10,9 @@ Wrappers replace a model's parameters by new tensor objects after the optimizer 
 A QK-Clip layout holds the tensors it scales (`muonclip.qkclip._layouts`), so after such a swap it
 would scale tensors nobody trains. `ParameterBinding` records, when the optimizer is built, every
 parameter's place in the param groups (group, index) and in the model (the module and the
-attribute that hold it), and `ParameterBinding.follow` looks at both before every step:
+attribute that hold it), and `ParameterBinding.follow` looks at both: `muonclip.MuonClip` calls it
+before a step and a clip when one identity test per parameter (`MuonClip._replaced`) sees a
+tensor replaced, and before ``state_dict`` and ``load_state_dict`` always:
 
 * the optimizer holds a new tensor (accelerate's swap): the layouts are pointed at it;
 * the model holds a new tensor and the optimizer the old one (a late ``fully_shard``, an
