@@ -21,7 +21,7 @@ from import_graph import SRC, components, cycles, imports, module_graph, subpack
 
 import muonclip
 import muonclip.integrations.families as family_table
-from muonclip.optim import multiprocess
+from muonclip.optim import _stepping, multiprocess
 
 GROUND, CORE, LAYER, APP = 0, 1, 2, 3
 FLOORS = {
@@ -137,7 +137,7 @@ def test_a_step_that_needs_the_distributed_layer_without_it_is_an_error(monkeypa
     monkeypatch.setattr(multiprocess, "_ENGINES", [])
     with pytest.raises(RuntimeError, match="import muonclip.distributed"):
         _step(process_group=object())
-    assert multiprocess.engine_for([torch.zeros(2, 2)], None) is None  # nothing needed, nothing asked
+    assert _stepping.engine_for([torch.zeros(2, 2)], None) is None  # nothing needed, nothing asked
 
 
 # ------------------------------------------------------------------------------------------------

@@ -12,12 +12,14 @@ several processes the same body runs with the distribution layer's exchanges
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from functools import partial
 from operator import itemgetter
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ..common._dtensor import is_dtensor
@@ -40,7 +42,7 @@ from ._validation import (
 from ._wrappers import wrapped_optimizer
 from .flat import ATTACHED, FlatDriver, flat_driver
 from .functional import MuonWeight, muon_step
-from .multiprocess import Engine, Exchange, StepStats, engine_for
+from .multiprocess import LOCAL, Engine, Exchange, StepStats, registered_engine
 
 _SETTINGS = itemgetter(*(k for k in GROUP_KEYS if k not in ("lr", "weight_decay")))
 """A group's settings other than lr and weight decay (a step re-validates the group when they change)."""
@@ -298,6 +300,28 @@ class MuonStepping(torch.optim.Optimizer):
         values = self._wide_state()
         for group in groups:
             group.update(values)
+
+
+def needs_engine(params: Sequence[Tensor], process_group: Any = None) -> bool:
+    """Whether a step over ``params`` needs the distribution layer: a DTensor parameter, a
+    ``process_group`` other than None and ``"local"``, or, with None, ``torch.distributed``
+    initialised with more than one rank. Asked by every step; in one process the answer is no and
+    nothing of that layer (nor its registry, `muonclip.optim.multiprocess`) is entered."""
+    dtensor = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before it is loaded (is_dtensor)
+    if dtensor is not None and any(isinstance(p, dtensor.DTensor) for p in params):
+        return True
+    if process_group == LOCAL:
+        return False
+    if process_group is not None:
+        return True
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def engine_for(params: Sequence[Tensor], process_group: Any = None) -> Engine | None:
+    """The registered engine (`muonclip.optim.multiprocess.registered_engine`) when `needs_engine`,
+    else None (the core runs the step alone). Raises RuntimeError when distribution is needed and
+    no engine is registered."""
+    return registered_engine() if needs_engine(params, process_group) else None
 
 
 def momentum_state(state: dict[str, Any], p: Tensor, group: dict[str, Any], spec: MatrixSpec,

@@ -3,7 +3,7 @@
 The core optimizer runs a step in one process by itself. When the parameters are DTensors
 (FSDP2's ``fully_shard``), or ``torch.distributed`` is initialised with more than one rank (DDP),
 or a process group is given, the step needs a distribution layer: the core asks for the
-registered `Engine` (`engine_for`), which `muonclip.distributed` registers when it is imported
+registered `Engine` (`muonclip.optim._stepping.engine_for`), which `muonclip.distributed` registers when it is imported
 (``import muonclip`` imports it). The core never imports that layer. The engine resolves the
 group and checks the layouts (`Engine.context`); a group of one rank then runs the core's step
 on the rank-local tensors (`Engine.local`). Over a larger group the core runs the same step
@@ -17,12 +17,10 @@ shard (a different optimizer, silently).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch.distributed as dist
 from torch import Tensor
 
 if TYPE_CHECKING:
@@ -140,27 +138,12 @@ def register_engine(engine: Engine) -> None:
     _ENGINES[:] = [engine]
 
 
-def needs_engine(params: Sequence[Tensor], process_group: Any = None) -> bool:
-    """Whether a step over ``params`` needs the distribution layer: a DTensor parameter, a
-    ``process_group`` other than None and ``"local"``, or, with None, ``torch.distributed``
-    initialised with more than one rank."""
-    dtensor = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before it is loaded (is_dtensor)
-    if dtensor is not None and any(isinstance(p, dtensor.DTensor) for p in params):
-        return True
-    if process_group == LOCAL:
-        return False
-    if process_group is not None:
-        return True
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+def registered_engine() -> Engine:
+    """The engine `register_engine` made the one the core asks (a step that needs several
+    processes asks it: `muonclip.optim._stepping.engine_for`).
 
-
-def engine_for(params: Sequence[Tensor], process_group: Any = None) -> Engine | None:
-    """The registered engine when `needs_engine`, else None (the core runs the step alone).
-
-    Raises RuntimeError when distribution is needed and no engine is registered.
+    Raises RuntimeError when none is registered.
     """
-    if not needs_engine(params, process_group):
-        return None
     if not _ENGINES:
         raise RuntimeError(
             "this step needs the distributed layer (DTensor parameters, a process group, or torch.distributed "
@@ -170,5 +153,5 @@ def engine_for(params: Sequence[Tensor], process_group: Any = None) -> Engine | 
     return _ENGINES[0]
 
 
-__all__ = ["LOCAL", "CommStats", "Engine", "Exchange", "Routes", "StepStats", "engine_for", "needs_engine",
-           "register_engine"]
+__all__ = ["LOCAL", "CommStats", "Engine", "Exchange", "Routes", "StepStats", "register_engine",
+           "registered_engine"]

@@ -37,10 +37,10 @@ from torch import Tensor, nn
 from ..common import defaults as D
 from ..distributed._context import collective_group
 from ..optim import Muon, param_groups
+from ..optim._stepping import needs_engine
 from ..optim._validation import number
 from ..optim._wrappers import WRAPPED_ATTRS, wrapped_optimizer
 from ..optim.flat import refuse_flat_model
-from ..optim.multiprocess import needs_engine
 from ._discovery import discover_layers
 from ._layouts import AttentionLayer
 from .binding import ParameterBinding
@@ -242,7 +242,7 @@ class MuonClip(Muon):
     def _reduce_group(self) -> dist.ProcessGroup | None:
         """The group the maxima are reduced over: the optimizer's process group
         (`muonclip.distributed._context.collective_group`), asked only when the core says the step
-        has one (DTensors or a process group: `muonclip.optim.multiprocess.needs_engine`); None in
+        has one (DTensors or a process group: `muonclip.optim._stepping.needs_engine`); None in
         one process."""
         params = [p for g in self.param_groups for p in g["params"]]
         return collective_group(params, self.process_group) if needs_engine(params, self.process_group) else None
