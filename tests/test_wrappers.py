@@ -97,6 +97,24 @@ def test_a_swap_as_accelerate_does_it_is_followed():
     assert all(layer.layout.q_weight is model.get_submodule(layer.name).q_proj.weight for layer in opt.layers)
 
 
+def test_a_step_tests_the_parameters_identity_once_and_a_clip_alone_follows(monkeypatch):
+    """A step looks for replaced parameters once (before its update: nothing replaces one between
+    that and its clip); `clip` called alone looks itself, so a swap since the step is followed."""
+    model = gpt()
+    opt = MuonClip(model, tau=TAU, **OPT)
+    calls = []
+    replaced = MuonClip._replaced
+    monkeypatch.setattr(MuonClip, "_replaced", lambda self: calls.append(1) or replaced(self))
+    train(model, opt, [batch(0)])
+    assert len(calls) == 1
+    swap_like_accelerate(model, opt)
+    x, y = batch(1)
+    model(x, y)[1].backward()
+    opt.clip()
+    assert len(calls) == 2
+    assert all(layer.layout.q_weight is model.get_submodule(layer.name).q_proj.weight for layer in opt.layers)
+
+
 def _gpt2() -> nn.Module:
     """Tiny HF GPT-2: q and k are Rows of the fused c_attn, stored (in, out); large q/k columns."""
     transformers = pytest.importorskip("transformers")

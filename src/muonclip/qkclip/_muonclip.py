@@ -195,7 +195,11 @@ class MuonClip(Muon):
                 layer.recorder.reset()
             self.last_max_logits, self.last_bounded, self.last_clipped = {}, {}, {}
             return loss
-        self.clip(self.last_masked)  # through `clip`, which loggers may wrap (muonclip.qkclip.step_metrics)
+        self._followed = True  # nothing replaces a parameter between the `_follow` above and the clip
+        try:
+            self.clip(self.last_masked)  # through `clip`, which loggers may wrap (muonclip.qkclip.step_metrics)
+        finally:
+            self.__dict__.pop("_followed", None)
         if not self.last_max_logits and any(p.grad is not None for g in self.param_groups for p in g["params"]) \
                 and any(number(g["lr"]) != 0 for g in self.param_groups):  # lr 0 everywhere: DCP creating state
             warnings.warn(
@@ -222,7 +226,8 @@ class MuonClip(Muon):
 
     def _clip(self, masked: Tensor | None) -> None:
         """The clip's path (module docstring), then the runtime check."""
-        self._follow()
+        if not self.__dict__.pop("_followed", False):  # called alone, not by `step` (which has followed)
+            self._follow()
         # recorded maxima: each layer's recorder holds S_h, its heads' max logit since the last clip
         group = self._reduce_group()
         if group is not None:  # reduce: the max over the ranks (none in one process)
