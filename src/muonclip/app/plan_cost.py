@@ -24,18 +24,20 @@ dealt round robin in the optimizer's order, unbalanced (Keller Jordan's distribu
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from ..common._dtensor import is_empty, piece_shape, repeated
+from ..common._dtensor import is_empty, piece_shape
 from ..distributed._exchange import FINGERPRINT_BYTES, all_reduce_bytes
-from ..distributed._plan import StepPlan, plan_step
+from ..distributed._plan import Held, StepPlan, plan_held
 from ..optim._buckets import STEP_CHUNK_BYTES
+from ..optim._matrices import MatrixSpec
 from ..ortho import resolve_orth_dtype
-from .plan_layout import Mesh, stage_of, stage_of_layers, stage_pieces
+from .plan_layout import Mesh, stage_holdings, stage_of, stage_of_layers
 from .plan_model import PlanModel, Weight
 
 STATE_BYTES = 4
@@ -109,10 +111,20 @@ class Ranks:
                    stage_size=stage_size)
 
 
-def _plan_specs(weights: Sequence[Weight], shapes: Sequence[tuple[int, ...]]) -> list:
+def _plan_specs(weights: Sequence[Weight], shapes: Sequence[tuple[int, ...]]) -> list[MatrixSpec]:
     """Each Muon weight's spec, on the shape it is planned on (a flat ZeRO-1 weight: its flat view,
     whose flops are the matrix's)."""
-    return [w.spec if tuple(w.shape) == s else dataclasses.replace(w.spec, shape=s) for w, s in zip(weights, shapes)]
+    flat: dict[tuple, MatrixSpec] = {}  # equal specs on equal shapes: one replace
+    out = []
+    for w, s in zip(weights, shapes):
+        if tuple(w.shape) == s:
+            out.append(w.spec)
+        else:
+            key = (w.spec, s)
+            if key not in flat:
+                flat[key] = dataclasses.replace(w.spec, shape=s)
+            out.append(flat[key])
+    return out
 
 
 def _move(out: Ranks, sp: StepPlan, base: int, wire: int) -> None:
@@ -126,28 +138,51 @@ def _move(out: Ranks, sp: StepPlan, base: int, wire: int) -> None:
             out.recv_from[base + t.dst][base + t.src] += b
 
 
-def replicated(out: Ranks, shapes: Sequence[tuple[int, ...]], pieces: Sequence[Sequence], sp: StepPlan, base: int,
+def replicated(out: Ranks, shapes: Sequence[tuple[int, ...]], held: Sequence[Held], sp: StepPlan, base: int,
                wire: int) -> None:
     """The alternative without owners, on the same units: every rank holding a piece of a unit
     orthogonalises it whole, after receiving the distinct pieces it lacks (each sent by one holder);
     an expert-parallel unit is held whole by its holders, so nothing moves for it."""
     for i, u in enumerate(sp.units):
-        ranks = pieces[u.k]
+        h = held[u.k]
         if u.piece != tuple(range(n) for n in shapes[u.k]):  # an expert-parallel piece
-            holders = [r for r, pc in enumerate(ranks) if pc == u.piece]
-            for r in holders:
+            for r in h[u.piece]:
                 out.rep_flops[base + r] += u.spec.flops
             continue
-        distinct = list(dict.fromkeys(pc for pc in ranks if not is_empty(pc)))
-        holding = [r for r, pc in enumerate(ranks) if not is_empty(pc)]
-        total = sum(_numel(piece_shape(pc)) for pc in distinct)
-        for r in holding:
-            out.rep_flops[base + r] += u.spec.flops
-            out.rep_recv[base + r] += (total - _numel(piece_shape(ranks[r]))) * wire
-        for pc in distinct:
-            owners = [r for r in holding if ranks[r] == pc]
-            lacking = len(holding) - len(owners)
-            out.rep_sent[base + owners[i % len(owners)]] += _numel(piece_shape(pc)) * wire * lacking
+        distinct = [(pc, _numel(piece_shape(pc))) for pc in h if not is_empty(pc)]
+        total = sum(n for _, n in distinct)
+        holding = sum(len(h[pc]) for pc, _ in distinct)
+        for pc, n in distinct:
+            owners = h[pc]
+            for r in owners:
+                out.rep_flops[base + r] += u.spec.flops
+                out.rep_recv[base + r] += (total - n) * wire
+            out.rep_sent[base + owners[i % len(owners)]] += n * wire * (holding - len(owners))
+
+
+def _elements(held: Sequence[Held], n_muon: int, world: int) -> tuple[list[int], list[int]]:
+    """Per rank, the elements of its pieces of the first ``n_muon`` weights and of the others
+    (weights sharing one `Held` counted together)."""
+    shared: dict[int, list] = {}
+    for k, h in enumerate(held):
+        shared.setdefault(id(h), [h, 0, 0])[1 if k < n_muon else 2] += 1
+    muon, other = [0] * world, [0] * world
+    for h, nm, na in shared.values():
+        for pc, holders in h.items():
+            n = _numel(piece_shape(pc))
+            for r in holders:
+                muon[r] += nm * n
+                other[r] += na * n
+    return muon, other
+
+
+def _repeated(held: Sequence[Held]) -> int:
+    """How many weights have a non-empty piece several ranks hold (`muonclip.common._dtensor.repeated`)."""
+    seen: dict[int, bool] = {}
+    for h in held:
+        if id(h) not in seen:
+            seen[id(h)] = any(len(holders) > 1 for pc, holders in h.items() if not is_empty(pc))
+    return sum(seen[id(h)] for h in held)
 
 
 def compute_dtype(group: dict, device: str) -> torch.dtype:
@@ -171,14 +206,13 @@ def round_robin(out: Ranks, shapes: Sequence[tuple[int, ...]], sp: StepPlan, bas
         turn += 1
 
 
-def working_set(sp: StepPlan, me: int, compute: int, device: str, gather: int, scatter: int) -> int:
+def working_set(sp: StepPlan, owned: Sequence[int], compute: int, device: str, gather: int, scatter: int) -> int:
     """The peak of what one rank's Muon step allocates besides its state (modelled, not counted):
     the largest of the gather phase (the all-to-all's buffers and the assembled float32 V of the
-    units it owns), the orthogonalisation (those V, every owned result in the compute dtype, and the
-    largest call's V, result, S and P: a whole bucket on a GPU, a chunk of at most
+    units it owns: ``owned``), the orthogonalisation (those V, every owned result in the compute
+    dtype, and the largest call's V, result, S and P: a whole bucket on a GPU, a chunk of at most
     `muonclip.optim._buckets.STEP_CHUNK_BYTES` on a CPU) and the scatter (the results and the
     all-to-all's buffers)."""
-    owned = sp.owned(me)
     whole = sum(_numel(sp.units[i].shape) * STATE_BYTES for i in owned if not sp.units[i].direct)
     results = sum(_numel(sp.units[i].shape) * compute for i in owned)
     buckets: dict[tuple[int, int], int] = defaultdict(int)
@@ -201,7 +235,21 @@ def working_set(sp: StepPlan, me: int, compute: int, device: str, gather: int, s
 def plan_costs(model: PlanModel, mesh: Mesh, comm_dtype: torch.dtype | None = None,
                device: str = "cuda") -> Ranks:
     """Every rank's figures of one step of ``model`` on ``mesh`` (see the module docstring);
-    ``device``: where the step runs (the compute dtype of ``orth_dtype="auto"``, the chunk bound)."""
+    ``device``: where the step runs (the compute dtype of ``orth_dtype="auto"``, the chunk bound).
+
+    Python's cycle collector is paused meanwhile: the plan allocates millions of small acyclic
+    records on a large model (tens of thousands of weights on hundreds of ranks), and its passes
+    over them would take as long as the plan."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _plan_costs(model, mesh, comm_dtype, device)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _plan_costs(model: PlanModel, mesh: Mesh, comm_dtype: torch.dtype | None, device: str) -> Ranks:
     mesh.check()
     S = mesh.stage_size
     out = Ranks.zeros(mesh.world, S)
@@ -212,43 +260,48 @@ def plan_costs(model: PlanModel, mesh: Mesh, comm_dtype: torch.dtype | None = No
         base = s * S
         weights = [w for w in model.weights if stage_of(w, stages, mesh.pp) == s]
         muon = [w for w in weights if w.muon]
-        shapes, pieces = stage_pieces(weights, mesh)
-        mshapes, mpieces = shapes[:len(muon)], pieces[:len(muon)]
-        sp = plan_step([w.group for w in muon], mshapes, _plan_specs(muon, mshapes), mpieces, S) if muon else None
+        nm = len(muon)
+        shapes, held = stage_holdings(weights, mesh)
+        mshapes, mheld = shapes[:nm], held[:nm]
+        sp = plan_held([w.group for w in muon], mshapes, _plan_specs(muon, mshapes), mheld, S) if muon else None
         if S > 1 and muon:
             _move(out, sp, base, wire)
-            replicated(out, mshapes, mpieces, sp, base, wire)
+            replicated(out, mshapes, mheld, sp, base, wire)
             round_robin(out, mshapes, sp, base, S)
         elif sp is not None:
             out.rep_flops[base] += sum(sp.flops)
             out.rr_flops[base] += sum(sp.flops)
+        muon_el, adamw_el = _elements(held, nm, S)
         dtensor_flags = 0 if plain else all_reduce_bytes(4 * len(weights), S)
-        copies = 0 if plain else sum(repeated(pc) for pc in mpieces)
+        copies = 0 if plain else _repeated(mheld)
         heads = [h for layer, h in (model.heads or []) if layer >= 0 and stages[layer] == s]
+        owned: list[list[int]] = [[] for _ in range(S)]
+        for i, o in enumerate(sp.owners if sp is not None else ()):
+            owned[o].append(i)
+        compute = compute_dtype(muon[0].group, device).itemsize if muon else 0
         for r in range(S):
             g = base + r
             if sp is not None:
                 out.ns_flops[g] = sp.flops[r]
-                for i in sp.owned(r):
+                for i in owned[r]:
                     spec = sp.units[i].spec
                     for b in range(spec.n_blocks):
                         out.matrices[g][(spec.block_rows(b), spec.cols)] += spec.batch
-            elems = [_numel(piece_shape(pc[r])) for pc in pieces]
-            out.muon_elements[g] = sum(elems[:len(muon)])
-            out.adamw_elements[g] = sum(elems[len(muon):])
+            out.muon_elements[g] = muon_el[r]
+            out.adamw_elements[g] = adamw_el[r]
             out.muon_state[g] = STATE_BYTES * (out.muon_elements[g] + 2 * out.adamw_elements[g])
-            out.adamw_state[g] = 2 * STATE_BYTES * sum(elems) + 4 * len(weights)
+            out.adamw_state[g] = 2 * STATE_BYTES * (muon_el[r] + adamw_el[r]) + 4 * len(weights)
             if S > 1:
-                out.checks[g] = (all_reduce_bytes(8 * (2 + 2 * len(muon)), S) if muon else 0) + dtensor_flags
-                out.first_checks[g] = all_reduce_bytes(8 * 4 * len(muon), S) if plain and muon else 0
+                out.checks[g] = (all_reduce_bytes(8 * (2 + 2 * nm), S) if muon else 0) + dtensor_flags
+                out.first_checks[g] = all_reduce_bytes(8 * 4 * nm, S) if plain and muon else 0
                 out.first_copies[g] = FINGERPRINT_BYTES * copies * (S - 1)
                 out.clip[g] = all_reduce_bytes(4 * sum(2 * h + 1 for h in heads), S) if heads else 0
             if sp is not None:
-                out.muon_work[g] = max(working_set(sp, r, compute_dtype(muon[0].group, device).itemsize, device,
+                out.muon_work[g] = max(working_set(sp, owned[r], compute, device,
                                                    out.gather_sent[g] + out.gather_recv[g],
                                                    out.scatter_sent[g] + out.scatter_recv[g]),
                                        2 * STATE_BYTES * out.adamw_elements[g])
-            out.adamw_work[g] = 2 * STATE_BYTES * sum(elems)
+            out.adamw_work[g] = 2 * STATE_BYTES * (muon_el[r] + adamw_el[r])
     if model.heads is None:
         out.notes.append(model.clip_note)
     return out

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..common._dtensor import Piece, piece_of
+from ..distributed._plan import Held, holdings
 from .plan_model import Weight
 
 
@@ -173,19 +174,53 @@ def _grid_pieces(shape: tuple[int, ...], grid: tuple[int, ...], placements: tupl
     return [piece_of(shape, grid, coord, placements, name) for coord in itertools.product(*(range(n) for n in grid))]
 
 
-def flat_partition(weights: Sequence[Weight], ranks: int) -> list[list[Piece]]:
-    """ZeRO-1's partition of ``weights`` (one param group, in order) over ``ranks``: the weights
-    flattened into one buffer padded to a multiple of ``ranks``, each rank a contiguous equal range;
-    per weight, per rank, the range of the flattened weight it holds."""
+def _flat_ranges(weights: Sequence[Weight], ranks: int) -> list[list[tuple[int, range]]]:
+    """Per weight of one ZeRO-1 buffer (`flat_partition`), ``(rank, range)`` of every rank holding
+    some of it, ascending."""
     total = sum(w.numel for w in weights)
     size = -(-total // ranks)
     out, start = [], 0
     for w in weights:
         end = start + w.numel
-        out.append([(range(max(start, r * size) - start, min(end, (r + 1) * size) - start)
-                     if max(start, r * size) < min(end, (r + 1) * size) else range(0),) for r in range(ranks)])
+        out.append([(r, range(max(start, r * size) - start, min(end, (r + 1) * size) - start))
+                    for r in range(start // size if size else 0, min(ranks, -(-end // size) if size else 0))
+                    if max(start, r * size) < min(end, (r + 1) * size)])
         start = end
     return out
+
+
+def flat_partition(weights: Sequence[Weight], ranks: int) -> list[list[Piece]]:
+    """ZeRO-1's partition of ``weights`` (one param group, in order) over ``ranks``: the weights
+    flattened into one buffer padded to a multiple of ``ranks``, each rank a contiguous equal range;
+    per weight, per rank, the range of the flattened weight it holds."""
+    out = []
+    for held in _flat_ranges(weights, ranks):
+        pieces: list[Piece] = [(range(0),)] * ranks
+        for r, rng in held:
+            pieces[r] = (rng,)
+        out.append(pieces)
+    return out
+
+
+def _layout(weights: Sequence[Weight], mesh: Mesh) -> tuple[list[tuple[int, ...]], list[object],
+                                                             dict[int, list[int]]]:
+    """Per weight, the shape it is planned on and its grid and placements (None: ZeRO-1's flat
+    partition), and the members of each flat ZeRO-1 buffer (by param group)."""
+    shapes: list[tuple[int, ...]] = []
+    layouts: list[object] = []
+    flat: dict[int, list[int]] = {}
+    for i, w in enumerate(weights):
+        if w.expert and mesh.ep > 1:
+            layouts.append(_experts(w, mesh))  # under ZeRO-1 the ZeRO-1 ranks are the whole stage: (1, dp/ep, ep)
+        elif mesh.zero1 and mesh.dp_replicate > 1:
+            flat.setdefault(id(w.group), []).append(i)
+            shapes.append((w.numel,))
+            layouts.append(None)
+            continue
+        else:
+            layouts.append(_dense(w, mesh))
+        shapes.append(w.shape)
+    return shapes, layouts, flat
 
 
 def stage_pieces(weights: Sequence[Weight], mesh: Mesh) -> tuple[list[tuple[int, ...]], list[list[Piece]]]:
@@ -195,27 +230,33 @@ def stage_pieces(weights: Sequence[Weight], mesh: Mesh) -> tuple[list[tuple[int,
     its flattened shape ``(numel,)`` (its pieces are ranges of it). Each param group is one
     ZeRO-1 buffer (DeepSpeed flattens each group apart).
     """
-    n = mesh.stage_size
-    shapes: list[tuple[int, ...]] = []
-    pieces: list[list[Piece]] = []
-    flat: dict[int, list[int]] = {}
-    for i, w in enumerate(weights):
-        if w.expert and mesh.ep > 1:
-            grid, pl = _experts(w, mesh)
-            if mesh.zero1:  # the ZeRO-1 ranks are the whole stage: (1, dp/ep, ep)
-                shapes.append(w.shape)
-                pieces.append(_grid_pieces(w.shape, grid, pl, w.name))
-                continue
-        elif mesh.zero1 and mesh.dp_replicate > 1:
-            flat.setdefault(id(w.group), []).append(i)
-            shapes.append((w.numel,))
-            pieces.append([])
-            continue
-        else:
-            grid, pl = _dense(w, mesh)
-        shapes.append(w.shape)
-        pieces.append(_grid_pieces(w.shape, grid, pl, w.name))
+    shapes, layouts, flat = _layout(weights, mesh)
+    pieces: list[list[Piece]] = [[] if lay is None else _grid_pieces(w.shape, *lay, w.name)  # type: ignore[misc]
+                                 for w, lay in zip(weights, layouts)]
     for members in flat.values():
-        for i, got in zip(members, flat_partition([weights[i] for i in members], n)):
+        for i, got in zip(members, flat_partition([weights[i] for i in members], mesh.stage_size)):
             pieces[i] = got
     return shapes, pieces
+
+
+def stage_holdings(weights: Sequence[Weight], mesh: Mesh) -> tuple[list[tuple[int, ...]], list[Held]]:
+    """`stage_pieces` as what the ranks hold of each weight (`muonclip.distributed._plan.Held`:
+    each distinct piece and its holders), without a list over the ranks per weight: weights of
+    the same shape and placements share one (computed once), a ZeRO-1 weight lists only the ranks
+    its elements fall in (its empty pieces left out)."""
+    shapes, layouts, flat = _layout(weights, mesh)
+    cache: dict[tuple[object, ...], Held] = {}
+    held: list[Held] = []
+    for w, lay in zip(weights, layouts):
+        if lay is None:
+            held.append({})
+            continue
+        key = (w.shape, *lay)  # type: ignore[misc]
+        if key not in cache:
+            cache[key] = holdings(_grid_pieces(w.shape, *lay, w.name))  # type: ignore[misc]
+        held.append(cache[key])
+    for members in flat.values():
+        group = [weights[i] for i in members]
+        for i, w, got in zip(members, group, _flat_ranges(group, mesh.stage_size)):
+            held[i] = {(rng,): [r] for r, rng in got} if w.numel else holdings([(range(0),)] * mesh.stage_size)
+    return shapes, held
