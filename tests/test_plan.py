@@ -6,18 +6,20 @@ shards, FSDP2 x TP, HSDP, expert parallel, 2 pipeline stages x FSDP2 or x DDP), 
 of every Muon weight, the Newton–Schulz flops,
 the bytes of the gather and of the scatter (sent and received), of the agreement all-reduces and of
 MuonClip's max-logit reduction, and the optimizer state Muon, MuonClip and torch's AdamW allocate.
-The time model is checked by `benchmarks/bench_plan_time.py` (a benchmark, never a timed test).
-ZeRO-1 is laid out by the planner but not counted on a DeepSpeed run yet: its case joins
-`plan_worker.CASES` when it is.
+ZeRO-1 the same on a DeepSpeed run (`plan_worker.zero1_worker`, a second launch of 2 ranks through
+`deepspeed_harness`): DeepSpeed's partition of every Muon weight, the flops, the bytes and the state,
+padding included. The time model is checked by `benchmarks/bench_plan_time.py` (a benchmark, never a
+timed test).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
 import torch
-from plan_worker import DENSE, MOE, PP, STEPS, WORLD, plain, worker
+from plan_worker import DENSE, MOE, PP, STEPS, WORLD, ZERO1, ZERO1_WORLD, flat_range, plain, worker, zero1_worker
 from test_distributed import _launch
 
 from muonclip.app.plan_cost import plan_costs
@@ -80,6 +82,46 @@ def test_planned_flops_bytes_and_state_equal_a_real_step(counted, case):
           "(rank, NS flops, bytes sent by all-to-alls, clip bytes, Muon state, AdamW state):", rows)
     if case != "ddp":  # the comparison can tell: the work is shared, not replicated
         assert max(plan.ns_flops) < sum(plan.ns_flops)
+
+
+@pytest.fixture(scope="module")
+def zero1_counted(tmp_path_factory):
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install 'muonclip[deepspeed]')")
+    import deepspeed_harness
+
+    out = tmp_path_factory.mktemp("zero1")
+    deepspeed_harness.launch(zero1_worker, str(out), world=ZERO1_WORLD, limit_s=300)
+    return [torch.load(out / f"zero1-rank{r}.pt") for r in range(ZERO1_WORLD)]
+
+
+def test_zero1_planned_equals_a_deepspeed_zero1_run(zero1_counted):
+    """``--zero1`` is DeepSpeed's ZeRO-1: every rank's range of every Muon weight is DeepSpeed's (its
+    buffers padded to a multiple of twice the ranks), and the flops, the bytes gathered and scattered,
+    the all-reduces (DeepSpeed's one finite check a step, the clip's) and the state (every partition
+    whole, padding included; torch's AdamW on one buffer) are those of a DeepSpeed step, every rank."""
+    with torch.device("meta"):
+        pm = route(GPT(GPTConfig(**ZERO1)))
+    mesh = Mesh(dp_replicate=ZERO1_WORLD, zero1=True)
+    plan = plan_costs(pm, mesh, device="cpu")
+    muon = [w for w in pm.weights if w.muon]
+    pieces = [[flat_range(pc, w.shape) for pc in ranks] for w, ranks in zip(muon, stage_pieces(muon, mesh)[1])]
+    rows = []
+    for r, got in enumerate(zero1_counted):
+        assert got["pieces"] == pieces  # DeepSpeed's partition, as its driver hands it to the step
+        for name in ("muon", "muonclip"):
+            want = {"flops": plan.ns_flops[r], "gather_sent": plan.gather_sent[r], "gather_recv": plan.gather_recv[r],
+                    "scatter_sent": plan.scatter_sent[r], "scatter_recv": plan.scatter_recv[r],
+                    "reduce": plan.checks[r] + (plan.clip[r] if name == "muonclip" else 0), "other": [],
+                    "gathered": 0}
+            assert plan.first_checks[r] == plan.first_copies[r] == 0
+            assert got[name]["steps"] == [want] * STEPS, (name, r)
+            assert got[name]["state"] == plan.muon_state[r], (name, r)
+        assert got["adamw"]["state"] == plan.adamw_state[r]
+        rows.append((r, plan.ns_flops[r], plan.gather_sent[r], plan.scatter_sent[r], plan.checks[r], plan.clip[r],
+                     plan.muon_state[r], plan.adamw_state[r]))
+    print(f"zero1 ({mesh.describe()}, DeepSpeed): planned = counted on every rank, {STEPS} steps; (rank, NS flops, "
+          "gathered sent, scattered sent, checks, clip, Muon state, AdamW state):", rows)
 
 
 def test_the_plan_is_the_steps_own_balance_and_every_matrix_once():

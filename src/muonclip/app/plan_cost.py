@@ -37,7 +37,7 @@ from ..distributed._plan import Held, StepPlan, plan_held
 from ..optim._buckets import STEP_CHUNK_BYTES
 from ..optim._matrices import MatrixSpec
 from ..ortho import resolve_orth_dtype
-from .plan_layout import Mesh, stage_holdings, stage_of, stage_of_layers
+from .plan_layout import Mesh, stage_holdings, stage_of, stage_of_layers, zero1_flat, zero1_padding, zero1_size
 from .plan_model import PlanModel, Weight
 
 STATE_BYTES = 4
@@ -160,20 +160,20 @@ def replicated(out: Ranks, shapes: Sequence[tuple[int, ...]], held: Sequence[Hel
             out.rep_sent[base + owners[i % len(owners)]] += n * wire * (holding - len(owners))
 
 
-def _elements(held: Sequence[Held], n_muon: int, world: int) -> tuple[list[int], list[int]]:
-    """Per rank, the elements of its pieces of the first ``n_muon`` weights and of the others
+def _elements(held: Sequence[Held], first: Sequence[bool], world: int) -> tuple[list[int], list[int]]:
+    """Per rank, the elements of its pieces of the weights ``first`` marks and of the others
     (weights sharing one `Held` counted together)."""
     shared: dict[int, list] = {}
-    for k, h in enumerate(held):
-        shared.setdefault(id(h), [h, 0, 0])[1 if k < n_muon else 2] += 1
-    muon, other = [0] * world, [0] * world
-    for h, nm, na in shared.values():
+    for h, f in zip(held, first):
+        shared.setdefault(id(h), [h, 0, 0])[1 if f else 2] += 1
+    ones, others = [0] * world, [0] * world
+    for h, n1, n2 in shared.values():
         for pc, holders in h.items():
             n = _numel(piece_shape(pc))
             for r in holders:
-                muon[r] += nm * n
-                other[r] += na * n
-    return muon, other
+                ones[r] += n1 * n
+                others[r] += n2 * n
+    return ones, others
 
 
 def _repeated(held: Sequence[Held]) -> int:
@@ -271,7 +271,21 @@ def _plan_costs(model: PlanModel, mesh: Mesh, comm_dtype: torch.dtype | None, de
         elif sp is not None:
             out.rep_flops[base] += sum(sp.flops)
             out.rr_flops[base] += sum(sp.flops)
-        muon_el, adamw_el = _elements(held, nm, S)
+        muon_el, adamw_el = _elements(held, [k < nm for k in range(len(weights))], S)
+        flat = [zero1_flat(w, mesh) for w in weights]
+        if any(flat):  # DeepSpeed's partitions: the state covers their padding too
+            for el, pad in zip((muon_el, adamw_el), zero1_padding(weights, mesh)):
+                for r in range(S):
+                    el[r] += pad[r]
+            # torch's AdamW under ZeRO-1: its one param group is one buffer, one parameter (one step tensor)
+            _, adamw_el_torch = _elements(held, flat, S)
+            adamw_el_torch = [zero1_size(sum(w.numel for w, f in zip(weights, flat) if f), S) + n
+                              for n in adamw_el_torch]
+            adamw_steps = 1 + flat.count(False)
+        else:
+            adamw_el_torch = [m + a for m, a in zip(muon_el, adamw_el)]
+            adamw_steps = len(weights)
+        ds_checks = plain and any(flat)  # DeepSpeed's ZeRO-1 drives the step: its one finite check per step
         dtensor_flags = 0 if plain else all_reduce_bytes(4 * len(weights), S)
         copies = 0 if plain else _repeated(mheld)
         heads = [h for layer, h in (model.heads or []) if layer >= 0 and stages[layer] == s]
@@ -290,10 +304,13 @@ def _plan_costs(model: PlanModel, mesh: Mesh, comm_dtype: torch.dtype | None, de
             out.muon_elements[g] = muon_el[r]
             out.adamw_elements[g] = adamw_el[r]
             out.muon_state[g] = STATE_BYTES * (out.muon_elements[g] + 2 * out.adamw_elements[g])
-            out.adamw_state[g] = 2 * STATE_BYTES * (muon_el[r] + adamw_el[r]) + 4 * len(weights)
-            if S > 1:
+            out.adamw_state[g] = 2 * STATE_BYTES * adamw_el_torch[r] + 4 * adamw_steps
+            if S > 1 and ds_checks:
+                out.checks[g] = all_reduce_bytes(4 * len({id(w.group) for w in weights}), S)
+            elif S > 1:
                 out.checks[g] = (all_reduce_bytes(8 * (2 + 2 * nm), S) if muon else 0) + dtensor_flags
                 out.first_checks[g] = all_reduce_bytes(8 * 4 * nm, S) if plain and muon else 0
+            if S > 1:
                 out.first_copies[g] = FINGERPRINT_BYTES * copies * (S - 1)
                 out.clip[g] = all_reduce_bytes(4 * sum(2 * h + 1 for h in heads), S) if heads else 0
             if sp is not None:
@@ -301,7 +318,7 @@ def _plan_costs(model: PlanModel, mesh: Mesh, comm_dtype: torch.dtype | None, de
                                                    out.gather_sent[g] + out.gather_recv[g],
                                                    out.scatter_sent[g] + out.scatter_recv[g]),
                                        2 * STATE_BYTES * out.adamw_elements[g])
-            out.adamw_work[g] = 2 * STATE_BYTES * (muon_el[r] + adamw_el[r])
+            out.adamw_work[g] = 2 * STATE_BYTES * adamw_el_torch[r]
     if model.heads is None:
         out.notes.append(model.clip_note)
     return out

@@ -21,8 +21,9 @@ another stage's ranks. Within a stage, what each rank holds (`stage_pieces`, the
   ``dp_replicate``. Routed experts are not split by tensor parallelism.
 * **ZeRO-1** (``zero1``: ``dp_replicate`` is ZeRO-1 data parallelism, no ``dp_shard``/``tp``):
   parameters and gradients are replicated, the optimizer state is partitioned: each param group's
-  weights flattened in optimizer order into one buffer, padded to a multiple of the ranks, cut
-  into equal contiguous ranges (DeepSpeed's ZeRO-1 partition). A rank's piece of a weight is the
+  weights flattened in optimizer order into one buffer, padded to a multiple of twice the ranks,
+  cut into equal contiguous ranges (DeepSpeed's ZeRO-1 partition, `zero1_size`; the state covers
+  the padding). A rank's piece of a weight is the
   part of it in its range (a range of the flattened weight, planned on the weight's flat view).
   Routed experts under ZeRO-1: ``ep`` ranks as above; the ``dp_replicate / ep`` ranks that hold
   the same experts deal them out by whole experts.
@@ -174,11 +175,19 @@ def _grid_pieces(shape: tuple[int, ...], grid: tuple[int, ...], placements: tupl
     return [piece_of(shape, grid, coord, placements, name) for coord in itertools.product(*(range(n) for n in grid))]
 
 
+def zero1_size(numel: int, ranks: int) -> int:
+    """Elements of each rank's partition of a ZeRO-1 buffer of ``numel`` elements: DeepSpeed pads the
+    buffer to a multiple of twice the ranks (``nccl_start_alignment_factor`` 2 times the
+    data-parallel world, ``deepspeed/runtime/zero/stage_1_and_2.py`` and ``bf16_optimizer.py``) and
+    cuts it into ``ranks`` equal partitions."""
+    return 2 * -(-numel // (2 * ranks))
+
+
 def _flat_ranges(weights: Sequence[Weight], ranks: int) -> list[list[tuple[int, range]]]:
     """Per weight of one ZeRO-1 buffer (`flat_partition`), ``(rank, range)`` of every rank holding
     some of it, ascending."""
     total = sum(w.numel for w in weights)
-    size = -(-total // ranks)
+    size = zero1_size(total, ranks)
     out, start = [], 0
     for w in weights:
         end = start + w.numel
@@ -191,8 +200,8 @@ def _flat_ranges(weights: Sequence[Weight], ranks: int) -> list[list[tuple[int, 
 
 def flat_partition(weights: Sequence[Weight], ranks: int) -> list[list[Piece]]:
     """ZeRO-1's partition of ``weights`` (one param group, in order) over ``ranks``: the weights
-    flattened into one buffer padded to a multiple of ``ranks``, each rank a contiguous equal range;
-    per weight, per rank, the range of the flattened weight it holds."""
+    flattened into one buffer padded as DeepSpeed pads it (`zero1_size`), each rank a contiguous
+    equal range; per weight, per rank, the range of the flattened weight it holds."""
     out = []
     for held in _flat_ranges(weights, ranks):
         pieces: list[Piece] = [(range(0),)] * ranks
@@ -200,6 +209,12 @@ def flat_partition(weights: Sequence[Weight], ranks: int) -> list[list[Piece]]:
             pieces[r] = (rng,)
         out.append(pieces)
     return out
+
+
+def zero1_flat(w: Weight, mesh: Mesh) -> bool:
+    """Whether ``w`` lives in a ZeRO-1 flat buffer on ``mesh`` (every weight under ``zero1`` but
+    routed experts split by ``ep``)."""
+    return mesh.zero1 and mesh.dp_replicate > 1 and not (w.expert and mesh.ep > 1)
 
 
 def _layout(weights: Sequence[Weight], mesh: Mesh) -> tuple[list[tuple[int, ...]], list[object],
@@ -212,7 +227,7 @@ def _layout(weights: Sequence[Weight], mesh: Mesh) -> tuple[list[tuple[int, ...]
     for i, w in enumerate(weights):
         if w.expert and mesh.ep > 1:
             layouts.append(_experts(w, mesh))  # under ZeRO-1 the ZeRO-1 ranks are the whole stage: (1, dp/ep, ep)
-        elif mesh.zero1 and mesh.dp_replicate > 1:
+        elif zero1_flat(w, mesh):
             flat.setdefault(id(w.group), []).append(i)
             shapes.append((w.numel,))
             layouts.append(None)
@@ -260,3 +275,18 @@ def stage_holdings(weights: Sequence[Weight], mesh: Mesh) -> tuple[list[tuple[in
         for i, w, got in zip(members, group, _flat_ranges(group, mesh.stage_size)):
             held[i] = {(rng,): [r] for r, rng in got} if w.numel else holdings([(range(0),)] * mesh.stage_size)
     return shapes, held
+
+
+def zero1_padding(weights: Sequence[Weight], mesh: Mesh) -> tuple[list[int], list[int]]:
+    """Per stage rank, the padding elements of its ZeRO-1 partitions (`zero1_size`: a partition
+    holds its share of the buffer, padding included, and the optimizer's state covers all of it),
+    of the Muon param groups and of the others; zeros without ZeRO-1."""
+    n = mesh.stage_size
+    muon, other = [0] * n, [0] * n
+    for members in _layout(weights, mesh)[2].values():
+        total = sum(weights[i].numel for i in members)
+        size = zero1_size(total, n)
+        pad = muon if weights[members[0]].muon else other
+        for r in range(n):
+            pad[r] += size - max(0, min(total, (r + 1) * size) - r * size)
+    return muon, other
