@@ -25,6 +25,7 @@ from test_distributed import _launch
 from muonclip.app.plan_cost import plan_costs
 from muonclip.app.plan_layout import Mesh, MeshError, stage_of, stage_of_layers, stage_pieces
 from muonclip.app.plan_model import route
+from muonclip.distributed import Plan
 from muonclip.models import GPT, GPTConfig
 from muonclip.ortho._newton_schulz import ns_flops
 
@@ -136,6 +137,47 @@ def test_the_plan_is_the_steps_own_balance_and_every_matrix_once():
         assert sum(plan.rep_flops) >= total  # without owners: at least every matrix once
         biggest = max(w.spec.flops for w in pm.weights if w.muon)
         assert max(plan.ns_flops) <= sum(plan.ns_flops) / len(plan.ns_flops) + biggest
+
+
+def test_the_plan_per_distinct_piece_is_the_plan_per_rank():
+    """What the planner computes once per distinct piece (`stage_holdings`, `plan_held`) is what the step
+    computes from every rank's piece (`stage_pieces`, `plan_step`): the same pieces, the same plan (owners,
+    flops, every transfer, each rank's own sources), on meshes with strided shards, uneven ZeRO-1 ranges and
+    expert pieces; and the owners' heap picks the rank a scan of every rank picks."""
+    import random
+
+    from muonclip.app.plan_cost import _plan_specs
+    from muonclip.app.plan_layout import stage_holdings
+    from muonclip.common._dtensor import is_empty
+    from muonclip.distributed._plan import assign_owners, holdings, plan_held, plan_step
+
+    for cfg, mesh in ((DENSE, Mesh(dp_replicate=2, dp_shard=3, tp=2)), (DENSE, Mesh(dp_replicate=3, zero1=True)),
+                      (ZERO1, Mesh(dp_replicate=5, zero1=True)), (MOE, Mesh(dp_replicate=2, dp_shard=4, ep=2)),
+                      (MOE, Mesh(dp_replicate=4, ep=2, zero1=True))):
+        with torch.device("meta"):
+            pm = route(GPT(GPTConfig(**cfg)))
+        shapes, pieces = stage_pieces(pm.weights, mesh)
+        assert stage_holdings(pm.weights, mesh)[0] == shapes
+        held = stage_holdings(pm.weights, mesh)[1]
+        for k, ranks in enumerate(pieces):
+            assert ({pc: h for pc, h in holdings(ranks).items() if not is_empty(pc)} ==
+                    {pc: list(h) for pc, h in held[k].items() if not is_empty(pc)}), (mesh, pm.weights[k].name)
+        muon = [w for w in pm.weights if w.muon]
+        n, specs = len(muon), _plan_specs(muon, shapes[:len(muon)])
+        for me in (0, mesh.stage_size - 1):
+            per_rank = plan_step([w.group for w in muon], shapes[:n], specs, pieces[:n], mesh.stage_size, me)
+            assert plan_held([w.group for w in muon], shapes[:n], specs, held[:n], mesh.stage_size, me) == per_rank
+
+    rng = random.Random(0)
+    for world in (1, 3, 8):
+        costs = [rng.choice((0, 1, 5, 5, 9, 40)) for _ in range(60)]
+        allowed = [rng.sample(range(world), rng.randint(1, world)) if rng.random() < 0.3 else None for _ in costs]
+        for allow in (None, allowed):
+            load, owners = [0] * world, [0] * len(costs)
+            for i in sorted(range(len(costs)), key=lambda k: (-costs[k], k)):  # every rank scanned
+                owners[i] = min((allow[i] if allow else None) or range(world), key=lambda q: (load[q], q))
+                load[owners[i]] += costs[i]
+            assert assign_owners(costs, world, allow) == Plan(tuple(owners), tuple(load))
 
 
 def test_pipeline_split_is_torchtitans_and_stages_plan_alone():

@@ -1,9 +1,10 @@
 """Per-rank figures of one optimizer step on a mesh (``muonclip plan``): counted from the step's own plan.
 
-For every pipeline stage, the Muon weights go through `muonclip.distributed._plan.plan_step`, the
-function the distributed step runs when its structure is new, with every rank's pieces
-(`muonclip.app.plan_layout.stage_pieces`): its owners, Newton–Schulz flops per rank and every
-piece that moves are the step's own. From them (`plan_costs`), per rank:
+For every pipeline stage, the Muon weights go through `muonclip.distributed._plan.plan_held`, the
+plan the distributed step makes when its structure is new (`muonclip.distributed._plan.plan_step`),
+with what the ranks hold of each weight (`muonclip.app.plan_layout.stage_holdings`: each distinct
+piece and its holders, so that the work is per piece, not per rank): its owners, Newton–Schulz
+flops per rank and every piece that moves are the step's own. From them (`plan_costs`), per rank:
 
 * **exact** (equal to what a real step counts, `tests/test_plan.py`): Newton–Schulz flops; bytes
   of the gather of V to the owners and of the scatter of results (sent, received; the wire dtype:
@@ -11,7 +12,9 @@ piece that moves are the step's own. From them (`plan_costs`), per rank:
   count, `muonclip.distributed._exchange.all_reduce_bytes`) and of the clip's packed max-logit
   all-reduce (MuonClip); the optimizer state: Muon's float32 momentum of each Muon piece and its
   AdamW branch's two float32 moments, against ``torch.optim.AdamW``'s two moments (the parameter's
-  dtype, float32 here) and 4-byte step per parameter;
+  dtype, float32 here) and 4-byte step per parameter; under ZeRO-1 (DeepSpeed's), on each rank's
+  partitions whole, their padding included, and torch's AdamW on one buffer of every weight (one
+  step tensor);
 * **modelled**: the step's peak working set (`working_set`).
 
 Two alternatives are counted on the same units and pieces: without owners, every rank
@@ -63,7 +66,8 @@ class Ranks:
         sent_to, recv_from: per rank, bytes it sends to / receives from each other rank, both
             all-to-alls (for the time model).
         checks: bytes of the agreement all-reduces every step (parameters and gradients present;
-            non-finite flags when the parameters are DTensors).
+            non-finite flags when the parameters are DTensors); under ZeRO-1 without expert
+            parallelism, DeepSpeed's driver's one finite-gradient flag per param group.
         first_checks: bytes of the replica check of the first step (plain parameters only).
         first_copies: bytes of the copies check of the first step (`muonclip.distributed._exchange.agree_copies`:
             one all-gather of a fingerprint of each DTensor Muon weight whose pieces several ranks hold).

@@ -31,8 +31,10 @@ another stage's ranks. Within a stage, what each rank holds (`stage_pieces`, the
 Checked against real steps (`tests/test_plan.py`: DDP, FSDP2 and FSDP2 x TP and HSDP as
 ``fully_shard`` and the reference GPT's tensor-parallel plan lay them out, EP as DTensors placed as
 torchtitan's FSDP2 x EP places them, two pipeline stages of FSDP2 or of replicas under a
-``torch.distributed.pipelining`` schedule, each stepping with ``process_group=`` its ranks); ZeRO-1
-follows DeepSpeed's documented layout and is not counted on a DeepSpeed run yet.
+``torch.distributed.pipelining`` schedule, each stepping with ``process_group=`` its ranks, and
+ZeRO-1 as DeepSpeed's ZeRO-1 partitions a model and drives `muonclip.Muon` over its partitions).
+`stage_holdings` gives the same pieces as what the ranks hold of each weight, computed once per
+distinct piece: what the plan of hundreds of ranks is made from.
 """
 
 from __future__ import annotations
