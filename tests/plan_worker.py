@@ -11,13 +11,17 @@ records every rank's piece of every Muon weight as the step sees it (`GroupConte
 
 The pipeline cases (`pp_case`) cut the GPT in two stages as ``examples/torchrun_pipeline.py`` does,
 each stage ``fully_shard``-ed over its 2 ranks (or replicated, gradients averaged as DDP does), a
-real ``torch.distributed.pipelining`` schedule, and each rank's optimizers over its stage's module with ``process_group=`` the stage's ranks.
-ZeRO-1's flat partitions join CASES once a DeepSpeed run is counted here: the planner already lays
-them out (`muonclip.app.plan_layout.flat_partition`).
+real ``torch.distributed.pipelining`` schedule, and each rank's optimizers over its stage's module with
+``process_group=`` the stage's ranks.
+
+ZeRO-1 runs apart (`zero1_worker`, launched by `deepspeed_harness`: DeepSpeed initialises its own
+communication): DeepSpeed's ZeRO-1 driving the optimizers, counted the same way inside their
+``step()``, and DeepSpeed's partition of every Muon weight as its driver hands it to the step.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -25,6 +29,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from muonclip import Muon, param_groups
+from muonclip.common._dtensor import FlatRange
 from muonclip.distributed import _engine
 from muonclip.distributed._context import resolve_group
 from muonclip.distributed._exchange import all_reduce_bytes
@@ -37,6 +42,10 @@ WORLD = 4
 DENSE = dict(vocab_size=63, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=24)  # uneven FSDP shards
 MOE = dict(DENSE, n_expert=6, expert_hidden=8)
 PP = dict(DENSE, tie_embeddings=False)  # a tied head cannot live on the other stage than the embedding
+# MLA whose param groups' sizes are not multiples of twice the ranks: DeepSpeed pads every partition
+ZERO1 = dict(DENSE, n_embd=18, n_head=3, n_kv_head=None, attention="mla", kv_lora_rank=7, qk_nope_head_dim=4,
+             qk_rope_head_dim=4, v_head_dim=3)
+ZERO1_WORLD = 2
 OPT = dict(lr=0.02, weight_decay=0.1, orth_dtype=torch.float32)
 STEPS = 2
 OTHER_OPS = ("broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "barrier", "send", "recv")
@@ -319,6 +328,62 @@ def pp_case(rank, shard):
 
         out[name] = {"steps": _steps(None, opt, synthetic=forward_backward), "state": state_bytes(opt)}
     return out
+
+
+def flat_range(piece, shape):
+    """A rank's piece of a weight as ``(start, stop)`` of its flattened elements (None: nothing): DeepSpeed's
+    `FlatRange` or whole weight, the planner's ``(range,)`` of the flat view."""
+    if isinstance(piece, FlatRange):
+        return (piece.start, piece.stop) if len(piece) else None
+    if len(piece) == 1 and len(shape) != 1:  # the planner's range of the flattened weight
+        return (piece[0].start, piece[0].stop) if len(piece[0]) else None
+    return (0, math.prod(shape))
+
+
+def zero1_worker(rank, world, out_dir):
+    """DeepSpeed ZeRO-1 in float32 on ``world`` gloo ranks (`deepspeed_harness.launch`): the MLA GPT
+    `ZERO1` stepped by Muon, MuonClip and torch's AdamW as DeepSpeed's optimizer, `STEPS` steps of
+    ``engine.step()``, each counted inside the optimizer's ``step()`` calls (DeepSpeed calls it once
+    per param group; its own reduction of gradients and gathering of weights are not the optimizer's);
+    DeepSpeed's partition of every Muon weight (`muonclip.integrations.deepspeed_zero`) recorded."""
+    import deepspeed
+
+    from muonclip.integrations.deepspeed import attach
+
+    cfg = {"train_batch_size": 2 * world, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},
+           "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0, "steps_per_print": 10**9}
+    out = {}
+    for name in ("muon", "muonclip", "adamw"):
+        model = _gpt(ZERO1)
+        if name == "adamw":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        else:
+            groups = param_groups(model)
+            opt = Muon(groups, **OPT) if name == "muon" else MuonClip(model, tau=1.0, groups=groups, **OPT)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+        if name != "adamw":
+            out["pieces"] = [[flat_range(pc, m.shape) for pc in m.pieces] for part in attach(engine).parts
+                             if opt.param_groups[part.index]["algorithm"] == "muon" for m in part.members]
+        counts: list[Count] = []  # one per engine.step()
+
+        def counted_step(*a, real=opt.step, counts=counts, **k):
+            counts[-1].install()
+            try:
+                with counts[-1]:
+                    return real(*a, **k)
+            finally:
+                counts[-1].remove()
+
+        opt.step = counted_step  # what DeepSpeed's ZeRO optimizer calls
+        for s in range(STEPS):
+            x, y = _batch(world * s + rank, 2)
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            counts.append(Count())
+            engine.step()
+        per_step = [c.figures() for c in counts]
+        out[name] = {"steps": per_step, "state": state_bytes(opt)}
+    torch.save(out, os.path.join(out_dir, f"zero1-rank{rank}.pt"))
 
 
 CASES = {"ddp": lambda r: dense_case("ddp", r), "fsdp": lambda r: dense_case("fsdp", r),

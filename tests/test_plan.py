@@ -6,23 +6,26 @@ shards, FSDP2 x TP, HSDP, expert parallel, 2 pipeline stages x FSDP2 or x DDP), 
 of every Muon weight, the Newton–Schulz flops,
 the bytes of the gather and of the scatter (sent and received), of the agreement all-reduces and of
 MuonClip's max-logit reduction, and the optimizer state Muon, MuonClip and torch's AdamW allocate.
-The time model is checked by `benchmarks/bench_plan_time.py` (a benchmark, never a timed test).
-ZeRO-1 is laid out by the planner but not counted on a DeepSpeed run yet: its case joins
-`plan_worker.CASES` when it is.
+ZeRO-1 the same on a DeepSpeed run (`plan_worker.zero1_worker`, a second launch of 2 ranks through
+`deepspeed_harness`): DeepSpeed's partition of every Muon weight, the flops, the bytes and the state,
+padding included. The time model is checked by `benchmarks/bench_plan_time.py` (a benchmark, never a
+timed test).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
 import torch
-from plan_worker import DENSE, MOE, PP, STEPS, WORLD, plain, worker
+from plan_worker import DENSE, MOE, PP, STEPS, WORLD, ZERO1, ZERO1_WORLD, flat_range, plain, worker, zero1_worker
 from test_distributed import _launch
 
 from muonclip.app.plan_cost import plan_costs
 from muonclip.app.plan_layout import Mesh, MeshError, stage_of, stage_of_layers, stage_pieces
 from muonclip.app.plan_model import route
+from muonclip.distributed import Plan
 from muonclip.models import GPT, GPTConfig
 from muonclip.ortho._newton_schulz import ns_flops
 
@@ -82,6 +85,46 @@ def test_planned_flops_bytes_and_state_equal_a_real_step(counted, case):
         assert max(plan.ns_flops) < sum(plan.ns_flops)
 
 
+@pytest.fixture(scope="module")
+def zero1_counted(tmp_path_factory):
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install 'muonclip[deepspeed]')")
+    import deepspeed_harness
+
+    out = tmp_path_factory.mktemp("zero1")
+    deepspeed_harness.launch(zero1_worker, str(out), world=ZERO1_WORLD, limit_s=300)
+    return [torch.load(out / f"zero1-rank{r}.pt") for r in range(ZERO1_WORLD)]
+
+
+def test_zero1_planned_equals_a_deepspeed_zero1_run(zero1_counted):
+    """``--zero1`` is DeepSpeed's ZeRO-1: every rank's range of every Muon weight is DeepSpeed's (its
+    buffers padded to a multiple of twice the ranks), and the flops, the bytes gathered and scattered,
+    the all-reduces (DeepSpeed's one finite check a step, the clip's) and the state (every partition
+    whole, padding included; torch's AdamW on one buffer) are those of a DeepSpeed step, every rank."""
+    with torch.device("meta"):
+        pm = route(GPT(GPTConfig(**ZERO1)))
+    mesh = Mesh(dp_replicate=ZERO1_WORLD, zero1=True)
+    plan = plan_costs(pm, mesh, device="cpu")
+    muon = [w for w in pm.weights if w.muon]
+    pieces = [[flat_range(pc, w.shape) for pc in ranks] for w, ranks in zip(muon, stage_pieces(muon, mesh)[1])]
+    rows = []
+    for r, got in enumerate(zero1_counted):
+        assert got["pieces"] == pieces  # DeepSpeed's partition, as its driver hands it to the step
+        for name in ("muon", "muonclip"):
+            want = {"flops": plan.ns_flops[r], "gather_sent": plan.gather_sent[r], "gather_recv": plan.gather_recv[r],
+                    "scatter_sent": plan.scatter_sent[r], "scatter_recv": plan.scatter_recv[r],
+                    "reduce": plan.checks[r] + (plan.clip[r] if name == "muonclip" else 0), "other": [],
+                    "gathered": 0}
+            assert plan.first_checks[r] == plan.first_copies[r] == 0
+            assert got[name]["steps"] == [want] * STEPS, (name, r)
+            assert got[name]["state"] == plan.muon_state[r], (name, r)
+        assert got["adamw"]["state"] == plan.adamw_state[r]
+        rows.append((r, plan.ns_flops[r], plan.gather_sent[r], plan.scatter_sent[r], plan.checks[r], plan.clip[r],
+                     plan.muon_state[r], plan.adamw_state[r]))
+    print(f"zero1 ({mesh.describe()}, DeepSpeed): planned = counted on every rank, {STEPS} steps; (rank, NS flops, "
+          "gathered sent, scattered sent, checks, clip, Muon state, AdamW state):", rows)
+
+
 def test_the_plan_is_the_steps_own_balance_and_every_matrix_once():
     """The owner plan's flops over all ranks are every matrix's once (an independent count from
     the shapes), and no rank gets more than the longest-first bound (the mean plus one matrix)."""
@@ -94,6 +137,47 @@ def test_the_plan_is_the_steps_own_balance_and_every_matrix_once():
         assert sum(plan.rep_flops) >= total  # without owners: at least every matrix once
         biggest = max(w.spec.flops for w in pm.weights if w.muon)
         assert max(plan.ns_flops) <= sum(plan.ns_flops) / len(plan.ns_flops) + biggest
+
+
+def test_the_plan_per_distinct_piece_is_the_plan_per_rank():
+    """What the planner computes once per distinct piece (`stage_holdings`, `plan_held`) is what the step
+    computes from every rank's piece (`stage_pieces`, `plan_step`): the same pieces, the same plan (owners,
+    flops, every transfer, each rank's own sources), on meshes with strided shards, uneven ZeRO-1 ranges and
+    expert pieces; and the owners' heap picks the rank a scan of every rank picks."""
+    import random
+
+    from muonclip.app.plan_cost import _plan_specs
+    from muonclip.app.plan_layout import stage_holdings
+    from muonclip.common._dtensor import is_empty
+    from muonclip.distributed._plan import assign_owners, holdings, plan_held, plan_step
+
+    for cfg, mesh in ((DENSE, Mesh(dp_replicate=2, dp_shard=3, tp=2)), (DENSE, Mesh(dp_replicate=3, zero1=True)),
+                      (ZERO1, Mesh(dp_replicate=5, zero1=True)), (MOE, Mesh(dp_replicate=2, dp_shard=4, ep=2)),
+                      (MOE, Mesh(dp_replicate=4, ep=2, zero1=True))):
+        with torch.device("meta"):
+            pm = route(GPT(GPTConfig(**cfg)))
+        shapes, pieces = stage_pieces(pm.weights, mesh)
+        assert stage_holdings(pm.weights, mesh)[0] == shapes
+        held = stage_holdings(pm.weights, mesh)[1]
+        for k, ranks in enumerate(pieces):
+            assert ({pc: h for pc, h in holdings(ranks).items() if not is_empty(pc)} ==
+                    {pc: list(h) for pc, h in held[k].items() if not is_empty(pc)}), (mesh, pm.weights[k].name)
+        muon = [w for w in pm.weights if w.muon]
+        n, specs = len(muon), _plan_specs(muon, shapes[:len(muon)])
+        for me in (0, mesh.stage_size - 1):
+            per_rank = plan_step([w.group for w in muon], shapes[:n], specs, pieces[:n], mesh.stage_size, me)
+            assert plan_held([w.group for w in muon], shapes[:n], specs, held[:n], mesh.stage_size, me) == per_rank
+
+    rng = random.Random(0)
+    for world in (1, 3, 8):
+        costs = [rng.choice((0, 1, 5, 5, 9, 40)) for _ in range(60)]
+        allowed = [rng.sample(range(world), rng.randint(1, world)) if rng.random() < 0.3 else None for _ in costs]
+        for allow in (None, allowed):
+            load, owners = [0] * world, [0] * len(costs)
+            for i in sorted(range(len(costs)), key=lambda k: (-costs[k], k)):  # every rank scanned
+                owners[i] = min((allow[i] if allow else None) or range(world), key=lambda q: (load[q], q))
+                load[owners[i]] += costs[i]
+            assert assign_owners(costs, world, allow) == Plan(tuple(owners), tuple(load))
 
 
 def test_pipeline_split_is_torchtitans_and_stages_plan_alone():

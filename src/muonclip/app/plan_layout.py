@@ -21,8 +21,9 @@ another stage's ranks. Within a stage, what each rank holds (`stage_pieces`, the
   ``dp_replicate``. Routed experts are not split by tensor parallelism.
 * **ZeRO-1** (``zero1``: ``dp_replicate`` is ZeRO-1 data parallelism, no ``dp_shard``/``tp``):
   parameters and gradients are replicated, the optimizer state is partitioned: each param group's
-  weights flattened in optimizer order into one buffer, padded to a multiple of the ranks, cut
-  into equal contiguous ranges (DeepSpeed's ZeRO-1 partition). A rank's piece of a weight is the
+  weights flattened in optimizer order into one buffer, padded to a multiple of twice the ranks,
+  cut into equal contiguous ranges (DeepSpeed's ZeRO-1 partition, `zero1_size`; the state covers
+  the padding). A rank's piece of a weight is the
   part of it in its range (a range of the flattened weight, planned on the weight's flat view).
   Routed experts under ZeRO-1: ``ep`` ranks as above; the ``dp_replicate / ep`` ranks that hold
   the same experts deal them out by whole experts.
@@ -30,8 +31,10 @@ another stage's ranks. Within a stage, what each rank holds (`stage_pieces`, the
 Checked against real steps (`tests/test_plan.py`: DDP, FSDP2 and FSDP2 x TP and HSDP as
 ``fully_shard`` and the reference GPT's tensor-parallel plan lay them out, EP as DTensors placed as
 torchtitan's FSDP2 x EP places them, two pipeline stages of FSDP2 or of replicas under a
-``torch.distributed.pipelining`` schedule, each stepping with ``process_group=`` its ranks); ZeRO-1
-follows DeepSpeed's documented layout and is not counted on a DeepSpeed run yet.
+``torch.distributed.pipelining`` schedule, each stepping with ``process_group=`` its ranks, and
+ZeRO-1 as DeepSpeed's ZeRO-1 partitions a model and drives `muonclip.Muon` over its partitions).
+`stage_holdings` gives the same pieces as what the ranks hold of each weight, computed once per
+distinct piece: what the plan of hundreds of ranks is made from.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..common._dtensor import Piece, piece_of
+from ..distributed._plan import Held, holdings
 from .plan_model import Weight
 
 
@@ -173,19 +177,67 @@ def _grid_pieces(shape: tuple[int, ...], grid: tuple[int, ...], placements: tupl
     return [piece_of(shape, grid, coord, placements, name) for coord in itertools.product(*(range(n) for n in grid))]
 
 
-def flat_partition(weights: Sequence[Weight], ranks: int) -> list[list[Piece]]:
-    """ZeRO-1's partition of ``weights`` (one param group, in order) over ``ranks``: the weights
-    flattened into one buffer padded to a multiple of ``ranks``, each rank a contiguous equal range;
-    per weight, per rank, the range of the flattened weight it holds."""
+def zero1_size(numel: int, ranks: int) -> int:
+    """Elements of each rank's partition of a ZeRO-1 buffer of ``numel`` elements: DeepSpeed pads the
+    buffer to a multiple of twice the ranks (``nccl_start_alignment_factor`` 2 times the
+    data-parallel world, ``deepspeed/runtime/zero/stage_1_and_2.py`` and ``bf16_optimizer.py``) and
+    cuts it into ``ranks`` equal partitions."""
+    return 2 * -(-numel // (2 * ranks))
+
+
+def _flat_ranges(weights: Sequence[Weight], ranks: int) -> list[list[tuple[int, range]]]:
+    """Per weight of one ZeRO-1 buffer (`flat_partition`), ``(rank, range)`` of every rank holding
+    some of it, ascending."""
     total = sum(w.numel for w in weights)
-    size = -(-total // ranks)
+    size = zero1_size(total, ranks)
     out, start = [], 0
     for w in weights:
         end = start + w.numel
-        out.append([(range(max(start, r * size) - start, min(end, (r + 1) * size) - start)
-                     if max(start, r * size) < min(end, (r + 1) * size) else range(0),) for r in range(ranks)])
+        out.append([(r, range(max(start, r * size) - start, min(end, (r + 1) * size) - start))
+                    for r in range(start // size if size else 0, min(ranks, -(-end // size) if size else 0))
+                    if max(start, r * size) < min(end, (r + 1) * size)])
         start = end
     return out
+
+
+def flat_partition(weights: Sequence[Weight], ranks: int) -> list[list[Piece]]:
+    """ZeRO-1's partition of ``weights`` (one param group, in order) over ``ranks``: the weights
+    flattened into one buffer padded as DeepSpeed pads it (`zero1_size`), each rank a contiguous
+    equal range; per weight, per rank, the range of the flattened weight it holds."""
+    out = []
+    for held in _flat_ranges(weights, ranks):
+        pieces: list[Piece] = [(range(0),)] * ranks
+        for r, rng in held:
+            pieces[r] = (rng,)
+        out.append(pieces)
+    return out
+
+
+def zero1_flat(w: Weight, mesh: Mesh) -> bool:
+    """Whether ``w`` lives in a ZeRO-1 flat buffer on ``mesh`` (every weight under ``zero1`` but
+    routed experts split by ``ep``)."""
+    return mesh.zero1 and mesh.dp_replicate > 1 and not (w.expert and mesh.ep > 1)
+
+
+def _layout(weights: Sequence[Weight], mesh: Mesh) -> tuple[list[tuple[int, ...]], list[object],
+                                                             dict[int, list[int]]]:
+    """Per weight, the shape it is planned on and its grid and placements (None: ZeRO-1's flat
+    partition), and the members of each flat ZeRO-1 buffer (by param group)."""
+    shapes: list[tuple[int, ...]] = []
+    layouts: list[object] = []
+    flat: dict[int, list[int]] = {}
+    for i, w in enumerate(weights):
+        if w.expert and mesh.ep > 1:
+            layouts.append(_experts(w, mesh))  # under ZeRO-1 the ZeRO-1 ranks are the whole stage: (1, dp/ep, ep)
+        elif zero1_flat(w, mesh):
+            flat.setdefault(id(w.group), []).append(i)
+            shapes.append((w.numel,))
+            layouts.append(None)
+            continue
+        else:
+            layouts.append(_dense(w, mesh))
+        shapes.append(w.shape)
+    return shapes, layouts, flat
 
 
 def stage_pieces(weights: Sequence[Weight], mesh: Mesh) -> tuple[list[tuple[int, ...]], list[list[Piece]]]:
@@ -195,27 +247,48 @@ def stage_pieces(weights: Sequence[Weight], mesh: Mesh) -> tuple[list[tuple[int,
     its flattened shape ``(numel,)`` (its pieces are ranges of it). Each param group is one
     ZeRO-1 buffer (DeepSpeed flattens each group apart).
     """
-    n = mesh.stage_size
-    shapes: list[tuple[int, ...]] = []
-    pieces: list[list[Piece]] = []
-    flat: dict[int, list[int]] = {}
-    for i, w in enumerate(weights):
-        if w.expert and mesh.ep > 1:
-            grid, pl = _experts(w, mesh)
-            if mesh.zero1:  # the ZeRO-1 ranks are the whole stage: (1, dp/ep, ep)
-                shapes.append(w.shape)
-                pieces.append(_grid_pieces(w.shape, grid, pl, w.name))
-                continue
-        elif mesh.zero1 and mesh.dp_replicate > 1:
-            flat.setdefault(id(w.group), []).append(i)
-            shapes.append((w.numel,))
-            pieces.append([])
-            continue
-        else:
-            grid, pl = _dense(w, mesh)
-        shapes.append(w.shape)
-        pieces.append(_grid_pieces(w.shape, grid, pl, w.name))
+    shapes, layouts, flat = _layout(weights, mesh)
+    pieces: list[list[Piece]] = [[] if lay is None else _grid_pieces(w.shape, *lay, w.name)  # type: ignore[misc]
+                                 for w, lay in zip(weights, layouts)]
     for members in flat.values():
-        for i, got in zip(members, flat_partition([weights[i] for i in members], n)):
+        for i, got in zip(members, flat_partition([weights[i] for i in members], mesh.stage_size)):
             pieces[i] = got
     return shapes, pieces
+
+
+def stage_holdings(weights: Sequence[Weight], mesh: Mesh) -> tuple[list[tuple[int, ...]], list[Held]]:
+    """`stage_pieces` as what the ranks hold of each weight (`muonclip.distributed._plan.Held`:
+    each distinct piece and its holders), without a list over the ranks per weight: weights of
+    the same shape and placements share one (computed once), a ZeRO-1 weight lists only the ranks
+    its elements fall in (its empty pieces left out)."""
+    shapes, layouts, flat = _layout(weights, mesh)
+    cache: dict[tuple[object, ...], Held] = {}
+    held: list[Held] = []
+    for w, lay in zip(weights, layouts):
+        if lay is None:
+            held.append({})
+            continue
+        key = (w.shape, *lay)  # type: ignore[misc]
+        if key not in cache:
+            cache[key] = holdings(_grid_pieces(w.shape, *lay, w.name))  # type: ignore[misc]
+        held.append(cache[key])
+    for members in flat.values():
+        group = [weights[i] for i in members]
+        for i, w, got in zip(members, group, _flat_ranges(group, mesh.stage_size)):
+            held[i] = {(rng,): [r] for r, rng in got} if w.numel else holdings([(range(0),)] * mesh.stage_size)
+    return shapes, held
+
+
+def zero1_padding(weights: Sequence[Weight], mesh: Mesh) -> tuple[list[int], list[int]]:
+    """Per stage rank, the padding elements of its ZeRO-1 partitions (`zero1_size`: a partition
+    holds its share of the buffer, padding included, and the optimizer's state covers all of it),
+    of the Muon param groups and of the others; zeros without ZeRO-1."""
+    n = mesh.stage_size
+    muon, other = [0] * n, [0] * n
+    for members in _layout(weights, mesh)[2].values():
+        total = sum(weights[i].numel for i in members)
+        size = zero1_size(total, n)
+        pad = muon if weights[members[0]].muon else other
+        for r in range(n):
+            pad[r] += size - max(0, min(total, (r + 1) * size) - r * size)
+    return muon, other

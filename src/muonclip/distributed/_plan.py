@@ -25,6 +25,7 @@ plan``) compute it with the same function.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,12 +69,20 @@ def assign_owners(costs: Sequence[int], world_size: int,
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     load = [0] * world_size
     owners = [0] * len(costs)
-    anyone = range(world_size)
+    # the least loaded rank of all, lowest first on ties: a heap of (load, rank) holding every rank's
+    # current entry (pushed at each change), older entries skipped when they reach the top
+    heap = [(0, q) for q in range(world_size)]
     for i in sorted(range(len(costs)), key=lambda k: (-costs[k], k)):
-        ranks = (allowed[i] if allowed is not None else None) or anyone
-        r = min(ranks, key=lambda q: (load[q], q))
+        ranks = allowed[i] if allowed is not None else None
+        if ranks:
+            r = min(ranks, key=lambda q: (load[q], q))
+        else:
+            while heap[0][0] != load[heap[0][1]]:
+                heapq.heappop(heap)
+            r = heapq.heappop(heap)[1]
         owners[i] = r
         load[r] += costs[i]
+        heapq.heappush(heap, (load[r], r))
     return Plan(tuple(owners), tuple(load))
 
 
@@ -129,6 +138,19 @@ class StepPlan:
         return [i for i, r in enumerate(self.owners) if r == rank]
 
 
+Held = Mapping[Piece, Sequence[int]]
+"""What the ranks hold of one weight: each distinct piece (equal pieces once, in the order of the
+first rank holding each) and the ranks holding it, ascending (`holdings`)."""
+
+
+def holdings(ranks: Sequence[Piece]) -> dict[Piece, list[int]]:
+    """`Held` from every rank's piece of a weight (``ranks[r]``: rank r's; empty pieces included)."""
+    held: dict[Piece, list[int]] = {}
+    for r, pc in enumerate(ranks):
+        held.setdefault(pc, []).append(r)
+    return held
+
+
 def plan_step(groups: Sequence[Mapping[str, Any]], shapes: Sequence[Sequence[int]], specs: Sequence[MatrixSpec],
               pieces: Sequence[Sequence[Piece]], world: int, me: int = 0) -> StepPlan:
     """The plan of a step over ``world`` ranks (identical on every rank: no communication).
@@ -147,23 +169,32 @@ def plan_step(groups: Sequence[Mapping[str, Any]], shapes: Sequence[Sequence[int
     A unit whose owner holds it whole is ``direct``; any other is assembled on its owner from its
     distinct pieces, each sent by one holder (the ``i % holders``-th, so replicas share the
     sending). Every holder of a piece other than the owner receives that piece of the result.
+    The same plan as `plan_held` of the pieces' `holdings`.
     """
+    return plan_held(groups, shapes, specs, [holdings(ranks) for ranks in pieces], world, me)
+
+
+def plan_held(groups: Sequence[Mapping[str, Any]], shapes: Sequence[Sequence[int]], specs: Sequence[MatrixSpec],
+              held: Sequence[Held], world: int, me: int = 0) -> StepPlan:
+    """`plan_step` from what the ranks hold of each weight as `Held` (``held[k]``), the work done
+    once per distinct piece rather than once per rank. Empty pieces may be left out of ``held[k]``
+    but for a weight of no element (its whole piece is empty)."""
     found: list[tuple[int, Piece, tuple[int, ...], bool, MatrixSpec]] = []  # (weight, piece, shape, direct, spec)
-    allowed: list[list[int] | None] = []
+    allowed: list[Sequence[int] | None] = []
+    distinct: list[list[Piece]] = []  # per weight, its non-empty pieces
     for k, g in enumerate(groups):
-        shape, ranks = tuple(shapes[k]), pieces[k]
-        distinct = list(dict.fromkeys(pc for pc in ranks if not is_empty(pc)))
-        if specs[k].experts and all(covers(pc, shape, (1, 2)) for pc in distinct):
+        shape, h = tuple(shapes[k]), held[k]
+        distinct.append([pc for pc in h if not is_empty(pc)])
+        if specs[k].experts and all(covers(pc, shape, (1, 2)) for pc in distinct[k]):
             # stacked experts whose every piece holds whole experts: each piece is orthogonalised where it lives
-            for pc in distinct:
-                holders = [r for r in range(world) if ranks[r] == pc]
+            for pc in distinct[k]:
                 found.append((k, pc, piece_shape(pc), True, matrix_spec(piece_shape(pc), g)))
-                allowed.append(holders)
+                allowed.append(h[pc])
         else:
             found.append((k, tuple(range(n) for n in shape), shape, False, specs[k]))
             allowed.append(None)
     plan = assign_owners([f[4].flops for f in found], world, allowed)
-    found = [(k, pc, shape, direct or pieces[k][plan.owners[i]] == pc, spec)  # owner holds it whole (replicas)
+    found = [(k, pc, shape, direct or plan.owners[i] in held[k].get(pc, ()), spec)  # owner holds it whole (replicas)
              for i, (k, pc, shape, direct, spec) in enumerate(found)]
 
     gather: list[Transfer] = []
@@ -174,27 +205,27 @@ def plan_step(groups: Sequence[Mapping[str, Any]], shapes: Sequence[Sequence[int
     scatter_piece: list[Piece] = []
     mine: list[tuple[int | None, int | None]] = [(None, None)] * len(groups)
     for i, (k, piece, _, direct, _) in enumerate(found):
-        o, ranks = plan.owners[i], pieces[k]
-        needed = [piece] if direct else list(dict.fromkeys(pc for pc in ranks if not is_empty(pc)))
-        for pc in needed:
-            holders = [r for r in range(world) if ranks[r] == pc]
+        o, h = plan.owners[i], held[k]
+        for pc in [piece] if direct else distinct[k]:
+            holders = h[pc]
+            shape = piece_shape(pc)
             if not direct:
                 if o in holders:
                     transfer = None
                 else:
                     transfer = len(gather)
-                    gather.append(Transfer(holders[i % len(holders)], o, piece_shape(pc)))
+                    gather.append(Transfer(holders[i % len(holders)], o, shape))
                     gather_unit.append(i)
                 if o == me:
                     sources.setdefault(i, []).append((pc, transfer))
-            for h in holders:
-                if h == o:
-                    if h == me:
+            for r in holders:
+                if r == o:
+                    if r == me:
                         mine[k] = (i, None)
                     continue
-                if h == me:
+                if r == me:
                     mine[k] = (i, len(scatter))
-                scatter.append(Transfer(o, h, piece_shape(pc)))
+                scatter.append(Transfer(o, r, shape))
                 scatter_unit.append(i)
                 scatter_piece.append(pc)
     units = [PlannedUnit(k, pc, shape, direct, spec) for k, pc, shape, direct, spec in found]
