@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import time
 from collections.abc import Callable
@@ -251,6 +252,8 @@ def measure(form: str, profile: str | None, top: int) -> dict[str, float]:
     muonclip.integrations.hf.detach(model)
     run("plan 1 rank", lambda: make_plan(pm, Mesh(), DEVICES["gb300"]))
     run("plan 256", lambda: make_plan(pm, Mesh(pp=4, dp_replicate=64, ep=64, zero1=True), DEVICES["gb300"]))
+    pm = None  # the steps are timed with the model alone alive: Python's collector, which a step's new objects
+    gc.collect()  # set off, walks every live object, so a larger heap (the plan's) costs each step more
 
     for name in ("muon", "muonclip"):
         ws = TimedWorkspace(muonclip.optim.workspace.make_workspace("auto"))

@@ -347,3 +347,41 @@ def test_adamw_branch_matches_torch_adamw():
         ours.step()
         ref.step()
     torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("enabled_before", [True, False])
+def test_the_cycle_collector_is_paused_for_the_update_and_left_as_it_was(enabled_before):
+    """The collector is off while the update runs (its per-weight records would set off passes
+    over the whole heap), back as it was after, after a refused step too, and on during the
+    closure (the user's forward and backward)."""
+    import gc
+
+    class Seeing(muonclip.optim.workspace.CoreWorkspace):
+        seen: list[bool] = []
+
+        def orthogonalize(self, *args, **kwargs):
+            Seeing.seen.append(gc.isenabled())
+            return super().orthogonalize(*args, **kwargs)
+
+    torch.manual_seed(0)
+    W = torch.nn.Parameter(torch.randn(6, 8))
+    opt = muonclip.Muon([W], lr=0.01, workspace=Seeing())
+    in_closure = []
+
+    def closure():
+        in_closure.append(gc.isenabled())
+        W.grad = torch.randn_like(W)
+        return 0.0
+
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled_before else gc.disable()
+        opt.step(closure)
+        assert Seeing.seen == [False] and in_closure == [enabled_before]
+        assert gc.isenabled() == enabled_before
+        W.grad = torch.full_like(W, float("nan"))
+        with pytest.raises(muonclip.NonFiniteGradError):
+            opt.step()
+        assert gc.isenabled() == enabled_before
+    finally:
+        gc.enable() if was else gc.disable()

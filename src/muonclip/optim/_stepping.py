@@ -12,6 +12,7 @@ several processes the same body runs with the distribution layer's exchanges
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -81,6 +82,21 @@ class MuonStepping(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        collecting = gc.isenabled()
+        gc.disable()  # restored below (`_checked_update` says why)
+        try:
+            self._checked_update()
+        finally:
+            if collecting:
+                gc.enable()
+        return loss
+
+    def _checked_update(self) -> None:
+        """What `_muon_step` runs after the closure: the checks, the update of every group (or
+        none: a skipped step), the counters. Python's cycle collector is paused meanwhile (as it
+        was, restored after): a step makes a few records per weight, all freed when it ends, and
+        with tens of thousands of weights a collection they set off would walk every object of
+        the process (a model of that many modules: seconds)."""
         numbers = self._check_groups()  # before anything changes: a step runs whole or not at all
         live = [(g, i, p, p.grad) for g in self.param_groups for i, p in enumerate(g["params"])]
         live = [t for t in live if t[3] is not None]  # (group, index, parameter, gradient) of each with one
@@ -110,13 +126,13 @@ class MuonStepping(torch.optim.Optimizer):
             guard.restore()
             self._count_masked(found)
             self._end_step()
-            return loss
+            return
         bad = nonfinite_indices(finite)
         if bad:
             if self.on_nonfinite == "skip":
                 self._skipped_host += 1
                 self._end_step()
-                return loss
+                return
             names = ", ".join(_name(self, live[k][0], live[k][1]) for k in bad[:5])
             raise NonFiniteGradError(
                 f"non-finite gradient (NaN or inf, or beyond 2^100) in {names} at step {self.steps_taken + 1}; "
@@ -125,7 +141,6 @@ class MuonStepping(torch.optim.Optimizer):
             )
         self._update(engine, ctx, local, numbers, live)
         self._end_step()
-        return loss
 
     def _end_step(self) -> None:
         """Copy the optimizer-wide values a step leaves into the groups, and note them: the next
