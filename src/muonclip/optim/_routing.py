@@ -52,7 +52,7 @@ from ..common.defaults import AUTO, METHOD
 from ..common.family_readers import adapter_role, copied_name, output_layer, stored_transposed
 from ._precision import explain_orth_dtype
 from .flat import refuse_flat_model
-from .fused import WeightSplit, own_parameters, weight_splits
+from .fused import WeightSplit, weight_splits
 
 HEAD_NAMES = ("lm_head", "head", "output", "unembed", "classifier", "score")
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -202,7 +202,7 @@ def param_groups(
     known = weight_splits(model, per_head=per_head, split_fused=split_fused)
     owner: dict[int, nn.Module] = {}
     for module in model.modules():
-        for _, p in own_parameters(module):
+        for p in module.parameters(recurse=False):
             owner.setdefault(id(p), module)
     vocab = {m.num_embeddings for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
     last_linear = next((m for m in reversed(list(model.modules())) if isinstance(m, nn.Linear)), None)

@@ -53,7 +53,7 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -321,21 +321,11 @@ def _separate_qkv(module: nn.Module, config: Any) -> Iterable[tuple]:
 # ------------------------------------------------------------------------------------------------
 
 
-def own_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    """``module.named_parameters(recurse=False)``, read from its registry directly: the same
-    ``(attr, param)`` in the same order, each tensor once, without the generator machinery that
-    costs more than the reading on a model of a hundred thousand modules."""
-    seen: set[int] = set()
-    for attr, p in module._parameters.items():
-        if p is not None and id(p) not in seen:
-            seen.add(id(p))
-            yield attr, p
-
-
 def _named_weights(module: nn.Module) -> Iterable[tuple[str, Tensor]]:
     """``(attr, param)`` of ``module``'s own parameters, and of its children's ``weight`` under
     the child's name (``qkv_proj`` for ``qkv_proj.weight``)."""
-    yield from own_parameters(module)
+    for attr, p in module.named_parameters(recurse=False):
+        yield attr, p
     for attr, child in module.named_children():
         p = getattr(child, "weight", None)
         if isinstance(p, nn.Parameter):
@@ -355,4 +345,4 @@ def _n_experts(experts: nn.Module, count: Read, config: Any) -> int | None:
     return None
 
 
-__all__ = ["WeightSplit", "own_parameters", "weight_splits"]
+__all__ = ["WeightSplit", "weight_splits"]
