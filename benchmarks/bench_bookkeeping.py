@@ -134,26 +134,38 @@ class TimedWorkspace:
             release()
 
 
+def adamw_copies(opt: torch.optim.Optimizer) -> tuple[list[torch.Tensor], ...]:
+    """Copies of the AdamW branch's weights and gradients, and two moments (the weights' values)."""
+    adamw = [p for g in opt.param_groups if g["algorithm"] == "adamw" for p in g["params"]]
+    return ([p.detach().clone() for p in adamw], [p.grad.clone() for p in adamw],
+            [p.detach().clone() for p in adamw], [p.detach().clone() for p in adamw])
+
+
+def adamw_passes(w: list[torch.Tensor], g: list[torch.Tensor], m1: list[torch.Tensor],
+                 m2: list[torch.Tensor]) -> None:
+    """The AdamW branch's element-wise passes by ``_foreach`` kernels (first and second moments,
+    the update), in place on the lists given (copies)."""
+    torch._foreach_lerp_(m1, g, 0.1)
+    torch._foreach_mul_(m2, 0.95)
+    torch._foreach_addcmul_(m2, g, g, value=0.05)
+    denom = torch._foreach_sqrt(m2)
+    torch._foreach_add_(denom, 1e-8)
+    torch._foreach_addcdiv_(w, m1, denom, value=-1e-3)
+
+
 def elementwise_alone(opt: torch.optim.Optimizer) -> float:
     """Seconds of the step's element-wise passes done by torch's ``_foreach`` kernels on copies."""
     muon = [p for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"]]
-    adamw = [p for g in opt.param_groups if g["algorithm"] == "adamw" for p in g["params"]]
     w, g, m = ([p.detach().clone() for p in muon], [p.grad.clone() for p in muon],
                [p.detach().clone() for p in muon])
-    wa, ga, m1, m2 = ([p.detach().clone() for p in adamw], [p.grad.clone() for p in adamw],
-                      [p.detach().clone() for p in adamw], [p.detach().clone() for p in adamw])
+    wa, ga, m1, m2 = adamw_copies(opt)
     start = time.process_time()
     torch._foreach_mul_(m, 0.95)
     torch._foreach_add_(m, g)  # M = mu M + G
     v = torch._foreach_add(g, m, alpha=0.95)  # V = G + mu M
     torch._foreach_mul_(w, 0.999)  # decay
     torch._foreach_add_(w, v, alpha=-1e-3)  # the update (the result of orth in its place)
-    torch._foreach_lerp_(m1, ga, 0.1)
-    torch._foreach_mul_(m2, 0.95)
-    torch._foreach_addcmul_(m2, ga, ga, value=0.05)
-    denom = torch._foreach_sqrt(m2)
-    torch._foreach_add_(denom, 1e-8)
-    torch._foreach_addcdiv_(wa, m1, denom, value=-1e-3)
+    adamw_passes(wa, ga, m1, m2)
     return time.process_time() - start
 
 
@@ -174,10 +186,8 @@ def lean_step(opt: torch.optim.Optimizer) -> float:
     from muonclip.ortho import resolve_orth_dtype
 
     muon = [p for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"]]
-    adamw = [p for g in opt.param_groups if g["algorithm"] == "adamw" for p in g["params"]]
     copies = [(p.detach().clone(), p.grad.clone(), torch.zeros_like(p)) for p in muon]
-    wa, ga, m1, m2 = ([p.detach().clone() for p in adamw], [p.grad.clone() for p in adamw],
-                      [p.detach().clone() for p in adamw], [p.detach().clone() for p in adamw])
+    wa, ga, m1, m2 = adamw_copies(opt)
     by_shape: dict[tuple[int, ...], list[tuple[torch.Tensor, ...]]] = {}
     for w, g, m in copies:
         by_shape.setdefault(tuple(w.shape), []).append((w, g, m))
@@ -203,12 +213,7 @@ def lean_step(opt: torch.optim.Optimizer) -> float:
                 w.mul_(0.999)
                 w.add_(o, alpha=-1e-3 * scale)
     ws.release()
-    torch._foreach_lerp_(m1, ga, 0.1)
-    torch._foreach_mul_(m2, 0.95)
-    torch._foreach_addcmul_(m2, ga, ga, value=0.05)
-    denom = torch._foreach_sqrt(m2)
-    torch._foreach_add_(denom, 1e-8)
-    torch._foreach_addcdiv_(wa, m1, denom, value=-1e-3)
+    adamw_passes(wa, ga, m1, m2)
     return time.process_time() - start
 
 
