@@ -130,6 +130,25 @@ def chunk_plan(batches: Sequence[int], limit: int | None, splittable: Sequence[b
     return chunks
 
 
+STACK_BYTES = 2**20
+"""The most bytes of one float32 stack of the step's element-wise passes over small weights
+(twice that for float64): the gradients, momenta or weights of a run of whole 2-D weights of a
+plain bucket with the same settings (`stack_runs`), each pass then one call for the run instead
+of one per weight (`muonclip.optim.functional.StepMomenta.write_plain`,
+`muonclip.optim.functional.apply_plain`). A weight larger than this runs alone; the step holds at
+most two such stacks at a time besides its buckets."""
+
+
+def stack_runs(keys: Sequence[Any], numel: int) -> Iterator[tuple[int, int]]:
+    """``[lo, hi)`` of each run of consecutive equal ``keys`` of matrices of ``numel`` elements,
+    at most `STACK_BYTES` of float32 each (a None key is a run of its own)."""
+    lo, n, most = 0, len(keys), STACK_BYTES // (4 * numel)
+    for i in range(1, n + 1):
+        if i == n or i - lo >= most or keys[lo] is None or keys[i] != keys[lo]:
+            yield lo, i
+            lo = i
+
+
 def chunk_limit(A: int, B: int, dtype: torch.dtype, device: torch.device,
                 bounds: Mapping[str, int] | None = None) -> int | None:
     """Matrices per orthogonalisation call for ``A x B`` matrices in ``dtype`` on ``device``: the
@@ -211,10 +230,7 @@ class Bucket:
         its ``chunk``: ``experts`` None for a whole slot, laid out like ``spec.block(t, block)`` of
         a tensor ``t`` of the item's shape (`MatrixSpec.slot`); else the expert range
         ``[lo, hi)`` of a stack cut by the chunk, laid out like ``t[lo:hi]``."""
-        parts = (chunk or self.whole()).parts
-        if self.plain:  # a slot per matrix of V, as it is: the views of every slot in one call
-            return zip(self.items(chunk), repeat(0), repeat(None), V.unbind(0))
-        return self._cut(V, parts)
+        return self._cut(V, (chunk or self.whole()).parts)
 
     def items(self, chunk: Chunk | None = None) -> list[int]:
         """The item of each slot of the bucket (or of ``chunk``), in order."""

@@ -58,7 +58,7 @@ from torch import Tensor
 
 from ..common import defaults as D
 from ..ortho import check_method
-from ._buckets import Bucket, Chunk, Place, Results, StepStructure, Unit, weight_structure
+from ._buckets import Bucket, Chunk, Place, Results, StepStructure, Unit, stack_runs, weight_structure
 from ._quantized import QuantBlocks, dequantize, quantize_
 from ._scale import scale_name
 from .workspace import CoreWorkspace
@@ -273,6 +273,29 @@ class StepMomenta:
             if not self._slots_left[k]:
                 del self._live[k]
 
+    def write_plain(self, units: Sequence[Unit], V: Tensor, gathered: Sequence[Tensor | None]) -> None:
+        """V of each matrix of ``V``, a chunk of a plain bucket (``units``: a whole 2-D weight per
+        matrix; ``gathered``: its V assembled by the gather, or None), as `write_v` would write it,
+        with the passes of each run of weights whose settings and dtypes agree done once over
+        stacks of at most `STACK_BYTES`: ``M`` and ``V`` of the run in one call each, the momenta
+        copied back to their buffers."""
+        ks, ws, pending = [u.k for u in units], self._weights, self._pending
+        keys = [(w.momentum, w.nesterov, w.grad.dtype, w.momentum_buffer.dtype)  # what a run shares
+                if t is None and w.quantized is None and k in pending else None  # else: alone
+                for k, t, w in zip(ks, gathered, [ws[k] for k in ks])]
+        for lo, hi in stack_runs(keys, V[0].numel()):
+            if hi - lo > 1:
+                run = [ws[k] for k in ks[lo:hi]]
+                G, buffers, w = torch.stack([w.grad for w in run]), [w.momentum_buffer for w in run], run[0]
+                M = momentum_(torch.stack(buffers), G, w.momentum)
+                torch._foreach_copy_(buffers, M.unbind(0))
+                muon_input(G, M, w.momentum, w.nesterov, out=V[lo:hi])
+                self._pending.difference_update(ks[lo:hi])
+            elif gathered[lo] is not None:
+                V[lo].copy_(gathered[lo])
+            else:
+                self.write_v(units[lo], 0, None, V[lo])
+
     def update_rest(self) -> None:
         """The momentum of every weight not asked for in this step (this process neither
         orthogonalises nor sends its V), updated."""
@@ -291,10 +314,11 @@ def muon_step(weights: Sequence[MuonWeight], structure: StepStructure, exchange:
     ``exchange`` (`muonclip.optim.multiprocess.Exchange`; None in one process): the gather of V
     to the owners before orthogonalisation, the scatter of the results after. Each weight's
     momentum is updated just before its V is first formed and released after its last slot
-    (`StepMomenta`); each bucket is written in chunks (`StepStructure.chunks`) in the compute
-    dtype, each orthogonalised in one call by its workspace; a result is applied once its
-    weight (or the stack's experts a chunk cut) is complete (the workspace may then reuse it),
-    or scattered.
+    (`StepMomenta`), the passes of small whole weights with the same settings once per stack of
+    them (`StepMomenta.write_plain`, `apply_plain`); each bucket is written in chunks
+    (`StepStructure.chunks`) in the compute dtype, each orthogonalised in one call by its
+    workspace; a result is applied once its weight (or the stack's experts a chunk cut) is
+    complete (the workspace may then reuse it), or scattered.
     """
     units, momenta, one_process = structure.units, StepMomenta(weights, structure.direct_blocks), exchange is None
     whole = {} if one_process else exchange.gather(structure.routes, weights, momenta.v)  # V formed elsewhere
@@ -303,14 +327,21 @@ def muon_step(weights: Sequence[MuonWeight], structure: StepStructure, exchange:
     normuon = any(w.second_moment is not None for w in weights)
     for bucket, chunk in structure.chunks():
         V = bucket.empty(chunk)  # 1-2. momentum, V written into the bucket's slots
-        for u, b, experts, slot in bucket.slots(V, chunk):
-            if u in whole:
-                slot.copy_(units[u].spec.block(whole[u], b))
-            else:
-                momenta.write_v(units[u], b, experts, slot)
+        items = bucket.items(chunk) if bucket.plain else None  # a whole 2-D weight per matrix
+        if items is not None:  # small ones in stacks
+            momenta.write_plain([units[u] for u in items], V, [whole.get(u) for u in items])
+        else:
+            for u, b, experts, slot in bucket.slots(V, chunk):
+                if u in whole:
+                    slot.copy_(units[u].spec.block(whole[u], b))
+                else:
+                    momenta.write_v(units[u], b, experts, slot)
         O = bucket.orthogonalize(V, reuse_result=one_process)  # 3. one call per chunk, then NorMuon
         if normuon:
             normuon_bucket_(bucket, O, lambda u, b: neuron_moment(weights[units[u].k], units[u], b), chunk)
+        if items is not None and one_process:  # 4. the update, small weights in stacks
+            apply_plain([weights[units[u].k] for u in items], [structure.places[units[u].k] for u in items], O)
+            continue
         for u, experts, O_u in results.of(bucket, O, chunk):  # 4. the update, or kept for the scatter
             if one_process:
                 _apply(weights[units[u].k], O_u, structure.places[units[u].k], experts)
@@ -335,6 +366,24 @@ def _apply(w: MuonWeight, update: Tensor, place: Place, experts: slice | None = 
         return
     apply_blocks_(w.param if experts is None else w.param[experts], update, lr=w.lr, weight_decay=w.weight_decay,
                   axis=axis, ranges=ranges, offset=offset, cautious=w.cautious)
+
+
+def apply_plain(ws: Sequence[MuonWeight], places: Sequence[Place], O: Tensor) -> None:
+    """`_apply` of each matrix of ``O`` to its weight (``ws``: a whole 2-D weight each, at
+    ``places``), with each run of weights whose settings, scale and dtype agree stacked (at most
+    `STACK_BYTES`): the decay and the update run once over the stack, copied back to the weights."""
+    shape = O.shape[1:]
+    keys = [(w.lr, w.weight_decay, w.cautious, ranges[0][2], w.param.dtype)
+            if offset == 0 and len(ranges) == 1 and w.param.shape == shape else None
+            for w, (_, ranges, offset) in zip(ws, places)]
+    for lo, hi in stack_runs(keys, O[0].numel()):
+        if hi - lo == 1:
+            _apply(ws[lo], O[lo], places[lo])
+            continue
+        params, w = [w.param for w in ws[lo:hi]], ws[lo]
+        W = torch.stack(params)
+        apply_update_(W, O[lo:hi], lr=w.lr, weight_decay=w.weight_decay, scale=keys[lo][3], cautious=w.cautious)
+        torch._foreach_copy_(params, W.unbind(0))
 
 
 def neuron_moment(w: MuonWeight, unit: Unit, b: int) -> tuple[Tensor, float] | None:
@@ -424,6 +473,6 @@ def _pieces(param: Tensor, update: Tensor, axis: int, ranges: Sequence[tuple[int
     return out
 
 
-__all__ = ["NORMUON_EPS", "FlatPlace", "MuonWeight", "StepMomenta", "apply_blocks_", "apply_flat_", "apply_update_",
-           "momentum_", "muon_input", "muon_step", "muon_update", "neuron_moment", "normalize_neurons_",
-           "normuon_bucket_", "step_momentum"]
+__all__ = ["NORMUON_EPS", "FlatPlace", "MuonWeight", "StepMomenta", "apply_blocks_", "apply_flat_", "apply_plain",
+           "apply_update_", "momentum_", "muon_input", "muon_step", "muon_update", "neuron_moment",
+           "normalize_neurons_", "normuon_bucket_", "step_momentum"]
