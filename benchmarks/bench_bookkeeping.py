@@ -32,15 +32,15 @@ wrapped and timed: the calls are the same, so is their work) and (b) the element
 of the same step done alone, by torch's ``_foreach`` kernels over the same tensors (Muon:
 momentum ``M = mu M + G``, ``V = G + mu M``, the decay, the update: four passes over every Muon
 weight and two more per AdamW weight; done on copies, so nothing is changed). What is left is
-the library's Python and torch's per-call dispatch: the bookkeeping (and the stacking of V into
-buckets, a copy a lean implementation needs too: an upper bound on the bookkeeping, then).
+the library's Python and torch's per-call dispatch: the bookkeeping, and the copies the step
+makes (V stacked into buckets; small weights' gradients, momenta and weights stacked and copied
+back): an upper bound on the bookkeeping.
 
-**The lean step** (``lean``, and ``steady - lean``): the same step written as lean as a
-per-weight implementation can be (`lean_step`: the gradient check, then per weight only the
-torch calls the step cannot do without, into buckets orthogonalised by the same workspace, on
-copies). Its own ``overhead`` by the measure above is torch's per-call cost of those calls and
-views, which no per-weight implementation avoids; ``steady - lean`` is what the library's
-bookkeeping adds to it.
+**The lean step** (``lean``, and ``steady - lean``): the same step written per weight with no
+bookkeeping (`lean_step`: the gradient check, then per weight one torch call per pass, into
+buckets orthogonalised by the same workspace, on copies): torch.optim.Muon's form, written as
+lean as it goes. ``steady - lean`` is what the library adds to it, or, negative, what its
+stacked passes over small weights save.
 
 ``--profile FORM:WHAT`` (e.g. ``linear:muonclip-step``) prints cProfile's top functions of one
 measurement instead.
@@ -171,8 +171,8 @@ def elementwise_alone(opt: torch.optim.Optimizer) -> float:
 
 @torch.no_grad()
 def lean_step(opt: torch.optim.Optimizer) -> float:
-    """Seconds of the leanest per-weight form of the same one-process Muon step, on copies: the
-    floor of any implementation that keeps each weight its own tensor (torch.optim.Muon's form).
+    """Seconds of the leanest per-weight form of the same one-process Muon step, on copies: one
+    torch call per weight per pass and no bookkeeping (torch.optim.Muon's form).
 
     The gradients checked (`muonclip.optim._validation.finite_per_tensor`, as the step does);
     then per Muon weight, with no bookkeeping, the calls the step cannot do without: ``M = G + mu

@@ -24,7 +24,7 @@ from test_distributed import _launch
 
 from muonclip.app.plan_cost import plan_costs
 from muonclip.app.plan_layout import Mesh, MeshError, stage_of, stage_of_layers, stage_pieces
-from muonclip.app.plan_model import route
+from muonclip.app.plan_model import load_model, route
 from muonclip.distributed import Plan
 from muonclip.models import GPT, GPTConfig
 from muonclip.ortho._newton_schulz import ns_flops
@@ -193,6 +193,19 @@ def test_pipeline_split_is_torchtitans_and_stages_plan_alone():
     two = plan_costs(pm, Mesh(dp_shard=2, pp=2), device="cpu")
     assert len(two.ns_flops) == 4 and sum(two.ns_flops) == sum(one.ns_flops)
     assert sum(two.muon_state) == sum(one.muon_state)
+
+
+def test_a_torchtitan_model_is_planned_with_the_optimizer_its_run_builds():
+    """``torchtitan:NAME`` is routed by torchtitan's MuonClip container as a run builds it (recording
+    attention, `muon_splits`): each of llama3_debugmodel's 6 layers clipped (16 heads), its fused
+    ``wqkv`` cut into q, k and v per key/value head (16 groups of 16 + 16 + 16 rows); Qwen3's q/k
+    norms refuse the clip, and the plan says why."""
+    pm = load_model("torchtitan:llama3_debugmodel")
+    assert pm.heads == [(layer, 16) for layer in range(6)] and pm.clip_note == ""
+    wqkv = next(w for w in pm.weights if w.name == "layers.0.attention.qkv_linear.wqkv.weight")
+    assert wqkv.shape == (768, 256) and (wqkv.group["split_sizes"], wqkv.group["split_groups"]) == ([16, 16, 16], 16)
+    qwen = load_model("torchtitan:qwen3_debugmodel")
+    assert qwen.heads is None and "q_norm" in qwen.clip_note
 
 
 def test_zero1_partitions_the_state_flat_and_every_rank_holds_its_share():

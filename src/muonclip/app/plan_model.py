@@ -164,7 +164,15 @@ def _config_file(path: Path) -> dict[str, Any]:
     return fields
 
 
-def _torchtitan_model(name: str) -> nn.Module:
+@dataclass(frozen=True)
+class TorchtitanRun:
+    """The trainer config of a torchtitan model as a run trains it (`with_muonclip`'s: recording
+    attention, MuonClip's container): the plan builds its optimizer as that run's container does."""
+
+    config: Any
+
+
+def _torchtitan_model(name: str) -> tuple[nn.Module, TorchtitanRun]:
     try:
         from muonclip.integrations import torchtitan as tt
     except ImportError:
@@ -175,10 +183,11 @@ def _torchtitan_model(name: str) -> nn.Module:
     except AttributeError:
         raise ModelError(f"torchtitan has no config function {name!r} (e.g. torchtitan:llama3_8b, "
                          "torchtitan:deepseek_v3_debugmodel)") from None
+    cfg = tt.with_muonclip(cfg, device_type="cuda")  # the attention a GPU run records with; built on meta
     model_config = cfg.model_spec.model
     model_config.update_from_config(config=cfg)
     with torch.device("meta"):
-        return model_config.build()
+        return model_config.build(), TorchtitanRun(cfg)
 
 
 def _preset_model(name: str, sets: list[str]) -> nn.Module:
@@ -205,7 +214,8 @@ def build(name: str, sets: list[str] | None = None) -> tuple[nn.Module, str, Any
     if name.startswith("preset:"):
         return _preset_model(name[len("preset:"):], sets or []), f"the reference GPT of the {name[7:]} preset", None
     if name.startswith("torchtitan:"):
-        return _torchtitan_model(name[len("torchtitan:"):]), f"torchtitan's {name[11:]}", None
+        model, run = _torchtitan_model(name[len("torchtitan:"):])
+        return model, f"torchtitan's {name[11:]}", run
     path = Path(name)
     if not path.exists():
         raise ModelError(f"{name!r} is not a model: give a built-in ({', '.join(BUILTINS)}), preset:NAME, "
@@ -215,15 +225,26 @@ def build(name: str, sets: list[str] | None = None) -> tuple[nn.Module, str, Any
     return model, f"{fields['model_type']} from {path}", config
 
 
-def _optimizer(model: nn.Module) -> tuple[Any, list[tuple[int, int]] | None, str]:
-    """The optimizer a run would build (MuonClip, else Muon), its attention layers and a note."""
+def _optimizer(model: nn.Module, config: Any) -> tuple[Any, list[tuple[int, int]] | None, str]:
+    """The optimizer a run would build (MuonClip, else Muon), its attention layers and a note: for a
+    torchtitan model (``config`` a `TorchtitanRun`) the run's container's (`MuonClipOptimizers`)."""
     from ..optim import Muon, param_groups
     from ..qkclip import MuonClip
 
+    if isinstance(config, TorchtitanRun):
+        from dataclasses import replace
+
+        from ..integrations.torchtitan import MuonClipOptimizers
+
+        def build(name: str) -> Any:
+            return MuonClipOptimizers(replace(config.config.optimizer, name=name), model_parts=[model]).optimizers[0]
+    else:
+        def build(name: str) -> Any:
+            return MuonClip(model) if name == "MuonClip" else Muon(param_groups(model))
     try:
-        opt = MuonClip(model)
+        opt = build("MuonClip")
     except (ValueError, TypeError) as e:
-        return Muon(param_groups(model)), None, f"MuonClip does not apply to this model ({e})"
+        return build("Muon"), None, f"MuonClip does not apply to this model ({e})"
     heads = []
     for layer in opt.layers:
         m = _LAYER.search(layer.name + ".")
@@ -287,8 +308,9 @@ def load_model(name: str, sets: list[str] | None = None) -> PlanModel:
 def route(model: nn.Module, name: str = "model", source: str = "", config: Any = None) -> PlanModel:
     """``model`` (on any device; only shapes are read) routed by the optimizer a run builds
     (``MuonClip(model)``, else ``Muon(param_groups(model))``); ``config``: its transformers config
-    (its tensor-parallel plan, experts per token, attention sizes), if any."""
-    opt, heads, note = _optimizer(model)
+    (its tensor-parallel plan, experts per token, attention sizes), or the `TorchtitanRun` of a
+    torchtitan model (its optimizer built as that run's container builds it), if any."""
+    opt, heads, note = _optimizer(model, config)
     names = {id(p): n for n, p in model.named_parameters()}
     order = {n: i for i, n in enumerate(names.values())}
     first_layer = min((order[n] for n in order if _LAYER.search(n)), default=0)
