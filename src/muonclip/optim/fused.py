@@ -55,7 +55,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import cache
 from typing import Any
 
 from torch import Tensor, nn
@@ -67,6 +66,7 @@ from ..common.family_readers import (
     class_names,
     fused_qkv,
     heads_of,
+    lacks,
     latent_attention,
     projection,
     query_heads,
@@ -134,7 +134,7 @@ def weight_splits(model: nn.Module, *, per_head: bool = False, split_fused: bool
     found: dict[int, WeightSplit] = {}
     for _, module in named:
         qkv = not class_names(module).isdisjoint(fused_classes)  # fused_qkv matches by class first
-        if not qkv and _lacks(module, gates):
+        if not qkv and lacks(module, gates):
             continue
         config = getattr(module, "config", None) or root_config
         for p, split in _module_splits(module, config, per_head, split_fused, qkv):
@@ -183,21 +183,6 @@ def _gates(table: FamilyTable) -> frozenset[str]:
                       *(m.attr for m in table.fused_mlp),
                       *(n for e in table.experts for n in (e.transposed, e.concatenated, e.gated)),
                       *(r.experts for r in table.routers)])
-
-
-def _lacks(module: nn.Module, names: frozenset[str]) -> bool:
-    """Whether ``module`` has none of ``names`` as an attribute, by what torch stores: its class (one that
-    does not change attribute lookup), its ``__dict__``, its parameters, buffers and children. False
-    when it cannot be told so (a class with its own ``__getattr__``)."""
-    return (_class_lacks(type(module), names) and names.isdisjoint(module.__dict__)
-            and names.isdisjoint(module._modules) and names.isdisjoint(module._parameters)
-            and names.isdisjoint(module._buffers))
-
-
-@cache
-def _class_lacks(cls: type, names: frozenset[str]) -> bool:
-    plain = cls.__getattr__ is nn.Module.__getattr__ and cls.__getattribute__ is object.__getattribute__
-    return plain and names.isdisjoint(dir(cls))
 
 
 def _sections(rows: dict[str, int]) -> str:
