@@ -93,15 +93,14 @@ def stored_transposed(module: nn.Module | None) -> bool:
     `TransposedLinear` class whose output width, where it states one, is the weight's columns)."""
     if module is None:
         return False
+    names = class_names(module)
+    entries = [t for t in families().transposed if not names.isdisjoint(t.classes)]  # by class first: cheap
+    if not entries:
+        return False
     w = getattr(module, "weight", None)
     if not isinstance(w, Tensor) or w.ndim != 2:
         return False
-    names = class_names(module)
-    return any(
-        not names.isdisjoint(t.classes) and (t.out_features is None or getattr(module, t.out_features, w.shape[1])
-                                             == w.shape[1])
-        for t in families().transposed
-    )
+    return any(t.out_features is None or getattr(module, t.out_features, w.shape[1]) == w.shape[1] for t in entries)
 
 
 @dataclass(frozen=True)
@@ -257,8 +256,13 @@ def normalises_qk(module: nn.Module) -> bool:
 
 def adapter_role(name: str) -> str | None:
     """The `ADAPTER_ROLES` role of parameter ``name`` (by the parts of its dotted name), else None."""
-    roles = dict(families().adapters.roles)
+    roles = _roles(families().adapters.roles)
     return next((roles[part] for part in name.split(".") if part in roles), None)
+
+
+@cache
+def _roles(roles: tuple[tuple[str, str], ...]) -> dict[str, str]:
+    return dict(roles)
 
 
 def copied_name(name: str) -> str:
