@@ -178,7 +178,8 @@ def _module_splits(module: nn.Module, config: Any, per_head: bool, split_fused: 
 def _gates(table: FamilyTable) -> frozenset[str]:
     """The attributes the rules other than `fused_qkv` look up first, one of which a module must have
     for any of them to match: `_mla`'s key/value up-projection, `_separate_qkv`'s q and k, `_gated_mlp`'s
-    fused projection, `_experts`' flags, `_router`'s experts."""
+    fused projection, `_experts`' flags, `_router`'s experts. `weight_splits` skips a module that `lacks`
+    them all: a rule that tests another attribute first adds it here."""
     return frozenset([*(m.kv_up for m in table.latent), *(n for p in table.projections for n in (p.q, p.k)),
                       *(m.attr for m in table.fused_mlp),
                       *(n for e in table.experts for n in (e.transposed, e.concatenated, e.gated)),
