@@ -170,3 +170,66 @@ def test_reference_gpt_has_no_fused_weights_and_per_head_splits_its_projections(
     r = routed(groups)
     for attr, sizes in expected.items():
         assert r[f"blocks.0.attn.{attr}.weight"][1].get("split_sizes") == sizes, attr
+
+
+def _count_root_walks(model):
+    """Wrap ``model.named_modules`` on the root alone: ``modules()``, ``named_parameters()``,
+    ``parameters()`` and ``named_modules()`` of the root each walk the whole tree through it."""
+    walks = []
+    inner = model.named_modules
+
+    def counted(*args, **kwargs):
+        walks.append(1)
+        return inner(*args, **kwargs)
+
+    model.named_modules = counted
+    return walks
+
+
+@pytest.mark.parametrize("depth", [1, 4])
+def test_param_groups_walks_the_module_tree_once(depth):
+    """param_groups reads owners, names, aliases, the vocabulary, the last linear layer, the flat-parameter
+    check and the fused weights' splits from one walk of the tree, whatever the model's depth."""
+    import transformers
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=depth, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32))
+    expected = muonclip.param_groups(model).report()
+    walks = _count_root_walks(model)
+    assert muonclip.param_groups(model).report() == expected
+    assert len(walks) == 1
+
+
+def test_lacks_agrees_with_hasattr():
+    """`lacks` is True only where ``hasattr`` is False for every name: class attributes and properties,
+    instance attributes (set through ``__dict__`` too), parameters, buffers and children count; a class
+    with its own ``__getattr__`` is never said to lack anything."""
+    from muonclip.common.family_readers import lacks
+
+    class WithProperty(nn.Linear):
+        @property
+        def kv_b_proj(self):
+            return nn.Linear(2, 2)
+
+    class Forwarding(nn.Module):
+        def __getattr__(self, name):
+            return 1 if name == "kv_b_proj" else super().__getattr__(name)
+
+    plain = nn.Linear(2, 2)
+    in_dict = nn.Linear(2, 2)
+    object.__setattr__(in_dict, "kv_b_proj", nn.Linear(2, 2))
+    flagged = nn.Linear(2, 2)
+    flagged.kv_b_proj = True
+    child = nn.Sequential()
+    child.kv_b_proj = nn.Linear(2, 2)
+    param = nn.Module()
+    param.kv_b_proj = nn.Parameter(torch.ones(2))
+    buffer = nn.Module()
+    buffer.register_buffer("kv_b_proj", torch.ones(2))
+    names = frozenset({"kv_b_proj", "experts"})
+    for module in (plain, in_dict, flagged, child, param, buffer, WithProperty(2, 2), Forwarding(), nn.SiLU()):
+        has = any(hasattr(module, n) for n in names)
+        assert not (lacks(module, names) and has), type(module).__name__
+    assert lacks(plain, names) and lacks(nn.SiLU(), names)
+    assert not lacks(Forwarding(), frozenset({"experts"}))

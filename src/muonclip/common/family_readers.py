@@ -4,6 +4,7 @@ The records and the registry are `muonclip.common.families`; the readers here ar
 (`muonclip.optim.fused`, `muonclip.optim._routing`) and the clip (`muonclip.qkclip`,
 `muonclip.integrations.hf_layouts`) call:
 
+* `lacks` — a module without any of some attributes, told without a failed lookup.
 * `query_heads`, `heads_of` — a module's head counts (`muonclip.common.families.HeadSources`:
   the module's own attributes first, layers of one model may differ; then its config).
 * `fused_qkv` — the rows of q, k and v in a fused projection (`QKVRows`). `param_groups`' split
@@ -43,6 +44,22 @@ def _mro_names(cls: type) -> frozenset[str]:
     return frozenset(c.__name__ for c in cls.__mro__)
 
 
+def lacks(module: nn.Module, names: frozenset[str]) -> bool:
+    """Whether ``module`` has none of ``names`` as an attribute, told from what torch stores without a
+    failed lookup: its class (one that does not change attribute lookup), its ``__dict__``, its
+    parameters, buffers and children. False also when it cannot be told so (a class with its own
+    ``__getattr__``): ask ``hasattr`` then."""
+    return (_class_lacks(type(module), names) and names.isdisjoint(module.__dict__)
+            and names.isdisjoint(module._modules) and names.isdisjoint(module._parameters)
+            and names.isdisjoint(module._buffers))
+
+
+@cache
+def _class_lacks(cls: type, names: frozenset[str]) -> bool:
+    plain = cls.__getattr__ is nn.Module.__getattr__ and cls.__getattribute__ is object.__getattribute__
+    return plain and names.isdisjoint(dir(cls))
+
+
 def child_weight(module: nn.Module, attr: str) -> Tensor | None:
     """The 2-D ``weight`` of child layer ``attr`` of ``module``, or None."""
     child = getattr(module, attr, None)
@@ -76,15 +93,14 @@ def stored_transposed(module: nn.Module | None) -> bool:
     `TransposedLinear` class whose output width, where it states one, is the weight's columns)."""
     if module is None:
         return False
+    names = class_names(module)
+    entries = [t for t in families().transposed if not names.isdisjoint(t.classes)]  # by class first: cheap
+    if not entries:
+        return False
     w = getattr(module, "weight", None)
     if not isinstance(w, Tensor) or w.ndim != 2:
         return False
-    names = class_names(module)
-    return any(
-        not names.isdisjoint(t.classes) and (t.out_features is None or getattr(module, t.out_features, w.shape[1])
-                                             == w.shape[1])
-        for t in families().transposed
-    )
+    return any(t.out_features is None or getattr(module, t.out_features, w.shape[1]) == w.shape[1] for t in entries)
 
 
 @dataclass(frozen=True)
@@ -240,8 +256,13 @@ def normalises_qk(module: nn.Module) -> bool:
 
 def adapter_role(name: str) -> str | None:
     """The `ADAPTER_ROLES` role of parameter ``name`` (by the parts of its dotted name), else None."""
-    roles = dict(families().adapters.roles)
+    roles = _roles(families().adapters.roles)
     return next((roles[part] for part in name.split(".") if part in roles), None)
+
+
+@cache
+def _roles(roles: tuple[tuple[str, str], ...]) -> dict[str, str]:
+    return dict(roles)
 
 
 def copied_name(name: str) -> str:
@@ -274,6 +295,6 @@ def output_layer(model: nn.Module) -> nn.Module | None:
 
 __all__ = [
     "Heads", "QKVRows", "adapter_role", "child_weight", "class_names", "copied_name", "fused_qkv", "has_projection",
-    "heads_of", "latent_attention", "normalises_qk", "output_layer", "projection", "query_heads",
+    "heads_of", "lacks", "latent_attention", "normalises_qk", "output_layer", "projection", "query_heads",
     "separate_projections", "stored_transposed", "under_adapter_base",
 ]

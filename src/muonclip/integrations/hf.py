@@ -96,6 +96,7 @@ Reference: Kimi K2 (arXiv 2507.20534) section 2.1; transformers' attention inter
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -204,20 +205,24 @@ def _record_tp_heads(name: str, layout: Layout, recorder: MaxLogitRecorder) -> N
     record_local_heads(recorder, q, rows)
 
 
-def _outermost_pretrained(model: nn.Module) -> list[PreTrainedModel]:
-    """Every outermost ``PreTrainedModel`` inside ``model`` (``model`` itself included)."""
+def _outermost_pretrained(model: nn.Module, modules: Sequence[nn.Module] | None = None,
+                          ) -> list[tuple[PreTrainedModel, set[int]]]:
+    """Every outermost ``PreTrainedModel`` inside ``model`` (``model`` itself included), each with the
+    ids of its modules (``modules``: ``model.modules()``, when the caller has it)."""
+    modules = list(model.modules()) if modules is None else modules
     covered: set[int] = set()
     out = []
-    for m in model.modules():  # parents come before their children
+    for m in modules:  # parents come before their children
         if isinstance(m, PreTrainedModel) and id(m) not in covered:
-            out.append(m)
-            covered.update(id(sub) for sub in m.modules())
+            ids = {id(sub) for sub in (modules if m is model else m.modules())}
+            out.append((m, ids))
+            covered |= ids
     return out
 
 
 def _refuse_without_attention(model: nn.Module) -> None:
     """No softmax-attention module: say why (attention outside the interface, or none at all)."""
-    pretrained = _outermost_pretrained(model)
+    pretrained = [m for m, _ in _outermost_pretrained(model)]
     own_code = [type(m).__name__ for m in pretrained if not getattr(m, "_supports_attention_backend", True)]
     named = [f"{n} ({type(m).__name__})" for n, m in model.named_modules() if type(m).__name__.endswith("Attention")]
     mixers = mixers_without_attention(model, [])
@@ -243,14 +248,15 @@ def _refuse_without_attention(model: nn.Module) -> None:
     )
 
 
-def _switch(model: nn.Module) -> None:
-    """Switch every outermost PreTrainedModel inside ``model`` to ``"muonclip"`` (it switches its
-    sub-models), after remembering every (sub-)model's implementation (`PREVIOUS_ATTR`), and give
-    it the forward pre-hook (`muonclip.integrations.hf_batches.batch_pre_hook`)."""
-    for m in model.modules():
+def _switch(modules: Sequence[nn.Module], outermost: list[tuple[PreTrainedModel, set[int]]]) -> None:
+    """Switch every outermost PreTrainedModel inside the model (``outermost``: its `_outermost_pretrained`)
+    to ``"muonclip"`` (it switches its sub-models), after remembering every (sub-)model's implementation
+    (`PREVIOUS_ATTR`; ``modules``: ``model.modules()``), and give it the forward pre-hook
+    (`muonclip.integrations.hf_batches.batch_pre_hook`)."""
+    for m in modules:
         if isinstance(m, PreTrainedModel) and not hasattr(m, PREVIOUS_ATTR):
             setattr(m, PREVIOUS_ATTR, m.config._attn_implementation)
-    for m in _outermost_pretrained(model):
+    for m, _ in outermost:
         m.set_attn_implementation(ATTN_IMPLEMENTATION)
         if getattr(m, PACKING_HOOK_ATTR, None) is None:
             setattr(m, PACKING_HOOK_ATTR, m.register_forward_pre_hook(batch_pre_hook, with_kwargs=True))
@@ -319,7 +325,9 @@ def attach(model: nn.Module, *, gqa_policy: str = "per_head", verify_attention: 
     if not isinstance(model, nn.Module):
         raise TypeError(f"attach expects a torch.nn.Module (a transformers model), got {type(model).__name__}")
     register()
-    found = attention_modules(model)
+    named = list(model.named_modules())  # the one walk of the tree
+    modules = [m for _, m in named]
+    found = attention_modules(model, named=named)
     if not found:
         _refuse_without_attention(model)
     layers: list[AttentionLayer] = []
@@ -336,7 +344,7 @@ def attach(model: nn.Module, *, gqa_policy: str = "per_head", verify_attention: 
         layer.check()
         layers.append(layer)
     checks: list[ForwardCheck | None] = []
-    outermost = [(m, {id(sub) for sub in m.modules()}) for m in _outermost_pretrained(model)]
+    outermost = _outermost_pretrained(model, modules)
     for name, module in found:
         previous = getattr(module, CHECK_ATTR, None)
         if previous is not None:
@@ -350,7 +358,7 @@ def attach(model: nn.Module, *, gqa_policy: str = "per_head", verify_attention: 
     for (_, module), layer, check in zip(found, layers, checks):
         setattr(module, RECORDER_ATTR, layer.recorder)  # plain attributes: not submodules, not in state_dict
         setattr(module, CHECK_ATTR, check)
-    _switch(model)
+    _switch(modules, outermost)
     wrong = [
         name for name, module in found
         if getattr(getattr(module, "config", None), "_attn_implementation", ATTN_IMPLEMENTATION) != ATTN_IMPLEMENTATION
@@ -360,7 +368,8 @@ def attach(model: nn.Module, *, gqa_policy: str = "per_head", verify_attention: 
             f"could not switch attention layers {wrong} to attn_implementation='{ATTN_IMPLEMENTATION}' (their model "
             "does not dispatch through transformers' AttentionInterface), so their max logits would never be recorded"
         )
-    report = attach_report(model)
+    attention = [name for name, _ in found]
+    report = AttachReport(attention, mixers_without_attention(model, attention, named=named))
     if report.skipped:
         logger.info("%s", report)
     return layers

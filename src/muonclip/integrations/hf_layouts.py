@@ -45,6 +45,7 @@ Head counts come from the module, the config only where the module holds none
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable, Sequence
 from functools import cache
 from typing import Any
 
@@ -55,6 +56,7 @@ from ..common.family_readers import (
     QKVRows,
     fused_qkv,
     heads_of,
+    lacks,
     latent_attention,
     query_heads,
     separate_projections,
@@ -88,17 +90,29 @@ def dispatches_attention(module: nn.Module) -> bool:
     return _class_dispatches(type(module))
 
 
-def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+_LAYER_IDX = frozenset({"layer_idx"})
+
+
+def _indexed(named: Iterable[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The modules with a ``layer_idx`` (attention layers and other token mixers) of ``named``."""
+    return [(n, m) for n, m in named if not lacks(m, _LAYER_IDX) and hasattr(m, "layer_idx")]
+
+
+def attention_modules(model: nn.Module, *,
+                      named: Sequence[tuple[str, nn.Module]] | None = None) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of every softmax-attention module of ``model`` (`dispatches_attention`,
-    with a ``layer_idx``), in module order."""
-    return [(n, m) for n, m in model.named_modules() if hasattr(m, "layer_idx") and dispatches_attention(m)]
+    with a ``layer_idx``), in module order (``named``: ``model.named_modules()``, when the caller has it)."""
+    return [(n, m) for n, m in _indexed(model.named_modules() if named is None else named) if dispatches_attention(m)]
 
 
-def mixers_without_attention(model: nn.Module, attention: list[str]) -> list[tuple[str, str]]:
+def mixers_without_attention(model: nn.Module, attention: list[str], *,
+                             named: Sequence[tuple[str, nn.Module]] | None = None) -> list[tuple[str, str]]:
     """``(name, class name)`` of the token mixers with no softmax attention: modules with a
     ``layer_idx`` that are not attention modules (``attention``: their names), contain none and sit
-    in none, and contain no other such module (the innermost one is listed)."""
-    indexed = [n for n, m in model.named_modules() if hasattr(m, "layer_idx") and n not in attention]
+    in none, and contain no other such module (the innermost one is listed) (``named``:
+    ``model.named_modules()``, when the caller has it)."""
+    skip = set(attention)
+    indexed = [n for n, _ in _indexed(model.named_modules() if named is None else named) if n not in skip]
 
     def related(a: str, b: str) -> bool:
         return a == b or a.startswith(b + ".") or b.startswith(a + ".")

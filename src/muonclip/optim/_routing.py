@@ -197,31 +197,43 @@ def param_groups(
     """
     if lora not in LORA_ROUTES:
         raise ValueError(f"lora must be one of {LORA_ROUTES}, got {lora!r}")
-    refuse_flat_model(model)  # a flattened matrix is never routed as a vector
+    # one walk of the tree: every path (a shared module under each of its names), and from it each module
+    # once under its first name (what model.named_modules() gives) and the parameters in the same way
+    every = list(model.named_modules(remove_duplicate=False))
+    named = _first_of_each(every)
+    refuse_flat_model(model, named=named)  # a flattened matrix is never routed as a vector
     split = {pat: _split_options(pat, v) for pat, v in (split or {}).items()}
-    known = weight_splits(model, per_head=per_head, split_fused=split_fused)
+    known = weight_splits(model, per_head=per_head, split_fused=split_fused, named=named)
     owner: dict[int, nn.Module] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            owner.setdefault(id(p), module)
-    vocab = {m.num_embeddings for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
-    last_linear = next((m for m in reversed(list(model.modules())) if isinstance(m, nn.Linear)), None)
+    params: list[tuple[str, nn.Parameter]] = []  # model.named_parameters()
+    for mname, module in named:
+        for attr, p in module._parameters.items():
+            if p is not None and id(p) not in owner:
+                owner[id(p)] = module
+                params.append((f"{mname}.{attr}" if mname else attr, p))
+    vocab = {m.num_embeddings for _, m in named if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
+    last_linear = next((m for _, m in reversed(named) if isinstance(m, nn.Linear)), None)
     head_ids: set[int] = set()
     out = output_layer(model)
     if out is not None:
         head_ids |= {id(p) for p in out.parameters() if p.ndim >= 2}
-    # all aliases of each parameter (tied weights appear under several names)
+    # all aliases of each parameter (tied weights appear under several names): model.named_parameters(
+    # remove_duplicate=False)
     aliases: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), [])
-        if not any(copied_name(name) == copied_name(a) for a in aliases[id(p)]):
-            aliases[id(p)].append(name)
+    for mname, module in every:
+        for attr, p in module._parameters.items():
+            if p is None:
+                continue
+            name = f"{mname}.{attr}" if mname else attr
+            known_names = aliases.setdefault(id(p), [])
+            if not any(copied_name(name) == copied_name(a) for a in known_names):
+                known_names.append(name)
 
-    modules = dict(model.named_modules(remove_duplicate=False))  # by name, once (not a lookup per parameter)
+    modules = dict(every)  # by name, once (not a lookup per parameter)
     routes: list[Route] = []
     buckets: dict[tuple, dict[str, Any]] = {}
     frozen = 0
-    for name, p in model.named_parameters():
+    for name, p in params:
         if not p.requires_grad:
             frozen += p.numel()
             continue
@@ -239,6 +251,7 @@ def param_groups(
         )
         extra: dict[str, Any] = {}
         split_of: WeightSplit | None = known.get(id(p))
+        transposed = p.ndim >= 2 and _stored_transposed(module, p)
         detail = ""
         if _matches(name, adamw):
             algo, reason = "adamw", "override"
@@ -266,7 +279,7 @@ def param_groups(
             algo, reason, detail = "adamw", split_of.reason, split_of.detail
         elif isinstance(module, _CONV):
             algo, reason = "muon", "conv"
-        elif _stored_transposed(module, p):
+        elif transposed:
             algo, reason = "muon", "conv1d (in, out)"
         elif p.ndim == 3:
             algo, reason = "muon", "experts"
@@ -275,7 +288,7 @@ def param_groups(
         if algo == "muon":
             if reason == "conv" or p.ndim >= 4:
                 extra["flatten"] = True
-            if _stored_transposed(module, p):
+            if transposed:
                 extra["transposed"] = True
             pat = next((pat for pat in split if fnmatch.fnmatchcase(name, pat)), None)
             if pat is not None:
@@ -307,7 +320,7 @@ def param_groups(
     groups = list(buckets.values())
     _name_groups(groups)
     seen = [id(p) for g in groups for p in g["params"]]
-    expected = {id(p) for p in model.parameters() if p.requires_grad}
+    expected = {id(p) for _, p in params if p.requires_grad}
     if len(seen) != len(set(seen)) or set(seen) != expected:
         raise ValueError("internal routing error: a parameter is routed twice or not at all")
     return ParamGroups(groups, routes, frozen)
@@ -354,6 +367,19 @@ def _split_options(pattern: str, value: Sequence[int] | Mapping[str, Any]) -> di
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise ValueError(f"split={{{pattern!r}: {value!r}}}: give row sizes, e.g. [d, d_kv, d_kv]")
     return {"split_sizes": [int(s) for s in value]}
+
+
+def _first_of_each(every: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """``model.named_modules()`` from ``model.named_modules(remove_duplicate=False)``: each module once, under
+    the first of its names (the walk is the same, in the same order; a shared module's subtree is only
+    walked again)."""
+    seen: set[int] = set()
+    out = []
+    for name, module in every:
+        if id(module) not in seen:
+            seen.add(id(module))
+            out.append((name, module))
+    return out
 
 
 def _stored_transposed(module: nn.Module | None, p: nn.Parameter) -> bool:

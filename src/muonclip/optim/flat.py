@@ -33,7 +33,7 @@ element range of every weight each rank's partition holds). The core imports no 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from torch import Tensor, nn
@@ -98,12 +98,12 @@ def refuse_flat(p: Tensor, name: str = "", module: nn.Module | None = None, attr
     )
 
 
-def refuse_flat_model(model: Any) -> None:
+def refuse_flat_model(model: Any, *, named: Sequence[tuple[str, nn.Module]] | None = None) -> None:
     """`FlatParameterError` when ``model`` holds FSDP1 (``FullyShardedDataParallel``) modules or a
-    parameter `flat_kind` recognises."""
+    parameter `flat_kind` recognises (``named``: ``model.named_modules()``, when the caller has it)."""
     if not isinstance(model, nn.Module):
         return
-    for mname, module in model.named_modules():
+    for mname, module in model.named_modules() if named is None else named:
         if type(module).__name__ == _FSDP1:
             raise FlatParameterError(
                 f"the model is wrapped in FSDP1 ({_FSDP1} at '{mname or 'the root'}'), which hands the optimizer "

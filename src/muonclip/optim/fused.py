@@ -53,18 +53,20 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
 
-from ..common.families import LatentAttention, Read, families
+from ..common.families import FamilyTable, LatentAttention, Read, families
 from ..common.family_readers import (
     QKVRows,
     child_weight,
+    class_names,
     fused_qkv,
     heads_of,
+    lacks,
     latent_attention,
     projection,
     query_heads,
@@ -106,7 +108,8 @@ class WeightSplit:
         return out
 
 
-def weight_splits(model: nn.Module, *, per_head: bool = False, split_fused: bool = True) -> dict[int, WeightSplit]:
+def weight_splits(model: nn.Module, *, per_head: bool = False, split_fused: bool = True,
+                  named: Sequence[tuple[str, nn.Module]] | None = None) -> dict[int, WeightSplit]:
     """The `WeightSplit` of every weight of ``model`` that is not a plain matrix, keyed by ``id(param)``.
 
     Args:
@@ -117,18 +120,29 @@ def weight_splits(model: nn.Module, *, per_head: bool = False, split_fused: bool
             (default False).
         split_fused: split known fused projections into their maps (default True). False keeps
             every fused weight whole (the split is still reported), per-head blocks included.
+        named: ``model.named_modules()``, when the caller has walked it already (default None:
+            walked here).
 
     Returns:
         ``{id(param): WeightSplit}``; weights not in it are plain matrices (or not matrices).
     """
+    named = list(model.named_modules()) if named is None else named
     root_config = getattr(model, "config", None)
+    table = families()
+    fused_classes = frozenset(c for f in table.fused_qkv for c in f.classes)
+    gates = _gates(table)
     found: dict[int, WeightSplit] = {}
-    for module in model.modules():
+    for _, module in named:
+        qkv = not class_names(module).isdisjoint(fused_classes)  # fused_qkv matches by class first
+        if not qkv and lacks(module, gates):
+            continue
         config = getattr(module, "config", None) or root_config
-        for p, split in _module_splits(module, config, per_head, split_fused):
+        for p, split in _module_splits(module, config, per_head, split_fused, qkv):
             found.setdefault(id(p), split)
-    fused_names = families().fused_names
-    for mname, module in model.named_modules():  # fused by name, layout not known: say so
+    fused_names = frozenset(table.fused_names)
+    for mname, module in named:  # fused by name, layout not known: say so
+        if fused_names.isdisjoint(module._parameters) and fused_names.isdisjoint(module._modules):
+            continue  # _named_weights names only these
         for attr, p in _named_weights(module):
             if attr in fused_names and id(p) not in found and p.ndim >= 2:
                 where = f"{mname}.{attr}" if mname else attr
@@ -145,9 +159,10 @@ def weight_splits(model: nn.Module, *, per_head: bool = False, split_fused: bool
 # ------------------------------------------------------------------------------------------------
 
 
-def _module_splits(module: nn.Module, config: Any, per_head: bool,
-                    split_fused: bool) -> Iterable[tuple[Tensor, WeightSplit]]:
-    rows = fused_qkv(module, config)
+def _module_splits(module: nn.Module, config: Any, per_head: bool, split_fused: bool,
+                   qkv: bool = True) -> Iterable[tuple[Tensor, WeightSplit]]:
+    """The rules, on one module (``qkv``: False when its class is none `fused_qkv` knows)."""
+    rows = fused_qkv(module, config) if qkv else None
     latent = latent_attention(module)
     if rows is not None:
         yield from _fused_attention(module, rows, per_head, split_fused)
@@ -158,6 +173,17 @@ def _module_splits(module: nn.Module, config: Any, per_head: bool,
     yield from _gated_mlp(module, config, split_fused)
     yield from _experts(module, config, split_fused)
     yield from _router(module, config)
+
+
+def _gates(table: FamilyTable) -> frozenset[str]:
+    """The attributes the rules other than `fused_qkv` look up first, one of which a module must have
+    for any of them to match: `_mla`'s key/value up-projection, `_separate_qkv`'s q and k, `_gated_mlp`'s
+    fused projection, `_experts`' flags, `_router`'s experts. `weight_splits` skips a module that `lacks`
+    them all: a rule that tests another attribute first adds it here."""
+    return frozenset([*(m.kv_up for m in table.latent), *(n for p in table.projections for n in (p.q, p.k)),
+                      *(m.attr for m in table.fused_mlp),
+                      *(n for e in table.experts for n in (e.transposed, e.concatenated, e.gated)),
+                      *(r.experts for r in table.routers)])
 
 
 def _sections(rows: dict[str, int]) -> str:
@@ -324,9 +350,15 @@ def _separate_qkv(module: nn.Module, config: Any) -> Iterable[tuple]:
 def _named_weights(module: nn.Module) -> Iterable[tuple[str, Tensor]]:
     """``(attr, param)`` of ``module``'s own parameters, and of its children's ``weight`` under
     the child's name (``qkv_proj`` for ``qkv_proj.weight``)."""
-    for attr, p in module.named_parameters(recurse=False):
-        yield attr, p
-    for attr, child in module.named_children():
+    seen: set[int] = set()
+    for attr, p in module._parameters.items():  # what named_parameters(recurse=False) gives
+        if p is not None and id(p) not in seen:
+            seen.add(id(p))
+            yield attr, p
+    for attr, child in module._modules.items():  # what named_children() gives
+        if child is None or id(child) in seen:
+            continue
+        seen.add(id(child))
         p = getattr(child, "weight", None)
         if isinstance(p, nn.Parameter):
             yield attr, p

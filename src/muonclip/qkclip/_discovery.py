@@ -17,9 +17,12 @@ from collections.abc import Callable
 
 from torch import nn
 
+from ..common.family_readers import lacks
 from ._layouts import AttentionLayer
 
 Discoverer = Callable[[nn.Module], "list[AttentionLayer] | None"]
+
+_PROTOCOL = frozenset({"qk_clip_layer"})
 
 DISCOVERERS: list[Discoverer] = []
 """The functions `discover_layers` asks after the ``qk_clip_layer`` protocol, in order."""
@@ -42,7 +45,7 @@ def discover_layers(model: nn.Module) -> list[AttentionLayer]:
     layers = [
         module.qk_clip_layer(name)
         for name, module in model.named_modules()
-        if callable(getattr(module, "qk_clip_layer", None))
+        if not lacks(module, _PROTOCOL) and callable(getattr(module, "qk_clip_layer", None))
     ]
     if layers:
         return layers

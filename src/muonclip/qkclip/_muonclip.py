@@ -43,7 +43,7 @@ from ..optim._wrappers import WRAPPED_ATTRS, wrapped_optimizer
 from ..optim.flat import refuse_flat_model
 from ._discovery import discover_layers
 from ._layouts import AttentionLayer
-from .binding import ParameterBinding
+from .binding import ParameterBinding, parameter_owners
 from .check import ClipCheck, QKClipIneffectiveError, QKClipIneffectiveWarning, world_size
 from .clip_targets import check_clip_targets
 
@@ -166,13 +166,14 @@ class MuonClip(Muon):
                 raise TypeError(f"layers must be AttentionLayer objects, got {type(layer).__name__}")
             layer.check()
         groups = list(param_groups(model) if groups is None else groups)
+        owners = parameter_owners(model)  # one walk, for the names here and the binding below
         check_clip_targets(layers, [g if isinstance(g, Mapping) else {"params": [g]} for g in groups],
-                           {id(p): n for n, p in model.named_parameters()})
+                           {i: name for i, (_, _, name) in owners.items()})
         self.layers = layers
         self._tau = float(tau)  # before Muon's __init__, which copies the optimizer-wide values into the groups
         super().__init__(groups, lr=lr, **muon_kwargs)
         self.tau = float(tau)
-        self._binding = ParameterBinding(model, self.param_groups, layers)
+        self._binding = ParameterBinding(model, self.param_groups, layers, owners)
         self.last_max_logits: dict[str, Tensor] = {}
         self.last_bounded: dict[str, Tensor] = {}
         self.last_clipped: dict[str, Tensor] = {}

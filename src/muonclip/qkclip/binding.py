@@ -66,6 +66,17 @@ class Slot:
     name: str
 
 
+def parameter_owners(model: nn.Module) -> dict[int, tuple[nn.Module, str, str]]:
+    """``{id(p): (module, attr, name)}`` of every parameter of ``model``: the module holding it as
+    ``attr`` and its name, both as ``model.named_parameters()`` gives them first (one walk)."""
+    owners: dict[int, tuple[nn.Module, str, str]] = {}
+    for mname, module in model.named_modules():
+        for attr, p in module._parameters.items():
+            if p is not None and id(p) not in owners:
+                owners[id(p)] = (module, attr, f"{mname}.{attr}" if mname else attr)
+    return owners
+
+
 class ParameterBinding:
     """Keeps a `MuonClip`'s param groups and clip layouts on the tensors the model trains (module doc).
 
@@ -73,14 +84,12 @@ class ParameterBinding:
         model: the model the optimizer was built on.
         groups: the optimizer's ``param_groups`` as built.
         layers: the attention layers the clip acts on.
+        owners: the model's `parameter_owners`, when the caller has them (default None: read here).
     """
 
-    def __init__(self, model: nn.Module, groups: list[dict[str, Any]], layers: Sequence[AttentionLayer]) -> None:
-        owners: dict[int, tuple[nn.Module, str, str]] = {}
-        for mname, module in model.named_modules():
-            for attr, p in module._parameters.items():
-                if p is not None and id(p) not in owners:
-                    owners[id(p)] = (module, attr, f"{mname}.{attr}" if mname else attr)
+    def __init__(self, model: nn.Module, groups: list[dict[str, Any]], layers: Sequence[AttentionLayer],
+                 owners: dict[int, tuple[nn.Module, str, str]] | None = None) -> None:
+        owners = parameter_owners(model) if owners is None else owners
         self.layers = list(layers)
         self.slots: list[Slot] = []
         for gi, g in enumerate(groups):
@@ -223,4 +232,4 @@ def _wrapper_hint(t: Any) -> str:
     return "build MuonClip on the model after the wrapper that changed it"
 
 
-__all__ = ["ParameterBinding", "Slot"]
+__all__ = ["ParameterBinding", "Slot", "parameter_owners"]
