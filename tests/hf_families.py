@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
 import torch
 import transformers
@@ -24,6 +25,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 import muonclip
 from muonclip.integrations.hf import attach, attach_report, detach
 from muonclip.integrations.hf_attention import CHECK_ATTR
+from muonclip.optim import fused
 from muonclip.optim._matrices import matrix_spec
 from muonclip.qkclip import MLALayout, MuonClip, Rows, StridedRows
 
@@ -381,6 +383,17 @@ def check_routing_agrees(family: str, model: torch.nn.Module, layers: list) -> N
                         f"{ {k: group.get(k) for k in ('split_sizes', 'split_groups', 'transposed')} }")
 
 
+def check_rules_skip_nothing(family: str, model: torch.nn.Module) -> None:
+    """`muonclip.optim.fused.weight_splits` skips the split rules on a module that lacks every
+    attribute they look up first (`fused._gates`): the skip changes no split of the family's model
+    (every option), against the rules run on every module."""
+    for options in ({}, {"per_head": True}, {"split_fused": False}):
+        gated = fused.weight_splits(model, **options)
+        with mock.patch.object(fused, "lacks", lambda module, names: False):
+            every = fused.weight_splits(model, **options)
+        assert gated == every, f"{family} {options}: a rule was skipped on a module it splits"
+
+
 def run_family(family: str, variant: dict[str, Any] | None = None) -> Verdict:
     """Build the family tiny (``variant``: as `tiny_config`) and decide its row
     (``tests/test_qkclip_families.py`` states the criteria).
@@ -396,6 +409,7 @@ def run_family(family: str, variant: dict[str, Any] | None = None) -> Verdict:
         return Verdict(family, "not built", f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
     if family in FAMILY_SETUP:
         FAMILY_SETUP[family](model)
+    check_rules_skip_nothing(family, model)
     ref = copy.deepcopy(model)
     impl = model.config._attn_implementation
     impls = [(m, m.config._attn_implementation) for m in model.modules() if isinstance(m, transformers.PreTrainedModel)]
