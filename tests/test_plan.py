@@ -199,9 +199,11 @@ def test_a_torchtitan_model_is_planned_with_the_optimizer_its_run_builds():
     """``torchtitan:NAME`` is routed by torchtitan's MuonClip container as a run builds it (recording
     attention, `muon_splits`): each of llama3_debugmodel's 6 layers clipped (16 heads), its fused
     ``wqkv`` cut into q, k and v per key/value head (16 groups of 16 + 16 + 16 rows); Qwen3's q/k
-    norms refuse the clip, and the plan says why."""
+    norms refuse the clip, and the plan says why. The attention's sizes come from the model's
+    attention modules (torchtitan's configs set heads per layer)."""
     pm = load_model("torchtitan:llama3_debugmodel")
     assert pm.heads == [(layer, 16) for layer in range(6)] and pm.clip_note == ""
+    assert pm.attention == (6, 16, 16, 16)  # the attention products' sizes, for the training step's flops
     wqkv = next(w for w in pm.weights if w.name == "layers.0.attention.qkv_linear.wqkv.weight")
     assert wqkv.shape == (768, 256) and (wqkv.group["split_sizes"], wqkv.group["split_groups"]) == ([16, 16, 16], 16)
     qwen = load_model("torchtitan:qwen3_debugmodel")
