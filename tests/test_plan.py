@@ -206,6 +206,8 @@ def test_a_torchtitan_model_is_planned_with_the_optimizer_its_run_builds():
     assert pm.attention == (6, 16, 16, 16)  # the attention products' sizes, for the training step's flops
     wqkv = next(w for w in pm.weights if w.name == "layers.0.attention.qkv_linear.wqkv.weight")
     assert wqkv.shape == (768, 256) and (wqkv.group["split_sizes"], wqkv.group["split_groups"]) == ([16, 16, 16], 16)
+    mla = load_model("torchtitan:deepseek_v3_debugmodel")  # MLA: q/k heads of nope + rope dims, v its own
+    assert mla.attention == (6, 16, 128 + 64, 128) and mla.heads == [(layer, 16) for layer in range(6)]
     qwen = load_model("torchtitan:qwen3_debugmodel")
     assert qwen.heads is None and "q_norm" in qwen.clip_note
 

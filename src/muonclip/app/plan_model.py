@@ -284,15 +284,10 @@ def _experts_per_token(config: Any, model: nn.Module) -> int | None:
 
 def _attention(config: Any, model: nn.Module, n_layers: int) -> tuple[int, int, int, int] | None:
     if isinstance(config, TorchtitanRun):  # heads are per layer in torchtitan's configs: read the first one
-        from ..integrations.torchtitan_layouts import attention_modules
+        from ..integrations.torchtitan_layouts import attention_modules, attention_sizes
 
         found = attention_modules(model)
-        if not found:
-            return None
-        m = found[0][1]
-        if hasattr(m, "qk_nope_head_dim"):  # MLA
-            return n_layers, m.n_heads, m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
-        return n_layers, m.n_heads, m.head_dim, m.head_dim
+        return (n_layers, *attention_sizes(found[0][1])) if found else None
     c = config if config is not None else getattr(model, "config", None)
     if c is None:
         return None

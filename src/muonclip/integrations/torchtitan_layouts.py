@@ -130,6 +130,14 @@ def _is_mla(m: nn.Module) -> bool:
     return isinstance(m, Attention)
 
 
+def attention_sizes(module: nn.Module) -> tuple[int, int, int]:
+    """``(heads, q/k head dim, v head dim)`` of an attention module of `attention_modules` (MLA: the
+    query's nope + rope dims)."""
+    if _is_mla(module):
+        return module.n_heads, module.qk_nope_head_dim + module.qk_rope_head_dim, module.v_head_dim
+    return module.n_heads, module.head_dim, module.head_dim
+
+
 def attention_layers(model: nn.Module, *, gqa_policy: str = "per_head") -> list[AttentionLayer]:
     """One `AttentionLayer` per attention module of a (parallelised) torchtitan model; see the module docstring.
 
@@ -176,4 +184,4 @@ def muon_splits(model: nn.Module, *, per_head: bool = False) -> dict[str, dict[s
     return out
 
 
-__all__ = ["attention_layers", "attention_modules", "canonical_name", "muon_splits", "refusal"]
+__all__ = ["attention_layers", "attention_modules", "attention_sizes", "canonical_name", "muon_splits", "refusal"]
